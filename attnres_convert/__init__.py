@@ -1,0 +1,31 @@
+"""attnres: convert pretrained PreNorm causal LMs to Block Attention Residuals, exactly."""
+
+from .architectures import FAMILIES, UnsupportedModelError, supported_model_types
+from .configuration_attnres import AttnResConfig
+from .convert import ConvertResult, convert
+from .errors import AttnResError, OutputError, SourceError, VerificationError
+from .modeling_attnres import AttnResForCausalLM
+from .saving import load_converted, save_converted
+from .surgery import BlockSizeError, convert_model, resolve_block_size, summarize
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "FAMILIES",
+    "AttnResConfig",
+    "AttnResError",
+    "AttnResForCausalLM",
+    "BlockSizeError",
+    "ConvertResult",
+    "OutputError",
+    "SourceError",
+    "UnsupportedModelError",
+    "VerificationError",
+    "convert",
+    "convert_model",
+    "load_converted",
+    "resolve_block_size",
+    "save_converted",
+    "summarize",
+    "supported_model_types",
+]

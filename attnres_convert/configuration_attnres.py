@@ -1,0 +1,52 @@
+"""Configuration of a Block AttnRes model converted from a PreNorm causal LM.
+
+The base model's own config is kept whole as the `text_config` sub-config (so `get_text_config()`,
+generation and caches see the base architecture); this config adds the depth-attention settings.
+Its `model_type` is its own, so a tool that does not know AttnRes refuses the folder instead of
+silently loading it as the base model without the new weights.
+
+This file ships next to converted weights: it imports transformers only.
+"""
+
+from __future__ import annotations
+
+from transformers import AutoConfig, PreTrainedConfig
+from transformers.configuration_utils import SubConfigSpec
+
+
+class AttnResConfig(PreTrainedConfig):
+    r"""
+    Args:
+        text_config (`dict` or `PreTrainedConfig`):
+            The base model's config (Llama, Qwen3, GPT-2...). Its weights keep their original names.
+        block_size (`int`):
+            S, the number of *sublayers* per block (attention and MLP each count as one; a
+            parallel-residual layer is one). S = 1 is Full AttnRes; S >= the number of sublayers is one block.
+        source_scaling (`str`):
+            "count": a sublayer reads n * (softmax mix of its n sources), which at zero queries is exactly
+            the base model's residual sum (conversion is exact; equivalent to the paper's AttnRes with each
+            norm's eps rescaled). "mean": the plain softmax mix, for models trained from scratch.
+        base_model_type (`str`): the base model's `model_type`, for people and tools reading config.json.
+    """
+
+    model_type = "attnres"
+    sub_configs_defaults = {"text_config": SubConfigSpec(config_class=AutoConfig, model_type="llama")}
+
+    text_config: dict | PreTrainedConfig | None = None
+    block_size: int = 8
+    source_scaling: str = "count"
+    base_model_type: str | None = None
+    tie_word_embeddings: bool = False
+
+    def __post_init__(self, **kwargs):
+        super().__post_init__(**kwargs)
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.source_scaling not in ("count", "mean"):
+            raise ValueError(f"source_scaling must be 'count' or 'mean', got {self.source_scaling!r}")
+        self.base_model_type = self.text_config.model_type
+        # The head is tied exactly when the base model's is.
+        self.tie_word_embeddings = bool(getattr(self.text_config, "tie_word_embeddings", False))
+
+
+__all__ = ["AttnResConfig"]

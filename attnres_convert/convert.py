@@ -1,0 +1,112 @@
+"""`attnres convert` as a library call: load, check, convert, verify, save.
+
+Cheap checks (output path, architecture, block size) run before the weights are loaded, and nothing
+is written until the converted model is complete (and verified, when asked).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from .card import conversion_card
+from .errors import VerificationError
+from .modeling_attnres import AttnResForCausalLM
+from .samples import SAMPLE_TEXT
+from .saving import check_output, save_converted
+from .sources import ModelSource, load_config, load_model, load_tokenizer, resolve_source
+from .surgery import ConversionSummary, convert_model, resolve_block_size, structure_of, summarize
+from .verify import VerificationReport, capture_reference, compare, sample_input_ids
+
+Stage = Callable[[str], contextlib.AbstractContextManager]
+
+
+@contextlib.contextmanager
+def _quiet_stage(name: str) -> Iterator[None]:
+    yield
+
+
+@dataclass
+class ConvertResult:
+    source: str
+    output: Path | None
+    summary: ConversionSummary
+    verification: VerificationReport | None
+    model: AttnResForCausalLM | None = field(default=None, repr=False)
+    tokenizer: object | None = field(default=None, repr=False)
+
+
+def convert(
+    source: str | None = None,
+    out: str | os.PathLike | None = None,
+    *,
+    block_size: int | None = None,
+    num_blocks: int | None = None,
+    full: bool = False,
+    dtype: str = "auto",
+    verify: bool = True,
+    verify_text: str = SAMPLE_TEXT,
+    verify_tokens: int = 256,
+    verify_new_tokens: int = 32,
+    overwrite: bool = False,
+    trust_remote_code: bool = False,
+    stage: Stage = _quiet_stage,
+    keep_model: bool = False,
+) -> ConvertResult:
+    """Convert SOURCE (hub id, folder, .gguf, None = embedded SmolLM2) to Block AttnRes and save to OUT.
+
+    Raises SourceError / OutputError / UnsupportedModelError / BlockSizeError before any heavy work,
+    and VerificationError (after conversion, before saving) when the check fails: nothing is written then.
+    """
+    if out is not None:
+        check_output(out, overwrite)
+    model_source: ModelSource = resolve_source(source)
+    with stage("Reading config"):
+        config = load_config(model_source, trust_remote_code)
+        resolve_block_size(structure_of(config), block_size, num_blocks, full)  # refuse before loading weights
+    with stage("Loading model"):
+        base = load_model(model_source, dtype, trust_remote_code)
+        tokenizer = load_tokenizer(model_source, trust_remote_code)
+    reference = None
+    if verify:
+        with stage("Running the original model"):
+            ids = sample_input_ids(tokenizer, verify_text, verify_tokens, base.config.vocab_size)
+            reference = capture_reference(base, ids, verify_new_tokens)
+    with stage("Converting"):
+        model = convert_model(base, block_size=block_size, num_blocks=num_blocks, full=full)
+        del base
+    report = None
+    if reference is not None:
+        with stage("Verifying against the original"):
+            report = compare(reference, model)
+        if not report.passed:
+            raise VerificationError(
+                "the converted model does not reproduce the original: " + "; ".join(report.failures())
+                + ". Nothing was saved. Try --dtype float32, and report the model if it persists."
+            )
+    summary = summarize(model)
+    output = None
+    if out is not None:
+        with stage("Saving"):
+            extra = {
+                "README.md": conversion_card(model, summary, report, model_source),
+                "attnres_conversion.json": json.dumps(
+                    {
+                        "source": model_source.name,
+                        "summary": asdict(summary),
+                        "verification": report.to_dict() if report else None,
+                        "torch": torch.__version__,
+                    },
+                    indent=2,
+                ),
+            }
+            output = save_converted(model, out, tokenizer, overwrite=overwrite, extra=extra)
+    return ConvertResult(
+        model_source.name, output, summary, report, model if keep_model else None, tokenizer if keep_model else None
+    )

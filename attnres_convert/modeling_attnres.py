@@ -1,0 +1,316 @@
+"""Block Attention Residuals around a pretrained PreNorm causal LM.
+
+`AttnResForCausalLM` holds the base model's own modules under their original names (`model.layers.3.mlp...`)
+and runs the base model's own forward (embeddings, masks, rotary, cache). Only two things change:
+
+* each decoder layer runs its sublayers (architectures.py) on a depth-attention mix of the earlier
+  sources instead of the residual sum, and passes a `BlockState` to the next layer instead of one tensor;
+* the final norm first aggregates the sources with one more pseudo-query (the output aggregation).
+
+New parameters, per decoder layer: `self_attention_res_proj.weight` [1, d] (pseudo-query, zero init),
+`self_attention_res_norm.weight` [d] (key norm, one init), the same with `mlp_` (absent for a parallel
+residual layer); on the base model module: `output_attn_res_proj.weight`, `output_attn_res_norm.weight`.
+
+This file ships next to converted weights and is self-contained: relative imports, torch and
+transformers only. Load with `AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)`.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import NamedTuple
+
+import torch
+from torch import nn
+from transformers import GenerationMixin, PreTrainedModel
+from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+from .architectures import Family, Sublayer, family_for
+from .configuration_attnres import AttnResConfig
+from .depth_attention import (
+    BlockState,
+    SublayerPlan,
+    add_output,
+    close_block,
+    depth_mix,
+    plan_sublayers,
+    start_state,
+)
+
+
+class AttnResQuery(nn.Module):
+    """The pseudo-query w of one reader, stored as [1, d] like a bias-free Linear(d, 1)."""
+
+    def __init__(self, hidden_size: int, device=None, dtype=None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(1, hidden_size, device=device, dtype=dtype))
+
+
+class AttnResKeyNorm(nn.Module):
+    """The RMSNorm weight g applied to the keys of one reader (the eps is the base model's)."""
+
+    def __init__(self, hidden_size: int, eps: float, device=None, dtype=None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
+        self.eps = eps
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}"
+
+
+class _LayerSpec(NamedTuple):
+    sublayers: tuple[Sublayer, ...]
+    plans: tuple[SublayerPlan, ...]
+    eps: float
+    scaling: str
+    argnames: tuple[str, ...]  # the base layer's positional parameters after hidden_states
+
+
+class AttnResDecoderLayerMixin:
+    """Mixed in before a base decoder layer class (see `_attnres_class`); replaces its forward only.
+
+    The base model calls the layer exactly as before; the first layer receives the embeddings, every
+    later one the BlockState returned by its predecessor.
+    """
+
+    def forward(self, hidden_states, *args, **kwargs):
+        spec: _LayerSpec = self._attnres_spec
+        # Base models pass some arguments positionally (GPT-2 passes the cache and mask that way).
+        call_kwargs = dict(zip(spec.argnames, args))
+        call_kwargs.update(kwargs)
+        if isinstance(hidden_states, BlockState):
+            state = hidden_states
+        else:
+            state = start_state(hidden_states, spec.eps)
+        for sublayer, plan in zip(spec.sublayers, spec.plans):
+            if plan.closes_block:
+                state = close_block(state, spec.eps)
+            h = depth_mix(
+                state,
+                getattr(self, f"{sublayer.name}_res_proj").weight,
+                getattr(self, f"{sublayer.name}_res_norm").weight,
+                spec.eps,
+                spec.scaling,
+            )
+            state = add_output(state, self._attnres_sublayer(sublayer, h, call_kwargs))
+        return state
+
+    def _attnres_sublayer(self, sublayer: Sublayer, h: torch.Tensor, call_kwargs: dict) -> torch.Tensor:
+        total = None
+        for branch in sublayer.branches:
+            x = getattr(self, branch.norm)(h)
+            module = getattr(self, branch.module)
+            y = module(x, **call_kwargs) if branch.attention else module(x)
+            if isinstance(y, tuple):  # attention returns (output, weights); some MoE blocks (output, router)
+                y = y[0]
+            for post in branch.post:
+                y = getattr(self, post)(y)
+            total = y if total is None else total + y
+        return total
+
+
+class AttnResFinalNormMixin:
+    """Mixed in before the base model's final norm: the output aggregation, then the norm itself."""
+
+    def forward(self, hidden_states, *args, **kwargs):
+        if isinstance(hidden_states, BlockState):
+            query, key_norm, eps, scaling = self._attnres_output
+            hidden_states = depth_mix(hidden_states, query.weight, key_norm.weight, eps, scaling)
+        return super().forward(hidden_states, *args, **kwargs)
+
+
+def _attnres_class(mixin: type, base_cls: type) -> type:
+    """`AttnRes<Base>`: a subclass of the base module class whose forward is the mixin's. Registered in
+    this module's namespace so that it pickles, and still an instance of the base class for tools that
+    look layers up by type (FSDP wrapping, output capture)."""
+    name = f"AttnRes{base_cls.__name__}"
+    cls = globals().get(name)
+    if cls is None or base_cls not in cls.__mro__:
+        cls = type(name, (mixin, base_cls), {"__module__": __name__, "__qualname__": name})
+        globals()[name] = cls
+    return cls
+
+
+def _positional_argnames(layer_cls: type) -> tuple[str, ...]:
+    forward = inspect.unwrap(layer_cls.forward)
+    params = list(inspect.signature(forward).parameters.values())[2:]  # self, hidden_states
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return tuple(p.name for p in params if p.kind in kinds)
+
+
+def stream_state(state) -> torch.Tensor:
+    """The plain residual stream a BlockState stands for (sum of all sources): what the base model's
+    hidden state would be. Used for `output_hidden_states` and for inspection."""
+    if not isinstance(state, BlockState):
+        return state
+    total = state.blocks.sum(0)
+    return total if state.partial is None else total + state.partial
+
+
+def attach_depth_attention(causal_lm: nn.Module, config: AttnResConfig, family: Family) -> None:
+    """Add the AttnRes parameters and forwards to a base causal LM's modules, in place."""
+    text_config = config.text_config
+    base = getattr(causal_lm, family.base_model)
+    layers = getattr(base, family.layers)
+    sublayers = family.sublayers(text_config)
+    per_layer = len(sublayers)
+    plans = plan_sublayers(len(layers) * per_layer, config.block_size)
+    eps = family.eps(text_config)
+    reference = base.get_input_embeddings().weight
+    factory = {"device": reference.device, "dtype": reference.dtype}
+    hidden = text_config.hidden_size
+    for index, layer in enumerate(layers):
+        base_cls = type(layer)
+        if not isinstance(layer, AttnResDecoderLayerMixin):
+            layer.__class__ = _attnres_class(AttnResDecoderLayerMixin, base_cls)
+            argnames = _positional_argnames(base_cls)
+        else:
+            argnames = layer._attnres_spec.argnames
+        for sublayer in sublayers:
+            layer.add_module(f"{sublayer.name}_res_proj", AttnResQuery(hidden, **factory))
+            layer.add_module(f"{sublayer.name}_res_norm", AttnResKeyNorm(hidden, eps, **factory))
+        layer._attnres_spec = _LayerSpec(
+            sublayers,
+            tuple(plans[index * per_layer : (index + 1) * per_layer]),
+            eps,
+            config.source_scaling,
+            argnames,
+        )
+    base.output_attn_res_proj = AttnResQuery(hidden, **factory)
+    base.output_attn_res_norm = AttnResKeyNorm(hidden, eps, **factory)
+    norm = getattr(base, family.final_norm)
+    if not isinstance(norm, AttnResFinalNormMixin):
+        norm.__class__ = _attnres_class(AttnResFinalNormMixin, type(norm))
+    # A plain (unregistered) reference: the parameters belong to the base model module, where the
+    # checkpoint contract puts them; the norm only reads them.
+    norm._attnres_output = (base.output_attn_res_proj, base.output_attn_res_norm, eps, config.source_scaling)
+
+
+class AttnResPreTrainedModel(PreTrainedModel):
+    config: AttnResConfig
+    config_class = AttnResConfig
+    supports_gradient_checkpointing = True
+    _supports_sdpa = True
+    _supports_flash_attn = True
+    _supports_flex_attn = True
+    _supports_attention_backend = True
+    _can_compile_fullgraph = False
+
+    @torch.no_grad()
+    def _init_weights(self, module):
+        if isinstance(module, AttnResQuery):
+            module.weight.zero_()
+        elif isinstance(module, AttnResKeyNorm):
+            module.weight.fill_(1.0)
+        else:
+            super()._init_weights(module)
+
+    def initialize_weights(self):
+        super().initialize_weights()
+        # The base model's own init dispatch does not know the AttnRes modules: queries must start at
+        # zero (exactness) and a loaded value must never be overwritten.
+        with torch.no_grad():
+            for module in self.modules():
+                if isinstance(module, (AttnResQuery, AttnResKeyNorm)):
+                    weight = module.weight
+                    if getattr(weight, "_is_hf_initialized", False) or weight.device.type == "meta":
+                        continue
+                    weight.fill_(0.0 if isinstance(module, AttnResQuery) else 1.0)
+
+
+class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
+    def __init__(self, config: AttnResConfig, base_model: PreTrainedModel | None = None):
+        super().__init__(config)
+        family = family_for(config.text_config)
+        if base_model is None:
+            base_model = MODEL_FOR_CAUSAL_LM_MAPPING[type(config.text_config)](config.text_config)
+        self._attnres_family = family
+        self.base_model_prefix = family.base_model
+        self._tied_weights_keys = getattr(type(base_model), "_tied_weights_keys", None)
+        for name, child in base_model.named_children():
+            self.add_module(name, child)
+        attach_depth_attention(self, config, family)
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return getattr(self, self._attnres_family.base_model).get_input_embeddings()
+
+    def set_input_embeddings(self, value):
+        getattr(self, self._attnres_family.base_model).set_input_embeddings(value)
+
+    def get_output_embeddings(self):
+        return getattr(self, self._attnres_family.lm_head)
+
+    def set_output_embeddings(self, value):
+        setattr(self, self._attnres_family.lm_head, value)
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values=None,
+        inputs_embeds: torch.FloatTensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        **kwargs,
+    ) -> CausalLMOutputWithPast:
+        output_hidden_states = kwargs.pop("output_hidden_states", None) or self.config.output_hidden_states
+        kwargs.pop("return_dict", None)
+        base = getattr(self, self._attnres_family.base_model)
+        hooks, hidden_states = self._record_streams(base) if output_hidden_states else ([], None)
+        try:
+            outputs = base(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                past_key_values=past_key_values,
+                inputs_embeds=inputs_embeds,
+                use_cache=use_cache,
+                **kwargs,
+            )
+        finally:
+            for hook in hooks:
+                hook.remove()
+        hidden = outputs.last_hidden_state
+        if hidden_states is not None:
+            hidden_states.append(hidden)
+        slice_indices = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        logits = self.get_output_embeddings()(hidden[:, slice_indices, :])
+        softcap = getattr(self.config.text_config, "final_logit_softcapping", None)
+        if softcap is not None:
+            logits = torch.tanh(logits / softcap) * softcap
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(
+                logits=logits, labels=labels, vocab_size=self.config.text_config.vocab_size, **kwargs
+            )
+        return CausalLMOutputWithPast(
+            loss=loss,
+            logits=logits,
+            past_key_values=outputs.past_key_values,
+            hidden_states=tuple(hidden_states) if hidden_states is not None else None,
+            attentions=getattr(outputs, "attentions", None),
+        )
+
+    def _record_streams(self, base) -> tuple[list, list]:
+        """Hidden states as the base model defines them (embeddings, each layer's output stream, final
+        normed state), so `output_hidden_states=True` means what it means for the base model."""
+        recorded: list[torch.Tensor] = []
+        layers = getattr(base, self._attnres_family.layers)
+
+        def first(module, args):
+            if not recorded:
+                recorded.append(args[0])
+
+        def after(module, args, output):
+            recorded.append(stream_state(output))
+
+        hooks = [layers[0].register_forward_pre_hook(first)]
+        hooks += [layer.register_forward_hook(after) for layer in layers[:-1]]
+        return hooks, recorded
+
+
+__all__ = ["AttnResForCausalLM", "AttnResPreTrainedModel"]

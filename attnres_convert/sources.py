@@ -1,0 +1,175 @@
+"""Where a model comes from: a hub id, a local HF folder, a GGUF file, or the embedded default.
+
+Every failure becomes a SourceError naming the source and the fix; nothing here writes files.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedConfig, PreTrainedModel
+
+from .errors import SourceError
+from .hub import hub_endpoint, hub_reachable
+from .samples import default_model_path
+
+DTYPES = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    kind: str  # "default" | "gguf" | "folder" | "hub"
+    location: str  # a folder (default, gguf, folder) or a hub repo id
+    gguf_file: str | None = None
+    given: str | None = None  # what the user typed, for messages
+
+    @property
+    def name(self) -> str:
+        if self.kind == "default":
+            return f"SmolLM2-135M-Instruct (embedded, {self.gguf_file})"
+        return self.given or self.location
+
+    def load_kwargs(self) -> dict:
+        return {"gguf_file": self.gguf_file} if self.gguf_file else {}
+
+
+def _looks_like_path(text: str) -> bool:
+    return text.startswith((".", "/", "~")) or text.endswith(".gguf") or text.count("/") > 1 or "\\" in text
+
+
+def resolve_source(source: str | None) -> ModelSource:
+    """Decide what SOURCE is, without loading anything."""
+    if source is None or source == "":
+        path = default_model_path()
+        return ModelSource("default", str(path.parent), path.name)
+    path = Path(source).expanduser()
+    if path.is_file():
+        if path.suffix.lower() == ".gguf":
+            return ModelSource("gguf", str(path.parent.resolve()), path.name, given=source)
+        raise SourceError(
+            f"{source} is a file but not a .gguf file. Pass a model folder (with config.json and "
+            "*.safetensors), a .gguf file, or a hub id."
+        )
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise SourceError(
+                f"{source} is not a model folder: it has no config.json. Pass a folder written by "
+                "save_pretrained (config.json + *.safetensors), a .gguf file, or a hub id."
+            )
+        return ModelSource("folder", str(path.resolve()), given=source)
+    if _looks_like_path(source):
+        raise SourceError(f"no such file or folder: {source}. Check the path, or pass a hub id like HuggingFaceTB/SmolLM2-135M.")
+    return ModelSource("hub", source, given=source)
+
+
+def _hub_error(source: ModelSource, error: Exception) -> SourceError:
+    first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return SourceError(
+        f"could not download {source.location!r} from the HuggingFace hub (is it reachable from here? "
+        f"{first_line}). The hub id must be public or you must be logged in; offline, download the model "
+        "elsewhere and pass its local folder or a .gguf file instead."
+    )
+
+
+def _remote_code_error(source: ModelSource) -> SourceError:
+    return SourceError(
+        f"{source.name} needs custom code from its repository to load. attnres runs such code only when "
+        "asked: rerun with --trust-remote-code if you trust that code."
+    )
+
+
+def _is_remote_code_refusal(error: Exception) -> bool:
+    text = str(error)
+    return "trust_remote_code" in text or "custom code" in text
+
+
+def _check_hub(source: ModelSource) -> None:
+    """A hub id loads from the local cache when it is there; otherwise the hub must answer."""
+    if source.kind != "hub":
+        return
+    from huggingface_hub import try_to_load_from_cache
+
+    if isinstance(try_to_load_from_cache(source.location, "config.json"), str):
+        return
+    if not hub_reachable():
+        raise SourceError(
+            f"{source.location!r} looks like a hub id, but the HuggingFace hub ({hub_endpoint()}) is unreachable "
+            "from this machine and the model is not in the local cache. Pass a local model folder or a .gguf "
+            "file instead (for example: attnres convert ./my-model -o out)."
+        )
+
+
+def load_config(source: ModelSource, trust_remote_code: bool = False) -> PreTrainedConfig:
+    if source.kind == "folder":
+        _check_local_config(source)
+    _check_hub(source)
+    try:
+        return AutoConfig.from_pretrained(
+            source.location, trust_remote_code=trust_remote_code, **source.load_kwargs()
+        )
+    except Exception as error:  # noqa: BLE001 - every failure is reported with its source and a fix
+        if _is_remote_code_refusal(error):
+            raise _remote_code_error(source) from error
+        if source.kind == "hub":
+            raise _hub_error(source, error) from error
+        raise SourceError(f"could not read the model config of {source.name}: {error}") from error
+
+
+def _check_local_config(source: ModelSource) -> None:
+    path = Path(source.location) / "config.json"
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise SourceError(f"{path} is not valid JSON ({error}); the folder is not a usable model.") from error
+    if data.get("model_type") == "attnres":
+        raise SourceError(
+            f"{source.name} is already an AttnRes model. Convert the original model, or load this one with "
+            "attnres_convert.load_converted / from_pretrained(..., trust_remote_code=True)."
+        )
+
+
+def _warn_if_pickle_only(source: ModelSource) -> None:
+    if source.kind != "folder":
+        return
+    folder = Path(source.location)
+    if not any(folder.glob("*.safetensors")) and any(folder.glob("*.bin")):
+        warnings.warn(
+            f"{source.name} has only pickle (*.bin) weights; they are loaded with torch.load(weights_only=True). "
+            "Prefer safetensors checkpoints.",
+            stacklevel=3,
+        )
+
+
+def load_model(source: ModelSource, dtype: str = "auto", trust_remote_code: bool = False) -> PreTrainedModel:
+    if dtype not in DTYPES:
+        raise SourceError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
+    _warn_if_pickle_only(source)
+    kwargs = source.load_kwargs()
+    # GGUF weights are dequantised on load: float32 keeps them as stored.
+    kwargs["dtype"] = torch.float32 if (source.gguf_file and dtype == "auto") else DTYPES[dtype]
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            source.location, trust_remote_code=trust_remote_code, **kwargs
+        )
+    except Exception as error:  # noqa: BLE001
+        if _is_remote_code_refusal(error):
+            raise _remote_code_error(source) from error
+        if source.kind == "hub":
+            raise _hub_error(source, error) from error
+        raise SourceError(
+            f"could not load the weights of {source.name}: {error}. The file may be truncated or corrupt: "
+            "re-download or re-export it."
+        ) from error
+    return model.eval()
+
+
+def load_tokenizer(source: ModelSource, trust_remote_code: bool = False):
+    """The tokenizer, or None when the source has none (a bare weights folder)."""
+    try:
+        return AutoTokenizer.from_pretrained(source.location, trust_remote_code=trust_remote_code, **source.load_kwargs())
+    except Exception:  # noqa: BLE001 - a model without a tokenizer still converts
+        return None

@@ -1,0 +1,156 @@
+"""Model surgery: turn a loaded base causal LM into an AttnResForCausalLM, in place.
+
+The base model's modules are adopted, not copied, so converting costs no second copy of the weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+from transformers import PreTrainedModel
+
+from .architectures import UnsupportedModelError, family_for
+from .configuration_attnres import AttnResConfig
+from .depth_attention import default_block_size, output_num_sources, plan_sublayers, source_ranges
+from .modeling_attnres import AttnResForCausalLM, AttnResKeyNorm, AttnResQuery
+
+DEFAULT_NUM_BLOCKS = 8
+
+
+class BlockSizeError(ValueError):
+    """An impossible or conflicting block size / block count."""
+
+
+@dataclass(frozen=True)
+class Structure:
+    """The sublayer layout of a base model, as the conversion sees it."""
+
+    model_type: str
+    num_layers: int
+    sublayers_per_layer: int
+
+    @property
+    def num_sublayers(self) -> int:
+        return self.num_layers * self.sublayers_per_layer
+
+
+def structure_of(config) -> Structure:
+    family = family_for(config)
+    return Structure(config.model_type, int(config.num_hidden_layers), len(family.sublayers(config)))
+
+
+def _positive_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise BlockSizeError(f"{name} must be a positive integer, got {value!r}")
+    if value < 1:
+        raise BlockSizeError(f"{name} must be >= 1, got {value}")
+    return value
+
+
+def resolve_block_size(
+    structure: Structure, block_size: int | None = None, num_blocks: int | None = None, full: bool = False
+) -> int:
+    """S from at most one of: an explicit S, a block count (smallest whole-layer S giving at most that
+    many blocks), or Full AttnRes (S = 1). Default: at most 8 blocks."""
+    chosen = [name for name, value in (("--block-size", block_size), ("--num-blocks", num_blocks)) if value is not None]
+    if full:
+        chosen.append("--full")
+    if len(chosen) > 1:
+        raise BlockSizeError(f"give only one of --block-size, --num-blocks, --full (got {', '.join(chosen)})")
+    total = structure.num_sublayers
+    if full:
+        return 1
+    if block_size is not None:
+        block_size = _positive_int("block size", block_size)
+        if block_size > total:
+            raise BlockSizeError(
+                f"block size {block_size} is larger than the model's {total} sublayers "
+                f"({structure.num_layers} layers x {structure.sublayers_per_layer}); use at most {total} (one block)"
+            )
+        return block_size
+    if num_blocks is None:
+        num_blocks = DEFAULT_NUM_BLOCKS
+    elif _positive_int("number of blocks", num_blocks) > total:
+        raise BlockSizeError(f"{num_blocks} blocks is more than the model's {total} sublayers; use at most {total}")
+    return default_block_size(total, structure.sublayers_per_layer, num_blocks)
+
+
+def _mark_initialized(model: nn.Module) -> None:
+    # post_init of the new model must not re-initialise weights that are already trained.
+    for tensor in list(model.parameters()) + list(model.buffers()):
+        tensor._is_hf_initialized = True
+    for module in model.modules():
+        module._is_hf_initialized = True
+
+
+def convert_model(
+    base_model: PreTrainedModel,
+    block_size: int | None = None,
+    num_blocks: int | None = None,
+    full: bool = False,
+    source_scaling: str = "count",
+) -> AttnResForCausalLM:
+    """Wrap a loaded base causal LM as Block AttnRes. Zero queries: the result reproduces the base.
+
+    The base model object is consumed: its modules now belong to the returned model.
+    """
+    if isinstance(base_model, AttnResForCausalLM):
+        raise UnsupportedModelError("this model is already an AttnRes model; convert the base model instead")
+    config = base_model.config
+    if getattr(config, "is_encoder_decoder", False):
+        raise UnsupportedModelError(
+            f"{config.model_type} is an encoder-decoder; only decoder-only PreNorm causal LMs are supported"
+        )
+    structure = structure_of(config)
+    size = resolve_block_size(structure, block_size, num_blocks, full)
+    # A composite config resets its sub-config's attention implementation: keep the base model's.
+    attn_implementation, dtype = config._attn_implementation, config.dtype
+    attn_config = AttnResConfig(text_config=config, block_size=size, source_scaling=source_scaling)
+    attn_config._attn_implementation = attn_implementation
+    attn_config.dtype = dtype
+    _mark_initialized(base_model)
+    model = AttnResForCausalLM(attn_config, base_model=base_model)
+    model.generation_config = base_model.generation_config
+    model.name_or_path = base_model.name_or_path
+    model.train(base_model.training)
+    return model
+
+
+@dataclass
+class ConversionSummary:
+    model_type: str
+    num_layers: int
+    num_sublayers: int
+    block_size: int
+    num_blocks: int
+    sources_per_sublayer: list[int]
+    output_sources: int
+    params_added: int
+    params_total: int
+
+
+def summarize(model: AttnResForCausalLM) -> ConversionSummary:
+    config = model.config
+    structure = structure_of(config.text_config)
+    total = structure.num_sublayers
+    added = sum(p.numel() for m in model.modules() if isinstance(m, (AttnResQuery, AttnResKeyNorm)) for p in m.parameters())
+    return ConversionSummary(
+        model_type=structure.model_type,
+        num_layers=structure.num_layers,
+        num_sublayers=total,
+        block_size=config.block_size,
+        num_blocks=-(-total // config.block_size),
+        sources_per_sublayer=[p.num_sources for p in plan_sublayers(total, config.block_size)],
+        output_sources=output_num_sources(total, config.block_size),
+        params_added=added,
+        params_total=sum(p.numel() for p in model.parameters()),
+    )
+
+
+def describe_sources(num_sublayers: int, block_size: int) -> list[str]:
+    """Readable source lists, e.g. 'y0, y1:3, y4' (for the CLI and the model card)."""
+    out = []
+    for ranges in source_ranges(num_sublayers, block_size):
+        out.append(", ".join("y0" if a == 0 else (f"y{a}" if a == b else f"y{a}:{b}") for a, b in ranges))
+    return out

@@ -1,0 +1,162 @@
+"""The `attnres` command line: thin Typer commands over the attnres_convert library."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from collections.abc import Iterator
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+app = typer.Typer(
+    name="attnres",
+    help="Convert pretrained PreNorm causal LMs to Block Attention Residuals, exactly; fine-tune; share.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+console = Console()
+
+
+@app.callback()
+def _root() -> None:
+    """Keep `attnres` a command group even while it has one command."""
+err_console = Console(stderr=True)
+
+EXIT_BAD_INPUT = 2
+EXIT_FAILED_CHECK = 1
+
+
+class DType(str, Enum):
+    auto = "auto"
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+
+def fail(message: str, code: int = EXIT_BAD_INPUT) -> None:
+    err_console.print(f"[bold red]error:[/] {message}", highlight=False)
+    raise typer.Exit(code)
+
+
+@contextlib.contextmanager
+def user_errors() -> Iterator[None]:
+    """Errors the user can fix: a message, exit code 2, no traceback."""
+    from attnres_convert import AttnResError, BlockSizeError, UnsupportedModelError, VerificationError
+
+    try:
+        yield
+    except VerificationError as error:
+        fail(str(error), EXIT_FAILED_CHECK)
+    except (AttnResError, BlockSizeError, UnsupportedModelError) as error:
+        fail(str(error))
+
+
+@contextlib.contextmanager
+def stages() -> Iterator:
+    """A Rich progress display with one line per stage of a long job."""
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
+    with Progress(
+        SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=err_console, transient=False
+    ) as progress:
+
+        @contextlib.contextmanager
+        def stage(name: str) -> Iterator[None]:
+            task = progress.add_task(name, total=1)
+            try:
+                yield
+            finally:
+                progress.update(task, completed=1)
+
+        yield stage
+
+
+def verification_table(report) -> Table:
+    table = Table(title=f"Verification against the original ({report.tokens} tokens, {report.dtype})")
+    for column in ("max |Δ logit|", "KL (nats)", "top-1 agreement", f"greedy ×{report.new_tokens} (KV cache)", "result"):
+        table.add_column(column, justify="right")
+    greedy = "identical" if report.greedy_identical else f"differs at {report.first_divergence}"
+    verdict = "[green]PASS[/]" if report.passed else "[red]FAIL[/]"
+    table.add_row(
+        f"{report.max_abs_logit_diff:.2e}", f"{report.kl:.2e}", f"{report.top1_agreement:.2%}", greedy, verdict
+    )
+    return table
+
+
+def summary_table(summary) -> Table:
+    from attnres_convert.surgery import describe_sources
+
+    table = Table(title="Block AttnRes structure")
+    table.add_column("what")
+    table.add_column("value", justify="right")
+    table.add_row("base model type", summary.model_type)
+    table.add_row("decoder layers / sublayers", f"{summary.num_layers} / {summary.num_sublayers}")
+    table.add_row("block size S (sublayers)", str(summary.block_size))
+    table.add_row("blocks", str(summary.num_blocks))
+    counts = summary.sources_per_sublayer
+    table.add_row("sources per sublayer", f"{min(counts)}..{max(counts)} (output: {summary.output_sources})")
+    table.add_row("output aggregation reads", describe_sources(summary.num_sublayers, summary.block_size)[-1])
+    table.add_row("parameters added", f"{summary.params_added:,} ({summary.params_added / summary.params_total:.4%})")
+    return table
+
+
+@app.command()
+def convert(
+    source: Annotated[
+        Optional[str], typer.Argument(help="Hub id, local model folder or .gguf file. Default: embedded SmolLM2-135M-Instruct.")
+    ] = None,
+    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Output folder.")] = None,
+    block_size: Annotated[Optional[int], typer.Option("--block-size", help="Sublayers per block (S).")] = None,
+    num_blocks: Annotated[
+        Optional[int], typer.Option("--num-blocks", help="At most this many blocks, S in whole layers [default: 8].")
+    ] = None,
+    full: Annotated[bool, typer.Option("--full", help="Full AttnRes (S = 1).")] = False,
+    dtype: Annotated[DType, typer.Option(help="auto keeps the checkpoint's dtype.")] = DType.auto,
+    verify: Annotated[bool, typer.Option("--verify/--no-verify", help="Check logits and greedy generation.")] = True,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing output folder.")] = False,
+    trust_remote_code: Annotated[
+        bool, typer.Option("--trust-remote-code", help="Allow the input model's own code to run.")
+    ] = False,
+) -> None:
+    """Convert a PreNorm causal LM to Block AttnRes and check it reproduces the original."""
+    if output is None:
+        fail("missing --output/-o OUT: the folder to write the converted model to.")
+    from attnres_convert import convert as run_convert
+
+    with user_errors(), stages() as stage:
+        result = run_convert(
+            source,
+            output,
+            block_size=block_size,
+            num_blocks=num_blocks,
+            full=full,
+            dtype=dtype.value,
+            verify=verify,
+            overwrite=overwrite,
+            trust_remote_code=trust_remote_code,
+            stage=stage,
+        )
+    console.print(summary_table(result.summary))
+    if result.verification is not None:
+        console.print(verification_table(result.verification))
+    console.print(f"[green]Saved[/] {result.source} as Block AttnRes to [bold]{result.output}[/]")
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
