@@ -15,6 +15,8 @@ This file ships next to converted weights: it imports torch only.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import NamedTuple
 
 import torch
@@ -84,6 +86,8 @@ def depth_mix(
         partial_logit = torch.matmul(partial32, q) * inverse_rms(partial32, eps)
         logits = torch.cat([logits, partial_logit.unsqueeze(0)])
     weights = torch.softmax(logits, dim=0)
+    if _RECORDERS:
+        _RECORDERS[-1].append(weights.detach())
     if scaling == "count":
         weights = weights * logits.shape[0]
     m = blocks.shape[0]
@@ -91,6 +95,26 @@ def depth_mix(
     if partial is not None:
         mixed = mixed + weights[m].unsqueeze(-1) * partial32
     return mixed.to(blocks.dtype)
+
+
+# Active recorders of depth-attention weights (a plain list, not a ContextVar: torch.compile traces it).
+_RECORDERS: list[list[torch.Tensor]] = []
+
+
+@contextlib.contextmanager
+def record_depth_weights() -> Iterator[list[torch.Tensor]]:
+    """Collect the softmax weights [n, B, T] of every depth_mix call (sublayers 1..L in order, then the
+    output aggregation), for inspection and plots:
+
+        with record_depth_weights() as weights:
+            model(input_ids)
+    """
+    recorded: list[torch.Tensor] = []
+    _RECORDERS.append(recorded)
+    try:
+        yield recorded
+    finally:
+        _RECORDERS.remove(recorded)
 
 
 def depth_weights(state: BlockState, query: torch.Tensor, key_norm_weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -20,3 +20,16 @@ def smollm2_path():
         return default_model_path()
     except SourceError as error:
         pytest.skip(f"real-model test needs the embedded model: {error}")
+
+
+@pytest.fixture(scope="session")
+def smollm2_folder(smollm2_path, tmp_path_factory):
+    """The embedded SmolLM2 dequantised once per test session and saved as a plain HF folder
+    (safetensors + tokenizer): later loads take a second instead of dequantising the GGUF again."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = tmp_path_factory.mktemp("smollm2-hf")
+    model = AutoModelForCausalLM.from_pretrained(smollm2_path.parent, gguf_file=smollm2_path.name)
+    model.save_pretrained(folder)
+    AutoTokenizer.from_pretrained(smollm2_path.parent, gguf_file=smollm2_path.name).save_pretrained(folder)
+    return folder
