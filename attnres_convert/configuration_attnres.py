@@ -39,6 +39,10 @@ class AttnResConfig(PreTrainedConfig):
     tie_word_embeddings: bool = False
 
     def __post_init__(self, **kwargs):
+        if isinstance(self.text_config, dict) and "model_type" not in self.text_config:
+            if not self.base_model_type:
+                raise ValueError("AttnResConfig: text_config has no model_type and base_model_type is not set")
+            self.text_config = {**self.text_config, "model_type": self.base_model_type}
         super().__post_init__(**kwargs)
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
@@ -47,6 +51,21 @@ class AttnResConfig(PreTrainedConfig):
         self.base_model_type = self.text_config.model_type
         # The head is tied exactly when the base model's is.
         self.tie_word_embeddings = bool(getattr(self.text_config, "tie_word_embeddings", False))
+
+    # The base config is saved without its `model_type` (kept here as `base_model_type`): a base config
+    # class such as LlamaConfig would otherwise find its own type nested in config.json and load this
+    # folder as a plain Llama, silently dropping the AttnRes weights.
+    @staticmethod
+    def _hide_base_type(data: dict) -> dict:
+        if isinstance(data.get("text_config"), dict):
+            data["text_config"] = {k: v for k, v in data["text_config"].items() if k != "model_type"}
+        return data
+
+    def to_dict(self) -> dict:
+        return self._hide_base_type(super().to_dict())
+
+    def to_diff_dict(self) -> dict:
+        return self._hide_base_type(super().to_diff_dict())
 
 
 __all__ = ["AttnResConfig"]

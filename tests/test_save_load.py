@@ -1,0 +1,143 @@
+"""Checkpoint contract: reloads through the package and through trust_remote_code in a Python where
+attnres_convert cannot be imported; new parameter names; a plain tool refuses the folder."""
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from attnres_convert import load_converted, save_converted
+from attnres_convert.saving import SHIPPED_CODE
+from attnres_convert.surgery import convert_model
+from tiny_models import tiny_model, token_ids
+
+BLOCK_IMPORT = textwrap.dedent(
+    """
+    import importlib.abc, sys
+    class _Block(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path, target=None):
+            if name.split(".")[0] in ("attnres_convert", "cli"):
+                raise ImportError("attnres_convert is not installed here")
+    sys.meta_path.insert(0, _Block())
+    try:
+        import attnres_convert
+        raise SystemExit("attnres_convert should not be importable")
+    except ImportError:
+        pass
+    """
+)
+
+
+def run_isolated(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", BLOCK_IMPORT + textwrap.dedent(code)], capture_output=True, text=True,
+                          timeout=300, stdin=subprocess.DEVNULL)
+
+
+def _randomized(model):
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "_res_" in name:
+                param.add_(0.1 * torch.randn_like(param))
+    return model
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "gpt_neox_parallel", "gemma2"])
+def test_folder_reloads_in_package_and_without_it(family, tmp_path):
+    model = _randomized(convert_model(tiny_model(family), block_size=3).eval())
+    out = save_converted(model, tmp_path / "converted")
+    ids = token_ids()
+    with torch.no_grad():
+        expected = model(ids).logits
+    torch.save({"ids": ids, "logits": expected}, tmp_path / "expected.pt")
+
+    for name in SHIPPED_CODE + ("config.json", "model.safetensors", "generation_config.json"):
+        assert (out / name).is_file(), name
+
+    reloaded = load_converted(out).eval()
+    with torch.no_grad():
+        assert torch.equal(reloaded(ids).logits, expected)
+
+    result = run_isolated(
+        f"""
+        import torch
+        from transformers import AutoModelForCausalLM
+        data = torch.load({str(tmp_path / "expected.pt")!r})
+        model = AutoModelForCausalLM.from_pretrained({str(out)!r}, trust_remote_code=True).eval()
+        assert type(model).__name__ == "AttnResForCausalLM", type(model)
+        assert "transformers_modules" in type(model).__module__, type(model).__module__
+        with torch.no_grad():
+            logits = model(data["ids"]).logits
+        assert torch.equal(logits, data["logits"]), (logits - data["logits"]).abs().max()
+        print("REMOTE-OK")
+        """
+    )
+    assert "REMOTE-OK" in result.stdout, result.stderr[-3000:]
+
+
+def test_new_parameters_follow_production_names_and_base_names_are_kept(tmp_path):
+    base = tiny_model("llama")
+    base_names = set(base.state_dict())
+    out = save_converted(convert_model(base, block_size=2), tmp_path / "m")
+    with safe_open(out / "model.safetensors", "pt") as f:
+        keys = set(f.keys())
+        shapes = {k: tuple(f.get_slice(k).get_shape()) for k in keys}
+    new = keys - base_names
+    expected_new = {f"model.layers.{i}.{p}_res_{kind}.weight" for i in range(3) for p in ("self_attention", "mlp")
+                    for kind in ("proj", "norm")} | {"model.output_attn_res_proj.weight", "model.output_attn_res_norm.weight"}
+    assert new == expected_new
+    assert base_names - {"lm_head.weight"} <= keys  # tied head may be stored once
+    assert shapes["model.layers.0.self_attention_res_proj.weight"] == (1, 64)
+    assert shapes["model.layers.0.mlp_res_norm.weight"] == (64,)
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "attnres" and config["architectures"] == ["AttnResForCausalLM"]
+    assert config["block_size"] == 2 and config["source_scaling"] == "count"
+    # the base type is recorded beside, not inside, text_config (see test below)
+    assert config["base_model_type"] == "llama" and "model_type" not in config["text_config"]
+    assert config["text_config"]["hidden_size"] == 64
+    assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_attnres.AttnResForCausalLM"
+
+
+def test_parallel_residual_layers_have_no_mlp_params(tmp_path):
+    model = convert_model(tiny_model("gpt_neox_parallel"))
+    names = set(model.state_dict())
+    assert "gpt_neox.layers.0.self_attention_res_proj.weight" in names
+    assert not any("mlp_res_" in n for n in names)
+
+
+def test_a_tool_that_does_not_know_attnres_refuses_the_folder(tmp_path):
+    out = save_converted(convert_model(tiny_model("llama")), tmp_path / "m")
+    result = run_isolated(
+        f"""
+        from transformers import AutoModelForCausalLM, LlamaForCausalLM
+        for load in (lambda: AutoModelForCausalLM.from_pretrained({str(out)!r}),
+                     lambda: LlamaForCausalLM.from_pretrained({str(out)!r})):
+            try:
+                model = load()
+            except Exception as error:
+                print("REFUSED", type(error).__name__)
+            else:
+                print("LOADED", type(model).__name__)
+        """
+    )
+    assert result.stdout.count("REFUSED") == 2, result.stdout + result.stderr[-2000:]
+
+
+def test_loading_keeps_trained_queries_and_zeroes_missing_ones(tmp_path):
+    """post-init must not overwrite loaded weights, and must zero queries absent from the checkpoint."""
+    model = _randomized(convert_model(tiny_model("llama")))
+    out = save_converted(model, tmp_path / "m")
+    reloaded = load_converted(out)
+    for (name, a), b in zip(model.state_dict().items(), reloaded.state_dict().values()):
+        assert torch.equal(a, b), name
+    from safetensors.torch import load_file, save_file
+    weights = load_file(out / "model.safetensors")
+    weights = {k: v for k, v in weights.items() if "_res_proj" not in k}
+    save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
+    partial = load_converted(out)
+    for name, param in partial.named_parameters():
+        if name.endswith("_res_proj.weight"):
+            assert torch.count_nonzero(param) == 0, name

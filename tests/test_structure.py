@@ -1,0 +1,129 @@
+"""The math beyond zero init: block structure and a plain reference written from the design page."""
+
+import pytest
+import torch
+
+from attnres_convert.depth_attention import default_block_size, plan_sublayers, source_ranges
+from attnres_convert.surgery import convert_model
+from tiny_models import tiny_model, token_ids
+
+# Design page, section 3: Block AttnRes with S = 3 over seven sublayers.
+DESIGN_TEST_VECTOR = [
+    [(0, 0)],
+    [(0, 0), (1, 1)],
+    [(0, 0), (1, 2)],
+    [(0, 0), (1, 3)],
+    [(0, 0), (1, 3), (4, 4)],
+    [(0, 0), (1, 3), (4, 5)],
+    [(0, 0), (1, 3), (4, 6)],
+    [(0, 0), (1, 3), (4, 6), (7, 7)],  # output aggregation
+]
+
+
+def design_sources(reader: int, block_size: int, outputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Sources of sublayer `reader` (1-based; L + 1 is the output aggregation), straight from the
+    design page: the embedding, every completed block (sum of its outputs), and the running partial
+    sum of the reader's own block when it is not the first sublayer of that block."""
+    block, position = divmod(reader - 1, block_size)
+    sources = [outputs[0]]
+    for b in range(block):
+        sources.append(sum(outputs[b * block_size + 1 : (b + 1) * block_size + 1]))
+    if position >= 1:
+        sources.append(sum(outputs[block * block_size + 1 : reader]))
+    return sources
+
+
+def test_source_structure_is_the_design_test_vector():
+    assert source_ranges(7, 3) == DESIGN_TEST_VECTOR
+    plans = plan_sublayers(7, 3)
+    assert [p.num_sources for p in plans] == [len(r) for r in DESIGN_TEST_VECTOR[:-1]]
+    assert [p.closes_block for p in plans] == [False, False, False, True, False, False, True]
+    outputs = [torch.tensor(float(10**i)) for i in range(8)]  # y_i = 10^i: sums read as digit patterns
+    for reader, expected in enumerate(DESIGN_TEST_VECTOR, start=1):
+        got = design_sources(reader, 3, outputs)
+        want = [sum(outputs[a : b + 1]) for a, b in expected]
+        assert [float(x) for x in got] == [float(x) for x in want], reader
+
+
+def test_full_attnres_reads_every_output_and_one_block_reads_embedding_and_running_sum():
+    assert source_ranges(4, 1) == [[(0, 0)], [(0, 0), (1, 1)], [(0, 0), (1, 1), (2, 2)],
+                                   [(0, 0), (1, 1), (2, 2), (3, 3)], [(0, 0), (1, 1), (2, 2), (3, 3), (4, 4)]]
+    assert source_ranges(4, 4) == [[(0, 0)], [(0, 0), (1, 1)], [(0, 0), (1, 2)], [(0, 0), (1, 3)], [(0, 0), (1, 4)]]
+
+
+def test_default_block_size_is_whole_layers_with_at_most_n_blocks():
+    assert default_block_size(60, 2, 8) == 8  # SmolLM2-135M: 30 layers -> S = 8, 8 blocks
+    assert default_block_size(6, 2, 8) == 2
+    assert default_block_size(7, 1, 3) == 3
+    assert default_block_size(48, 2, 4) == 12
+
+
+def _randomize_depth_params(model, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("_res_proj.weight"):
+                param.copy_(torch.randn(param.shape, generator=generator))
+            elif name.endswith("_res_norm.weight"):
+                param.copy_(1.0 + 0.3 * torch.randn(param.shape, generator=generator))
+
+
+def _mix(sources, query, key_norm, eps):
+    keys = torch.stack(sources)  # [n, B, T, D]
+    normed = keys / torch.sqrt(keys.pow(2).mean(-1, keepdim=True) + eps) * key_norm
+    alpha = torch.softmax((normed * query.reshape(-1)).sum(-1), dim=0)
+    return len(sources) * (alpha.unsqueeze(-1) * keys).sum(0)
+
+
+def _reference_llama(model, ids, block_size):
+    base, eps = model.model, model.config.text_config.rms_norm_eps
+    outputs = [base.embed_tokens(ids)]
+    positions = torch.arange(ids.shape[1]).unsqueeze(0)
+    rotary = base.rotary_emb(outputs[0], positions)
+    for j, layer in enumerate(base.layers):
+        h = _mix(design_sources(2 * j + 1, block_size, outputs), layer.self_attention_res_proj.weight,
+                 layer.self_attention_res_norm.weight, eps)
+        outputs.append(layer.self_attn(layer.input_layernorm(h), position_embeddings=rotary, attention_mask=None)[0])
+        h = _mix(design_sources(2 * j + 2, block_size, outputs), layer.mlp_res_proj.weight, layer.mlp_res_norm.weight, eps)
+        outputs.append(layer.mlp(layer.post_attention_layernorm(h)))
+    h = _mix(design_sources(len(outputs), block_size, outputs), base.output_attn_res_proj.weight,
+             base.output_attn_res_norm.weight, eps)
+    return model.lm_head(base.norm(h))
+
+
+def _reference_neox_parallel(model, ids, block_size):
+    base, eps = model.gpt_neox, model.config.text_config.layer_norm_eps
+    outputs = [base.embed_in(ids)]
+    rotary = base.rotary_emb(outputs[0], torch.arange(ids.shape[1]).unsqueeze(0))
+    for j, layer in enumerate(base.layers):
+        h = _mix(design_sources(j + 1, block_size, outputs), layer.self_attention_res_proj.weight,
+                 layer.self_attention_res_norm.weight, eps)
+        attn = layer.attention(layer.input_layernorm(h), attention_mask=None, position_embeddings=rotary)[0]
+        outputs.append(attn + layer.mlp(layer.post_attention_layernorm(h)))
+    h = _mix(design_sources(len(outputs), block_size, outputs), base.output_attn_res_proj.weight,
+             base.output_attn_res_norm.weight, eps)
+    return model.lm_head(base.final_layer_norm(h))
+
+
+@pytest.mark.parametrize("block_size", [1, 3, 4, 6])
+def test_random_queries_match_plain_reference_llama(block_size):
+    model = convert_model(tiny_model("llama"), block_size=block_size).eval()
+    _randomize_depth_params(model, seed=block_size)
+    ids = token_ids()
+    with torch.no_grad():
+        got = model(ids).logits
+        want = _reference_llama(model, ids, block_size)
+        zero_init = convert_model(tiny_model("llama"), block_size=block_size).eval()(ids).logits
+    assert (got - want).abs().max().item() <= 1e-4
+    assert (got - zero_init).abs().max().item() > 1e-2  # the queries really changed the routing
+
+
+def test_random_queries_match_reference_on_the_design_test_vector():
+    """GPT-NeoX with parallel residual, 7 layers: exactly seven sublayers, S = 3 (section 3's table)."""
+    model = convert_model(tiny_model("gpt_neox_parallel", num_hidden_layers=7), block_size=3).eval()
+    _randomize_depth_params(model, seed=7)
+    ids = token_ids()
+    with torch.no_grad():
+        got = model(ids).logits
+        want = _reference_neox_parallel(model, ids, 3)
+    assert (got - want).abs().max().item() <= 1e-4
