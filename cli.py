@@ -112,6 +112,39 @@ def summary_table(summary) -> Table:
     return table
 
 
+# Hub options shared by every command that writes a model folder (convert, finetune).
+PushToHubOption = Annotated[
+    Optional[str], typer.Option("--push-to-hub", metavar="REPO_ID", help="Upload the saved folder to this hub repo.")
+]
+PrivateOption = Annotated[bool, typer.Option("--private", help="Create the hub repo as private.")]
+TokenOption = Annotated[
+    Optional[str],
+    typer.Option("--token", help="HuggingFace token with write access [default: HF_TOKEN or the `hf auth login` cache]."),
+]
+
+
+def check_push_options(repo_id: str | None, token: str | None) -> None:
+    """Before a long job: a bad repo id or a missing token fails now, not after the model is built."""
+    if repo_id is None:
+        return
+    from attnres_convert.hub import check_repo_id, resolve_token
+
+    with user_errors():
+        check_repo_id(repo_id)
+        resolve_token(token)
+
+
+def push_saved(folder: Path, repo_id: str, **kwargs) -> None:
+    """Push a saved folder and say where it went (errors: exit 2, the folder stays saved locally)."""
+    from attnres_convert.hub import push_folder
+
+    with user_errors(), stages() as stage, stage(f"Pushing {folder} to {repo_id}"):
+        result = push_folder(folder, repo_id, **kwargs)
+    console.print(f"[green]Pushed[/] {len(result.files)} files to [bold]{result.url}[/] ({result.revision})")
+    if result.commit_url:
+        console.print(f"commit: {result.commit_url}", highlight=False)
+
+
 @app.command()
 def convert(
     source: Annotated[
@@ -129,10 +162,14 @@ def convert(
     trust_remote_code: Annotated[
         bool, typer.Option("--trust-remote-code", help="Allow the input model's own code to run.")
     ] = False,
+    push_to_hub: PushToHubOption = None,
+    private: PrivateOption = False,
+    token: TokenOption = None,
 ) -> None:
     """Convert a PreNorm causal LM to Block AttnRes and check it reproduces the original."""
     if output is None:
         fail("missing --output/-o OUT: the folder to write the converted model to.")
+    check_push_options(push_to_hub, token)
     from attnres_convert import convert as run_convert
 
     with user_errors(), stages() as stage:
@@ -152,6 +189,23 @@ def convert(
     if result.verification is not None:
         console.print(verification_table(result.verification))
     console.print(f"[green]Saved[/] {result.source} as Block AttnRes to [bold]{result.output}[/]")
+    if push_to_hub:
+        push_saved(result.output, push_to_hub, private=private, token=token)
+
+
+@app.command()
+def push(
+    folder: Annotated[Path, typer.Argument(help="A folder written by `attnres convert` or `attnres finetune`.")],
+    repo_id: Annotated[str, typer.Argument(help="Hub repo: NAME or NAMESPACE/NAME (created if missing).")],
+    private: PrivateOption = False,
+    revision: Annotated[
+        Optional[str], typer.Option("--revision", help="Branch to push to (created from main if missing).")
+    ] = None,
+    commit_message: Annotated[Optional[str], typer.Option("--commit-message", help="Commit message.")] = None,
+    token: TokenOption = None,
+) -> None:
+    """Upload a converted or fine-tuned model folder to the HuggingFace hub, after checking it loads."""
+    push_saved(folder, repo_id, private=private, revision=revision, commit_message=commit_message, token=token)
 
 
 def main() -> None:
