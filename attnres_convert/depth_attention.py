@@ -31,6 +31,8 @@ class BlockState(NamedTuple):
     inv_rms: [m, B, T]    1 / rms of each completed block, float32. A completed block never changes, so
              its key statistics are computed once, when it completes, not once per reader.
     partial: [B, T, D]    running sum of the current block's outputs, or None right after a boundary.
+    stream:  [B, T, D]    the plain residual stream: the sum of all sources, accumulated output by output
+             exactly as the base model adds them (see `depth_mix` for why it is carried).
 
     It is an immutable value threaded through the layers' arguments and return values (never stored
     on a module), so gradient checkpointing replays see exactly the state of the forward pass.
@@ -39,6 +41,7 @@ class BlockState(NamedTuple):
     blocks: torch.Tensor
     inv_rms: torch.Tensor
     partial: torch.Tensor | None
+    stream: torch.Tensor
 
 
 def inverse_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -48,7 +51,7 @@ def inverse_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 def start_state(embeddings: torch.Tensor, eps: float) -> BlockState:
     """The embedding b_0 is always its own source."""
-    return BlockState(embeddings.unsqueeze(0), inverse_rms(embeddings, eps).unsqueeze(0), None)
+    return BlockState(embeddings.unsqueeze(0), inverse_rms(embeddings, eps).unsqueeze(0), None, embeddings)
 
 
 def close_block(state: BlockState, eps: float) -> BlockState:
@@ -57,12 +60,12 @@ def close_block(state: BlockState, eps: float) -> BlockState:
         return state
     blocks = torch.cat([state.blocks, state.partial.unsqueeze(0)])
     inv_rms = torch.cat([state.inv_rms, inverse_rms(state.partial, eps).unsqueeze(0)])
-    return BlockState(blocks, inv_rms, None)
+    return BlockState(blocks, inv_rms, None, state.stream)
 
 
 def add_output(state: BlockState, output: torch.Tensor) -> BlockState:
     partial = output if state.partial is None else state.partial + output
-    return BlockState(state.blocks, state.inv_rms, partial)
+    return BlockState(state.blocks, state.inv_rms, partial, state.stream + output)
 
 
 def depth_mix(
@@ -75,8 +78,13 @@ def depth_mix(
     """The input of one sublayer (or of the final norm): attention over the state's sources.
 
     query: [1, D] or [D] pseudo-query w; key_norm_weight: [D] key RMSNorm weight g.
+
+    With "count" scaling h = n * sum_i alpha_i k_i. Since the sources sum to the stream H, this equals
+    H + sum_i (n alpha_i - 1) k_i, which is how it is computed: at zero queries n alpha_i - 1 is 0, so h
+    is the base model's own residual stream bit for bit, with its own rounding (in bfloat16 a freshly
+    summed mix would round differently from the base model's running sum and drift from it).
     """
-    blocks, inv_rms, partial = state
+    blocks, inv_rms, partial, stream = state
     # (w * g) . (k / rms(k)) == ((w * g) . k) * inv_rms(k): the key norm folds into the query.
     q = query.float().reshape(-1) * key_norm_weight.float()
     blocks32 = blocks.float()
@@ -89,11 +97,13 @@ def depth_mix(
     if _RECORDERS:
         _RECORDERS[-1].append(weights.detach())
     if scaling == "count":
-        weights = weights * logits.shape[0]
+        weights = weights * logits.shape[0] - 1.0
     m = blocks.shape[0]
     mixed = torch.einsum("mbt,mbtd->btd", weights[:m], blocks32)
     if partial is not None:
         mixed = mixed + weights[m].unsqueeze(-1) * partial32
+    if scaling == "count":
+        mixed = stream.float() + mixed
     return mixed.to(blocks.dtype)
 
 

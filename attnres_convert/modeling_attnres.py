@@ -142,10 +142,7 @@ def _positional_argnames(layer_cls: type) -> tuple[str, ...]:
 def stream_state(state) -> torch.Tensor:
     """The plain residual stream a BlockState stands for (sum of all sources): what the base model's
     hidden state would be. Used for `output_hidden_states` and for inspection."""
-    if not isinstance(state, BlockState):
-        return state
-    total = state.blocks.sum(0)
-    return total if state.partial is None else total + state.partial
+    return state.stream if isinstance(state, BlockState) else state
 
 
 def attach_depth_attention(causal_lm: nn.Module, config: AttnResConfig, family: Family) -> None:

@@ -30,6 +30,7 @@ def smollm2_folder(smollm2_path, tmp_path_factory):
 
     folder = tmp_path_factory.mktemp("smollm2-hf")
     model = AutoModelForCausalLM.from_pretrained(smollm2_path.parent, gguf_file=smollm2_path.name)
+    model.hf_quantizer = None  # the GGUF tensors are dequantised on load: plain float32 weights
     model.save_pretrained(folder)
     AutoTokenizer.from_pretrained(smollm2_path.parent, gguf_file=smollm2_path.name).save_pretrained(folder)
     return folder

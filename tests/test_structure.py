@@ -63,7 +63,7 @@ def _randomize_depth_params(model, seed=0):
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("_res_proj.weight"):
-                param.copy_(torch.randn(param.shape, generator=generator))
+                param.copy_(0.5 * torch.randn(param.shape, generator=generator))
             elif name.endswith("_res_norm.weight"):
                 param.copy_(1.0 + 0.3 * torch.randn(param.shape, generator=generator))
 
