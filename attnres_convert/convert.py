@@ -16,7 +16,8 @@ from pathlib import Path
 import torch
 
 from .card import conversion_card
-from .errors import VerificationError
+from .architectures import UnsupportedModelError
+from .errors import OutputError, VerificationError
 from .modeling_attnres import AttnResForCausalLM
 from .samples import SAMPLE_TEXT
 from .saving import check_output, save_converted
@@ -42,6 +43,14 @@ class ConvertResult:
     tokenizer: object | None = field(default=None, repr=False)
 
 
+def _check_not_source(source: ModelSource, out: str | os.PathLike) -> None:
+    """Writing the output over the input folder would replace the model being read."""
+    if source.kind != "folder":
+        return
+    if Path(os.path.abspath(Path(out).expanduser())).resolve() == Path(source.location).resolve():
+        raise OutputError(f"output {out} is the input model folder {source.name}. Choose another output path.")
+
+
 def convert(
     source: str | None = None,
     out: str | os.PathLike | None = None,
@@ -64,12 +73,17 @@ def convert(
     Raises SourceError / OutputError / UnsupportedModelError / BlockSizeError before any heavy work,
     and VerificationError (after conversion, before saving) when the check fails: nothing is written then.
     """
-    if out is not None:
-        check_output(out, overwrite)
     model_source: ModelSource = resolve_source(source)
+    if out is not None:
+        _check_not_source(model_source, out)
+        check_output(out, overwrite)
     with stage("Reading config"):
         config = load_config(model_source, trust_remote_code)
-        resolve_block_size(structure_of(config), block_size, num_blocks, full)  # refuse before loading weights
+        try:
+            structure = structure_of(config)
+        except UnsupportedModelError as error:
+            raise UnsupportedModelError(f"cannot convert {model_source.name}: {error}") from error
+        resolve_block_size(structure, block_size, num_blocks, full)  # refuse before loading weights
     with stage("Loading model"):
         base = load_model(model_source, dtype, trust_remote_code)
         tokenizer = load_tokenizer(model_source, trust_remote_code)

@@ -7,9 +7,14 @@ output path, and an existing output is untouched until its replacement is comple
 
 from __future__ import annotations
 
+import ctypes
+import errno
+import hashlib
 import json
 import os
 import shutil
+import socket
+import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -31,36 +36,162 @@ SHIPPED_CODE = ("configuration_attnres.py", "modeling_attnres.py", "architecture
 
 
 def check_output(out: str | os.PathLike, overwrite: bool = False) -> Path:
-    """Fail early, before any work, if the output cannot be written."""
-    path = Path(out).expanduser()
+    """Fail early, before any work, if the output cannot be written. Writes and leaves nothing.
+
+    Returns the output as an absolute path. With `overwrite`, only an empty folder or an earlier attnres
+    output is replaced: a typo such as `-o ~ --overwrite` must never delete a user's folder.
+    """
+    path = Path(os.path.abspath(Path(out).expanduser()))
+    if not path.name:
+        raise OutputError(f"output {out} is not a folder name. Pass a new folder, for example -o ./my-model-attnres.")
+    if path.is_symlink():
+        raise OutputError(f"output {out} is a symbolic link. Pass the real folder path, or choose another path.")
     if path.exists() and not path.is_dir():
         raise OutputError(f"output {out} is a file, not a folder. Choose another output path.")
-    if path.is_dir() and not overwrite and any(path.iterdir()):
-        raise OutputError(f"output folder {out} already exists. Pass --overwrite to replace it, or choose another path.")
-    parent = path.resolve().parent
-    existing = parent
-    while not existing.exists():
+    if path.is_dir() and _has_entries(path):
+        if not overwrite:
+            raise OutputError(f"output folder {out} already exists. Pass --overwrite to replace it, or choose another path.")
+        if not is_attnres_output(path):
+            raise OutputError(
+                f"output folder {out} exists and is not an attnres model folder (no config.json with model_type "
+                "'attnres'); --overwrite only replaces earlier attnres outputs. Choose another path, or remove it yourself."
+            )
+    existing = path.parent
+    while not existing.exists() and existing != existing.parent:
         existing = existing.parent
-    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
-        raise OutputError(f"cannot write to {existing} (read-only or not a folder). Choose an output path you can write to.")
+    if not existing.is_dir():
+        raise OutputError(f"cannot create {out}: {existing} is a file, not a folder. Choose another output path.")
+    _probe_writable(existing, out)
     return path
 
 
+def _has_entries(folder: Path) -> bool:
+    try:
+        return any(folder.iterdir())
+    except OSError as error:
+        raise OutputError(f"cannot read output folder {folder} ({error.strerror}). Choose another output path.") from error
+
+
+def _probe_writable(folder: Path, out) -> None:
+    """Really create (and remove) an entry: permission bits alone say nothing for root, read-only mounts,
+    immutable folders or /proc and /sys."""
+    try:
+        probe = tempfile.mkdtemp(prefix=".attnres-write-test-", dir=folder)
+    except OSError as error:
+        reason = error.strerror or type(error).__name__
+        raise OutputError(
+            f"cannot write {out}: {folder} is not writable ({reason}; read-only, immutable or not yours). "
+            "Choose an output path you can write to."
+        ) from error
+    os.rmdir(probe)
+
+
+def is_attnres_output(path: str | os.PathLike) -> bool:
+    """An empty folder or a folder attnres wrote (config.json with model_type 'attnres')."""
+    path = Path(path)
+    return path.is_dir() and (not any(path.iterdir()) or is_converted_folder(path))
+
+
+# Temporary folders are named .NAME.partial-<host>-<pid>-<random>: a later run on the same host can tell
+# that the process which made one is gone and remove it, and never mistakes one for the output.
+def _host_tag() -> str:
+    return hashlib.sha1(socket.gethostname().encode()).hexdigest()[:8]
+
+
+def partial_prefix(out: Path) -> str:
+    return f".{out.name}.partial-"
+
+
+def _stale(entry: Path, prefix: str) -> bool:
+    """A leftover of a process of this host that no longer runs."""
+    parts = entry.name[len(prefix):].split("-")
+    if len(parts) < 3 or parts[0] != _host_tag() or not parts[1].isdigit():
+        return False
+    pid = int(parts[1])
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # exists but not ours: alive
+        return False
+    return False
+
+
+def clean_stale_partials(out: str | os.PathLike) -> list[Path]:
+    """Remove temporary folders left beside OUT by killed runs on this host; returns what was removed.
+    Folders of running processes, of other hosts and anything not named like ours are left alone."""
+    out = Path(os.path.abspath(Path(out).expanduser()))
+    prefix = partial_prefix(out)
+    removed = []
+    try:
+        entries = list(out.parent.iterdir())
+    except OSError:
+        return removed
+    for entry in sorted(entries):
+        if entry.name.startswith(prefix) and entry.is_dir() and not entry.is_symlink() and _stale(entry, prefix):
+            if entry.name[len(prefix):].split("-")[2] == "old" and not out.exists():
+                # Killed between the two renames of the fallback swap: the previous output comes back.
+                os.replace(entry, out)
+                continue
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(entry)
+    return removed
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths in one atomic step (Linux renameat2 RENAME_EXCHANGE). False where unsupported."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    renameat2.restype = ctypes.c_int
+    at_fdcwd, rename_exchange = -100, 2
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP):
+        return False
+    raise OSError(code, os.strerror(code), str(b))
+
+
 def atomic_folder(out: Path, write: Callable[[Path], None], overwrite: bool = False) -> Path:
-    """Run `write(tmp)` into a temporary folder beside `out`, then move it into place."""
+    """Run `write(tmp)` into a temporary folder beside `out`, then move it into place.
+
+    A kill at any moment leaves either nothing or the previous output at `out`, never a partial folder:
+    an existing output is swapped for the new one in a single atomic rename once the new one is complete.
+    """
     out = check_output(out, overwrite)
-    out.resolve().parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.resolve().parent))
+    clean_stale_partials(out)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f"{partial_prefix(out)}{_host_tag()}-{os.getpid()}-", dir=out.parent))
+    except OSError as error:
+        raise OutputError(f"cannot write {out} ({error.strerror or error}). Choose an output path you can write to.") from error
     try:
         write(tmp)
         _fsync_tree(tmp)
         if out.exists():
-            old = out.with_name(f".{out.name}.old-{os.getpid()}")
-            os.replace(out, old)
-            os.replace(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
+            if _exchange(tmp, out):
+                shutil.rmtree(tmp, ignore_errors=True)  # tmp now holds the previous output
+            else:
+                old = Path(tempfile.mkdtemp(prefix=f"{partial_prefix(out)}{_host_tag()}-{os.getpid()}-old-", dir=out.parent))
+                os.replace(out, old)
+                os.replace(tmp, out)
+                shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, out)
+        _fsync_dir(out.parent)
+    except OSError as error:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise OutputError(
+            f"writing {out} failed ({error.strerror or error}: {error.filename or ''}); nothing was written there. "
+            "Check free disk space and permissions, then rerun."
+        ) from error
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -72,6 +203,19 @@ def _fsync_tree(folder: Path) -> None:
         if path.is_file():
             with open(path, "rb") as handle:
                 os.fsync(handle.fileno())
+
+
+def _fsync_dir(folder: Path) -> None:
+    try:
+        handle = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(handle)
+    except OSError:
+        pass
+    finally:
+        os.close(handle)
 
 
 def write_converted(model: AttnResForCausalLM, folder: Path, tokenizer=None, extra: dict[str, str] | None = None) -> None:

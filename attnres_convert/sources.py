@@ -6,6 +6,7 @@ Every failure becomes a SourceError naming the source and the fix; nothing here 
 from __future__ import annotations
 
 import json
+import re
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,8 +67,13 @@ def resolve_source(source: str | None) -> ModelSource:
     return ModelSource("hub", source, given=source)
 
 
+def _first_line(error: Exception) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
 def _hub_error(source: ModelSource, error: Exception) -> SourceError:
-    first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    first_line = _first_line(error)
     return SourceError(
         f"could not download {source.location!r} from the HuggingFace hub (is it reachable from here? "
         f"{first_line}). The hub id must be public or you must be logged in; offline, download the model "
@@ -116,7 +122,46 @@ def load_config(source: ModelSource, trust_remote_code: bool = False) -> PreTrai
             raise _remote_code_error(source) from error
         if source.kind == "hub":
             raise _hub_error(source, error) from error
-        raise SourceError(f"could not read the model config of {source.name}: {error}") from error
+        if "does not recognize this architecture" in str(error) or "Unrecognized model" in str(error):
+            raise _unknown_type_error(source) from error
+        if source.gguf_file:
+            raise SourceError(
+                f"could not read the GGUF file {source.name} ({_first_line(error)}). The file is truncated, corrupt "
+                "or not a GGUF model: re-download or re-export it."
+            ) from error
+        raise SourceError(f"could not read the model config of {source.name}: {_first_line(error)}") from error
+
+
+def _unknown_type_error(source: ModelSource) -> SourceError:
+    import transformers
+
+    from .architectures import supported_model_types
+
+    model_type = None
+    if source.kind == "folder":
+        try:
+            model_type = json.loads((Path(source.location) / "config.json").read_text()).get("model_type")
+        except (OSError, ValueError):
+            pass
+    what = f"model type {model_type!r}" if model_type else "a model type"
+    return SourceError(
+        f"{source.name} has {what} that transformers {transformers.__version__} does not know, so it cannot be "
+        f"loaded or converted. Supported model types: {', '.join(supported_model_types())}."
+    )
+
+
+WEIGHT_PATTERNS = ("*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.index.json")
+
+
+def _check_has_weights(source: ModelSource) -> None:
+    if source.kind != "folder":
+        return
+    folder = Path(source.location)
+    if not any(any(folder.glob(pattern)) for pattern in WEIGHT_PATTERNS):
+        raise SourceError(
+            f"{source.name} has a config.json but no weights (no *.safetensors or *.bin file). Pass the complete "
+            "folder written by save_pretrained, a .gguf file, or a hub id."
+        )
 
 
 def _check_local_config(source: ModelSource) -> None:
@@ -147,10 +192,12 @@ def _warn_if_pickle_only(source: ModelSource) -> None:
 def load_model(source: ModelSource, dtype: str = "auto", trust_remote_code: bool = False) -> PreTrainedModel:
     if dtype not in DTYPES:
         raise SourceError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
+    _check_has_weights(source)
     _warn_if_pickle_only(source)
     kwargs = source.load_kwargs()
     # GGUF weights are dequantised on load: float32 keeps them as stored.
     kwargs["dtype"] = torch.float32 if (source.gguf_file and dtype == "auto") else DTYPES[dtype]
+    kwargs["weights_only"] = True  # a pickle checkpoint may hold tensors only, never code (explicit: no env override)
     try:
         model = AutoModelForCausalLM.from_pretrained(
             source.location, trust_remote_code=trust_remote_code, **kwargs
@@ -160,11 +207,33 @@ def load_model(source: ModelSource, dtype: str = "auto", trust_remote_code: bool
             raise _remote_code_error(source) from error
         if source.kind == "hub":
             raise _hub_error(source, error) from error
+        if _is_unsafe_pickle(error):
+            raise _unsafe_pickle_error(source, error) from error
         raise SourceError(
-            f"could not load the weights of {source.name}: {error}. The file may be truncated or corrupt: "
+            f"could not load the weights of {source.name}: {_first_line(error)}. The file may be truncated or corrupt: "
             "re-download or re-export it."
         ) from error
     return model.eval()
+
+
+def _is_unsafe_pickle(error: BaseException | None) -> bool:
+    for _ in range(10):  # the error and its causes
+        if error is None:
+            return False
+        if "Weights only load failed" in str(error):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def _unsafe_pickle_error(source: ModelSource, error: Exception) -> SourceError:
+    found = re.search(r"GLOBAL ([\w.]+)", str(error))
+    what = f" ({found.group(1)})" if found else ""
+    return SourceError(
+        f"refused to load the pickle checkpoint of {source.name}: it contains Python objects other than tensors{what}, "
+        "which could run code. attnres reads pickle weights only with torch.load(weights_only=True). Use a "
+        "safetensors or GGUF copy of the model, or convert the checkpoint to safetensors where you trust it."
+    )
 
 
 def load_tokenizer(source: ModelSource, trust_remote_code: bool = False):

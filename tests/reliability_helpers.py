@@ -1,0 +1,92 @@
+"""Shared helpers of the reliability and security tests (issue 6): run the CLI, check a user error, make
+tiny model folders and broken copies of them."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_cli(*args, env: dict | None = None):
+    """`attnres ARGS` in this process (a CliRunner): the exit code and everything printed."""
+    import cli
+
+    return CliRunner().invoke(cli.app, [str(arg) for arg in args], env=env)
+
+
+def squash(text: str) -> str:
+    """Without whitespace: Rich wraps long messages at the terminal width, anywhere a space is."""
+    return "".join(text.split())
+
+
+def leftovers(out: Path) -> list[Path]:
+    """Anything named after OUT beside it: the output itself or a temporary folder for it."""
+    out = Path(os.path.abspath(out))
+    if not out.parent.is_dir():
+        return []
+    return sorted(p for p in out.parent.iterdir() if p.name == out.name or p.name.startswith(f".{out.name}."))
+
+
+def assert_user_error(result, *needles: str, out: Path | None = None, code: int = 2) -> str:
+    """Exit code 2, a one-line `error:` that contains every needle (case-insensitive), no traceback, and
+    nothing written at OUT (not even a temporary folder beside it)."""
+    output = result.output
+    assert result.exit_code == code, f"exit code {result.exit_code}, output:\n{output}\n{result.exception!r}"
+    assert isinstance(result.exception, SystemExit), repr(result.exception)
+    assert "Traceback" not in output, output
+    assert "error" in output.lower(), output
+    flat = squash(output).lower()
+    for needle in needles:
+        assert squash(str(needle)).lower() in flat, f"{needle!r} not in:\n{output}"
+    if out is not None:
+        assert leftovers(Path(out)) == [], f"written at the output: {leftovers(Path(out))}"
+    return output
+
+
+def run_attnres(*args, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    """The installed `attnres` entry point (cli:main) in a fresh Python."""
+    full_env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", **(env or {})}
+    return subprocess.run(
+        [sys.executable, "-c", "import sys; from cli import main; sys.exit(main())", *map(str, args)],
+        cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL,
+    )
+
+
+def save_tiny(folder: Path, family: str = "llama", **save_kwargs) -> Path:
+    from tiny_models import tiny_model
+
+    tiny_model(family).save_pretrained(folder, **save_kwargs)
+    return folder
+
+
+def save_config_only(folder: Path, config) -> Path:
+    config.save_pretrained(folder)
+    return folder
+
+
+def copy_model(source: Path, dest: Path) -> Path:
+    shutil.copytree(source, dest)
+    return dest
+
+
+def truncate(path: Path, fraction: float = 0.5) -> Path:
+    size = path.stat().st_size
+    with open(path, "r+b") as handle:
+        handle.truncate(int(size * fraction))
+    return path
+
+
+def edit_config(folder: Path, **changes) -> Path:
+    path = folder / "config.json"
+    data = json.loads(path.read_text())
+    data.update(changes)
+    path.write_text(json.dumps(data, indent=2))
+    return folder

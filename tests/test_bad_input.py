@@ -1,0 +1,349 @@
+"""Issue 6, bad input: every row gets exit code 2, a message naming the input and the fix, and nothing at
+the output path (not even a temporary folder beside it). Real files, real CLI (CliRunner on `cli.app`)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import transformers as T
+
+from reliability_helpers import (
+    assert_user_error,
+    copy_model,
+    edit_config,
+    leftovers,
+    run_attnres,
+    run_cli,
+    save_config_only,
+    save_tiny,
+    truncate,
+)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory) -> Path:
+    """A tiny Llama saved by save_pretrained (3 layers: 6 sublayers)."""
+    return save_tiny(tmp_path_factory.mktemp("bad-input") / "tiny-llama")
+
+
+# ---------------------------------------------------------------- the source
+
+
+def test_missing_path(tmp_path):
+    missing = tmp_path / "no-such-model"
+    out = tmp_path / "out"
+    result = run_cli("convert", missing, "-o", out)
+    assert_user_error(result, str(missing), "no such file or folder", "check the path", out=out)
+
+
+def test_missing_gguf_file(tmp_path):
+    missing = tmp_path / "model.gguf"
+    out = tmp_path / "out"
+    assert_user_error(run_cli("convert", missing, "-o", out), str(missing), "no such file", out=out)
+
+
+def test_folder_that_is_not_a_model(tmp_path):
+    folder = tmp_path / "notes"
+    folder.mkdir()
+    (folder / "readme.txt").write_text("not a model")
+    out = tmp_path / "out"
+    result = run_cli("convert", folder, "-o", out)
+    assert_user_error(result, str(folder), "not a model folder", "config.json", "save_pretrained", out=out)
+
+
+def test_file_that_is_not_a_model(tmp_path):
+    path = tmp_path / "weights.txt"
+    path.write_text("hello")
+    out = tmp_path / "out"
+    assert_user_error(run_cli("convert", path, "-o", out), str(path), "not a .gguf file", "model folder", out=out)
+
+
+def test_config_that_is_not_json(tmp_path):
+    folder = tmp_path / "broken"
+    folder.mkdir()
+    (folder / "config.json").write_text("{ this is not json")
+    out = tmp_path / "out"
+    assert_user_error(run_cli("convert", folder, "-o", out), "config.json", "not valid JSON", out=out)
+
+
+def test_config_without_weights(tmp_path, tiny_llama):
+    folder = tmp_path / "config-only"
+    folder.mkdir()
+    shutil.copy(tiny_llama / "config.json", folder)
+    out = tmp_path / "out"
+    result = run_cli("convert", folder, "-o", out)
+    assert_user_error(result, str(folder), "no weights", "save_pretrained", out=out)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage", "empty"])
+def test_corrupt_safetensors(tmp_path, tiny_llama, damage):
+    folder = copy_model(tiny_llama, tmp_path / f"{damage}-model")
+    weights = folder / "model.safetensors"
+    if damage == "truncated":
+        truncate(weights, 0.5)
+    elif damage == "garbage":
+        weights.write_bytes(b"\x00\x01 definitely not safetensors " * 100)
+    else:
+        weights.write_bytes(b"")
+    out = tmp_path / "out"
+    result = run_cli("convert", folder, "-o", out)
+    assert_user_error(result, str(folder), "could not load the weights", "truncated or corrupt", "re-download", out=out)
+
+
+def test_truncated_gguf(tmp_path, smollm2_path):
+    """The real SmolLM2 GGUF cut after 3 MB (inside its metadata and tokenizer)."""
+    path = tmp_path / "SmolLM2-truncated.gguf"
+    with open(smollm2_path, "rb") as source:
+        path.write_bytes(source.read(3_000_000))
+    out = tmp_path / "out"
+    result = run_cli("convert", path, "-o", out)
+    assert_user_error(result, str(path), "truncated, corrupt", "re-download", out=out)
+
+
+@pytest.mark.parametrize("content", [b"", b"GGUF\x03\x00\x00\x00" + b"\xff" * 40, os.urandom(4096)], ids=["empty", "bad-header", "random"])
+def test_corrupt_gguf(tmp_path, content):
+    path = tmp_path / "model.gguf"
+    path.write_bytes(content)
+    out = tmp_path / "out"
+    result = run_cli("convert", path, "-o", out)
+    assert_user_error(result, str(path), "GGUF", "re-download", out=out)
+
+
+# ---------------------------------------------------------------- the architecture
+
+
+def _opt():
+    return T.OPTConfig(hidden_size=32, num_hidden_layers=2, ffn_dim=64, num_attention_heads=4, vocab_size=128,
+                       word_embed_proj_dim=32)
+
+
+def _olmo2():
+    return T.Olmo2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=128)
+
+
+def _bert():
+    return T.BertConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=128)
+
+
+def _t5():
+    return T.T5Config(d_model=32, d_ff=64, num_layers=2, num_heads=4, d_kv=8, vocab_size=128)
+
+
+def _bart():
+    return T.BartConfig(d_model=32, encoder_ffn_dim=64, decoder_ffn_dim=64, encoder_layers=1, decoder_layers=1,
+                        encoder_attention_heads=4, decoder_attention_heads=4, vocab_size=128)
+
+
+@pytest.mark.parametrize(
+    "make, needles",
+    [
+        (_opt, ["'opt'", "not a supported PreNorm decoder family"]),
+        (_olmo2, ["OLMo-2", "post-norm"]),
+        (_bert, ["BERT", "encoder"]),
+        (_t5, ["T5", "encoder-decoder"]),
+        (_bart, ["BART", "encoder-decoder"]),
+    ],
+    ids=["opt-unsupported", "olmo2-not-prenorm", "bert-encoder", "t5-encoder-decoder", "bart-encoder-decoder"],
+)
+def test_refused_architectures(tmp_path, make, needles):
+    """Refused from the config alone, before any weights are read; the message says why and what is supported."""
+    folder = save_config_only(tmp_path / "model", make())
+    out = tmp_path / "out"
+    result = run_cli("convert", folder, "-o", out)
+    assert_user_error(result, str(folder), *needles, "Supported model types", "llama", out=out)
+
+
+def test_unsupported_architecture_with_weights(tmp_path):
+    """A complete tiny OPT (weights too) is refused the same way."""
+    from transformers import AutoModelForCausalLM
+
+    folder = tmp_path / "tiny-opt"
+    AutoModelForCausalLM.from_config(_opt()).save_pretrained(folder)
+    out = tmp_path / "out"
+    assert_user_error(run_cli("convert", folder, "-o", out), str(folder), "'opt'", "Supported model types", out=out)
+
+
+def test_made_up_model_type(tmp_path, tiny_llama):
+    folder = edit_config(copy_model(tiny_llama, tmp_path / "mystery"), model_type="made_up_lm")
+    out = tmp_path / "out"
+    result = run_cli("convert", folder, "-o", out)
+    assert_user_error(result, str(folder), "made_up_lm", "does not know", "Supported model types", out=out)
+
+
+def test_gpt2_with_cross_attention(tmp_path, tiny_llama):
+    folder = save_config_only(tmp_path / "gpt2-x", T.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=128,
+                                                                  add_cross_attention=True))
+    out = tmp_path / "out"
+    assert_user_error(run_cli("convert", folder, "-o", out), "add_cross_attention", "cross-attention", out=out)
+
+
+def test_already_converted_model(tmp_path, tiny_llama):
+    out1 = tmp_path / "converted"
+    assert run_cli("convert", tiny_llama, "-o", out1, "--no-verify").exit_code == 0
+    out2 = tmp_path / "again"
+    result = run_cli("convert", out1, "-o", out2)
+    assert_user_error(result, str(out1), "already an AttnRes model", "original model", out=out2)
+
+
+# ---------------------------------------------------------------- the hub without network
+
+
+@pytest.mark.parametrize("endpoint", ["http://127.0.0.1:9", "http://10.255.255.1"], ids=["refused", "black-hole"])
+def test_hub_id_without_network_fails_fast(tmp_path, endpoint):
+    """A hub id with no hub: the installed command answers in seconds (not after minutes of retries),
+    says the hub is unreachable and how to go on offline. Both a refused connection and a black hole."""
+    out = tmp_path / "out"
+    env = {"HF_ENDPOINT": endpoint, "HF_HOME": str(tmp_path / "hf-home"), "HF_HUB_OFFLINE": "0"}
+    env.pop("HF_TOKEN", None)
+    start = time.monotonic()
+    result = run_attnres("convert", "some-org/some-model", "-o", out, env=env, timeout=90)
+    elapsed = time.monotonic() - start
+    assert result.returncode == 2, result.stderr
+    message = " ".join(result.stderr.split())
+    # The TCP check says "unreachable"; where something accepts the connection but is no hub, the HTTP
+    # error is reported instead ("is it reachable from here?"). Either way: the id, the cause, the way out.
+    assert "'some-org/some-model'" in message and "reachable" in message, message
+    assert "local" in message and "a .gguf file instead" in message, message
+    assert "Traceback" not in result.stderr
+    assert elapsed < 30, f"took {elapsed:.1f} s"  # about 5 s of imports + a 3 s connect timeout
+    assert leftovers(out) == []
+
+
+# ---------------------------------------------------------------- block size / block count
+
+
+BLOCK_SIZE_CASES = [
+    (["--block-size", "0"], ["block size", ">= 1", "got 0"]),
+    (["--block-size", "-2"], ["block size", ">= 1", "got -2"]),
+    (["--block-size", "2.5"], ["--block-size", "valid integer"]),
+    (["--block-size", "two"], ["--block-size", "valid integer"]),
+    (["--block-size", "7"], ["block size 7", "6 sublayers", "at most 6"]),
+    (["--num-blocks", "0"], ["number of blocks", ">= 1", "got 0"]),
+    (["--num-blocks", "-3"], ["number of blocks", ">= 1"]),
+    (["--num-blocks", "1.5"], ["--num-blocks", "valid integer"]),
+    (["--num-blocks", "99"], ["99 blocks", "6 sublayers", "at most 6"]),
+    (["--block-size", "2", "--full"], ["only one of", "--block-size", "--full"]),
+    (["--block-size", "2", "--num-blocks", "3"], ["only one of", "--num-blocks"]),
+]
+
+
+@pytest.mark.parametrize("args, needles", BLOCK_SIZE_CASES, ids=[" ".join(args) for args, _ in BLOCK_SIZE_CASES])
+def test_bad_block_size(tmp_path, tiny_llama, args, needles):
+    out = tmp_path / "out"
+    assert_user_error(run_cli("convert", tiny_llama, "-o", out, *args), *needles, out=out)
+
+
+# ---------------------------------------------------------------- the output
+
+
+def test_output_missing(tiny_llama):
+    assert_user_error(run_cli("convert", tiny_llama), "--output")
+
+
+def test_output_exists_without_overwrite(tmp_path, tiny_llama):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    result = run_cli("convert", tiny_llama, "-o", out)
+    assert_user_error(result, str(out), "already exists", "--overwrite")
+    assert sorted(p.name for p in out.iterdir()) == ["keep.txt"] and (out / "keep.txt").read_text() == "mine"
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def test_overwrite_refuses_a_folder_attnres_did_not_write(tmp_path, tiny_llama):
+    """`--overwrite` replaces an earlier attnres output only: `-o ~ --overwrite` must not delete a home folder."""
+    out = tmp_path / "documents"
+    out.mkdir()
+    (out / "thesis.tex").write_text("years of work")
+    result = run_cli("convert", tiny_llama, "-o", out, "--overwrite")
+    assert_user_error(result, str(out), "not an attnres model folder", "choose another path")
+    assert (out / "thesis.tex").read_text() == "years of work"
+
+
+def test_output_is_a_file(tmp_path, tiny_llama):
+    out = tmp_path / "out.txt"
+    out.write_text("a file")
+    for extra in ([], ["--overwrite"]):
+        assert_user_error(run_cli("convert", tiny_llama, "-o", out, *extra), str(out), "is a file")
+        assert out.read_text() == "a file"
+
+
+def test_output_below_a_file(tmp_path, tiny_llama):
+    blocker = tmp_path / "blocker"
+    blocker.write_text("a file")
+    out = blocker / "sub" / "out"
+    assert_user_error(run_cli("convert", tiny_llama, "-o", out), str(blocker), "is a file")
+    assert blocker.read_text() == "a file"
+
+
+def test_output_is_the_input_folder(tmp_path, tiny_llama):
+    folder = copy_model(tiny_llama, tmp_path / "model")
+    before = sorted(p.name for p in folder.iterdir())
+    for extra in ([], ["--overwrite"]):
+        assert_user_error(run_cli("convert", folder, "-o", folder, *extra), str(folder), "input model folder")
+    assert sorted(p.name for p in folder.iterdir()) == before
+
+
+def test_output_is_a_symlink(tmp_path, tiny_llama):
+    target = tmp_path / "target"
+    target.mkdir()
+    out = tmp_path / "link"
+    out.symlink_to(target)
+    assert_user_error(run_cli("convert", tiny_llama, "-o", out, "--overwrite"), str(out), "symbolic link")
+    assert out.is_symlink() and list(target.iterdir()) == []
+
+
+def _immutable(folder: Path) -> bool:
+    """Make FOLDER read-only even for root (the immutable attribute), if this filesystem allows it."""
+    if shutil.which("chattr") is None:
+        return False
+    return subprocess.run(["chattr", "+i", str(folder)], capture_output=True).returncode == 0
+
+
+def test_output_in_a_read_only_folder(tmp_path, tiny_llama):
+    """Read-only for real: root ignores permission bits, so as root the folder is made immutable (chattr +i),
+    otherwise chmod 555. check_output creates a probe entry instead of trusting os.access."""
+    parent = tmp_path / "locked"
+    parent.mkdir()
+    if os.geteuid() == 0:
+        if not _immutable(parent):
+            pytest.skip("running as root on a filesystem without the immutable attribute")
+    else:
+        parent.chmod(0o555)
+    try:
+        for out in (parent / "out", parent / "deeper" / "out"):
+            result = run_cli("convert", tiny_llama, "-o", out)
+            assert_user_error(result, str(out), str(parent), "not writable", "choose an output path you can write to")
+        assert list(parent.iterdir()) == []
+    finally:
+        if os.geteuid() == 0:
+            subprocess.run(["chattr", "-i", str(parent)], check=True)
+        else:
+            parent.chmod(0o755)
+
+
+@pytest.mark.parametrize("out", ["/sys/attnres-test-output", "/proc/attnres-test-output"])
+def test_output_on_a_read_only_filesystem(tiny_llama, out):
+    """/sys and /proc refuse new folders even for root, while os.access says they are writable."""
+    if not Path(out).parent.is_dir() or Path(out).exists():
+        pytest.skip(f"{Path(out).parent} is not a pseudo-filesystem here")
+    assert_user_error(run_cli("convert", tiny_llama, "-o", out), out, "not writable", "choose an output path")
+    assert not Path(out).exists()
+
+
+def test_check_output_does_not_trust_os_access(tmp_path, monkeypatch):
+    """The library call alone: a folder os.access calls writable but where mkdir fails is refused."""
+    from attnres_convert.errors import OutputError
+    from attnres_convert.saving import check_output
+
+    if not Path("/sys").is_dir() or not os.access("/sys", os.W_OK):
+        pytest.skip("needs /sys where os.access says writable")
+    with pytest.raises(OutputError, match="not writable"):
+        check_output("/sys/attnres-out")
+    assert check_output(tmp_path / "fine") == tmp_path / "fine"
+    assert list(tmp_path.iterdir()) == []  # the probe is gone
