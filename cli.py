@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import sys
+import warnings
 from collections.abc import Iterator
 from enum import Enum
 from pathlib import Path
@@ -12,6 +14,7 @@ from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -43,9 +46,23 @@ class DType(str, Enum):
     float16 = "float16"
 
 
+def scrubbed(text: str) -> str:
+    """TEXT without a HuggingFace token (HF_TOKEN's value or anything shaped like one)."""
+    try:
+        from attnres_convert.hub import scrub
+    except Exception:  # noqa: BLE001 - an error message must always print
+        return text
+    return scrub(text, os.environ.get("HF_TOKEN") or os.environ.get("HUGGING_FACE_HUB_TOKEN") or None)
+
+
 def fail(message: str, code: int = EXIT_BAD_INPUT) -> None:
-    err_console.print(f"[bold red]error:[/] {message}", highlight=False)
+    # Escaped: a path or an upstream message with [brackets] is text, not Rich markup.
+    err_console.print(f"[bold red]error:[/] {escape(scrubbed(message))}", highlight=False)
     raise typer.Exit(code)
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    err_console.print(f"[yellow]warning:[/] {escape(scrubbed(str(message)))}", highlight=False)
 
 
 @contextlib.contextmanager
@@ -54,7 +71,9 @@ def user_errors() -> Iterator[None]:
     from attnres_convert import AttnResError, BlockSizeError, UnsupportedModelError, VerificationError
 
     try:
-        yield
+        with warnings.catch_warnings():
+            warnings.showwarning = _show_warning  # "warning: ..." lines, e.g. for a pickle-only checkpoint
+            yield
     except VerificationError as error:
         fail(str(error), EXIT_FAILED_CHECK)
     except (AttnResError, BlockSizeError, UnsupportedModelError) as error:
@@ -208,7 +227,13 @@ def push(
     push_saved(folder, repo_id, private=private, revision=revision, commit_message=commit_message, token=token)
 
 
+def _terminate(signum, frame) -> None:
+    # SIGTERM unwinds like Ctrl-C (temporary folders are removed, checkpoints closed), exit code 128 + 15.
+    raise SystemExit(128 + signum)
+
+
 def main() -> None:
+    signal.signal(signal.SIGTERM, _terminate)
     app()
 
 

@@ -90,3 +90,37 @@ def edit_config(folder: Path, **changes) -> Path:
     data.update(changes)
     path.write_text(json.dumps(data, indent=2))
     return folder
+
+
+# ---------------------------------------------------------------- fault injection (run in a child process)
+
+
+def convert_in_child(source: str, out: str, block_size: int, verify: bool, conn) -> None:
+    """`attnres_convert.convert` reporting each stage over CONN as it starts (the parent kills us at chosen
+    moments). Runs in a forkserver child: torch and transformers are already imported there."""
+    import contextlib
+
+    from attnres_convert import convert
+
+    @contextlib.contextmanager
+    def stage(name):
+        conn.send(name)
+        yield
+
+    conn.send("started")
+    convert(source, out, block_size=block_size, verify=verify, overwrite=True, stage=stage)
+    conn.send("done")
+
+
+def snapshot(folder: Path) -> dict[str, str] | None:
+    """Relative path -> sha256 of every file under FOLDER (None when it does not exist)."""
+    import hashlib
+
+    folder = Path(folder)
+    if not folder.exists():
+        return None
+    return {
+        str(path.relative_to(folder)): hashlib.sha256(path.read_bytes()).hexdigest()
+        for path in sorted(folder.rglob("*"))
+        if path.is_file()
+    }

@@ -1,0 +1,322 @@
+"""Issue 6, security: remote code only with --trust-remote-code; pickle weights only with weights_only (and a
+warning); no unsafe loader anywhere in the package; the code shipped next to converted weights only
+defines the model."""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from reliability_helpers import ROOT, assert_user_error, leftovers, run_cli, save_tiny
+
+PACKAGE = ROOT / "attnres_convert"
+SENTINEL_ENV = "ATTNRES_TEST_REMOTE_CODE_SENTINEL"
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory) -> Path:
+    return save_tiny(tmp_path_factory.mktemp("security") / "tiny-llama")
+
+
+# ---------------------------------------------------------------- remote code
+
+CUSTOM_CONFIG = f'''
+import os
+import pathlib
+
+from transformers import LlamaConfig
+
+# Proof that this file ran: it writes the file named by ${SENTINEL_ENV}.
+_sentinel = os.environ.get("{SENTINEL_ENV}")
+if _sentinel:
+    pathlib.Path(_sentinel).write_text("the model's own code ran")
+
+
+class CustomConfig(LlamaConfig):
+    model_type = "llama"
+'''
+
+CUSTOM_MODELING = '''
+from transformers import LlamaForCausalLM
+
+from .configuration_custom import CustomConfig
+
+
+class CustomForCausalLM(LlamaForCausalLM):
+    config_class = CustomConfig
+'''
+
+
+@pytest.fixture()
+def remote_code_model(tmp_path, tiny_llama) -> Path:
+    """A local folder whose config maps AutoConfig / AutoModelForCausalLM to its own Python files, and whose
+    model type transformers does not know: it loads only by running that code."""
+    folder = tmp_path / "custom-model"
+    folder.mkdir()
+    (folder / "model.safetensors").write_bytes((tiny_llama / "model.safetensors").read_bytes())
+    config = json.loads((tiny_llama / "config.json").read_text())
+    config.update(
+        model_type="tiny_custom_llama",
+        architectures=["CustomForCausalLM"],
+        auto_map={"AutoConfig": "configuration_custom.CustomConfig",
+                  "AutoModelForCausalLM": "modeling_custom.CustomForCausalLM"},
+    )
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    (folder / "configuration_custom.py").write_text(CUSTOM_CONFIG)
+    (folder / "modeling_custom.py").write_text(CUSTOM_MODELING)
+    return folder
+
+
+def test_remote_code_is_refused_without_the_flag(tmp_path, remote_code_model, monkeypatch):
+    sentinel = tmp_path / "remote-code-ran"
+    monkeypatch.setenv(SENTINEL_ENV, str(sentinel))
+    out = tmp_path / "out"
+    result = run_cli("convert", remote_code_model, "-o", out)
+    assert_user_error(result, str(remote_code_model), "needs custom code", "--trust-remote-code", out=out)
+    assert not sentinel.exists(), "the model's code ran without --trust-remote-code"
+
+    # The library calls refuse too: the config and the weights.
+    from attnres_convert.errors import SourceError
+    from attnres_convert.sources import load_config, load_model, resolve_source
+
+    source = resolve_source(str(remote_code_model))
+    for load in (load_config, load_model):
+        with pytest.raises(SourceError, match="--trust-remote-code"):
+            load(source)
+    assert not sentinel.exists()
+
+
+def test_remote_code_runs_with_the_flag(tmp_path, remote_code_model):
+    """In a fresh Python with its own module cache: with trust_remote_code the custom classes load."""
+    sentinel = tmp_path / "remote-code-ran"
+    env = {**os.environ, SENTINEL_ENV: str(sentinel), "HF_MODULES_CACHE": str(tmp_path / "modules"),
+           "HF_HOME": str(tmp_path / "hf-home")}
+    code = textwrap.dedent(f"""
+        from attnres_convert.sources import load_config, load_model, resolve_source
+        source = resolve_source({str(remote_code_model)!r})
+        print(type(load_config(source, trust_remote_code=True)).__name__)
+        print(type(load_model(source, trust_remote_code=True)).__name__)
+    """)
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=120, stdin=subprocess.DEVNULL)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["CustomConfig", "CustomForCausalLM"]
+    assert sentinel.read_text() == "the model's own code ran"
+
+
+# ---------------------------------------------------------------- pickle checkpoints
+
+
+def _pickle_folder(folder: Path, tiny_llama: Path, state: dict) -> Path:
+    folder.mkdir()
+    (folder / "config.json").write_text((tiny_llama / "config.json").read_text())
+    torch.save(state, folder / "pytorch_model.bin")
+    return folder
+
+
+def _state_dict(tiny_llama: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(tiny_llama / "model.safetensors")
+
+
+def test_pickle_checkpoint_loads_with_a_warning(tmp_path, tiny_llama):
+    folder = _pickle_folder(tmp_path / "pickled", tiny_llama, _state_dict(tiny_llama))
+    out = tmp_path / "out"
+    result = run_cli("convert", folder, "-o", out)
+    assert result.exit_code == 0, result.output
+    flat = " ".join(result.output.split())
+    assert "warning:" in flat and "pickle" in flat and "weights_only=True" in flat and "safetensors" in flat, flat
+    assert (out / "model.safetensors").is_file() and not list(out.glob("*.bin"))  # the output is safetensors
+
+
+class _RunsCode:
+    """Unpickling this calls exec(): what a malicious pytorch_model.bin does."""
+
+    def __init__(self, sentinel: Path):
+        self.sentinel = sentinel
+
+    def __reduce__(self):
+        return (exec, (f"open({str(self.sentinel)!r}, 'w').write('pwned')",))
+
+
+@pytest.mark.parametrize("force_unsafe_env", [False, True], ids=["default", "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"])
+def test_malicious_pickle_is_refused(tmp_path, tiny_llama, monkeypatch, force_unsafe_env):
+    """A pickle that would run code is refused (weights_only=True, passed explicitly so torch's environment
+    override cannot turn it off), with a message saying why and what to use instead."""
+    sentinel = tmp_path / "pwned"
+    state = _state_dict(tiny_llama)
+    state["model.payload"] = _RunsCode(sentinel)
+    folder = _pickle_folder(tmp_path / "evil", tiny_llama, state)
+    assert b"exec" in (folder / "pytorch_model.bin").read_bytes()  # the payload is in the file
+    if force_unsafe_env:
+        monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
+    out = tmp_path / "out"
+    result = run_cli("convert", folder, "-o", out)
+    assert_user_error(result, str(folder), "refused to load the pickle checkpoint", "exec",
+                      "weights_only=True", "safetensors", out=out)
+    assert not sentinel.exists(), "unpickling ran code"
+
+
+# ---------------------------------------------------------------- static checks of the package
+
+
+def _python_files(folder: Path) -> list[Path]:
+    return sorted(folder.glob("*.py"))
+
+
+def _calls(tree: ast.AST):
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            yield node
+
+
+def _dotted(node: ast.AST) -> str:
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        return f"{_dotted(node.value)}.{node.attr}"
+    return "?"
+
+
+def _keyword(call: ast.Call, name: str):
+    for keyword in call.keywords:
+        if keyword.arg == name:
+            return keyword.value
+    return None
+
+
+def test_no_unsafe_deserialisation_anywhere_in_the_package():
+    """Every torch.load passes weights_only=True; YAML only through safe_load/SafeLoader; no pickle, marshal,
+    eval or exec. Scans every module of attnres_convert and cli.py (also code added later)."""
+    problems = []
+    for path in _python_files(PACKAGE) + [ROOT / "cli.py"]:
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                names = [alias.name for alias in node.names] + ([node.module] if isinstance(node, ast.ImportFrom) and node.module else [])
+                for name in names:
+                    if name.split(".")[0] in ("pickle", "marshal", "shelve", "dill", "cloudpickle"):
+                        problems.append(f"{path.name}:{node.lineno} imports {name}")
+        for call in _calls(tree):
+            name = _dotted(call.func)
+            where = f"{path.name}:{call.lineno} {name}"
+            if name.endswith("torch.load"):
+                flag = _keyword(call, "weights_only")
+                if not (isinstance(flag, ast.Constant) and flag.value is True):
+                    problems.append(f"{where} without weights_only=True")
+            if name in ("eval", "exec", "compile", "__import__"):
+                problems.append(f"{where}: evaluates code")
+            if name in ("yaml.load", "yaml.load_all"):
+                loader = _keyword(call, "Loader") or (call.args[1] if len(call.args) > 1 else None)
+                if loader is None or "Safe" not in _dotted(loader):
+                    problems.append(f"{where} without SafeLoader")
+            if name in ("yaml.unsafe_load", "yaml.full_load", "yaml.unsafe_load_all", "yaml.full_load_all"):
+                problems.append(f"{where}: unsafe YAML loader")
+            if name.endswith("from_pretrained"):
+                flag = _keyword(call, "trust_remote_code")
+                if isinstance(flag, ast.Constant) and flag.value is True:
+                    problems.append(f"{where} with trust_remote_code=True hard-coded")
+    assert problems == []
+
+
+# What the code saved next to converted weights may import: torch, transformers, its own files (relative
+# imports) and pure-computation parts of the standard library.
+ALLOWED_STDLIB = {"__future__", "typing", "dataclasses", "collections", "contextlib", "inspect", "math", "enum",
+                  "functools", "itertools", "abc", "numbers", "copy", "types", "operator", "warnings"}
+ALLOWED_THIRD_PARTY = {"torch", "transformers"}
+FORBIDDEN_CALLS = {"open", "eval", "exec", "compile", "__import__", "breakpoint", "input"}
+# Attribute names that reach files, processes or the network from torch/transformers objects.
+FORBIDDEN_ATTRIBUTES = {"load", "save", "hub", "load_library", "cpp_extension", "system", "popen", "urlopen",
+                        "hf_hub_download", "snapshot_download", "cached_file", "download", "unlink", "write_text", "write_bytes",
+                        "rmtree", "environ", "getenv", "set_trace"}
+
+
+def _shipped_files(tmp_path: Path) -> list[Path]:
+    """The .py files of a real converted folder (whatever save_pretrained copies, not a list kept by hand)."""
+    from attnres_convert import save_converted
+    from attnres_convert.surgery import convert_model
+    from tiny_models import tiny_model
+
+    out = save_converted(convert_model(tiny_model("llama"), block_size=2), tmp_path / "converted")
+    return sorted(out.glob("*.py"))
+
+
+def test_shipped_code_only_defines_the_model(tmp_path):
+    files = _shipped_files(tmp_path)
+    from attnres_convert.saving import SHIPPED_CODE
+
+    assert sorted(path.name for path in files) == sorted(SHIPPED_CODE)
+    imports, problems = {}, []
+    for path in files:
+        tree = ast.parse(path.read_text(), filename=path.name)
+        for node in ast.walk(tree):
+            where = f"{path.name}:{getattr(node, 'lineno', '?')}"
+            if isinstance(node, ast.Import):
+                modules = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                modules = [] if node.level else [node.module or ""]
+                if node.level:
+                    local = (node.module or "").split(".")[0] + ".py"
+                    if local not in SHIPPED_CODE:
+                        problems.append(f"{where}: relative import of {node.module}, not shipped")
+            else:
+                modules = []
+            for module in modules:
+                imports.setdefault(path.name, set()).add(module)
+                top = module.split(".")[0]
+                if top not in ALLOWED_STDLIB | ALLOWED_THIRD_PARTY:
+                    problems.append(f"{where}: imports {module}")
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in FORBIDDEN_CALLS:
+                problems.append(f"{where}: calls {node.func.id}()")
+            if isinstance(node, ast.Attribute) and node.attr in FORBIDDEN_ATTRIBUTES:
+                problems.append(f"{where}: uses .{node.attr} ({_dotted(node)})")
+            if isinstance(node, ast.Name) and node.id in ("__builtins__", "__loader__", "__spec__"):
+                problems.append(f"{where}: touches {node.id}")
+    assert problems == [], problems
+    # What it does import (kept visible in the test output on failure): torch, transformers, typing helpers.
+    everything = set().union(*imports.values())
+    assert {"torch", "transformers"} <= {module.split(".")[0] for module in everything}
+
+
+def test_shipped_code_opens_no_file_and_no_connection_at_runtime(tmp_path):
+    """A converted folder loaded through trust_remote_code in a fresh Python (as a user without attnres
+    would): no connection while loading and running it, and its forward pass opens no file."""
+    folder = _shipped_files(tmp_path)[0].parent
+    code = textwrap.dedent(f"""
+        import builtins, socket
+        import torch
+        from transformers import AutoModelForCausalLM
+        connections, opened = [], []
+        real_connect, real_open = socket.socket.connect, builtins.open
+        def watched_connect(self, address):
+            connections.append(address)
+            return real_connect(self, address)
+        def watched_open(file, *args, **kwargs):
+            opened.append(str(file))
+            return real_open(file, *args, **kwargs)
+        socket.socket.connect = watched_connect
+        model = AutoModelForCausalLM.from_pretrained({str(folder)!r}, trust_remote_code=True)
+        assert type(model).__name__ == "AttnResForCausalLM", type(model)
+        builtins.open = watched_open
+        with torch.no_grad():
+            model(torch.tensor([[5, 6, 7]]))
+            model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=3, do_sample=False)
+        builtins.open = real_open
+        print("OPENED", opened)
+        print("CONNECTIONS", connections)
+    """)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp_path / "modules"), "HF_HOME": str(tmp_path / "hf")}
+    result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                            timeout=120, stdin=subprocess.DEVNULL)
+    assert result.returncode == 0, result.stderr
+    report = [line for line in result.stdout.splitlines() if line.startswith(("OPENED", "CONNECTIONS"))]
+    assert report == ["OPENED []", "CONNECTIONS []"], result.stdout
