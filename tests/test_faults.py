@@ -250,3 +250,27 @@ def test_installed_command_interrupted_while_saving(tmp_path, models, sig):
         assert partials(out) == [], "the temporary folder was not removed"
         assert "Traceback" not in result.stderr, result.stderr
     assert json.loads((out / "config.json").read_text())["block_size"] == 2
+
+
+@pytest.mark.parametrize("previous", [False, True], ids=["fresh", "over-previous"])
+def test_disk_full_while_saving(tmp_path, models, monkeypatch, previous):
+    """A write error half-way (here: no space left) is a clear error, exit 2, the temporary folder is gone and
+    the previous output, if any, is untouched."""
+    import errno
+    import shutil
+
+    from attnres_convert import saving
+    from reliability_helpers import assert_user_error, run_cli
+
+    def disk_full(model, folder, tokenizer=None, extra=None):
+        (folder / "model.safetensors").write_bytes(b"\0" * 1000)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(folder / "model.safetensors"))
+
+    monkeypatch.setattr(saving, "write_converted", disk_full)
+    out = tmp_path / "out"
+    if previous:
+        shutil.copytree(models["old_folder"], out)
+    result = run_cli("convert", models["source"], "-o", out, "--overwrite", "--no-verify", "--block-size", "3")
+    assert_user_error(result, str(out), "No space left on device", "nothing was written there", "free disk space")
+    assert snapshot(out) == (models["old"] if previous else None)
+    assert partials(out) == []
