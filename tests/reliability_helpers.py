@@ -124,3 +124,21 @@ def snapshot(folder: Path) -> dict[str, str] | None:
         for path in sorted(folder.rglob("*"))
         if path.is_file()
     }
+
+
+def forkserver_context():
+    """A multiprocessing context whose forkserver has imported attnres once: a child starts in milliseconds,
+    so tests can kill many of them. (The forkserver never ran torch code, so forking it is safe.)"""
+    import multiprocessing
+
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["reliability_helpers", "tiny_models", "attnres_convert", "attnres_convert.training"])
+    return context
+
+
+def finetune_in_child(recipe_path: str, resume: bool) -> None:
+    """`attnres_convert.training.finetune` on a recipe file, quietly (the parent kills us at chosen moments)."""
+    from attnres_convert.recipe import load_recipe
+    from attnres_convert.training import finetune
+
+    finetune(load_recipe(recipe_path), resume=resume)

@@ -9,7 +9,6 @@ attnres_convert once; the installed `attnres` command itself is killed and inter
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 import random
 import signal
@@ -20,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from reliability_helpers import ROOT, convert_in_child, snapshot
+from reliability_helpers import ROOT, convert_in_child, forkserver_context, snapshot
 
 STAGES = ("Reading config", "Loading model", "Running the original model", "Converting",
           "Verifying against the original", "Saving")
@@ -44,9 +43,7 @@ def models(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def forkserver():
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["reliability_helpers", "attnres_convert", "tiny_models"])
-    return context
+    return forkserver_context()
 
 
 def partials(out: Path) -> list[Path]:
