@@ -227,6 +227,51 @@ def push(
     push_saved(folder, repo_id, private=private, revision=revision, commit_message=commit_message, token=token)
 
 
+def depth_table(depth) -> Table:
+    table = Table(title=f"Depth-attention weights (mean over {depth.tokens} tokens; blank: not a source of that reader)")
+    table.add_column("reader")
+    for column in depth.columns:
+        table.add_column(column.replace("embedding", "emb"), justify="right")
+    for reader, row in zip(depth.readers, depth.matrix):
+        table.add_row(reader, *("" if value != value else f"{value:.2f}" for value in row))
+    return table
+
+
+@app.command("inspect")
+def inspect_command(
+    model: Annotated[
+        Optional[str],
+        typer.Argument(help="A converted folder, or a plain model (hub id, folder, .gguf) to convert in memory. Default: embedded SmolLM2."),
+    ] = None,
+    plot: Annotated[
+        Optional[Path], typer.Option("--plot", help="Write depth heatmaps to OUT.png and magnitudes to OUT-magnitudes.png.")
+    ] = None,
+    text: Annotated[Optional[Path], typer.Option("--text", help="Text to average over [default: built-in sample].")] = None,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", help="Use at most this many tokens of the text.")] = 256,
+    trust_remote_code: Annotated[bool, typer.Option("--trust-remote-code", help="Allow a plain model's own code to run.")] = False,
+) -> None:
+    """Show the AttnRes structure and the learned depth-attention weights; plot them with --plot."""
+    from attnres_convert.inspection import inspect_source
+
+    if text is not None and not text.is_file():
+        fail(f"--text {text}: no such file.")
+    with user_errors(), stages() as stage, stage("Inspecting"):
+        result = inspect_source(
+            model,
+            text=text.read_text(errors="replace") if text else None,
+            max_tokens=max_tokens,
+            plot=str(plot) if plot else None,
+            trust_remote_code=trust_remote_code,
+        )
+    inspection = result.inspection
+    console.print(summary_table(inspection.summary))
+    console.print(depth_table(inspection.depth))
+    for note in inspection.notes:
+        console.print(f"[yellow]note:[/] {note}", highlight=False)
+    for path in result.plots:
+        console.print(f"[green]Wrote[/] {path}")
+
+
 def _terminate(signum, frame) -> None:
     # SIGTERM unwinds like Ctrl-C (temporary folders are removed, checkpoints closed), exit code 128 + 15.
     raise SystemExit(128 + signum)

@@ -1,16 +1,46 @@
-"""Model cards (README.md with hub front matter) for converted and fine-tuned folders."""
+"""Model cards (README.md with hub front matter) for converted and fine-tuned folders.
+
+`conversion_card` is written by `attnres convert`; `finetune_card` by `attnres finetune`. Both share the
+front matter (base_model, library_name, pipeline_tag, tags, licence), the loading instructions and the
+conversion settings; the fine-tune card adds the recipe, held-out metrics (also as `model-index`, so
+the hub shows them) and the loss curve.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import yaml
 
+from .hub import scrub
 from .surgery import describe_sources
 
 # Licences of the models that ship offline with this project.
 KNOWN_LICENSES = {"SmolLM2-135M-Instruct.Q4_1.gguf": "apache-2.0"}
 DEFAULT_BASE_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+TAGS = ("attnres", "block-attnres")
+
+
+def _read_front_matter(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    text = path.read_text(errors="replace")
+    if not text.startswith("---"):
+        return {}
+    try:
+        meta = yaml.safe_load(text.split("---", 2)[1]) or {}
+    except yaml.YAMLError:
+        return {}
+    return meta if isinstance(meta, dict) else {}
+
+
+def card_identity(folder: str | Path) -> tuple[str | None, str | None]:
+    """(base_model, licence) from a folder's model card: a fine-tune of a converted folder keeps the
+    original base model and its licence."""
+    meta = _read_front_matter(Path(folder) / "README.md")
+    base = meta.get("base_model")
+    return (base[0] if isinstance(base, list) else base), meta.get("license")
 
 
 def base_identity(source) -> tuple[str | None, str | None]:
@@ -21,29 +51,48 @@ def base_identity(source) -> tuple[str | None, str | None]:
         return DEFAULT_BASE_ID, KNOWN_LICENSES.get(source.gguf_file)
     if source.kind == "hub":
         return source.location, None
-    readme = Path(source.location) / "README.md"
-    if readme.is_file():
-        text = readme.read_text(errors="replace")
-        if text.startswith("---"):
-            try:
-                meta = yaml.safe_load(text.split("---", 2)[1]) or {}
-            except yaml.YAMLError:
-                meta = {}
-            base = meta.get("base_model")
-            return (base[0] if isinstance(base, list) else base), meta.get("license")
-    return None, KNOWN_LICENSES.get(source.gguf_file or "")
+    base, license_ = card_identity(source.location)
+    return base, license_ or KNOWN_LICENSES.get(source.gguf_file or "")
 
 
-def front_matter(base_model: str | None, license_: str | None, extra_tags: tuple[str, ...] = ()) -> str:
+def front_matter(
+    base_model: str | None,
+    license_: str | None,
+    extra_tags: Sequence[str] = (),
+    extra: Mapping | None = None,
+) -> str:
     meta = {
         "library_name": "transformers",
         "pipeline_tag": "text-generation",
-        "tags": ["attnres", "block-attnres", *extra_tags],
+        "tags": [*TAGS, *extra_tags],
     }
     if base_model:
         meta["base_model"] = base_model
     meta["license"] = license_ or "other"
-    return "---\n" + yaml.safe_dump(meta, sort_keys=False) + "---\n"
+    meta.update(extra or {})
+    return "---\n" + yaml.safe_dump(meta, sort_keys=False, allow_unicode=True) + "---\n"
+
+
+def _load_section() -> list[str]:
+    return [
+        "## Load it",
+        "",
+        "```python",
+        "from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline",
+        "",
+        'model = AutoModelForCausalLM.from_pretrained("PATH_OR_REPO", trust_remote_code=True)',
+        'tokenizer = AutoTokenizer.from_pretrained("PATH_OR_REPO")',
+        "",
+        'generator = pipeline("text-generation", model="PATH_OR_REPO", trust_remote_code=True)',
+        'print(generator("To be, or not to be", max_new_tokens=20)[0]["generated_text"])',
+        "```",
+        "",
+        "`trust_remote_code=True` runs the modeling code shipped in this repo (`modeling_attnres.py` and its "
+        "relative imports: `configuration_attnres.py`, `architectures.py`, `depth_attention.py`); it needs only "
+        "torch and transformers. The model type is `attnres`, so tools that do not know it refuse the repo "
+        "instead of silently dropping the depth-attention weights.",
+        "",
+    ]
 
 
 def _sources_table(summary) -> str:
@@ -53,6 +102,56 @@ def _sources_table(summary) -> str:
         rows.append(f"| sublayer {index} | {sources} |")
     rows.append(f"| output | {described[-1]} |")
     return "\n".join(rows)
+
+
+def _conversion_section(summary) -> list[str]:
+    counts = summary.sources_per_sublayer
+    return [
+        "## Conversion",
+        "",
+        f"- base architecture: `{summary.model_type}`, {summary.num_layers} decoder layers, "
+        f"{summary.num_sublayers} sublayers (attention and MLP each count as one; a parallel-residual layer is one)",
+        f"- block size S = {summary.block_size} sublayers, {summary.num_blocks} blocks",
+        f"- sources per sublayer: {min(counts)} to {max(counts)}; the output aggregation reads {summary.output_sources}",
+        f"- parameters added: {summary.params_added:,} ({summary.params_added / summary.params_total:.4%} of "
+        f"{summary.params_total:,})",
+        "- source scaling: `count`: a sublayer reads n x the softmax mix of its n sources, which at zero "
+        "pseudo-queries is exactly the residual sum. Every reader of the stream is a norm, so this is the "
+        "paper's AttnRes with each norm's eps rescaled by 1/n^2.",
+        "",
+        "`yi` is the output of sublayer i (`y0` the embedding), `ya:b` the sum of outputs a..b:",
+        "",
+        _sources_table(summary),
+        "",
+    ]
+
+
+def _verification_section(report) -> list[str]:
+    if report is None:
+        return []
+    return [
+        "## Verification against the original",
+        "",
+        f"On {report.tokens} tokens of sample text, {report.dtype}, right after conversion:",
+        "",
+        "| max abs logit diff | KL (nats) | top-1 agreement | greedy generation (KV cache) |",
+        "|---|---|---|---|",
+        f"| {report.max_abs_logit_diff:.2e} | {report.kl:.2e} | {report.top1_agreement:.2%} | "
+        f"{'identical' if report.greedy_identical else 'differs'} over {report.new_tokens} tokens |",
+        "",
+    ]
+
+
+def _inspect_section() -> list[str]:
+    return [
+        "## See what it learned",
+        "",
+        "```bash",
+        "attnres inspect PATH_OR_REPO --plot depth.png     # depth-attention heatmaps, magnitudes, gradients",
+        "attnres eval PATH_OR_REPO --data held_out.txt     # held-out loss and perplexity",
+        "```",
+        "",
+    ]
 
 
 def conversion_card(model, summary, report, source) -> str:
@@ -67,40 +166,143 @@ def conversion_card(model, summary, report, source) -> str:
         "replaced by softmax attention over depth with learned pseudo-queries. The queries start at zero, "
         "so this model reproduces the original exactly until it is trained.",
         "",
-        "## Load it",
+        *_load_section(),
+        *_conversion_section(summary),
+        *_verification_section(report),
+        *_inspect_section(),
+    ]
+    return scrub("\n".join(lines))  # nothing token-shaped ever reaches a public card
+
+
+def _fmt(value) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}" if abs(value) < 1e5 else f"{value:.3e}"
+    return str(value)
+
+
+def _metrics_table(metrics: Mapping[str, Mapping[str, float]]) -> list[str]:
+    columns: list[str] = []
+    for values in metrics.values():
+        columns += [key for key in values if key not in columns]
+    rows = ["| model | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
+    for name, values in metrics.items():
+        rows.append(f"| {name} | " + " | ".join(_fmt(values.get(column, "")) for column in columns) + " |")
+    return rows
+
+
+def _model_index(name: str, metrics: Mapping[str, float], eval_data: str) -> list[dict]:
+    """The hub's structured eval results for the fine-tuned model (loss and perplexity when given)."""
+    entries = [
+        {"type": key, "value": round(float(metrics[key]), 4), "name": f"held-out {key}"}
+        for key in ("loss", "perplexity")
+        if key in metrics
+    ]
+    if not entries:
+        return []
+    return [
+        {
+            "name": name,
+            "results": [
+                {
+                    "task": {"type": "text-generation", "name": "Text Generation"},
+                    "dataset": {"type": "text", "name": eval_data},
+                    "metrics": entries,
+                }
+            ],
+        }
+    ]
+
+
+def _curve_rows(history: Sequence[Mapping]) -> list[str]:
+    """A few points of the loss curve as a table, so the card says something where images do not render."""
+    if not history:
+        return []
+    picks = sorted({0, len(history) - 1, *range(0, len(history), max(1, len(history) // 8))})
+    columns = [key for key in history[picks[-1]] if key != "step"]
+    rows = ["| step | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
+    for index in picks:
+        point = history[index]
+        rows.append(f"| {point.get('step', index)} | " + " | ".join(_fmt(point.get(c, "")) for c in columns) + " |")
+    return rows + [""]
+
+
+def finetune_card(
+    summary,
+    *,
+    name: str,
+    base_model: str | None,
+    license: str | None,  # noqa: A002 - the hub's own field name
+    recipe: Mapping,
+    metrics: Mapping[str, Mapping[str, float]],
+    finetuned_key: str | None = None,
+    eval_data: str = "held-out text",
+    train_data: str | None = None,
+    loss_curve: str | None = "loss_curve.png",
+    history: Sequence[Mapping] | None = None,
+    verification=None,
+) -> str:
+    """The README.md of a fine-tuned Block AttnRes folder.
+
+    summary: the ConversionSummary of the trained model (surgery.summarize(model)).
+    name: what was fine-tuned, for the title (e.g. "SmolLM2-135M-Instruct").
+    base_model, license: of the original model (card_identity(converted_folder) or base_identity(source)).
+    recipe: the resolved recipe as plain data (rendered as YAML).
+    metrics: held-out numbers per model, e.g. {"original": {"loss": 3.1, "perplexity": 22.2},
+        "fine-tuned": {"loss": 2.9, "perplexity": 18.2}}; finetuned_key names the fine-tuned row
+        (default: the last one) and goes into the hub's `model-index`.
+    eval_data / train_data: short descriptions of the held-out and training text.
+    loss_curve: an image file saved in the same folder (plots.loss_curve_plot), or None.
+    history: optional [{"step": ..., "loss": ..., "eval_loss": ...}, ...], shown as a small table.
+    verification: the VerificationReport of the conversion, when the fine-tune converted the model itself.
+    """
+    finetuned_key = finetuned_key or (list(metrics)[-1] if metrics else None)
+    extra = {"base_model_relation": "finetune"} if base_model else {}
+    index = _model_index(f"{name}-attnres", metrics.get(finetuned_key, {}), eval_data) if finetuned_key else []
+    if index:
+        extra["model-index"] = index
+    lines = [
+        front_matter(base_model, license, extra_tags=("fine-tuned",), extra=extra),
+        f"# {name} with Block Attention Residuals, fine-tuned",
         "",
-        "```python",
-        "from transformers import AutoModelForCausalLM, AutoTokenizer",
+        f"`{name}` ({summary.model_type}, {summary.num_layers} layers) converted by `attnres` to **Block Attention "
+        "Residuals** (softmax attention over depth with learned pseudo-queries, starting from an exact copy of "
+        f"the original), then fine-tuned{f' on {train_data}' if train_data else ''}.",
         "",
-        'model = AutoModelForCausalLM.from_pretrained("PATH_OR_REPO", trust_remote_code=True)',
-        'tokenizer = AutoTokenizer.from_pretrained("PATH_OR_REPO")',
-        "```",
+        *_load_section(),
+        "## Held-out evaluation",
         "",
-        "The modeling code ships in this folder (`modeling_attnres.py` and its relative imports) and needs "
-        "only torch and transformers.",
+        f"On {eval_data} (never seen in training):",
         "",
-        "## Conversion",
-        "",
-        f"- block size S = {summary.block_size} sublayers, {summary.num_blocks} blocks over "
-        f"{summary.num_sublayers} sublayers",
-        f"- parameters added: {summary.params_added:,} ({summary.params_added / summary.params_total:.4%} of "
-        f"{summary.params_total:,})",
-        "- source scaling: `count` (a sublayer reads n x the softmax mix of its n sources, which at zero "
-        "queries is exactly the residual sum)",
-        "",
-        _sources_table(summary),
+        *_metrics_table(metrics),
         "",
     ]
-    if report is not None:
-        lines += [
-            "## Verification against the original",
-            "",
-            f"On {report.tokens} tokens of sample text, {report.dtype}:",
-            "",
-            "| max abs logit diff | KL (nats) | top-1 agreement | greedy generation (KV cache) |",
-            "|---|---|---|---|",
-            f"| {report.max_abs_logit_diff:.2e} | {report.kl:.2e} | {report.top1_agreement:.2%} | "
-            f"{'identical' if report.greedy_identical else 'differs'} over {report.new_tokens} tokens |",
-            "",
-        ]
-    return "\n".join(lines)
+    if loss_curve or history:
+        lines += ["## Training curve", ""]
+        if loss_curve:
+            lines += [f"![training and held-out loss]({loss_curve})", ""]
+        lines += _curve_rows(history or [])
+    lines += [
+        "## Recipe",
+        "",
+        "```yaml",
+        yaml.safe_dump(_plain(recipe), sort_keys=False, allow_unicode=True).rstrip(),
+        "```",
+        "",
+        *_conversion_section(summary),
+        *_verification_section(verification),
+        *_inspect_section(),
+    ]
+    return scrub("\n".join(lines))  # a recipe must not carry a token to a public card
+
+
+def _plain(value):
+    """Recipe values as YAML-safe plain data (paths, tuples, enums, pydantic models)."""
+    if hasattr(value, "model_dump"):
+        return _plain(value.model_dump(mode="json"))
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    return str(value)

@@ -1,0 +1,302 @@
+"""What a Block AttnRes model does with depth: the learned depth-attention weights, and per-sublayer
+magnitudes and gradients compared with the original residual model.
+
+* Depth weights: the softmax weights of every reader (sublayers 1..L, then the output aggregation),
+  averaged over the tokens of a sample text, as a matrix reader x source. Source column k is block k
+  (column 0 the embedding); a reader's own block enters as its running partial sum, in its block's
+  column, so the matrix is a staircase, as in the AttnRes paper's figure.
+* Profiles: for each sublayer, the RMS of the stream its norm reads (in a PreNorm model it grows with
+  depth, so each new output is a shrinking share of it: PreNorm dilution), the RMS of what it adds, and
+  the gradient norm of its parameters under the LM loss. "Original" is the same model with its
+  pseudo-queries set to zero, which computes exactly the base model (count scaling), so no second
+  checkpoint is needed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .architectures import family_for
+from .errors import SourceError
+from .depth_attention import record_depth_weights, source_ranges
+from .modeling_attnres import AttnResForCausalLM, AttnResQuery
+from .surgery import ConversionSummary, summarize
+
+
+@dataclass
+class DepthWeights:
+    readers: list[str]  # "layer 3 attention", ..., "output"
+    kinds: list[str]  # per reader: "attention", "mlp", "attention+mlp" or "output"
+    layers: list[int]  # per reader: its decoder layer (0-based); -1 for the output aggregation
+    columns: list[str]  # "embedding", "block 1", ...
+    matrix: np.ndarray  # [readers, columns], NaN where the reader does not read that source
+    tokens: int
+
+    def to_dict(self) -> dict:
+        data = asdict(self)
+        data["matrix"] = [[None if np.isnan(v) else round(float(v), 6) for v in row] for row in self.matrix]
+        return data
+
+
+@dataclass
+class SublayerProfile:
+    stream_rms: list[float]  # RMS of the input each sublayer's norm reads
+    output_rms: list[float]  # RMS of what each sublayer adds
+    grad_norm: list[float]  # L2 norm of the LM-loss gradient of each sublayer's parameters
+    loss: float
+
+    @property
+    def output_share(self) -> list[float]:
+        return [out / max(stream, 1e-12) for out, stream in zip(self.output_rms, self.stream_rms)]
+
+
+@dataclass
+class Inspection:
+    name: str
+    summary: ConversionSummary
+    kinds: list[str]  # per sublayer
+    queries_zero: bool  # freshly converted: the model computes exactly the original
+    depth: DepthWeights
+    original: SublayerProfile | None = None
+    converted: SublayerProfile | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {
+            "name": self.name,
+            "summary": asdict(self.summary),
+            "queries_zero": self.queries_zero,
+            "depth_weights": self.depth.to_dict(),
+            "original": asdict(self.original) if self.original else None,
+            "converted": asdict(self.converted) if self.converted else None,
+            "notes": self.notes,
+        }
+
+
+# --- structure -------------------------------------------------------------------------------------
+
+
+def _family(model: AttnResForCausalLM):
+    return family_for(model.config.text_config)
+
+
+def _layers(model: AttnResForCausalLM):
+    family = _family(model)
+    return getattr(getattr(model, family.base_model), family.layers)
+
+
+def sublayer_kinds(model: AttnResForCausalLM) -> list[str]:
+    """attention / mlp / attention+mlp for sublayers 1..L in execution order."""
+    sublayers = _family(model).sublayers(model.config.text_config)
+    per_layer = ["attention+mlp" if len(s.branches) > 1 else ("mlp" if s.name == "mlp" else "attention") for s in sublayers]
+    return per_layer * len(_layers(model))
+
+
+def queries_are_zero(model: AttnResForCausalLM) -> bool:
+    return all(bool((m.weight == 0).all()) for m in model.modules() if isinstance(m, AttnResQuery))
+
+
+@contextlib.contextmanager
+def original_behaviour(model: AttnResForCausalLM) -> Iterator[None]:
+    """Temporarily zero the pseudo-queries: with count scaling the model then computes the base model
+    exactly (the conversion's guarantee), whatever it has learned."""
+    queries = [m.weight for m in model.modules() if isinstance(m, AttnResQuery)]
+    saved = [q.detach().clone() for q in queries]
+    try:
+        with torch.no_grad():
+            for q in queries:
+                q.zero_()
+        yield
+    finally:
+        with torch.no_grad():
+            for q, value in zip(queries, saved):
+                q.copy_(value)
+
+
+# --- depth weights ---------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def depth_weights(model: AttnResForCausalLM, input_ids: torch.Tensor) -> DepthWeights:
+    """Mean softmax weight of every (reader, source) pair over the tokens of `input_ids` [B, T]."""
+    summary = summarize(model)
+    total, size = summary.num_sublayers, summary.block_size
+    with record_depth_weights() as recorded:
+        model(input_ids=input_ids.to(model.device))
+    if len(recorded) != total + 1:
+        raise RuntimeError(f"expected {total + 1} depth mixes in one forward pass, recorded {len(recorded)}")
+    ranges = source_ranges(total, size)
+    matrix = np.full((total + 1, summary.num_blocks + 1), np.nan)
+    for row, (weights, sources) in enumerate(zip(recorded, ranges)):
+        mean = weights.float().mean(dim=(1, 2)).cpu().numpy()  # [n]: averaged over batch and tokens
+        for value, (first, _last) in zip(mean, sources):
+            matrix[row, 0 if first == 0 else (first - 1) // size + 1] = value
+    kinds = sublayer_kinds(model)
+    per_layer = total // len(_layers(model))
+    layers = [index // per_layer for index in range(total)] + [-1]
+    readers = [f"layer {layer} {kind}" for layer, kind in zip(layers, kinds)] + ["output"]
+    label = "sublayer" if size == 1 else "block"
+    columns = ["embedding"] + [f"{label} {k}" for k in range(1, summary.num_blocks + 1)]
+    return DepthWeights(readers, kinds + ["output"], layers, columns, matrix, int(input_ids.numel()))
+
+
+# --- magnitudes and gradients ----------------------------------------------------------------------
+
+
+def _rms(x: torch.Tensor) -> float:
+    return x.detach().float().pow(2).mean(-1).sqrt().mean().item()
+
+
+def sublayer_profile(model: AttnResForCausalLM, input_ids: torch.Tensor) -> SublayerProfile:
+    """Stream and output RMS per sublayer (forward hooks on each branch's norm and last module) and the
+    gradient norm of each sublayer's parameters, from one forward/backward pass of the LM loss."""
+    family, config = _family(model), model.config.text_config
+    sublayers = family.sublayers(config)
+    layers = _layers(model)
+    total = len(layers) * len(sublayers)
+    stream: list[float | None] = [None] * total
+    outputs: list[float] = [0.0] * total
+    output_sums: list[torch.Tensor | None] = [None] * total
+    current = [0]
+    hooks = []
+
+    def reading(index):
+        def hook(module, args, kwargs=None):
+            current[0] = index
+            if stream[index] is None:  # a shared norm (Phi) reads the same input twice
+                stream[index] = _rms(args[0])
+
+        return hook
+
+    def adding(module, args, output):
+        y = output[0] if isinstance(output, tuple) else output
+        index = current[0]
+        output_sums[index] = y.detach() if output_sums[index] is None else output_sums[index] + y.detach()
+
+    param_groups: list[list[torch.nn.Parameter]] = []
+    for layer_index, layer in enumerate(layers):
+        seen_norms, seen_last = set(), set()
+        for sub_index, sublayer in enumerate(sublayers):
+            index = layer_index * len(sublayers) + sub_index
+            params: dict[int, torch.nn.Parameter] = {}
+            for branch in sublayer.branches:
+                norm = getattr(layer, branch.norm)
+                if id(norm) not in seen_norms:
+                    seen_norms.add(id(norm))
+                    hooks.append(norm.register_forward_pre_hook(reading(index)))
+                last = getattr(layer, branch.post[-1] if branch.post else branch.module)
+                if id(last) not in seen_last:  # Phi's branches share one dropout: it fires once per branch
+                    seen_last.add(id(last))
+                    hooks.append(last.register_forward_hook(adding))
+                for name in (branch.norm, branch.module, *branch.post):
+                    for p in getattr(layer, name).parameters():
+                        params[id(p)] = p
+            param_groups.append(list(params.values()))
+    was_training = model.training
+    model.eval()
+    model.zero_grad(set_to_none=True)
+    try:
+        with torch.enable_grad():
+            ids = input_ids.to(model.device)
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+        grads = [
+            sum(float(p.grad.float().pow(2).sum()) for p in group if p.grad is not None) ** 0.5 for group in param_groups
+        ]
+    finally:
+        for hook in hooks:
+            hook.remove()
+        model.zero_grad(set_to_none=True)
+        model.train(was_training)
+    outputs = [_rms(y) if y is not None else float("nan") for y in output_sums]
+    return SublayerProfile([s if s is not None else float("nan") for s in stream], outputs, grads, float(loss.detach()))
+
+
+# --- all of it -------------------------------------------------------------------------------------
+
+
+def inspect_model(model: AttnResForCausalLM, input_ids: torch.Tensor, name: str = "model", profiles: bool = True) -> Inspection:
+    """Summary, depth weights and (when `profiles`) original-vs-converted magnitude and gradient profiles."""
+    zero = queries_are_zero(model)
+    inspection = Inspection(name, summarize(model), sublayer_kinds(model), zero, depth_weights(model, input_ids))
+    if zero:
+        inspection.notes.append(
+            "the pseudo-queries are all zero (as converted): every reader weighs its sources uniformly and the "
+            "model computes exactly the original; fine-tune it to see learned routing"
+        )
+    if profiles:
+        inspection.converted = sublayer_profile(model, input_ids)
+        if zero:
+            inspection.original = inspection.converted  # identical by construction: no second pass
+        else:
+            with original_behaviour(model):
+                inspection.original = sublayer_profile(model, input_ids)
+    return inspection
+
+
+@dataclass
+class InspectResult:
+    inspection: Inspection
+    converted_here: bool  # MODEL was a plain model, converted in memory for the inspection
+    plots: list = field(default_factory=list)
+
+
+def inspect_source(
+    model: str | None,
+    *,
+    text: str | None = None,
+    max_tokens: int = 256,
+    plot: str | None = None,
+    profiles: bool | None = None,
+    dtype: str = "float32",
+    trust_remote_code: bool = False,
+) -> InspectResult:
+    """Load MODEL (a converted folder, or a plain model which is converted in memory with the default S),
+    measure it on TEXT (default: the built-in sample) and, with PLOT=OUT.png, write OUT.png (depth
+    weights) and OUT-magnitudes.png (original against converted). Profiles need a backward pass: they
+    run when plotting unless `profiles` says otherwise."""
+    from .loading import load_any
+    from .samples import SAMPLE_TEXT
+    from .surgery import convert_model
+    from .verify import sample_input_ids
+
+    loaded = load_any(model, dtype, trust_remote_code)
+    network = loaded.model
+    if not loaded.converted:
+        network = convert_model(network).eval()
+    if max_tokens < 2:
+        raise SourceError(f"--max-tokens must be at least 2, got {max_tokens}")
+    ids = sample_input_ids(loaded.tokenizer, text or SAMPLE_TEXT, max_tokens, network.config.text_config.vocab_size)
+    inspection = inspect_model(network, ids, loaded.name, profiles=bool(plot) if profiles is None else profiles)
+    if loaded.tokenizer is None:
+        inspection.notes.append("the model has no tokenizer: measured on fixed pseudo-random token ids")
+    if not loaded.converted:
+        inspection.notes.append(f"{loaded.name} is a plain model: converted in memory (default S) for this inspection")
+    result = InspectResult(inspection, not loaded.converted)
+    if plot:
+        from .plots import depth_heatmaps, magnitude_profiles
+
+        out = Path(plot).expanduser()
+        summary = inspection.summary
+        state = "as converted: uniform" if inspection.queries_zero else "learned"
+        title = (
+            f"{loaded.name}: depth-attention weights ({state}), S = {summary.block_size}, {summary.num_blocks} blocks, "
+            f"mean over {inspection.depth.tokens} tokens"
+        )
+        result.plots.append(depth_heatmaps(inspection.depth, out, title))
+        if inspection.converted is not None:
+            profile_path = out.with_name(f"{out.stem}-magnitudes{out.suffix or '.png'}")
+            title = f"{loaded.name}: per-sublayer magnitudes and gradients, original vs Block AttnRes"
+            result.plots.append(
+                magnitude_profiles(
+                    inspection.original, inspection.converted, inspection.kinds, profile_path, title,
+                    identical=inspection.queries_zero,
+                )
+            )
+    return result

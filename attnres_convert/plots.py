@@ -1,0 +1,146 @@
+"""PNG figures: depth-attention heatmaps, per-sublayer magnitude/gradient profiles, loss curves.
+
+Figures are built on matplotlib's object API with the Agg canvas (no pyplot, no global backend switch,
+no display needed), so plotting works on a headless machine and inside other programs.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+
+ORIGINAL_COLOR, CONVERTED_COLOR = "#7f7f7f", "#d62728"
+
+
+def _figure(width: float, height: float):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(width, height), dpi=110, layout="constrained")
+    FigureCanvasAgg(figure)
+    return figure
+
+
+def _save(figure, path: str | os.PathLike) -> Path:
+    path = Path(path).expanduser()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path)
+    return path
+
+
+def _heatmap(axis, matrix: np.ndarray, row_labels: list[str], columns: list[str], vmax: float, title: str):
+    import matplotlib
+
+    cmap = matplotlib.colormaps["viridis"].with_extremes(bad="white")  # white: sources a reader does not read
+    image = axis.imshow(np.ma.masked_invalid(matrix), cmap=cmap, vmin=0.0, vmax=vmax, aspect="auto", interpolation="nearest")
+    axis.set_title(title, fontsize=10)
+    axis.set_xticks(range(len(columns)), [_short(c) for c in columns], fontsize=7, rotation=0)
+    step = max(1, math.ceil(len(row_labels) / 16))
+    axis.set_yticks(range(0, len(row_labels), step), row_labels[::step], fontsize=7)
+    axis.set_xlabel("source", fontsize=8)
+    if matrix.shape[0] <= 40 and matrix.shape[1] <= 12:
+        for (row, col), value in np.ndenumerate(matrix):
+            if not np.isnan(value):
+                axis.text(col, row, f"{value:.2f}".lstrip("0"), ha="center", va="center", fontsize=5.5,
+                          color="white" if value < 0.6 * vmax else "black")
+    return image
+
+
+def _short(column: str) -> str:
+    if column == "embedding":
+        return "emb"
+    kind, number = column.split()
+    return ("B" if kind == "block" else "y") + number
+
+
+def depth_heatmaps(depth, path: str | os.PathLike, title: str = "") -> Path:
+    """Sublayer x source heatmaps of the mean depth-attention weights: pre-attention and pre-MLP side by
+    side (one panel for parallel-residual models), the output aggregation as a strip below."""
+    kinds = np.array(depth.kinds)
+    groups = [(kind, label) for kind, label in (("attention", "pre-attention"), ("mlp", "pre-MLP"),
+                                                  ("attention+mlp", "pre-block (parallel attention + MLP)"))
+              if (kinds == kind).any()]
+    finite = depth.matrix[~np.isnan(depth.matrix)]
+    vmax = float(finite.max()) if finite.size else 1.0
+    rows = max(int((kinds == kind).sum()) for kind, _ in groups)
+    figure = _figure(3.4 * len(groups) + 1.2, min(11.0, 1.9 + 0.2 * rows))
+    grid = figure.add_gridspec(2, len(groups), height_ratios=[max(rows, 1), 1.4])
+    image = None
+    for index, (kind, label) in enumerate(groups):
+        axis = figure.add_subplot(grid[0, index])
+        mask = kinds == kind
+        layer_labels = [str(layer) for layer, keep in zip(depth.layers, mask) if keep]
+        image = _heatmap(axis, depth.matrix[mask], layer_labels, depth.columns, vmax, label)
+        if index == 0:
+            axis.set_ylabel("decoder layer", fontsize=8)
+    output_axis = figure.add_subplot(grid[1, :])
+    _heatmap(output_axis, depth.matrix[kinds == "output"], ["output"], depth.columns, vmax, "output aggregation")
+    figure.colorbar(image, ax=figure.axes, shrink=0.6, label="mean softmax weight")
+    figure.suptitle(title or "Depth-attention weights", fontsize=10)
+    return _save(figure, path)
+
+
+def magnitude_profiles(original, converted, kinds: Sequence[str], path: str | os.PathLike, title: str = "",
+                       identical: bool = False) -> Path:
+    """Four panels over sublayers 1..L, original (residual sum) against converted (AttnRes): the stream
+    each sublayer reads, what it adds, its share of the stream (PreNorm dilution) and its gradient."""
+    x = np.arange(1, len(kinds) + 1)
+    panels = [
+        ("stream_rms", "RMS of the stream a sublayer reads", True),
+        ("output_rms", "RMS of what a sublayer adds", True),
+        ("output_share", "added / read (PreNorm dilution)", True),
+        ("grad_norm", "gradient norm of a sublayer's parameters", True),
+    ]
+    figure = _figure(11.0, 6.4)
+    axes = figure.subplots(2, 2, sharex=True)
+    for axis, (attr, label, log) in zip(axes.flat, panels):
+        if not identical:
+            axis.plot(x, getattr(original, attr), color=ORIGINAL_COLOR, lw=1.4, label="original (residual sum)")
+        axis.plot(x, getattr(converted, attr), color=CONVERTED_COLOR, lw=1.2, ls="--" if identical else "-",
+                  label="converted = original (queries at zero)" if identical else "converted (Block AttnRes)")
+        if log:
+            axis.set_yscale("log")
+        axis.set_title(label, fontsize=9)
+        axis.grid(alpha=0.3, which="both", lw=0.5)
+        _mark_mlp(axis, kinds)
+    for axis in axes[1]:
+        axis.set_xlabel("sublayer (execution order)", fontsize=8)
+    axes[0, 0].legend(fontsize=7, loc="upper left")
+    figure.suptitle(title or "Per-sublayer magnitudes and gradients", fontsize=10)
+    return _save(figure, path)
+
+
+def _mark_mlp(axis, kinds: Sequence[str]) -> None:
+    """Light ticks at MLP sublayers: attention and MLP outputs differ in scale, hence the zigzag."""
+    axis.tick_params(labelsize=7)
+    if "mlp" in kinds and len(kinds) <= 80:
+        for index, kind in enumerate(kinds, start=1):
+            if kind == "mlp":
+                axis.axvline(index, color="#1f77b4", alpha=0.06, lw=2)
+
+
+def loss_curve_plot(history: Sequence[Mapping], path: str | os.PathLike, title: str = "Training",
+                    keys: Sequence[str] = ("loss", "eval_loss")) -> Path:
+    """Loss against step for each of `keys` present in history ([{"step": .., "loss": .., "eval_loss": ..}]);
+    points without a key are skipped, so sparse held-out evaluations draw as their own line."""
+    figure = _figure(6.0, 3.6)
+    axis = figure.add_subplot()
+    styles = {"loss": dict(color="#1f77b4", lw=1.0, alpha=0.9), "eval_loss": dict(color="#d62728", lw=1.6, marker="o", ms=3)}
+    for key in keys:
+        points = [(p["step"], p[key]) for p in history if p.get(key) is not None and "step" in p]
+        if points:
+            steps, values = zip(*points)
+            axis.plot(steps, values, label={"loss": "training", "eval_loss": "held-out"}.get(key, key),
+                      **styles.get(key, {}))
+    axis.set_xlabel("optimizer step", fontsize=8)
+    axis.set_ylabel("loss (nats / token)", fontsize=8)
+    axis.tick_params(labelsize=7)
+    axis.grid(alpha=0.3, lw=0.5)
+    if axis.lines:
+        axis.legend(fontsize=8)
+    axis.set_title(title, fontsize=10)
+    return _save(figure, path)
