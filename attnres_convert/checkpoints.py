@@ -1,0 +1,108 @@
+"""Resumable checkpoints of a fine-tuning run, written with Accelerate's `save_state`.
+
+A checkpoint (OUT/checkpoints/step-0000100/) holds the trainable weights, the optimizer, the LR
+scheduler, every process's RNG state and the trainer state (step and data position). Frozen weights
+are not stored: they are rebuilt from the recipe (same source, same conversion) on resume, so a
+checkpoint of an AttnRes-only run is kilobytes, not the whole model.
+
+Atomic: every process writes into a hidden `.step-0000100.partial` folder, and the main process
+renames it into place only once all have finished; a crash leaves at worst a partial folder, which
+is ignored and removed by the next save. Only the last `keep_last` checkpoints are kept.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+CHECKPOINTS = "checkpoints"
+_NAME = re.compile(r"^step-(\d+)$")
+
+
+@dataclass
+class TrainerState:
+    """Where the run is: registered with Accelerate so that it travels in every checkpoint."""
+
+    step: int = 0  # optimizer steps done
+    position: int = 0  # training sequences consumed (the data stream position)
+    tokens: int = 0  # training tokens seen, all processes
+    train_seconds: float = 0.0  # time spent in training steps (for tokens/s over the whole run)
+
+    def state_dict(self) -> dict:
+        return asdict(self)
+
+    def load_state_dict(self, state: dict) -> None:
+        for key, value in state.items():
+            setattr(self, key, value)
+
+
+def checkpoint_dir(out: Path, step: int) -> Path:
+    return out / CHECKPOINTS / f"step-{step:07d}"
+
+
+def list_checkpoints(out: Path) -> list[Path]:
+    """Complete checkpoints, oldest first."""
+    folder = out / CHECKPOINTS
+    if not folder.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in folder.iterdir() if p.is_dir() and (m := _NAME.match(p.name))]
+    return [p for _, p in sorted(found)]
+
+
+def latest_checkpoint(out: Path) -> Path | None:
+    found = list_checkpoints(out)
+    return found[-1] if found else None
+
+
+def remove_partial_checkpoints(out: Path) -> None:
+    folder = out / CHECKPOINTS
+    if folder.is_dir():
+        for partial in folder.glob(".step-*.partial"):
+            shutil.rmtree(partial, ignore_errors=True)
+
+
+def trainable_only_hook(models, weights, output_dir) -> None:
+    """Accelerate save hook: keep only parameters that train (frozen ones are rebuilt on resume)."""
+    for model, state in zip(models, weights):
+        keep = {name for name, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}
+        for key in [k for k in state if k not in keep]:
+            del state[key]
+
+
+def save_checkpoint(accelerator, out: Path, state: TrainerState, keep_last: int) -> Path:
+    """Called on every process (each saves its RNG state); returns the checkpoint folder."""
+    final = checkpoint_dir(out, state.step)
+    partial = final.with_name(f".{final.name}.partial")
+    if accelerator.is_main_process:
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(partial))
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        # Readable copy of the trainer state, for people and for the resume message.
+        (partial / "trainer_state.json").write_text(json.dumps(state.state_dict(), indent=2))
+        _fsync_tree(partial)
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(partial, final)
+        for old in list_checkpoints(out)[:-keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    return final
+
+
+def load_checkpoint(accelerator, path: Path) -> None:
+    # strict=False: the checkpoint holds the trainable weights only.
+    accelerator.load_state(str(path), strict=False)
+
+
+def _fsync_tree(folder: Path) -> None:
+    for path in folder.rglob("*"):
+        if path.is_file():
+            with open(path, "rb") as handle:
+                os.fsync(handle.fileno())

@@ -1,0 +1,60 @@
+"""metrics.jsonl: one JSON object per line, `kind` "train" (a training step) or "eval" (a held-out evaluation)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+METRICS = "metrics.jsonl"
+
+
+class MetricsLog:
+    """Appends records to OUT/metrics.jsonl (main process only), flushed line by line so a killed run
+    keeps everything up to its last step."""
+
+    def __init__(self, path: Path, enabled: bool):
+        self.path, self.enabled = path, enabled
+
+    def truncate_after(self, step: int) -> None:
+        """On resume: drop records of steps the checkpoint does not include (they will be redone)."""
+        if not self.enabled or not self.path.is_file():
+            return
+        kept = [r for r in read_metrics(self.path) if r.get("step", 0) <= step]
+        self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+
+    def reset(self) -> None:
+        if self.enabled:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.path.write_text("")
+
+    def write(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        with open(self.path, "a") as handle:
+            handle.write(json.dumps(record) + "\n")
+
+
+def read_metrics(path: Path) -> list[dict]:
+    records = []
+    for line in Path(path).read_text().splitlines():
+        line = line.strip()
+        if line:
+            try:
+                records.append(json.loads(line))
+            except ValueError:
+                break  # a line cut short by a crash ends the log
+    return records
+
+
+def perplexity(loss: float) -> float:
+    return math.exp(loss) if loss < 50 else float("inf")
+
+
+def loss_history(records: list[dict]) -> list[dict]:
+    """[{"step", "loss", "eval_loss"}], the shape plots.loss_curve_plot and card.finetune_card read."""
+    by_step: dict[int, dict] = {}
+    for record in records:
+        point = by_step.setdefault(record["step"], {"step": record["step"]})
+        point["loss" if record.get("kind") == "train" else "eval_loss"] = record["loss"]
+    return [by_step[step] for step in sorted(by_step)]

@@ -1,0 +1,144 @@
+"""What trains, and how: trainable parameter selection, AdamW parameter groups and LR schedules.
+
+The AttnRes parameters (pseudo-queries and key norms) are new and start at zero / one: they get their
+own, higher learning rate (`train.attnres_lr`) and no weight decay (decay would pull the queries back
+to uniform routing). Norm weights and biases are not decayed either, as usual.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .modeling_attnres import AttnResKeyNorm, AttnResQuery
+from .recipe import LoraSection, Recipe, RecipeError
+
+
+def attnres_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """The AttnRes queries and key norms, found by module type (names may carry PEFT prefixes)."""
+    found = []
+    for module_name, module in model.named_modules():
+        if isinstance(module, (AttnResQuery, AttnResKeyNorm)):
+            for name, param in module.named_parameters():
+                found.append((f"{module_name}.{name}", param))
+    return found
+
+
+def apply_lora(model: nn.Module, lora: LoraSection, seed: int) -> nn.Module:
+    """Wrap with PEFT LoRA. The AttnRes parameters are then marked trainable explicitly, not through
+    `modules_to_save`: that wraps a *copy* of each module, and the final norm reads the output
+    aggregation's query by direct reference, so a copy would silently never train."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(
+        r=lora.r,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=lora.target_modules,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+    torch.manual_seed(seed)  # the same LoRA init for the baseline and the AttnRes run of an A/B
+    try:
+        return get_peft_model(model, config)
+    except ValueError as error:
+        raise RecipeError(f"lora.target_modules: {error}") from error
+
+
+def select_trainable(model: nn.Module, trainable: str) -> None:
+    """Freeze everything but what the recipe trains (LoRA weights are already set by PEFT)."""
+    new = {id(p) for _, p in attnres_parameters(model)}
+    for param in model.parameters():
+        if trainable == "full":
+            param.requires_grad_(True)
+        elif trainable == "attnres":
+            param.requires_grad_(id(param) in new)
+        elif id(param) in new:  # lora: PEFT froze the base; the AttnRes parameters train alongside
+            param.requires_grad_(True)
+
+
+@dataclass
+class ParameterCounts:
+    total: int
+    trainable: int
+    attnres: int
+
+    def describe(self) -> str:
+        return (
+            f"{self.trainable:,} trainable of {self.total:,} parameters ({self.trainable / self.total:.3%}), "
+            f"of which AttnRes {self.attnres:,}"
+        )
+
+
+def count_parameters(model: nn.Module) -> ParameterCounts:
+    seen: dict[int, nn.Parameter] = {id(p): p for p in model.parameters()}
+    new = {id(p) for _, p in attnres_parameters(model)}
+    return ParameterCounts(
+        total=sum(p.numel() for p in seen.values()),
+        trainable=sum(p.numel() for p in seen.values() if p.requires_grad),
+        attnres=sum(p.numel() for k, p in seen.items() if k in new and p.requires_grad),
+    )
+
+
+def parameter_groups(model: nn.Module, recipe: Recipe) -> list[dict]:
+    train = recipe.train
+    new = {id(p) for _, p in attnres_parameters(model)}
+    decay, no_decay, attnres = [], [], []
+    for _, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        if id(param) in new:
+            attnres.append(param)
+        elif param.dim() >= 2:
+            decay.append(param)
+        else:
+            no_decay.append(param)
+    groups = [
+        {"name": "base", "params": decay, "lr": train.lr, "weight_decay": train.weight_decay},
+        {"name": "base_no_decay", "params": no_decay, "lr": train.lr, "weight_decay": 0.0},
+        {"name": "attnres", "params": attnres, "lr": train.peak_attnres_lr, "weight_decay": 0.0},
+    ]
+    groups = [g for g in groups if g["params"]]
+    if not groups:
+        raise RecipeError("train.trainable: no parameter would train with this recipe")
+    return groups
+
+
+def make_optimizer(model: nn.Module, recipe: Recipe) -> torch.optim.AdamW:
+    train = recipe.train
+    return torch.optim.AdamW(parameter_groups(model, recipe), betas=tuple(train.betas), eps=train.adam_eps)
+
+
+class Schedule:
+    """LR multiplier per step: linear warmup, then cosine to `min_ratio`, or warmup-stable-decay (flat,
+    then a linear decay over the last `decay_fraction` of the steps), or constant. A plain object (not a
+    lambda) so LambdaLR puts its settings in the scheduler's state_dict."""
+
+    def __init__(self, kind: str, steps: int, warmup: int, min_ratio: float, decay_fraction: float):
+        self.kind, self.steps, self.warmup = kind, steps, warmup
+        self.min_ratio, self.decay_fraction = min_ratio, decay_fraction
+
+    def __call__(self, step: int) -> float:
+        if self.warmup and step < self.warmup:
+            return (step + 1) / self.warmup
+        if self.kind == "constant":
+            return 1.0
+        if self.kind == "cosine":
+            span = max(1, self.steps - self.warmup)
+            progress = min(1.0, (step - self.warmup) / span)
+            return self.min_ratio + (1 - self.min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+        decay_steps = max(1, round(self.steps * self.decay_fraction))
+        decay_start = self.steps - decay_steps
+        if step < decay_start:
+            return 1.0
+        progress = min(1.0, (step - decay_start) / decay_steps)
+        return 1.0 - (1 - self.min_ratio) * progress
+
+
+def make_scheduler(optimizer: torch.optim.Optimizer, recipe: Recipe) -> torch.optim.lr_scheduler.LambdaLR:
+    train = recipe.train
+    schedule = Schedule(train.schedule, train.steps, train.warmup_steps, train.min_lr_ratio, train.decay_fraction)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)

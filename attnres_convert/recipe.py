@@ -1,0 +1,495 @@
+"""Fine-tuning recipes: a typed schema (pydantic, unknown keys rejected), YAML loading and
+torchtune-style `key.path=value` overrides.
+
+A recipe is validated in two passes, both before anything is written:
+
+1. `parse_recipe` checks types, ranges and combinations (no file system access);
+2. `check_recipe` checks what the file system can tell: data files exist and are not empty, the model
+   source resolves, `data.seq_len` fits the model's positions when the config is readable offline.
+
+Every problem is reported as `field.path: what is wrong` in one RecipeError (exit code 2 in the CLI).
+"""
+
+from __future__ import annotations
+
+import copy
+import fnmatch
+import glob
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from .errors import AttnResError
+
+SHAKESPEARE_PREFIX = "shakespeare:"
+DEFAULT_SOURCES = (None, "", "default")
+
+
+class RecipeError(AttnResError):
+    """An invalid recipe, override or referenced file. The message lists `field: problem` lines."""
+
+
+class _Section(BaseModel):
+    # mergekit style: a typo in a key is an error, not a silently ignored setting.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelSection(_Section):
+    source: str | None = Field(
+        None,
+        description="Hub id, local HF folder, .gguf file, an already converted AttnRes folder, or "
+        "null/'default' for the embedded SmolLM2-135M-Instruct.",
+    )
+    convert: bool = Field(True, description="false: train the original model with the same recipe (the baseline).")
+    block_size: int | None = Field(None, ge=1, description="Sublayers per block S (give at most one of block_size, num_blocks, full).")
+    num_blocks: int | None = Field(None, ge=1, description="At most this many blocks, S in whole layers (default 8).")
+    full: bool = Field(False, description="Full AttnRes (S = 1).")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "float32", description="Weights dtype; keep float32 and use train.mixed_precision for bf16 compute."
+    )
+    trust_remote_code: bool = False
+
+    @model_validator(mode="after")
+    def _one_block_setting(self):
+        chosen = [n for n, v in (("block_size", self.block_size), ("num_blocks", self.num_blocks)) if v is not None]
+        if self.full:
+            chosen.append("full")
+        if len(chosen) > 1:
+            raise ValueError(f"give at most one of block_size, num_blocks, full (got {', '.join(chosen)})")
+        return self
+
+    @property
+    def is_default(self) -> bool:
+        return self.source in DEFAULT_SOURCES
+
+
+class TextSource(_Section):
+    """Where text comes from: local files (or the embedded Shakespeare), or a `datasets` dataset."""
+
+    files: list[str] | None = Field(
+        None,
+        description="Text (.txt/.md), .jsonl/.json or .parquet files or globs, relative to the working directory; "
+        "'shakespeare:GLOB' names plays of the embedded corpus (e.g. 'shakespeare:*', 'shakespeare:hamlet').",
+    )
+    dataset: str | None = Field(None, description="A `datasets` name (hub id, or a builder like 'json' with data_files).")
+    name: str | None = Field(None, description="The dataset's configuration name (e.g. 'sample-10BT').")
+    data_files: list[str] | None = Field(None, description="Passed to datasets.load_dataset (for builders like 'json').")
+    split: str = "train"
+    text_field: str = Field("text", description="The field holding the text (jsonl, parquet, datasets).")
+    streaming: bool = Field(True, description="Stream the dataset instead of downloading it whole.")
+    max_documents: int | None = Field(None, ge=1, description="Read at most this many documents.")
+
+
+class HeldOutSource(TextSource):
+    fraction: float | None = Field(
+        None, gt=0, lt=1, description="Hold out this fraction of the training documents (whole documents)."
+    )
+
+    @model_validator(mode="after")
+    def _exactly_one(self):
+        given = [n for n in ("files", "dataset", "fraction") if getattr(self, n) is not None]
+        if len(given) != 1:
+            raise ValueError(f"give exactly one of files, dataset, fraction (got {', '.join(given) or 'none'})")
+        return self
+
+
+class DataSection(_Section):
+    train: TextSource
+    eval: HeldOutSource = Field(default_factory=lambda: HeldOutSource(fraction=0.05))
+    seq_len: int = Field(256, ge=8, description="Tokens per training sequence.")
+    packing: bool = Field(True, description="Concatenate documents (EOS between) and cut seq_len blocks; false: one document per sequence, padded.")
+    add_eos: bool = Field(True, description="Append the tokenizer's EOS token to every document.")
+    max_tokens: int | None = Field(
+        None, ge=1, description="Tokenise at most this many training tokens (default for datasets: what the run consumes)."
+    )
+
+    @model_validator(mode="after")
+    def _train_source(self):
+        given = [n for n in ("files", "dataset") if getattr(self.train, n) is not None]
+        if len(given) != 1:
+            raise ValueError(f"train: give exactly one of files, dataset (got {', '.join(given) or 'none'})")
+        return self
+
+
+class TrainSection(_Section):
+    trainable: Literal["attnres", "lora", "full"] = Field(
+        "attnres", description="attnres: only the AttnRes queries and key norms; lora: LoRA adapters + AttnRes; full: everything."
+    )
+    steps: int = Field(..., ge=1, description="Optimizer steps.")
+    micro_batch: int = Field(4, ge=1, description="Sequences per forward pass, per process.")
+    grad_accum: int = Field(1, ge=1, description="Micro-batches per optimizer step, per process.")
+    lr: float = Field(..., gt=0, description="Peak learning rate of the base (or LoRA) parameters.")
+    attnres_lr: float | None = Field(
+        None, gt=0, description="Peak learning rate of the AttnRes parameters (default: 10 x lr; new zero-init params want more)."
+    )
+    weight_decay: float = Field(0.0, ge=0, description="AdamW decay of matrices; never applied to AttnRes params, norms, biases.")
+    betas: tuple[float, float] = (0.9, 0.95)
+    adam_eps: float = Field(1e-8, gt=0)
+    schedule: Literal["cosine", "wsd", "constant"] = "cosine"
+    warmup_steps: int = Field(0, ge=0)
+    decay_fraction: float = Field(0.2, gt=0, le=1, description="wsd: the last fraction of steps that decays to min_lr_ratio.")
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Final learning rate as a fraction of the peak.")
+    max_grad_norm: float | None = Field(1.0, gt=0, description="Clip the global gradient norm; null: no clipping.")
+    mixed_precision: Literal["no", "bf16", "fp16"] = "no"
+    gradient_checkpointing: bool = False
+    seed: int = 0
+    log_every: int = Field(1, ge=1, description="Write metrics.jsonl every N steps.")
+
+    @model_validator(mode="after")
+    def _warmup_fits(self):
+        if self.warmup_steps >= self.steps:
+            raise ValueError(f"warmup_steps ({self.warmup_steps}) must be smaller than steps ({self.steps})")
+        for beta in self.betas:
+            if not 0 <= beta < 1:
+                raise ValueError(f"betas must be in [0, 1), got {list(self.betas)}")
+        return self
+
+    @property
+    def peak_attnres_lr(self) -> float:
+        return self.attnres_lr if self.attnres_lr is not None else 10 * self.lr
+
+
+class LoraSection(_Section):
+    r: int = Field(16, ge=1)
+    alpha: float = Field(32, gt=0)
+    dropout: float = Field(0.0, ge=0, lt=1)
+    target_modules: list[str] | str = Field(
+        "all-linear", description="Module names to adapt (e.g. [q_proj, v_proj]) or 'all-linear' (every Linear but the head)."
+    )
+    merge: bool = Field(True, description="Merge the adapter into the saved model; false keeps it in OUT/model/adapter.")
+
+    @field_validator("target_modules")
+    @classmethod
+    def _known_shortcut(cls, value):
+        if isinstance(value, str) and value != "all-linear":
+            raise ValueError(f"must be a list of module names or 'all-linear' (got {value!r})")
+        if isinstance(value, list) and not value:
+            raise ValueError("must name at least one module (or be 'all-linear')")
+        return value
+
+
+class EvalSection(_Section):
+    every: int = Field(50, ge=0, description="Held-out evaluation every N steps (0: only before and after training).")
+    max_sequences: int | None = Field(64, ge=1, description="Evaluate on at most this many held-out sequences (evenly spaced).")
+    batch_size: int | None = Field(None, ge=1, description="Default: train.micro_batch.")
+    at_start: bool = Field(True, description="Evaluate before the first step (the converted model = the original).")
+
+
+class CheckpointSection(_Section):
+    every: int = Field(100, ge=0, description="Save a resumable checkpoint every N steps (0: only on SIGINT).")
+    keep_last: int = Field(2, ge=1)
+
+
+class OutputSection(_Section):
+    dir: str = Field(..., min_length=1, description="Run folder: recipe, metrics, checkpoints/, model/.")
+    overwrite: bool = Field(False, description="Replace an existing run folder (otherwise use --resume).")
+    save_model: bool = Field(True, description="Write the final model to OUT/model (the A/B benchmark turns it off).")
+    push_to_hub: str | None = Field(None, description="Hub repo id to upload OUT/model to at the end (token: HF_TOKEN or `hf auth login`).")
+    private: bool = Field(False, description="Create the hub repo as private.")
+
+
+class Recipe(_Section):
+    description: str | None = None
+    model: ModelSection = Field(default_factory=ModelSection)
+    data: DataSection
+    train: TrainSection
+    lora: LoraSection = Field(default_factory=LoraSection)
+    eval: EvalSection = Field(default_factory=EvalSection)
+    checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
+    output: OutputSection
+
+    @model_validator(mode="after")
+    def _something_trains(self):
+        if not self.model.convert and self.train.trainable == "attnres":
+            raise ValueError(
+                "train.trainable: 'attnres' trains only the AttnRes parameters, but model.convert is false "
+                "(the original model has none); use lora or full for a baseline"
+            )
+        return self
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+# --- errors ---------------------------------------------------------------------------------------
+
+_MESSAGES = {
+    "greater_than": "must be > {gt}",
+    "greater_than_equal": "must be >= {ge}",
+    "less_than": "must be < {lt}",
+    "less_than_equal": "must be <= {le}",
+    "missing": "required",
+    "string_too_short": "must not be empty",
+}
+
+
+def _field_path(loc: tuple) -> str:
+    parts: list[str] = []
+    for item in loc:
+        if isinstance(item, int):
+            parts[-1:] = [f"{parts[-1]}[{item}]"] if parts else [f"[{item}]"]
+        elif item in ("list[str]", "str") or str(item).startswith("function-"):
+            continue  # pydantic's name for a union member, not a field
+        else:
+            parts.append(str(item))
+    return ".".join(parts)
+
+
+def _message(error: dict, model: type[BaseModel]) -> str:
+    kind = error["type"]
+    if kind == "extra_forbidden":
+        parent = _section_at(model, [p for p in error["loc"][:-1] if isinstance(p, str)])
+        known = ", ".join(parent.model_fields) if parent else ""
+        return f"unknown key{f' (known keys: {known})' if known else ''}"
+    if kind == "literal_error":
+        return f"must be one of {error['ctx']['expected']} (got {error['input']!r})"
+    if kind == "value_error":
+        return str(error["ctx"]["error"])
+    template = _MESSAGES.get(kind)
+    if template:
+        return template.format(**{k: _number(v) for k, v in error.get("ctx", {}).items()})
+    return f"{error['msg'][0].lower()}{error['msg'][1:]} (got {error['input']!r})"
+
+
+def _number(value):
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def _section_at(model: type[BaseModel], path: list[str]) -> type[BaseModel] | None:
+    for name in path:
+        field = model.model_fields.get(name)
+        annotation = getattr(field, "annotation", None)
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return None
+        model = annotation
+    return model
+
+
+def format_validation_error(error: ValidationError, model: type[BaseModel] = Recipe) -> str:
+    lines = []
+    for item in error.errors():
+        if item["type"] == "string_type" and isinstance(item["input"], (list, dict)) and "str" in item["loc"]:
+            continue  # the `str` member of a `list[str] | str` union: the list member's error says more
+        path = _field_path(item["loc"])
+        lines.append(f"{path}: {_message(item, model)}" if path else _message(item, model))
+    return "\n".join(dict.fromkeys(lines))
+
+
+# --- loading and overrides ------------------------------------------------------------------------
+
+
+def recipes_dir() -> Path:
+    """The shipped recipes: $ATTNRES_RECIPES, else `recipes/` beside the package (repository layout)."""
+    env = os.environ.get("ATTNRES_RECIPES")
+    return Path(env) if env else Path(__file__).resolve().parent.parent / "recipes"
+
+
+def shipped_recipes() -> dict[str, Path]:
+    folder = recipes_dir()
+    return {p.stem: p for p in sorted(folder.glob("*.yaml"))} if folder.is_dir() else {}
+
+
+def find_recipe(name_or_path: str | os.PathLike) -> Path:
+    """A recipe file path, or the name of a shipped recipe (`quickstart-cpu`)."""
+    path = Path(name_or_path).expanduser()
+    if path.is_file():
+        return path
+    shipped = shipped_recipes()
+    if str(name_or_path) in shipped:
+        return shipped[str(name_or_path)]
+    if path.suffix in (".yaml", ".yml") or path.parent != Path("."):
+        raise RecipeError(f"recipe file {name_or_path} does not exist")
+    names = ", ".join(shipped) or "none found"
+    raise RecipeError(f"{name_or_path} is neither a recipe file nor a shipped recipe (shipped: {names})")
+
+
+def read_yaml(path: Path) -> dict:
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as error:
+        raise RecipeError(f"{path} is not valid YAML: {error}") from error
+    except OSError as error:
+        raise RecipeError(f"cannot read recipe {path}: {error}") from error
+    if not isinstance(data, dict):
+        raise RecipeError(f"{path}: a recipe is a YAML mapping (model:, data:, train:, ...), got {type(data).__name__}")
+    return data
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """`key.path=value` (torchtune style); the value is parsed as YAML (`3e-4`, `null`, `[q_proj, v_proj]`)."""
+    data = copy.deepcopy(data)
+    problems = []
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        key = key.strip()
+        if not sep or not key or any(not part for part in key.split(".")):
+            problems.append(f"{item}: an override is key.path=value (e.g. train.lr=1e-4)")
+            continue
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError as error:
+            problems.append(f"{key}: cannot parse value {raw!r} ({error.__class__.__name__})")
+            continue
+        node = data
+        parts = key.split(".")
+        for index, part in enumerate(parts[:-1]):
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                problems.append(f"{'.'.join(parts[: index + 1])}: is a value, not a section; cannot set {key}")
+                break
+            node = child
+        else:
+            node[parts[-1]] = value
+    if problems:
+        raise RecipeError("\n".join(problems))
+    return data
+
+
+def parse_recipe(data: dict) -> Recipe:
+    try:
+        return Recipe.model_validate(data)
+    except ValidationError as error:
+        raise RecipeError(format_validation_error(error)) from None
+
+
+def load_recipe(name_or_path: str | os.PathLike, overrides: list[str] | None = None) -> Recipe:
+    """Read, override and validate (schema only; see `check_recipe` for the file system checks)."""
+    data = read_yaml(find_recipe(name_or_path))
+    return parse_recipe(apply_overrides(data, list(overrides or [])))
+
+
+# --- file system checks ---------------------------------------------------------------------------
+
+TEXT_SUFFIXES = {".txt", ".md", ".text"}
+JSON_SUFFIXES = {".jsonl", ".json"}
+PARQUET_SUFFIXES = {".parquet"}
+
+
+def expand_files(patterns: list[str], field: str) -> tuple[list[Path], list[str]]:
+    """Paths for FILES (globs, `shakespeare:GLOB`), in a stable order, and the problems found."""
+    found: list[Path] = []
+    problems: list[str] = []
+    for index, pattern in enumerate(patterns):
+        where = f"{field}[{index}]"
+        if pattern.startswith(SHAKESPEARE_PREFIX):
+            from .samples import shakespeare_plays
+
+            try:
+                plays = shakespeare_plays()
+            except AttnResError as error:
+                problems.append(f"{where}: {error}")
+                continue
+            wanted = pattern[len(SHAKESPEARE_PREFIX) :] or "*"
+            matches = [p for p in plays if fnmatch.fnmatch(p.name[: -len("_gut.txt")], wanted)]
+            if not matches:
+                names = ", ".join(p.name[: -len("_gut.txt")] for p in plays[:6])
+                problems.append(f"{where}: no Shakespeare play matches {wanted!r} (names look like: {names}, ...)")
+        else:
+            expanded = os.path.expanduser(pattern)
+            matches = sorted(Path(p) for p in glob.glob(expanded, recursive=True)) if glob.has_magic(expanded) else [Path(expanded)]
+            matches = [m for m in matches if m.is_file()] if glob.has_magic(expanded) else matches
+            if not matches:
+                problems.append(f"{where}: no file matches {pattern!r}")
+                continue
+            for match in matches:
+                if match.is_dir():
+                    problems.append(f"{where}: {match} is a folder; give files or a glob like '{match}/*.txt'")
+                elif not match.is_file():
+                    problems.append(f"{where}: file {match} does not exist")
+                elif match.stat().st_size == 0:
+                    problems.append(f"{where}: file {match} is empty")
+                elif match.suffix.lower() not in TEXT_SUFFIXES | JSON_SUFFIXES | PARQUET_SUFFIXES:
+                    problems.append(
+                        f"{where}: {match} has an unknown type; use .txt/.md (plain text), .jsonl/.json or .parquet"
+                    )
+            matches = [m for m in matches if m.is_file() and m.stat().st_size > 0]
+        found.extend(m for m in matches if m not in found)
+    return found, problems
+
+
+def is_run_folder(path: Path) -> bool:
+    """A folder `attnres finetune` wrote: the only kind output.overwrite may delete."""
+    return (path / "recipe.yaml").is_file() and (path / "metrics.jsonl").is_file()
+
+
+def check_recipe(recipe: Recipe, resume: bool = False, check_output: bool = True, token: str | None = None) -> None:
+    """What the file system can tell, before anything is loaded or written. `check_output=False` skips the
+    run-folder check (`attnres recipes validate`: the folder may exist from an earlier run)."""
+    from .saving import is_converted_folder
+    from .sources import load_config, resolve_source
+
+    problems: list[str] = []
+    train_files: list[Path] = []
+    if recipe.data.train.files is not None:
+        train_files, found = expand_files(recipe.data.train.files, "data.train.files")
+        problems += found
+    if recipe.data.eval.files is not None:
+        eval_files, found = expand_files(recipe.data.eval.files, "data.eval.files")
+        problems += found
+        if train_files and eval_files and not set(train_files) - set(eval_files):
+            problems.append("data.train.files: every training file is also a held-out file; nothing is left to train on")
+
+    max_positions = None
+    try:
+        source = resolve_source(None if recipe.model.is_default else recipe.model.source)
+    except AttnResError as error:
+        problems.append(f"model.source: {error}")
+        source = None
+    if source is not None and source.kind in ("folder", "default", "gguf"):
+        converted = source.kind == "folder" and is_converted_folder(source.location)
+        if converted and not recipe.model.convert:
+            problems.append(
+                "model.convert: false asks for the original model, but model.source is an AttnRes model; "
+                "give the original model as the source for a baseline"
+            )
+        try:
+            if converted:
+                from transformers import AutoConfig
+
+                config = AutoConfig.from_pretrained(source.location).text_config
+            else:
+                config = load_config(source, recipe.model.trust_remote_code)
+            text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+            max_positions = getattr(text_config, "max_position_embeddings", None) or getattr(text_config, "n_positions", None)
+        except AttnResError as error:
+            problems.append(f"model.source: {error}")
+        except Exception as error:  # noqa: BLE001 - report, never crash validation
+            problems.append(f"model.source: cannot read its config ({error})")
+    if max_positions and recipe.data.seq_len > max_positions:
+        problems.append(
+            f"data.seq_len: {recipe.data.seq_len} is longer than the model's {max_positions} positions; use at most {max_positions}"
+        )
+
+    if recipe.output.push_to_hub:
+        # Fail now, not after hours of training: the repo id must be valid and a token must exist.
+        from .hub import check_repo_id, resolve_token
+
+        for check in (lambda: check_repo_id(recipe.output.push_to_hub), lambda: resolve_token(token)):
+            try:
+                check()
+            except AttnResError as error:
+                problems.append(f"output.push_to_hub: {error}")
+        if not recipe.output.save_model:
+            problems.append("output.push_to_hub: needs output.save_model=true (there is no model folder to push)")
+
+    out = Path(recipe.output.dir).expanduser()
+    if out.exists() and not out.is_dir():
+        problems.append(f"output.dir: {out} is a file, not a folder")
+    elif check_output and out.is_dir() and any(out.iterdir()):
+        if not is_run_folder(out):
+            problems.append(
+                f"output.dir: {out} already exists and is not an attnres run folder (no recipe.yaml and metrics.jsonl); "
+                "choose another folder (output.overwrite only replaces earlier runs, never other folders)"
+            )
+        elif not (resume or recipe.output.overwrite):
+            problems.append(
+                f"output.dir: {out} already holds a run; pass --resume to continue it, "
+                "output.overwrite=true to replace it, or choose another folder"
+            )
+    if problems:
+        raise RecipeError("\n".join(problems))

@@ -1,0 +1,54 @@
+"""The model a fine-tuning run starts from: the original model, converted as the recipe says (or not,
+for the baseline), or an already converted AttnRes folder whose learned routing training continues."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from transformers import PreTrainedModel
+
+from .errors import SourceError
+from .recipe import Recipe, RecipeError
+from .saving import is_converted_folder, load_converted
+from .sources import DTYPES, ModelSource, load_config, load_model, load_tokenizer, resolve_source
+from .surgery import ConversionSummary, convert_model, resolve_block_size, structure_of, summarize
+
+
+@dataclass
+class StartingModel:
+    model: PreTrainedModel
+    tokenizer: object
+    source: ModelSource
+    converted: bool  # an AttnRes model (converted now or loaded converted)
+    summary: ConversionSummary | None
+
+
+def load_starting_model(recipe: Recipe) -> StartingModel:
+    spec = recipe.model
+    source = resolve_source(None if spec.is_default else spec.source)
+    tokenizer = load_tokenizer(source, spec.trust_remote_code)
+    if tokenizer is None:
+        raise RecipeError(
+            f"model.source: {source.name} has no tokenizer, and training needs one to read the text. "
+            "Save the tokenizer next to the weights (tokenizer.save_pretrained)."
+        )
+    if source.kind == "folder" and is_converted_folder(source.location):
+        dtype = DTYPES[spec.dtype]
+        try:
+            model = load_converted(source.location, dtype=dtype)
+        except SourceError:
+            raise
+        except Exception as error:  # noqa: BLE001
+            raise SourceError(f"could not load the AttnRes model in {source.name}: {error}") from error
+        return StartingModel(model, tokenizer, source, True, summarize(model))
+    if spec.convert:
+        # Refuse an impossible block size before loading any weights.
+        try:
+            resolve_block_size(structure_of(load_config(source, spec.trust_remote_code)), spec.block_size, spec.num_blocks, spec.full)
+        except ValueError as error:
+            raise RecipeError(f"model.block_size: {error}") from error
+    model = load_model(source, spec.dtype, spec.trust_remote_code)
+    if not spec.convert:
+        return StartingModel(model, tokenizer, source, False, None)
+    model = convert_model(model, block_size=spec.block_size, num_blocks=spec.num_blocks, full=spec.full)
+    return StartingModel(model, tokenizer, source, True, summarize(model))

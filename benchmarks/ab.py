@@ -1,0 +1,184 @@
+"""The A/B: does AttnRes pay? One recipe, run twice from the same start with the same data order.
+
+    baseline  the recipe with model.convert=false: the original model, same trainable budget except the
+              AttnRes parameters (e.g. the same LoRA adapters)
+    attnres   the recipe as written: converted, the AttnRes parameters train alongside
+
+Reported (held-out loss, nats per token, on the recipe's held-out text): the original model (the baseline's
+step-0 evaluation), the converted model at step 0 (must equal the original), both after training, and the
+training tokens/s of each. `--sweep` adds AttnRes variants (each a comma-separated list of overrides)
+against the same baseline.
+
+    python benchmarks/ab.py recipes/ab-smollm2-shakespeare.yaml --name ab-smollm2-shakespeare
+    python benchmarks/ab.py recipes/ab-smollm2-shakespeare.yaml --name sweep \\
+        --sweep train.attnres_lr=1e-2 --sweep train.attnres_lr=1e-1,train.schedule=wsd
+
+Writes benchmarks/results/NAME.json and NAME.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from attnres_convert.metrics import read_metrics  # noqa: E402
+from attnres_convert.recipe import apply_overrides, find_recipe, parse_recipe, read_yaml  # noqa: E402
+from attnres_convert.training import finetune  # noqa: E402
+
+
+def run_arm(name: str, data: dict, overrides: list[str], workdir: Path, console) -> dict:
+    out = workdir / name
+    recipe = parse_recipe(
+        apply_overrides(data, [*overrides, f"output.dir={out}", "output.save_model=false", "output.overwrite=true", "eval.at_start=true"])
+    )
+    if console:
+        console.rule(f"[bold]{name}[/]: {' '.join(overrides) or 'recipe as written'}")
+    began = time.perf_counter()
+    result = finetune(recipe, console=console)
+    wall = time.perf_counter() - began
+    evals = [r for r in result.records if r["kind"] == "eval"]
+    summary = {
+        "name": name,
+        "overrides": overrides,
+        "converted": result.metrics["converted"],
+        "eval_loss_step0": evals[0]["loss"],
+        "eval_loss_final": result.metrics["eval_loss"],
+        "eval_perplexity_final": result.metrics["eval_perplexity"],
+        "eval_curve": [(r["step"], r["loss"]) for r in evals],
+        "train_loss_last": result.metrics["train_loss_last"],
+        "tokens": result.metrics["tokens"],
+        "tokens_per_s": result.metrics["tokens_per_s"],
+        "trainable_parameters": result.metrics["trainable_parameters"],
+        "attnres_parameters": result.metrics["attnres_parameters"],
+        "wall_seconds": wall,
+        "train_curve": [(r["step"], r["loss"]) for r in read_metrics(out / "metrics.jsonl") if r["kind"] == "train"],
+    }
+    del result
+    gc.collect()
+    return summary
+
+
+def markdown(report: dict) -> str:
+    base = report["baseline"]
+    lines = [
+        f"# A/B: {report['recipe']} ({report['steps']} steps, {base['tokens']:,} training tokens per arm)",
+        "",
+        f"Command: `{report['command']}`",
+        "",
+        f"Machine: {report['machine']}; torch {report['torch']}, {report['threads']} threads.",
+        "",
+        "| model | held-out loss | perplexity | Δ vs baseline | trainable params | tokens/s |",
+        "|---|---|---|---|---|---|",
+        f"| original (no training) | {base['eval_loss_step0']:.4f} | {_ppl(base['eval_loss_step0']):.2f} | | | |",
+    ]
+    for arm in report["attnres"]:
+        lines.append(
+            f"| converted, step 0{_label(arm)} | {arm['eval_loss_step0']:.4f} | {_ppl(arm['eval_loss_step0']):.2f} | "
+            f"{arm['eval_loss_step0'] - base['eval_loss_step0']:+.2e} vs original | | |"
+        )
+        break
+    lines.append(
+        f"| baseline after training | {base['eval_loss_final']:.4f} | {base['eval_perplexity_final']:.2f} | | "
+        f"{base['trainable_parameters']:,} | {base['tokens_per_s']:,.0f} |"
+    )
+    for arm in report["attnres"]:
+        lines.append(
+            f"| AttnRes after training{_label(arm)} | {arm['eval_loss_final']:.4f} | {arm['eval_perplexity_final']:.2f} | "
+            f"{arm['eval_loss_final'] - base['eval_loss_final']:+.4f} | {arm['trainable_parameters']:,} "
+            f"(AttnRes {arm['attnres_parameters']:,}) | {arm['tokens_per_s']:,.0f} |"
+        )
+    lines += ["", "Held-out loss during training (step: baseline / AttnRes variants):", ""]
+    steps = [s for s, _ in base["eval_curve"]]
+    header = "| step | baseline | " + " | ".join(_label(a).strip(" ()") or "AttnRes" for a in report["attnres"]) + " |"
+    lines += [header, "|---" * (2 + len(report["attnres"])) + "|"]
+    for index, step in enumerate(steps):
+        cells = [f"{base['eval_curve'][index][1]:.4f}"]
+        for arm in report["attnres"]:
+            curve = dict(arm["eval_curve"])
+            cells.append(f"{curve[step]:.4f}" if step in curve else "")
+        lines.append(f"| {step} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _ppl(loss: float) -> float:
+    import math
+
+    return math.exp(loss)
+
+
+def _label(arm: dict) -> str:
+    return f" ({', '.join(arm['overrides'])})" if arm["overrides"] else ""
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("recipe", help="Recipe file or shipped recipe name.")
+    parser.add_argument("overrides", nargs="*", help="key.path=value overrides for both arms.")
+    parser.add_argument("--name", default="ab", help="Result file name (benchmarks/results/NAME.json|md).")
+    parser.add_argument("--sweep", action="append", default=[], help="An AttnRes variant: comma-separated overrides (repeatable).")
+    parser.add_argument("--no-plain", action="store_true", help="With --sweep: skip the AttnRes arm with no extra overrides.")
+    parser.add_argument("--results", default=str(ROOT / "benchmarks" / "results"))
+    parser.add_argument("--workdir", default=None, help="Where the runs write (default: a temporary folder).")
+    parser.add_argument("--quiet", action="store_true")
+    args = parser.parse_args(argv)
+
+    import torch
+    import transformers
+    from rich.console import Console
+
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
+    console = None if args.quiet else Console(stderr=True)
+    data = read_yaml(find_recipe(args.recipe))
+    recipe = parse_recipe(apply_overrides(data, args.overrides))
+    if recipe.train.trainable == "attnres":
+        raise SystemExit("the A/B needs a recipe that trains something besides AttnRes (train.trainable: lora or full)")
+    variants = ([] if args.no_plain else [[]]) + [[o for o in v.split(",") if o] for v in args.sweep]
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="attnres-ab-"))
+    baseline = run_arm("baseline", data, [*args.overrides, "model.convert=false"], workdir, console)
+    arms = []
+    for index, extra in enumerate(variants):
+        arms.append(run_arm(f"attnres-{index}", data, [*args.overrides, *extra], workdir, console))
+        arms[-1]["overrides"] = extra
+        _write(args, recipe, baseline, arms)  # partial results survive an interrupted sweep
+    report = _write(args, recipe, baseline, arms)
+    if console:
+        console.print(markdown(report))
+    return report
+
+
+def _write(args, recipe, baseline, arms) -> dict:
+    import torch
+
+    report = {
+        "recipe": args.recipe,
+        "overrides": args.overrides,
+        "command": "python benchmarks/ab.py " + " ".join(sys.argv[1:]),
+        "steps": recipe.train.steps,
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "baseline": baseline,
+        "attnres": arms,
+    }
+    results = Path(args.results)
+    results.mkdir(parents=True, exist_ok=True)
+    (results / f"{args.name}.json").write_text(json.dumps(report, indent=2))
+    if arms:
+        (results / f"{args.name}.md").write_text(markdown(report))
+    return report
+
+
+if __name__ == "__main__":
+    main()
