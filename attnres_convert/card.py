@@ -295,6 +295,51 @@ def finetune_card(
     return scrub("\n".join(lines))  # a recipe must not carry a token to a public card
 
 
+def baseline_card(
+    *,
+    name: str,
+    base_model: str | None,
+    license: str | None,  # noqa: A002 - the hub's own field name
+    recipe: Mapping,
+    metrics: Mapping[str, Mapping[str, float]],
+    finetuned_key: str | None = None,
+    eval_data: str = "held-out text",
+    train_data: str | None = None,
+    loss_curve: str | None = "loss_curve.png",
+    history: Sequence[Mapping] | None = None,
+) -> str:
+    """The README.md of the baseline of an A/B fine-tune: the original model (no AttnRes) trained with the
+    same recipe. A plain transformers model: no attnres tags, no remote code."""
+    finetuned_key = finetuned_key or (list(metrics)[-1] if metrics else None)
+    extra = {"base_model_relation": "finetune"} if base_model else {}
+    meta = {"library_name": "transformers", "pipeline_tag": "text-generation", "tags": ["attnres-baseline", "fine-tuned"]}
+    if base_model:
+        meta["base_model"] = base_model
+    meta["license"] = license or "other"
+    index = _model_index(f"{name}-baseline", metrics.get(finetuned_key, {}), eval_data) if finetuned_key else []
+    meta.update(extra, **({"model-index": index} if index else {}))
+    lines = [
+        "---\n" + yaml.safe_dump(meta, sort_keys=False, allow_unicode=True) + "---\n",
+        f"# {name}, fine-tuned (baseline, no AttnRes)",
+        "",
+        f"The original `{name}` trained{f' on {train_data}' if train_data else ''} with the same `attnres finetune` "
+        "recipe as its Block AttnRes counterpart, for comparison. It is a plain transformers model: "
+        "`AutoModelForCausalLM.from_pretrained(PATH_OR_REPO)`.",
+        "",
+        "## Held-out evaluation",
+        "",
+        f"On {eval_data} (never seen in training):",
+        "",
+        *_metrics_table(metrics),
+        "",
+    ]
+    if loss_curve or history:
+        lines += ["## Training curve", ""] + ([f"![training and held-out loss]({loss_curve})", ""] if loss_curve else [])
+        lines += _curve_rows(history or [])
+    lines += ["## Recipe", "", "```yaml", yaml.safe_dump(_plain(recipe), sort_keys=False, allow_unicode=True).rstrip(), "```", ""]
+    return scrub("\n".join(lines))
+
+
 def _plain(value):
     """Recipe values as YAML-safe plain data (paths, tuples, enums, pydantic models)."""
     if hasattr(value, "model_dump"):

@@ -121,7 +121,7 @@ def _safetensors_problem(path: Path) -> tuple[str | None, list[str]]:
     return None, names
 
 
-def _weights_problems(folder: Path) -> list[str]:
+def _weights_problems(folder: Path, attnres: bool) -> list[str]:
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         try:
@@ -141,24 +141,24 @@ def _weights_problems(folder: Path) -> list[str]:
         names += shard_names
         if problem:
             problems.append(problem)
-    if not problems and not any(name.endswith("output_attn_res_proj.weight") for name in names):
+    if attnres and not problems and not any(name.endswith("output_attn_res_proj.weight") for name in names):
         problems.append("the weights hold no AttnRes parameters (output_attn_res_proj.weight): not a converted model")
     return problems
 
 
-def _config_problems(folder: Path) -> tuple[list[str], bool]:
-    """(problems, whether config.json describes an AttnRes model at all)."""
+def _config_problems(folder: Path) -> tuple[list[str], str | None]:
+    """(problems, kind): kind is "attnres", "plain" (a model of another type, such as the baseline of an
+    A/B fine-tune) or None when config.json is missing or broken."""
     try:
         config = json.loads((folder / "config.json").read_text())
     except FileNotFoundError:
-        return ["config.json is missing"], False
+        return ["config.json is missing"], None
     except (OSError, ValueError) as error:
-        return [f"config.json is not valid JSON ({error})"], False
-    if config.get("model_type") != "attnres":
-        return [
-            f"config.json has model_type {config.get('model_type')!r}, not 'attnres': `attnres push` uploads folders "
-            "written by `attnres convert` or `attnres finetune` (use `hf upload` for other models)"
-        ], False
+        return [f"config.json is not valid JSON ({error})"], None
+    if not isinstance(config, dict) or not config.get("model_type"):
+        return ["config.json has no model_type: not a transformers model folder"], None
+    if config["model_type"] != "attnres":
+        return [], "plain"
     from .saving import SHIPPED_CODE  # lazy: saving imports torch and transformers
 
     problems = []
@@ -169,7 +169,7 @@ def _config_problems(folder: Path) -> tuple[list[str], bool]:
     # An auto_map entry is "module.Class", or "repo--module.Class" once it points into a hub repo.
     code = set(SHIPPED_CODE) | {f"{str(ref).split('--')[-1].split('.')[0]}.py" for ref in auto_map.values()}
     problems += [f"shipped code {name} is missing" for name in sorted(code) if not (folder / name).is_file()]
-    return problems, True
+    return problems, "attnres"
 
 
 def _tokenizer_problems(folder: Path) -> list[str]:
@@ -216,9 +216,9 @@ def check_push_ready(folder: str | Path) -> list[str]:
     root = Path(folder).expanduser()
     if not root.is_dir():
         raise HubError(f"{folder} is not a folder. Pass the output folder of `attnres convert` or `attnres finetune`.")
-    problems, is_attnres = _config_problems(root)
-    if is_attnres:  # a folder that is no AttnRes model at all gets one clear message, not its consequences
-        problems += _weights_problems(root) + _tokenizer_problems(root) + _card_problems(root)
+    problems, kind = _config_problems(root)
+    if kind is not None:  # without a readable config, one clear message rather than its consequences
+        problems += _weights_problems(root, kind == "attnres") + _tokenizer_problems(root) + _card_problems(root)
     if problems:
         raise HubError(
             f"{folder} is not ready to push, nothing was uploaded:\n  - " + "\n  - ".join(problems)

@@ -8,7 +8,7 @@ import json
 import yaml
 
 from attnres_convert import convert
-from attnres_convert.card import card_identity, finetune_card
+from attnres_convert.card import baseline_card, card_identity, finetune_card
 from attnres_convert.hub import read_front_matter
 from attnres_convert.surgery import convert_model, summarize
 from tiny_models import tiny_model
@@ -76,3 +76,18 @@ def test_cards_never_carry_a_token():
     assert "hf_AbCdEfGhIjKlMnOpQrStUvWxYz0123" not in card
     meta, _ = _split(card)
     assert meta["license"] == "other" and "base_model" not in meta and "model-index" not in meta
+
+
+def test_baseline_card_is_a_plain_model_card():
+    card = baseline_card(
+        name="SmolLM2-135M-Instruct",
+        base_model="HuggingFaceTB/SmolLM2-135M-Instruct",
+        license="apache-2.0",
+        recipe={"model": {"convert": False}},
+        metrics={"before": {"loss": 3.28, "perplexity": 26.6}, "fine-tuned": {"loss": 3.01, "perplexity": 20.3}},
+        loss_curve=None,
+    )
+    meta, body = _split(card)
+    assert "attnres" not in meta["tags"] and "attnres-baseline" in meta["tags"]
+    assert meta["model-index"][0]["results"][0]["metrics"][1] == {"type": "perplexity", "value": 20.3, "name": "held-out perplexity"}
+    assert "trust_remote_code" not in body and "| fine-tuned | 3.01 | 20.3 |" in body

@@ -177,9 +177,17 @@ def test_incomplete_folder_is_refused_before_any_request(hub, converted, tmp_pat
     assert "nothing was uploaded" in message and hub.requests == []
 
 
-def test_plain_model_folder_is_refused(hub, base_folder):
-    with pytest.raises(HubError, match="not 'attnres'"):
-        push_folder(base_folder, "alice/x", token=TOKEN)
+def test_plain_model_folder_needs_a_card_then_pushes(hub, base_folder, tmp_path):
+    """A plain model (the baseline of an A/B fine-tune) pushes too, under the same checks minus the code."""
+    folder = _copy(base_folder, tmp_path)
+    with pytest.raises(HubError, match="README.md"):
+        push_folder(folder, "alice/baseline", token=TOKEN)
+    (folder / "README.md").write_text("---\nlibrary_name: transformers\ntags: [attnres-baseline]\n---\n# baseline\n")
+    push_folder(folder, "alice/baseline", token=TOKEN)
+    assert set(hub.files("alice/baseline")) == {"config.json", "generation_config.json", "model.safetensors", "README.md"}
+    (folder / "config.json").write_text("{}")
+    with pytest.raises(HubError, match="no model_type"):
+        push_folder(folder, "alice/baseline", token=TOKEN)
 
 
 def test_folder_containing_the_token_is_refused(hub, converted, tmp_path):
