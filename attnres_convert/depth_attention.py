@@ -27,15 +27,19 @@ SCALINGS = ("count", "mean")  # "count": h = n * mix (exact conversion); "mean":
 class BlockState(NamedTuple):
     """What the residual stream carries between sublayers, instead of one tensor.
 
-    blocks:  [m, B, T, D] the embedding and every completed block (model dtype).
-    inv_rms: [m, B, T]    1 / rms of each completed block, float32. A completed block never changes, so
-             its key statistics are computed once, when it completes, not once per reader.
-    partial: [B, T, D]    running sum of the current block's outputs, or None right after a boundary.
+    blocks:  [B, T, m, D] the embedding and every completed block, float32 (scores are float32, and a
+             completed block is read by every later sublayer, so it is converted once, when it completes).
+             Sources sit next to each other per token, so a reader's mix is one batched matrix product.
+    inv_rms: [B, T, m]    1 / rms of each completed block, float32. A completed block never changes, so
+             its key statistics are computed once, not once per reader.
+    partial: [B, T, D]    running sum of the current block's outputs (model dtype), or None right after
+             a block boundary.
     stream:  [B, T, D]    the plain residual stream: the sum of all sources, accumulated output by output
              exactly as the base model adds them (see `depth_mix` for why it is carried).
 
     It is an immutable value threaded through the layers' arguments and return values (never stored
-    on a module), so gradient checkpointing replays see exactly the state of the forward pass.
+    on a module), so gradient checkpointing replays see exactly the state of the forward pass. Nothing
+    is stacked per sublayer: `blocks` grows once per block, and the partial sum is read where it is.
     """
 
     blocks: torch.Tensor
@@ -51,15 +55,17 @@ def inverse_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 def start_state(embeddings: torch.Tensor, eps: float) -> BlockState:
     """The embedding b_0 is always its own source."""
-    return BlockState(embeddings.unsqueeze(0), inverse_rms(embeddings, eps).unsqueeze(0), None, embeddings)
+    first = embeddings.float().unsqueeze(-2)
+    return BlockState(first, inverse_rms(first, eps), None, embeddings)
 
 
 def close_block(state: BlockState, eps: float) -> BlockState:
-    """At a block boundary the partial sum becomes a completed block."""
+    """At a block boundary the partial sum becomes a completed block (the only copy of the blocks)."""
     if state.partial is None:
         return state
-    blocks = torch.cat([state.blocks, state.partial.unsqueeze(0)])
-    inv_rms = torch.cat([state.inv_rms, inverse_rms(state.partial, eps).unsqueeze(0)])
+    new = state.partial.float().unsqueeze(-2)
+    blocks = torch.cat([state.blocks, new], dim=-2)
+    inv_rms = torch.cat([state.inv_rms, inverse_rms(new, eps)], dim=-1)
     return BlockState(blocks, inv_rms, None, state.stream)
 
 
@@ -68,16 +74,36 @@ def add_output(state: BlockState, output: torch.Tensor) -> BlockState:
     return BlockState(state.blocks, state.inv_rms, partial, state.stream + output)
 
 
+def pseudo_query(query: torch.Tensor, key_norm_weight: torch.Tensor) -> torch.Tensor:
+    """(w * g): the key norm's weight folds into the query, since (w * g) . (k / rms(k)) is
+    ((w * g) . k) * inv_rms(k). float32, shape [D]."""
+    return query.reshape(-1).float() * key_norm_weight.float()
+
+
+def block_logits(state: BlockState, queries: torch.Tensor) -> torch.Tensor:
+    """Scores of the completed blocks for one or several readers: queries [D] -> [B, T, m], or
+    [k, D] -> [B, T, m, k]. Readers of the same completed blocks (the sublayers of one decoder layer)
+    are scored in one product, reading the blocks once (phase 1 of the two-phase computation)."""
+    blocks, inv_rms = state.blocks, state.inv_rms
+    flat = blocks.reshape(-1, blocks.shape[-1])
+    if queries.dim() == 1:
+        return (flat @ queries).view(inv_rms.shape) * inv_rms
+    return (flat @ queries.t()).view(*inv_rms.shape, -1) * inv_rms.unsqueeze(-1)
+
+
 def depth_mix(
     state: BlockState,
     query: torch.Tensor,
-    key_norm_weight: torch.Tensor,
+    key_norm_weight: torch.Tensor | None,
     eps: float,
     scaling: str = "count",
+    logits_of_blocks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The input of one sublayer (or of the final norm): attention over the state's sources.
 
-    query: [1, D] or [D] pseudo-query w; key_norm_weight: [D] key RMSNorm weight g.
+    query: the pseudo-query w ([1, D] or [D]) and key_norm_weight g ([D]); or, with key_norm_weight None,
+    the folded `pseudo_query` already. logits_of_blocks: this reader's `block_logits`, when they were
+    computed together with other readers'.
 
     With "count" scaling h = n * sum_i alpha_i k_i. Since the sources sum to the stream H, this equals
     H + sum_i (n alpha_i - 1) k_i, which is how it is computed: at zero queries n alpha_i - 1 is 0, so h
@@ -85,26 +111,27 @@ def depth_mix(
     summed mix would round differently from the base model's running sum and drift from it).
     """
     blocks, inv_rms, partial, stream = state
-    # (w * g) . (k / rms(k)) == ((w * g) . k) * inv_rms(k): the key norm folds into the query.
-    q = query.float().reshape(-1) * key_norm_weight.float()
-    blocks32 = blocks.float()
-    logits = torch.matmul(blocks32, q) * inv_rms  # [m, B, T]
+    q = query if key_norm_weight is None else pseudo_query(query, key_norm_weight)
+    logits = block_logits(state, q) if logits_of_blocks is None else logits_of_blocks  # [B, T, m]
     if partial is not None:
+        # Phase 2: the partial sum is the only source that changed since the last block boundary; its
+        # score joins the blocks' before one softmax over the few sources of this token.
         partial32 = partial.float()
-        partial_logit = torch.matmul(partial32, q) * inverse_rms(partial32, eps)
-        logits = torch.cat([logits, partial_logit.unsqueeze(0)])
-    weights = torch.softmax(logits, dim=0)
+        partial_logit = (partial32 @ q) * inverse_rms(partial32, eps)
+        logits = torch.cat([logits, partial_logit.unsqueeze(-1)], dim=-1)
+    weights = torch.softmax(logits, dim=-1)  # [B, T, n], float32
     if _RECORDERS:
-        _RECORDERS[-1].append(weights.detach())
+        _RECORDERS[-1].append(weights.detach().movedim(-1, 0))
     if scaling == "count":
-        weights = weights * logits.shape[0] - 1.0
-    m = blocks.shape[0]
-    mixed = torch.einsum("mbt,mbtd->btd", weights[:m], blocks32)
+        weights = weights * logits.shape[-1] - 1.0
+    m, d = blocks.shape[-2], blocks.shape[-1]
+    # One batched product over the completed blocks: [BT, 1, m] @ [BT, m, D].
+    mixed = torch.bmm(weights[..., :m].reshape(-1, 1, m), blocks.reshape(-1, m, d)).view(stream.shape)
     if partial is not None:
-        mixed = mixed + weights[m].unsqueeze(-1) * partial32
+        mixed = torch.addcmul(mixed, weights[..., m:], partial32)
     if scaling == "count":
-        mixed = stream.float() + mixed
-    return mixed.to(blocks.dtype)
+        mixed = mixed + stream
+    return mixed.to(stream.dtype)
 
 
 # Active recorders of depth-attention weights (a plain list, not a ContextVar: torch.compile traces it).
@@ -129,12 +156,12 @@ def record_depth_weights() -> Iterator[list[torch.Tensor]]:
 
 def depth_weights(state: BlockState, query: torch.Tensor, key_norm_weight: torch.Tensor, eps: float) -> torch.Tensor:
     """The softmax weights alpha over the state's sources, [n, B, T] (for inspection and plots)."""
-    q = query.float().reshape(-1) * key_norm_weight.float()
-    logits = torch.matmul(state.blocks.float(), q) * state.inv_rms
+    q = pseudo_query(query, key_norm_weight)
+    logits = block_logits(state, q)
     if state.partial is not None:
         p = state.partial.float()
-        logits = torch.cat([logits, (torch.matmul(p, q) * inverse_rms(p, eps)).unsqueeze(0)])
-    return torch.softmax(logits, dim=0)
+        logits = torch.cat([logits, ((p @ q) * inverse_rms(p, eps)).unsqueeze(-1)], dim=-1)
+    return torch.softmax(logits, dim=-1).movedim(-1, 0)
 
 
 # ---------------------------------------------------------------------------------------------

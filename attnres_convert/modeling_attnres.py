@@ -32,9 +32,11 @@ from .depth_attention import (
     BlockState,
     SublayerPlan,
     add_output,
+    block_logits,
     close_block,
     depth_mix,
     plan_sublayers,
+    pseudo_query,
     start_state,
 )
 
@@ -83,16 +85,21 @@ class AttnResDecoderLayerMixin:
             state = hidden_states
         else:
             state = start_state(hidden_states, spec.eps)
-        for sublayer, plan in zip(spec.sublayers, spec.plans):
-            if plan.closes_block:
+        queries = [
+            pseudo_query(getattr(self, f"{s.name}_res_proj").weight, getattr(self, f"{s.name}_res_norm").weight)
+            for s in spec.sublayers
+        ]
+        if spec.plans[0].closes_block:
+            state = close_block(state, spec.eps)
+        # Phase 1: when the layer's sublayers read the same completed blocks, score them in one product.
+        shared = None
+        if len(queries) > 1 and not any(plan.closes_block for plan in spec.plans[1:]):
+            shared = block_logits(state, torch.stack(queries))
+        for index, (sublayer, plan) in enumerate(zip(spec.sublayers, spec.plans)):
+            if index > 0 and plan.closes_block:
                 state = close_block(state, spec.eps)
-            h = depth_mix(
-                state,
-                getattr(self, f"{sublayer.name}_res_proj").weight,
-                getattr(self, f"{sublayer.name}_res_norm").weight,
-                spec.eps,
-                spec.scaling,
-            )
+            logits = None if shared is None else shared[..., index]
+            h = depth_mix(state, queries[index], None, spec.eps, spec.scaling, logits)
             state = add_output(state, self._attnres_sublayer(sublayer, h, call_kwargs))
         return state
 
