@@ -281,6 +281,171 @@ def _is_main_process() -> bool:
     return int(os.environ.get("RANK", "0")) == 0
 
 
+@app.command("eval")
+def eval_command(
+    model: Annotated[
+        Optional[str],
+        typer.Argument(help="A converted folder, hub id, model folder or .gguf file. Default: embedded SmolLM2-135M-Instruct."),
+    ] = None,
+    data: Annotated[
+        Optional[list[str]],
+        typer.Option("--data", help="Held-out text: .txt/.md, .jsonl/.json, .parquet files, globs, or shakespeare:NAME (repeatable)."),
+    ] = None,
+    seq_len: Annotated[int, typer.Option("--seq-len", help="Tokens per sequence.")] = 512,
+    max_tokens: Annotated[Optional[int], typer.Option("--max-tokens", help="Read at most this many tokens of text.")] = None,
+    batch_size: Annotated[int, typer.Option("--batch-size", help="Sequences per forward pass.")] = 1,
+    dtype: Annotated[DType, typer.Option(help="auto keeps the checkpoint's dtype.")] = DType.auto,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON on stdout.")] = False,
+    trust_remote_code: Annotated[bool, typer.Option("--trust-remote-code", help="Allow the model's own code to run.")] = False,
+) -> None:
+    """Held-out loss and perplexity of a plain or converted model, to compare the two with one tool."""
+    import json
+
+    from attnres_convert.evaluate import evaluate
+
+    with user_errors(), stages() as stage, stage("Evaluating"):
+        result = evaluate(
+            model,
+            data or [],
+            seq_len=seq_len,
+            max_tokens=max_tokens,
+            batch_size=batch_size,
+            dtype=dtype.value,
+            trust_remote_code=trust_remote_code,
+        )
+    if as_json:
+        print(json.dumps(result.to_dict(), indent=2))
+        return
+    table = Table(title=f"Held-out evaluation ({result.sequences} x {result.seq_len} tokens, {result.dtype})")
+    for column in ("model", "AttnRes", "tokens scored", "loss (nats/token)", "perplexity"):
+        table.add_column(column, justify="left" if column == "model" else "right")
+    table.add_row(
+        result.model, "yes" if result.converted else "no", f"{result.tokens:,}", f"{result.loss:.4f}", f"{result.perplexity:.3f}"
+    )
+    console.print(table)
+
+
+recipes_app = typer.Typer(help="Fine-tuning recipes: list, show and validate them.", no_args_is_help=True)
+app.add_typer(recipes_app, name="recipes")
+EXIT_INTERRUPTED = 130
+
+
+def _is_main_process() -> bool:
+    # Under `accelerate launch` every process runs this command; only rank 0 talks to the user.
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def _load_recipe(recipe: str, overrides: list[str]):
+    from attnres_convert.recipe import load_recipe
+
+    with user_errors():
+        return load_recipe(recipe, overrides)
+
+
+@app.command("finetune")
+def finetune_command(
+    recipe: Annotated[str, typer.Argument(help="A recipe YAML file, or the name of a shipped recipe (attnres recipes list).")],
+    overrides: Annotated[
+        Optional[list[str]], typer.Argument(help="key.path=value overrides, e.g. train.lr=1e-4 train.steps=50.", show_default=False)
+    ] = None,
+    resume: Annotated[bool, typer.Option("--resume", help="Continue the run in output.dir from its last checkpoint.")] = False,
+    push_to_hub: PushToHubOption = None,
+    private: PrivateOption = False,
+    token: TokenOption = None,
+) -> None:
+    """Continued pretraining of a converted model (or, with model.convert=false, of the original)."""
+    from attnres_convert.recipe import load_recipe
+    from attnres_convert.training import TrainingError, TrainingInterrupted, finetune
+
+    overrides = list(overrides or [])
+    if push_to_hub:
+        overrides += [f"output.push_to_hub={push_to_hub}"] + (["output.private=true"] if private else [])
+    import transformers
+
+    from attnres_convert import AttnResError, BlockSizeError, UnsupportedModelError
+
+    transformers.utils.logging.disable_progress_bar()  # one progress bar: the training one
+    transformers.utils.logging.set_verbosity_error()
+    main = _is_main_process()
+    try:
+        parsed = load_recipe(recipe, overrides)
+        result = finetune(parsed, resume=resume, console=err_console if main else None, token=token)
+    except TrainingInterrupted as error:  # a checkpoint was saved
+        if main:
+            err_console.print(f"[yellow]interrupted:[/] {error}", highlight=False)
+        raise typer.Exit(EXIT_INTERRUPTED) from None
+    except (AttnResError, BlockSizeError, UnsupportedModelError) as error:
+        # Every process sees the same error; one message is enough.
+        code = EXIT_FAILED_CHECK if isinstance(error, TrainingError) else EXIT_BAD_INPUT
+        if main:
+            fail(str(error), code)
+        raise typer.Exit(code) from None
+    if not main:
+        return
+    metrics = result.metrics
+    table = Table(title=f"Fine-tuned {metrics['steps']} steps, {metrics['tokens']:,} tokens ({metrics['processes']} process(es))")
+    for column in ("", "held-out loss", "perplexity"):
+        table.add_column(column, justify="right")
+    if metrics["eval_loss_start"] is not None:
+        table.add_row("before (step 0)", f"{metrics['eval_loss_start']:.4f}", f"{metrics['eval_perplexity_start']:.2f}")
+    table.add_row("after", f"{metrics['eval_loss']:.4f}", f"{metrics['eval_perplexity']:.2f}")
+    console.print(table)
+    if metrics["tokens_per_s"]:
+        console.print(f"training throughput: {metrics['tokens_per_s']:,.0f} tokens/s", highlight=False)
+    console.print(f"[green]Run folder[/] [bold]{result.output}[/] (metrics.jsonl, loss_curve.png, final_metrics.json)")
+    if result.model_dir is not None:
+        console.print(f"[green]Model[/] [bold]{result.model_dir}[/]")
+    if result.pushed is not None:
+        console.print(f"[green]Pushed[/] to [bold]{result.pushed.url}[/]")
+
+
+@recipes_app.command("list")
+def recipes_list() -> None:
+    """The shipped recipes."""
+    from attnres_convert.recipe import RecipeError, load_recipe, recipes_dir, shipped_recipes
+
+    table = Table(title=f"Recipes in {recipes_dir()}")
+    for column in ("name", "model", "trains", "steps", "description"):
+        table.add_column(column)
+    for name, path in shipped_recipes().items():
+        try:
+            recipe = load_recipe(path)
+        except RecipeError as error:
+            table.add_row(name, "", "", "", f"[red]invalid:[/] {str(error).splitlines()[0]}")
+            continue
+        table.add_row(
+            name, recipe.model.source or "embedded SmolLM2", recipe.train.trainable, str(recipe.train.steps), recipe.description or ""
+        )
+    console.print(table)
+
+
+@recipes_app.command("show")
+def recipes_show(name: Annotated[str, typer.Argument(help="A shipped recipe name or a recipe file.")]) -> None:
+    """Print a recipe as written (with its comments)."""
+    from attnres_convert.recipe import find_recipe
+
+    with user_errors():
+        path = find_recipe(name)
+    print(path.read_text(), end="")
+
+
+@recipes_app.command("validate")
+def recipes_validate(
+    recipe: Annotated[str, typer.Argument(help="A recipe file or a shipped recipe name.")],
+    overrides: Annotated[Optional[list[str]], typer.Argument(help="key.path=value overrides.", show_default=False)] = None,
+) -> None:
+    """Check a recipe (schema, data files, model source, sequence length) without loading or writing anything."""
+    from rich.markup import escape
+
+    from attnres_convert.recipe import check_recipe
+
+    parsed = _load_recipe(recipe, list(overrides or []))
+    with user_errors():
+        check_recipe(parsed, check_output=False)
+    console.print(escape(parsed.to_yaml()), highlight=False)
+    console.print(f"[green]valid:[/] {recipe}")
+
+
 @app.command("finetune")
 def finetune_command(
     recipe: Annotated[str, typer.Argument(help="A recipe YAML file, or the name of a shipped recipe (attnres recipes list).")],
