@@ -1,0 +1,243 @@
+"""What AttnRes costs: converted vs original SmolLM2-135M, fp32, 2 threads, one process, interleaved runs.
+
+    python benchmarks/overhead.py [--repeats 7] [--compile] [--skip-convert] [--out benchmarks/results/overhead.json]
+
+Reports ratios converted/original (medians of interleaved runs) for prefill (512 tokens), decode
+(64 new tokens with the KV cache), one training step (forward + backward, 4 x 256 tokens, with and
+without gradient checkpointing, plus its peak memory), Full AttnRes prefill, and `attnres convert`
+against a plain load + save_pretrained. Nothing here is a pass/fail test: it prints and records numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+console = Console()
+
+
+def prepare_folder(workdir: Path) -> Path:
+    """SmolLM2 dequantised once to a plain HF folder, so loads in the benchmark are fast and equal."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from attnres_convert.samples import default_model_path
+
+    folder = workdir / "smollm2-hf"
+    if not (folder / "config.json").exists():
+        gguf = default_model_path()
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        model.hf_quantizer = None
+        model.save_pretrained(folder)
+        AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(folder)
+    return folder
+
+
+def interleaved(fns: dict, repeats: int) -> dict[str, float]:
+    """Median seconds of each callable, alternating them so drift hits all alike."""
+    for fn in fns.values():
+        fn()  # warm-up
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def speed(original, converted, full, repeats: int, compiled: bool) -> list[dict]:
+    generator = torch.Generator().manual_seed(0)
+    prompt = torch.randint(100, 40000, (1, 512), generator=generator)
+    short = prompt[:, :32]
+    batch = torch.randint(100, 40000, (4, 256), generator=generator)
+    models = {"original": original, "converted": converted, "full": full}
+    if compiled:
+        models = {name: torch.compile(model) for name, model in models.items()}
+    rows = []
+
+    @torch.no_grad()
+    def prefill(model):
+        return lambda: model(prompt, use_cache=False)
+
+    t = interleaved({name: prefill(m) for name, m in models.items()}, repeats)
+    rows.append({"metric": "prefill 512 tokens", "original_s": t["original"], "converted_s": t["converted"],
+                 "ratio": t["converted"] / t["original"]})
+    rows.append({"metric": "prefill 512 tokens, Full AttnRes (S=1)", "original_s": t["original"],
+                 "converted_s": t["full"], "ratio": t["full"] / t["original"]})
+
+    def decode(model):
+        kwargs = dict(max_new_tokens=64, min_new_tokens=64, do_sample=False, pad_token_id=0)
+        base = model._orig_mod if hasattr(model, "_orig_mod") else model
+        return lambda: base.generate(short, **kwargs)
+
+    if not compiled:
+        t = interleaved({name: decode(models[name]) for name in ("original", "converted")}, repeats)
+        rows.append({"metric": "decode 64 tokens (KV cache)", "original_s": t["original"], "converted_s": t["converted"],
+                     "ratio": t["converted"] / t["original"]})
+
+    for checkpointing in (False, True):
+        def step(model):
+            def run():
+                model.zero_grad(set_to_none=True)
+                model(batch, labels=batch).loss.backward()
+            return run
+
+        for m in (original, converted):
+            m.train()
+            if checkpointing:
+                m.gradient_checkpointing_enable()
+            else:
+                m.gradient_checkpointing_disable()
+        t = interleaved({name: step(models[name]) for name in ("original", "converted")}, max(3, repeats // 2))
+        label = "train step 4x256" + (", grad checkpointing" if checkpointing else "")
+        rows.append({"metric": label, "original_s": t["original"], "converted_s": t["converted"],
+                     "ratio": t["converted"] / t["original"]})
+        for m in (original, converted):
+            m.zero_grad(set_to_none=True)
+            m.gradient_checkpointing_disable()
+            m.eval()
+    return rows
+
+
+STEP_MEMORY = textwrap.dedent(
+    """
+    import json, resource, sys, torch
+    sys.path.insert(0, {root!r})
+    torch.set_num_threads(2)
+    from transformers import AutoModelForCausalLM
+    from attnres_convert.surgery import convert_model
+    model = AutoModelForCausalLM.from_pretrained({folder!r}, dtype=torch.float32)
+    if {converted}:
+        model = convert_model(model)
+    model.train()
+    if {checkpointing}:
+        model.gradient_checkpointing_enable()
+    batch = torch.randint(100, 40000, (4, 256), generator=torch.Generator().manual_seed(0))
+    def rss():
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * 4096
+    before = rss()
+    model(batch, labels=batch).loss.backward()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    print(json.dumps({{"step_peak_bytes": peak - before}}))
+    """
+)
+
+
+def step_memory(folder: Path) -> list[dict]:
+    rows = []
+    for checkpointing in (False, True):
+        peaks = {}
+        for converted in (False, True):
+            code = STEP_MEMORY.format(root=str(ROOT), folder=str(folder), converted=converted, checkpointing=checkpointing)
+            out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+            peaks[converted] = json.loads(out.stdout.strip().splitlines()[-1])["step_peak_bytes"]
+        rows.append({"metric": "train step peak memory" + (", grad checkpointing" if checkpointing else ""),
+                     "original_s": peaks[False] / 2**20, "converted_s": peaks[True] / 2**20,
+                     "ratio": peaks[True] / peaks[False], "unit": "MiB"})
+    return rows
+
+
+def _timed(cmd: list[str]) -> tuple[float, float]:
+    """Wall seconds and peak RSS (MiB) of a child process."""
+    start = time.perf_counter()
+    code = (
+        "import resource, subprocess, sys, json; r = subprocess.run(sys.argv[1:], capture_output=True); "
+        "print(json.dumps({'rc': r.returncode, 'rss': resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, "
+        "'err': r.stderr.decode()[-2000:]}))"
+    )
+    out = subprocess.run([sys.executable, "-c", code, *cmd], capture_output=True, text=True, check=True)
+    data = json.loads(out.stdout.strip().splitlines()[-1])
+    if data["rc"] != 0:
+        raise RuntimeError(data["err"])
+    return time.perf_counter() - start, data["rss"] / 1024
+
+
+def convert_cost(folder: Path, workdir: Path, repeats: int) -> list[dict]:
+    plain = textwrap.dedent(
+        f"""
+        import sys, torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        m = AutoModelForCausalLM.from_pretrained({str(folder)!r}, dtype="auto")
+        m.save_pretrained(sys.argv[1]); AutoTokenizer.from_pretrained({str(folder)!r}).save_pretrained(sys.argv[1])
+        """
+    )
+    attnres = str(Path(sys.executable).with_name("attnres"))
+    runs = {"plain": [], "convert": [], "convert+verify": []}
+    for i in range(repeats):
+        runs["plain"].append(_timed([sys.executable, "-c", plain, str(workdir / f"plain{i}")]))
+        runs["convert"].append(_timed([attnres, "convert", str(folder), "-o", str(workdir / f"conv{i}"), "--no-verify"]))
+        runs["convert+verify"].append(_timed([attnres, "convert", str(folder), "-o", str(workdir / f"ver{i}")]))
+    med = {k: (statistics.median(t for t, _ in v), statistics.median(m for _, m in v)) for k, v in runs.items()}
+    rows = []
+    for name in ("convert", "convert+verify"):
+        rows.append({"metric": f"`attnres {name}` time vs load+save", "original_s": med["plain"][0],
+                     "converted_s": med[name][0], "ratio": med[name][0] / med["plain"][0]})
+        rows.append({"metric": f"`attnres {name}` peak RSS vs load+save", "original_s": med["plain"][1],
+                     "converted_s": med[name][1], "ratio": med[name][1] / med["plain"][1], "unit": "MiB"})
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--compile", action="store_true", help="also measure torch.compile'd models")
+    parser.add_argument("--skip-convert", action="store_true")
+    parser.add_argument("--skip-memory", action="store_true")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "overhead.json")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    from transformers import AutoModelForCausalLM
+
+    from attnres_convert.surgery import convert_model
+
+    workdir = Path(tempfile.mkdtemp(prefix="attnres-bench-"))
+    folder = prepare_folder(workdir)
+    original = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    converted = convert_model(copy.deepcopy(original)).eval()
+    full = convert_model(copy.deepcopy(original), full=True).eval()
+
+    rows = speed(original, converted, full, args.repeats, compiled=False)
+    if args.compile:
+        rows += [dict(r, metric=r["metric"] + " [compiled]") for r in speed(original, converted, full, args.repeats, True)
+                 if not r["metric"].startswith("train")]
+    del original, converted, full
+    if not args.skip_memory:
+        rows += step_memory(folder)
+    if not args.skip_convert:
+        rows += convert_cost(folder, workdir, max(1, args.repeats // 3))
+
+    table = Table(title=f"AttnRes overhead, SmolLM2-135M fp32, {args.threads} threads (medians, interleaved)")
+    for column in ("metric", "original", "converted", "converted / original"):
+        table.add_column(column, justify="right" if column != "metric" else "left")
+    for r in rows:
+        unit = r.get("unit", "s")
+        fmt = "{:.1f} MiB" if unit == "MiB" else "{:.3f} s"
+        table.add_row(r["metric"], fmt.format(r["original_s"]), fmt.format(r["converted_s"]), f"{r['ratio']:.3f}")
+    console.print(table)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {"torch": torch.__version__, "threads": args.threads, "repeats": args.repeats, "cpu_count": os.cpu_count()}
+    args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    console.print(f"written to {args.out}")
+
+
+if __name__ == "__main__":
+    main()
