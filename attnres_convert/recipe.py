@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import fnmatch
+import functools
 import glob
 import os
 from pathlib import Path
@@ -412,6 +413,21 @@ def expand_files(patterns: list[str], field: str) -> tuple[list[Path], list[str]
     return found, problems
 
 
+@functools.lru_cache(maxsize=16)
+def _max_positions(source, converted: bool, trust_remote_code: bool) -> int | None:
+    """The model's position limit from its config (cached: reading a GGUF header takes seconds)."""
+    from transformers import AutoConfig
+
+    from .sources import load_config
+
+    if converted:
+        config = AutoConfig.from_pretrained(source.location).text_config
+    else:
+        config = load_config(source, trust_remote_code)
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return getattr(text_config, "max_position_embeddings", None) or getattr(text_config, "n_positions", None)
+
+
 def is_run_folder(path: Path) -> bool:
     """A folder `attnres finetune` wrote: the only kind output.overwrite may delete."""
     return (path / "recipe.yaml").is_file() and (path / "metrics.jsonl").is_file()
@@ -421,7 +437,7 @@ def check_recipe(recipe: Recipe, resume: bool = False, check_output: bool = True
     """What the file system can tell, before anything is loaded or written. `check_output=False` skips the
     run-folder check (`attnres recipes validate`: the folder may exist from an earlier run)."""
     from .saving import is_converted_folder
-    from .sources import load_config, resolve_source
+    from .sources import resolve_source
 
     problems: list[str] = []
     train_files: list[Path] = []
@@ -448,14 +464,7 @@ def check_recipe(recipe: Recipe, resume: bool = False, check_output: bool = True
                 "give the original model as the source for a baseline"
             )
         try:
-            if converted:
-                from transformers import AutoConfig
-
-                config = AutoConfig.from_pretrained(source.location).text_config
-            else:
-                config = load_config(source, recipe.model.trust_remote_code)
-            text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-            max_positions = getattr(text_config, "max_position_embeddings", None) or getattr(text_config, "n_positions", None)
+            max_positions = _max_positions(source, converted, recipe.model.trust_remote_code)
         except AttnResError as error:
             problems.append(f"model.source: {error}")
         except Exception as error:  # noqa: BLE001 - report, never crash validation

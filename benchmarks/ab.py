@@ -69,6 +69,15 @@ def run_arm(name: str, data: dict, overrides: list[str], workdir: Path, console)
     return summary
 
 
+def _one_thread() -> None:
+    import torch
+    import transformers
+
+    torch.set_num_threads(1)
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
+
+
 def markdown(report: dict) -> str:
     base = report["baseline"]
     lines = [
@@ -76,7 +85,8 @@ def markdown(report: dict) -> str:
         "",
         f"Command: `{report['command']}`",
         "",
-        f"Machine: {report['machine']}; torch {report['torch']}, {report['threads']} threads.",
+        f"Machine: {report['machine']}; torch {report['torch']}, {report['threads']} thread(s) per arm, "
+        f"{report.get('jobs', 1)} arm(s) at a time (tokens/s depend on what else the machine was running).",
         "",
         "| model | held-out loss | perplexity | Δ vs baseline | trainable params | tokens/s |",
         "|---|---|---|---|---|---|",
@@ -130,6 +140,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--no-plain", action="store_true", help="With --sweep: skip the AttnRes arm with no extra overrides.")
     parser.add_argument("--results", default=str(ROOT / "benchmarks" / "results"))
     parser.add_argument("--workdir", default=None, help="Where the runs write (default: a temporary folder).")
+    parser.add_argument("--jobs", type=int, default=1, help="Run this many arms at once, each in its own 1-thread process.")
     parser.add_argument("--quiet", action="store_true")
     args = parser.parse_args(argv)
 
@@ -146,12 +157,22 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit("the A/B needs a recipe that trains something besides AttnRes (train.trainable: lora or full)")
     variants = ([] if args.no_plain else [[]]) + [[o for o in v.split(",") if o] for v in args.sweep]
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="attnres-ab-"))
-    baseline = run_arm("baseline", data, [*args.overrides, "model.convert=false"], workdir, console)
-    arms = []
-    for index, extra in enumerate(variants):
-        arms.append(run_arm(f"attnres-{index}", data, [*args.overrides, *extra], workdir, console))
-        arms[-1]["overrides"] = extra
-        _write(args, recipe, baseline, arms)  # partial results survive an interrupted sweep
+    jobs = [("baseline", [*args.overrides, "model.convert=false"])]
+    jobs += [(f"attnres-{index}", [*args.overrides, *extra]) for index, extra in enumerate(variants)]
+    if args.jobs > 1:
+        # Arms in parallel processes, one thread each: on a shared CPU this beats one process per arm in turn.
+        import concurrent.futures
+        import multiprocessing
+
+        context = multiprocessing.get_context("spawn")
+        with concurrent.futures.ProcessPoolExecutor(args.jobs, mp_context=context, initializer=_one_thread) as pool:
+            futures = [pool.submit(run_arm, name, data, overrides, workdir, None) for name, overrides in jobs]
+            summaries = [future.result() for future in futures]
+    else:
+        summaries = [run_arm(name, data, overrides, workdir, console) for name, overrides in jobs]
+    baseline, arms = summaries[0], summaries[1:]
+    for arm, extra in zip(arms, variants):
+        arm["overrides"] = extra
     report = _write(args, recipe, baseline, arms)
     if console:
         console.print(markdown(report))
@@ -168,7 +189,8 @@ def _write(args, recipe, baseline, arms) -> dict:
         "steps": recipe.train.steps,
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
         "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
+        "threads": 1 if args.jobs > 1 else torch.get_num_threads(),
+        "jobs": args.jobs,
         "baseline": baseline,
         "attnres": arms,
     }

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -39,9 +36,17 @@ def error_of(data: dict) -> str:
     return str(caught.value)
 
 
-def run_cli(*args, cwd=None):
-    env = dict(os.environ, OMP_NUM_THREADS="1", COLUMNS="200")
-    return subprocess.run([sys.executable, str(ROOT / "cli.py"), *args], capture_output=True, text=True, cwd=cwd, env=env, timeout=120)
+class Ran:
+    def __init__(self, result):
+        self.returncode, self.stdout, self.stderr = result.exit_code, result.stdout, result.stderr
+
+
+def run_cli(*args):
+    """`attnres ARGS` in this process (CliRunner; stdout and stderr apart), lines not wrapped."""
+    import cli
+    from typer.testing import CliRunner
+
+    return Ran(CliRunner().invoke(cli.app, [str(a) for a in args], env={"COLUMNS": "300"}))
 
 
 # --- schema ---------------------------------------------------------------------------------------

@@ -1,0 +1,255 @@
+"""`attnres finetune` end to end on tiny models (seconds each): what trains, what is saved, resume, two
+processes, loading the result. One short run on the real SmolLM2 at the end."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from attnres_convert.checkpoints import list_checkpoints
+from attnres_convert.recipe import RecipeError, parse_recipe
+from attnres_convert.saving import load_converted
+from attnres_convert.training import NonFiniteLossError, TrainingInterrupted, finetune
+from finetune_helpers import tiny_model_folder, tiny_recipe, write_corpus, write_recipe
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # Tiny matrices: a second thread only adds synchronisation (and on a shared machine, much more).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("finetune")
+    return {"root": root, "model": tiny_model_folder(root / "tiny-llama"), "corpus": write_corpus(root / "corpus")}
+
+
+def run(setup, out: Path, **sections):
+    return finetune(parse_recipe(tiny_recipe(setup["model"], setup["corpus"], out, **sections)))
+
+
+def weights(folder: Path) -> dict[str, torch.Tensor]:
+    return load_file(folder / "model.safetensors")
+
+
+def train_losses(result) -> list[float]:
+    return [r["loss"] for r in result.records if r["kind"] == "train"]
+
+
+def is_attnres(name: str) -> bool:
+    return "_res_proj" in name or "_res_norm" in name or "output_attn_res" in name
+
+
+def test_attnres_only_trains_the_new_parameters_and_lowers_held_out_loss(setup, tmp_path):
+    result = run(setup, tmp_path / "run", train={"trainable": "attnres", "steps": 8})
+    metrics = result.metrics
+    assert metrics["steps"] == 8 and metrics["tokens"] == 8 * 4 * 32
+    assert metrics["eval_loss"] < metrics["eval_loss_start"] - 0.01, metrics
+    assert metrics["trainable_parameters"] == metrics["attnres_parameters"] > 0
+    trained, original = weights(result.model_dir), weights(setup["model"])
+    new = [name for name in trained if is_attnres(name)]
+    assert len(new) == 3 * 4 + 2  # 3 layers x (attention, mlp) x (query, key norm) + the output aggregation
+    queries = {name: trained[name].abs().sum().item() for name in new if name.endswith("_proj.weight")}
+    # The first sublayer reads one source (the embedding): a softmax over one source has no gradient.
+    assert queries.pop("model.layers.0.self_attention_res_proj.weight") == 0
+    assert all(value > 0 for value in queries.values()), queries
+    for name, tensor in original.items():  # every base weight bit-identical
+        assert torch.equal(trained[name], tensor), name
+
+
+def test_full_training_changes_everything_and_lowers_loss_more(setup, tmp_path):
+    result = run(setup, tmp_path / "run", train={"trainable": "full", "steps": 8, "lr": 3e-3})
+    assert result.metrics["eval_loss"] < result.metrics["eval_loss_start"] - 0.3, result.metrics
+    trained, original = weights(result.model_dir), weights(setup["model"])
+    changed = [name for name, tensor in original.items() if not torch.equal(trained[name], tensor)]
+    assert len(changed) == len(original)
+
+
+def test_lora_trains_adapters_and_attnres_merged_or_kept(setup, tmp_path):
+    sections = dict(train={"trainable": "lora", "steps": 6, "lr": 1e-2}, lora={"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]})
+    merged = run(setup, tmp_path / "merged", **sections)
+    kept = run(setup, tmp_path / "kept", **{**sections, "lora": {**sections["lora"], "merge": False}})
+    assert train_losses(merged) == train_losses(kept)
+    assert merged.metrics["eval_loss"] < merged.metrics["eval_loss_start"]
+    original = weights(setup["model"])
+    folded = weights(merged.model_dir)
+    for name, tensor in original.items():  # LoRA merged into its targets only
+        assert torch.equal(folded[name], tensor) != (".q_proj." in name or ".v_proj." in name), name
+    assert not any("lora" in name for name in folded)
+
+    base = weights(kept.model_dir)  # merge: false = the converted model (trained AttnRes) + adapter/
+    for name, tensor in original.items():
+        assert torch.equal(base[name], tensor), name
+    assert any(base[name].abs().sum() > 0 for name in base if name.endswith("_res_proj.weight"))
+    adapter = load_file(kept.model_dir / "adapter" / "adapter_model.safetensors")
+    assert adapter and all("lora_" in name for name in adapter)
+
+    from peft import PeftModel
+
+    ids = torch.randint(4, 100, (2, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        merged_logits = load_converted(merged.model_dir).eval()(ids).logits
+        with_adapter = PeftModel.from_pretrained(load_converted(kept.model_dir), kept.model_dir / "adapter").eval()
+        assert torch.allclose(with_adapter(input_ids=ids).logits, merged_logits, atol=1e-4)
+
+
+def test_baseline_trains_the_original_model_from_the_same_start(setup, tmp_path):
+    sections = dict(train={"trainable": "lora", "steps": 3}, lora={"r": 4})
+    baseline = run(setup, tmp_path / "baseline", model={"convert": False}, **sections)
+    attnres = run(setup, tmp_path / "attnres", **sections)
+    # Step 0: the converted model is the original model.
+    assert math.isclose(baseline.metrics["eval_loss_start"], attnres.metrics["eval_loss_start"], rel_tol=1e-6)
+    assert json.loads((baseline.model_dir / "config.json").read_text())["model_type"] == "llama"
+    assert not baseline.metrics["converted"] and baseline.metrics["attnres_parameters"] == 0
+    assert attnres.metrics["trainable_parameters"] - baseline.metrics["trainable_parameters"] == attnres.metrics["attnres_parameters"]
+
+
+def test_run_folder_contents(setup, tmp_path):
+    result = run(setup, tmp_path / "run", train={"steps": 4, "log_every": 2}, eval={"every": 2, "max_sequences": 4})
+    out = result.output
+    assert sorted(p.name for p in out.iterdir()) == ["final_metrics.json", "loss_curve.png", "metrics.jsonl", "model", "recipe.yaml"]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["kind"], r["step"]) for r in records] == [("eval", 0), ("train", 2), ("eval", 2), ("train", 4), ("eval", 4)]
+    assert {"loss", "lr", "attnres_lr", "grad_norm", "tokens", "tokens_per_s"} <= set(records[1])
+    assert records[-1]["perplexity"] == pytest.approx(math.exp(records[-1]["loss"]))
+    assert parse_recipe(__import__("yaml").safe_load((out / "recipe.yaml").read_text())).train.log_every == 2
+    assert json.loads((out / "final_metrics.json").read_text())["eval_loss"] == pytest.approx(records[-1]["loss"])
+    assert (out / "loss_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    model = out / "model"
+    for name in ("README.md", "recipe.yaml", "finetune_metrics.json", "loss_curve.png", "modeling_attnres.py", "tokenizer.json"):
+        assert (model / name).is_file(), name
+    card = (model / "README.md").read_text()
+    assert "## Held-out evaluation" in card and "## Recipe" in card and "![training and held-out loss](loss_curve.png)" in card
+
+
+def test_schedules_follow_warmup_and_decay(setup, tmp_path):
+    result = run(setup, tmp_path / "wsd", train={"steps": 10, "warmup_steps": 2, "schedule": "wsd", "decay_fraction": 0.3,
+                                                  "min_lr_ratio": 0.0, "lr": 1e-3, "attnres_lr": 1e-2},
+                 eval={"every": 0, "max_sequences": 2})
+    lrs = [r["attnres_lr"] for r in result.records if r["kind"] == "train"]  # the rate used for the next step
+    assert lrs[0] == pytest.approx(1e-2) and lrs[6] == pytest.approx(1e-2)
+    assert lrs[7] == pytest.approx(1e-2 * 2 / 3) and lrs[-1] == pytest.approx(0.0, abs=1e-12)
+
+
+def test_resume_reproduces_the_uninterrupted_losses(setup, tmp_path):
+    # LoRA dropout makes the run depend on the RNG: a checkpoint must carry it.
+    sections = dict(train={"trainable": "lora", "steps": 6}, lora={"r": 4, "dropout": 0.1}, eval={"every": 2, "max_sequences": 4},
+                    checkpoint={"every": 2, "keep_last": 2})
+    whole = run(setup, tmp_path / "whole", **sections)
+    recipe = parse_recipe(tiny_recipe(setup["model"], setup["corpus"], tmp_path / "cut", **sections))
+    with pytest.raises(TrainingInterrupted, match="stopped by stop_at_step after step 3; checkpoint saved") as stopped:
+        finetune(recipe, stop_at_step=3)
+    assert [p.name for p in list_checkpoints(tmp_path / "cut")] == ["step-0000002", "step-0000003"]
+    assert stopped.value.checkpoint.name == "step-0000003"
+    assert not (tmp_path / "cut" / "model").exists()
+    with pytest.raises(RecipeError, match="already holds a run; pass --resume"):
+        finetune(recipe)
+    resumed = finetune(recipe, resume=True)
+    assert [(r["kind"], r["step"], r["loss"]) for r in resumed.records] == [(r["kind"], r["step"], r["loss"]) for r in whole.records]
+    assert weights(resumed.model_dir).keys() == weights(whole.model_dir).keys()
+    for name, tensor in weights(whole.model_dir).items():
+        assert torch.equal(weights(resumed.model_dir)[name], tensor), name
+    # Checkpoints hold what trains, not the frozen model.
+    saved = load_file(list_checkpoints(tmp_path / "cut")[-1] / "model.safetensors")
+    assert saved and all("lora_" in name or is_attnres(name) for name in saved)
+
+
+def test_resume_refuses_a_different_recipe(setup, tmp_path):
+    recipe = tiny_recipe(setup["model"], setup["corpus"], tmp_path / "run", train={"steps": 4}, checkpoint={"every": 1})
+    with pytest.raises(TrainingInterrupted):
+        finetune(parse_recipe(recipe), stop_at_step=2)
+    changed = tiny_recipe(setup["model"], setup["corpus"], tmp_path / "run", train={"steps": 4, "lr": 5e-4}, checkpoint={"every": 1})
+    with pytest.raises(RecipeError, match=r"--resume: the recipe differs .*\n  train\.lr: 0\.001 -> 0\.0005"):
+        finetune(parse_recipe(changed), resume=True)
+    done = finetune(parse_recipe(recipe), resume=True)
+    assert done.metrics["steps"] == 4
+    with pytest.raises(RecipeError, match="is complete"):
+        finetune(parse_recipe(recipe), resume=True)
+
+
+def test_non_finite_loss_stops_and_saves_no_model(setup, tmp_path):
+    recipe = parse_recipe(tiny_recipe(setup["model"], setup["corpus"], tmp_path / "run",
+                                      train={"trainable": "full", "lr": 1e6, "attnres_lr": 1e6, "max_grad_norm": None,
+                                             "warmup_steps": 0, "schedule": "constant", "steps": 10},
+                                      checkpoint={"every": 1}, eval={"every": 0, "max_sequences": 2}))
+    with pytest.raises(NonFiniteLossError, match=r"training stopped at step 2: the loss is nan \(non-finite\). No model was saved; "
+                                                 r"the last good checkpoint is .*step-0000001 \(step 1\)"):
+        finetune(recipe)
+    assert not (tmp_path / "run" / "model").exists() and not (tmp_path / "run" / "final_metrics.json").exists()
+    good = load_file(list_checkpoints(tmp_path / "run")[-1] / "model.safetensors")
+    assert all(torch.isfinite(t).all() for t in good.values())
+
+
+def test_two_processes_match_one_with_the_same_global_batch(setup, tmp_path):
+    """`accelerate launch` with 2 CPU processes (gloo DDP): same losses as 1 process with twice the gradient
+    accumulation, and only the main process writes the run folder."""
+    sections = dict(train={"trainable": "lora", "steps": 4, "grad_accum": 1, "micro_batch": 2}, lora={"r": 4},
+                    eval={"every": 2, "max_sequences": 5}, checkpoint={"every": 2})
+    recipe = write_recipe(tmp_path / "recipe.yaml", tiny_recipe(setup["model"], setup["corpus"], tmp_path / "two", **sections))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    launched = subprocess.run(
+        [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+         "--mixed_precision", "no", "--dynamo_backend", "no", str(ROOT / "cli.py"), "finetune", str(recipe)],
+        capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path,
+    )
+    assert launched.returncode == 0, launched.stdout[-3000:] + launched.stderr[-3000:]
+    assert "Fine-tuned 4 steps, 512 tokens (2 process(es))" in " ".join(launched.stdout.split())
+    assert launched.stdout.count("held-out loss") == 1  # one summary table, from the main process
+
+    single = run(setup, tmp_path / "one", **{**sections, "train": {**sections["train"], "grad_accum": 2}})
+    two = [json.loads(line) for line in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["kind"], r["step"]) for r in two] == [(r["kind"], r["step"]) for r in single.records]  # written once
+    for a, b in zip(two, single.records):
+        assert math.isclose(a["loss"], b["loss"], rel_tol=1e-5), (a, b)
+    checkpoint = tmp_path / "two" / "checkpoints" / "step-0000002"
+    assert sorted(p.name for p in checkpoint.glob("random_states_*")) == ["random_states_0.pkl", "random_states_1.pkl"]
+    assert sorted(p.name for p in (tmp_path / "two").iterdir()) == sorted(p.name for p in (tmp_path / "one").iterdir())
+
+
+def test_result_loads_with_trust_remote_code_without_the_package(setup, tmp_path):
+    result = run(setup, tmp_path / "run", train={"steps": 2}, eval={"every": 0, "max_sequences": 2})
+    ids = [[5, 17, 33, 40, 2, 9, 60]]
+    with torch.no_grad():
+        expected = load_converted(result.model_dir).eval()(torch.tensor(ids)).logits
+    script = (
+        "import json, sys, torch\n"
+        "from transformers import AutoModelForCausalLM\n"
+        f"model = AutoModelForCausalLM.from_pretrained({str(result.model_dir)!r}, trust_remote_code=True).eval()\n"
+        "assert not any(name.startswith('attnres_convert') for name in sys.modules), 'used the installed package'\n"
+        f"print(json.dumps(model(torch.tensor({ids})).logits.tolist()))\n"
+    )
+    loaded = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
+    assert loaded.returncode == 0, loaded.stderr[-3000:]
+    assert torch.allclose(torch.tensor(json.loads(loaded.stdout.splitlines()[-1])), expected, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_real_smollm2_short_run(smollm2_folder, tmp_path):
+    """SmolLM2-135M converted and trained for 2 steps on Shakespeare: runs, learns something, saves a card."""
+    recipe = parse_recipe({
+        "model": {"source": str(smollm2_folder)},
+        "data": {"train": {"files": ["shakespeare:hamlet"]}, "eval": {"fraction": 0.5}, "seq_len": 64},
+        "train": {"trainable": "attnres", "steps": 2, "micro_batch": 2, "lr": 1e-4, "attnres_lr": 1e-4},
+        "eval": {"every": 0, "max_sequences": 4},
+        "output": {"dir": str(tmp_path / "run"), "save_model": False},
+    })
+    result = finetune(recipe)
+    metrics = result.metrics
+    assert metrics["attnres_parameters"] == 70_272 and metrics["tokens"] == 2 * 2 * 64
+    assert 1.0 < metrics["eval_loss_start"] < 6.0 and math.isfinite(metrics["eval_loss"])
+    assert abs(metrics["eval_loss"] - metrics["eval_loss_start"]) < 0.5
