@@ -7,15 +7,16 @@ output path, and an existing output is untouched until its replacement is comple
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import hashlib
 import json
 import os
+import secrets
 import shutil
 import socket
 import sys
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -75,15 +76,18 @@ def _has_entries(folder: Path) -> bool:
 def _probe_writable(folder: Path, out) -> None:
     """Really create (and remove) an entry: permission bits alone say nothing for root, read-only mounts,
     immutable folders or /proc and /sys."""
+    probe = folder / f".attnres-write-test-{os.getpid()}-{secrets.token_hex(4)}"
     try:
-        probe = tempfile.mkdtemp(prefix=".attnres-write-test-", dir=folder)
+        os.mkdir(probe, 0o700)
     except OSError as error:
         reason = error.strerror or type(error).__name__
         raise OutputError(
             f"cannot write {out}: {folder} is not writable ({reason}; read-only, immutable or not yours). "
             "Choose an output path you can write to."
         ) from error
-    os.rmdir(probe)
+    finally:
+        with contextlib.suppress(OSError):
+            os.rmdir(probe)
 
 
 def is_attnres_output(path: str | os.PathLike) -> bool:
@@ -159,41 +163,62 @@ def _exchange(a: Path, b: Path) -> bool:
     raise OSError(code, os.strerror(code), str(b))
 
 
+def _new_sibling(out: Path, kind: str = "") -> Path:
+    """A fresh name for a temporary folder beside OUT, tagged with this host and process."""
+    return out.parent / f"{partial_prefix(out)}{_host_tag()}-{os.getpid()}-{kind}{secrets.token_hex(4)}"
+
+
+def _make_dir(path_for: Callable[[], Path]) -> Path:
+    for _ in range(100):
+        path = path_for()
+        try:
+            os.mkdir(path, 0o700)
+            return path
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"could not create a temporary folder like {path}")
+
+
 def atomic_folder(out: Path, write: Callable[[Path], None], overwrite: bool = False) -> Path:
     """Run `write(tmp)` into a temporary folder beside `out`, then move it into place.
 
     A kill at any moment leaves either nothing or the previous output at `out`, never a partial folder:
     an existing output is swapped for the new one in a single atomic rename once the new one is complete.
+    Ctrl-C (or any exception) removes the temporary folder at once, whenever it arrives.
     """
     out = check_output(out, overwrite)
     clean_stale_partials(out)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f"{partial_prefix(out)}{_host_tag()}-{os.getpid()}-", dir=out.parent))
     except OSError as error:
         raise OutputError(f"cannot write {out} ({error.strerror or error}). Choose an output path you can write to.") from error
+    # The names are chosen before the folders exist, so an interrupt arriving just after a mkdir still
+    # knows what to remove.
+    tmp, old = _new_sibling(out), None
     try:
+        tmp = _make_dir(lambda: _new_sibling(out))
         write(tmp)
         _fsync_tree(tmp)
         if out.exists():
             if _exchange(tmp, out):
                 shutil.rmtree(tmp, ignore_errors=True)  # tmp now holds the previous output
             else:
-                old = Path(tempfile.mkdtemp(prefix=f"{partial_prefix(out)}{_host_tag()}-{os.getpid()}-old-", dir=out.parent))
+                old = _new_sibling(out, "old-")
                 os.replace(out, old)
                 os.replace(tmp, out)
                 shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, out)
         _fsync_dir(out.parent)
-    except OSError as error:
+    except BaseException as error:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise OutputError(
-            f"writing {out} failed ({error.strerror or error}: {error.filename or ''}); nothing was written there. "
-            "Check free disk space and permissions, then rerun."
-        ) from error
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if old is not None and old.exists() and not out.exists():
+            os.replace(old, out)  # interrupted between the two renames: the previous output goes back
+        if isinstance(error, OSError):
+            raise OutputError(
+                f"writing {out} failed ({error.strerror or error}: {error.filename or ''}); nothing was written "
+                "there. Check free disk space and permissions, then rerun."
+            ) from error
         raise
     return out
 

@@ -3,6 +3,7 @@ tiny model folders and broken copies of them."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -13,6 +14,24 @@ from pathlib import Path
 from typer.testing import CliRunner
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+# Tiny models gain nothing from intra-op threads, and on a shared 2-core machine OpenMP threads spinning
+# against other processes make a 1-second fine-tuning run take 25 s: these tests use one thread, in this
+# process while they run (restored afterwards) and in every process they start.
+ONE_THREAD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+@contextlib.contextmanager
+def one_torch_thread():
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def run_cli(*args, env: dict | None = None):
@@ -53,7 +72,7 @@ def assert_user_error(result, *needles: str, out: Path | None = None, code: int 
 
 def run_attnres(*args, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
     """The installed `attnres` entry point (cli:main) in a fresh Python."""
-    full_env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", **(env or {})}
+    full_env = {**os.environ, **ONE_THREAD_ENV, **(env or {})}
     return subprocess.run(
         [sys.executable, "-c", "import sys; from cli import main; sys.exit(main())", *map(str, args)],
         cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL,
@@ -98,9 +117,11 @@ def edit_config(folder: Path, **changes) -> Path:
 def convert_in_child(source: str, out: str, block_size: int, verify: bool, conn) -> None:
     """`attnres_convert.convert` reporting each stage over CONN as it starts (the parent kills us at chosen
     moments). Runs in a forkserver child: torch and transformers are already imported there."""
-    import contextlib
+    import torch
 
     from attnres_convert import convert
+
+    torch.set_num_threads(1)
 
     @contextlib.contextmanager
     def stage(name):
@@ -138,7 +159,10 @@ def forkserver_context():
 
 def finetune_in_child(recipe_path: str, resume: bool) -> None:
     """`attnres_convert.training.finetune` on a recipe file, quietly (the parent kills us at chosen moments)."""
+    import torch
+
     from attnres_convert.recipe import load_recipe
     from attnres_convert.training import finetune
 
+    torch.set_num_threads(1)
     finetune(load_recipe(recipe_path), resume=resume)

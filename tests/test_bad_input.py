@@ -17,12 +17,20 @@ from reliability_helpers import (
     copy_model,
     edit_config,
     leftovers,
+    one_torch_thread,
     run_attnres,
     run_cli,
     save_config_only,
     save_tiny,
     truncate,
 )
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    with one_torch_thread():
+        yield
+
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,14 @@ from pathlib import Path
 
 import pytest
 
-from reliability_helpers import ROOT, convert_in_child, forkserver_context, snapshot
+from reliability_helpers import ONE_THREAD_ENV, ROOT, convert_in_child, forkserver_context, one_torch_thread, snapshot
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    with one_torch_thread():
+        yield
+
 
 STAGES = ("Reading config", "Loading model", "Running the original model", "Converting",
           "Verifying against the original", "Saving")
@@ -211,7 +218,7 @@ def _run_and_signal(out: Path, source: Path, sig: int) -> tuple[subprocess.Compl
     process = subprocess.Popen(
         [sys.executable, "-c", "import sys; from cli import main; sys.exit(main())", "convert", str(source), "-o",
          str(out), "--overwrite", "--no-verify", "--block-size", "3"],
-        cwd=ROOT, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"}, stdout=subprocess.PIPE,
+        cwd=ROOT, env={**os.environ, **ONE_THREAD_ENV}, stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL,
     )
     deadline, hit = time.monotonic() + 120, False

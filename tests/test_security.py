@@ -15,7 +15,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from reliability_helpers import ROOT, assert_user_error, leftovers, run_cli, save_tiny
+from reliability_helpers import ONE_THREAD_ENV, ROOT, assert_user_error, one_torch_thread, run_cli, save_tiny
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    with one_torch_thread():
+        yield
+
 
 PACKAGE = ROOT / "attnres_convert"
 SENTINEL_ENV = "ATTNRES_TEST_REMOTE_CODE_SENTINEL"
@@ -97,7 +104,7 @@ def test_remote_code_is_refused_without_the_flag(tmp_path, remote_code_model, mo
 def test_remote_code_runs_with_the_flag(tmp_path, remote_code_model):
     """In a fresh Python with its own module cache: with trust_remote_code the custom classes load."""
     sentinel = tmp_path / "remote-code-ran"
-    env = {**os.environ, SENTINEL_ENV: str(sentinel), "HF_MODULES_CACHE": str(tmp_path / "modules"),
+    env = {**os.environ, **ONE_THREAD_ENV, SENTINEL_ENV: str(sentinel), "HF_MODULES_CACHE": str(tmp_path / "modules"),
            "HF_HOME": str(tmp_path / "hf-home")}
     code = textwrap.dedent(f"""
         from attnres_convert.sources import load_config, load_model, resolve_source
@@ -314,7 +321,7 @@ def test_shipped_code_opens_no_file_and_no_connection_at_runtime(tmp_path):
         print("OPENED", opened)
         print("CONNECTIONS", connections)
     """)
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp_path / "modules"), "HF_HOME": str(tmp_path / "hf")}
+    env = {**os.environ, **ONE_THREAD_ENV, "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp_path / "modules"), "HF_HOME": str(tmp_path / "hf")}
     result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
                             timeout=120, stdin=subprocess.DEVNULL)
     assert result.returncode == 0, result.stderr

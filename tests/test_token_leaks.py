@@ -17,7 +17,15 @@ from pathlib import Path
 import pytest
 
 from fake_hub import FakeHub
-from reliability_helpers import ROOT, save_tiny
+from finetune_helpers import tiny_model_folder, tiny_recipe, write_corpus, write_recipe
+from reliability_helpers import ONE_THREAD_ENV, one_torch_thread
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    with one_torch_thread():
+        yield
+
 
 TOKEN = "attnres-SECRET-token-7f3a9c1e5b2d"
 
@@ -30,6 +38,7 @@ DRIVER = textwrap.dedent(
     import cli
 
     commands = {c.name or c.callback.__name__ for c in cli.app.registered_commands}
+    commands |= {group.name for group in cli.app.registered_groups}
     for args in json.loads(sys.argv[1]):
         if args[0] not in commands:
             print(f"SKIP {args[0]} (not a command yet)", flush=True)
@@ -57,11 +66,13 @@ def _contains(path: Path, needle: bytes) -> bool:
 def test_token_never_leaks(tmp_path):
     import json
 
-    base = save_tiny(tmp_path / "base")
-    text = tmp_path / "eval.txt"
-    text.write_text("To be, or not to be, that is the question. " * 40)
+    base = tiny_model_folder(tmp_path / "base")  # with a tokenizer: eval and finetune read text
+    corpus = write_corpus(tmp_path / "corpus")
+    text = Path(corpus["eval"][0])
     outputs = tmp_path / "outputs"
     converted, pushed = outputs / "converted", outputs / "pushed"
+    recipe = write_recipe(tmp_path / "recipe.yaml", tiny_recipe(base, corpus, outputs / "run", train={"steps": 3},
+                                                                 checkpoint={"every": 2, "keep_last": 2}))
     with FakeHub(TOKEN) as hub:
         hub.forbidden_namespaces.add("someone-else")
         commands = [
@@ -73,9 +84,13 @@ def test_token_never_leaks(tmp_path):
             ["convert", str(tmp_path / "missing"), "-o", str(outputs / "x")],  # bad input
             ["inspect", str(converted), "--plot", str(outputs / "depth.png")],
             ["eval", str(converted), "--data", str(text), "--seq-len", "32"],
+            ["finetune", str(recipe), "--push-to-hub", "alice/tiny-finetuned"],
+            ["finetune", str(recipe), "--resume"],  # refused: the run is complete
+            ["recipes", "validate", str(recipe)],
         ]
         env = {
             **os.environ,
+            **ONE_THREAD_ENV,
             "HF_TOKEN": TOKEN,
             "HF_ENDPOINT": hub.endpoint,
             "HF_HUB_DISABLE_XET": "1",
@@ -91,8 +106,9 @@ def test_token_never_leaks(tmp_path):
     captured = result.stdout + result.stderr
     assert result.returncode == 0, captured
     ran = [line for line in result.stdout.splitlines() if line.startswith("RUN ")]
-    assert ran[0].endswith("-> 0") and ran[1].endswith("-> 0") and ran[2].endswith("-> 0"), ran
-    assert any(line.endswith("-> 2") for line in ran[3:]), ran  # the failures did happen
+    ok = [line.split(" ", 2)[1] for line in ran if line.endswith("-> 0")]
+    assert ok.count("convert") == 2 and ok.count("push") == 1 and "finetune" in ok, ran
+    assert sum(line.endswith("-> 2") for line in ran) >= 4, ran  # the failures did happen
     assert published, "nothing reached the fake hub"
 
     assert TOKEN not in captured, "the token was printed or logged"
