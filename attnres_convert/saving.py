@@ -66,6 +66,23 @@ def check_output(out: str | os.PathLike, overwrite: bool = False) -> Path:
     return path
 
 
+def write_problem(path: str | os.PathLike) -> str | None:
+    """Why the folder PATH (to be created, or written into) cannot be written, or None. Creates and removes
+    a probe entry in PATH or its nearest existing parent; permission bits alone say nothing for root."""
+    path = Path(os.path.abspath(Path(path).expanduser()))
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"{existing} is a file, not a folder"
+    try:
+        _probe_writable(existing, path)
+    except OutputError as error:
+        reason = getattr(error.__cause__, "strerror", None) or "refused"
+        return f"{existing} is not writable ({reason}; read-only, immutable or not yours)"
+    return None
+
+
 def _has_entries(folder: Path) -> bool:
     try:
         return any(folder.iterdir())

@@ -166,3 +166,27 @@ def finetune_in_child(recipe_path: str, resume: bool) -> None:
 
     torch.set_num_threads(1)
     finetune(load_recipe(recipe_path), resume=resume)
+
+
+@contextlib.contextmanager
+def read_only_folder(folder: Path):
+    """FOLDER made read-only for real, also for root (who ignores permission bits): the immutable attribute
+    (chattr +i) as root, chmod 555 otherwise. Yields False where this filesystem cannot do it."""
+    import subprocess
+
+    folder.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() == 0:
+        done = shutil.which("chattr") is not None and subprocess.run(
+            ["chattr", "+i", str(folder)], capture_output=True
+        ).returncode == 0
+        try:
+            yield done
+        finally:
+            if done:
+                subprocess.run(["chattr", "-i", str(folder)], check=True)
+    else:
+        folder.chmod(0o555)
+        try:
+            yield True
+        finally:
+            folder.chmod(0o755)

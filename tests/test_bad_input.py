@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import time
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from reliability_helpers import (
     edit_config,
     leftovers,
     one_torch_thread,
+    read_only_folder,
     run_attnres,
     run_cli,
     save_config_only,
@@ -306,33 +306,17 @@ def test_output_is_a_symlink(tmp_path, tiny_llama):
     assert out.is_symlink() and list(target.iterdir()) == []
 
 
-def _immutable(folder: Path) -> bool:
-    """Make FOLDER read-only even for root (the immutable attribute), if this filesystem allows it."""
-    if shutil.which("chattr") is None:
-        return False
-    return subprocess.run(["chattr", "+i", str(folder)], capture_output=True).returncode == 0
-
-
 def test_output_in_a_read_only_folder(tmp_path, tiny_llama):
     """Read-only for real: root ignores permission bits, so as root the folder is made immutable (chattr +i),
     otherwise chmod 555. check_output creates a probe entry instead of trusting os.access."""
     parent = tmp_path / "locked"
-    parent.mkdir()
-    if os.geteuid() == 0:
-        if not _immutable(parent):
+    with read_only_folder(parent) as locked:
+        if not locked:
             pytest.skip("running as root on a filesystem without the immutable attribute")
-    else:
-        parent.chmod(0o555)
-    try:
         for out in (parent / "out", parent / "deeper" / "out"):
             result = run_cli("convert", tiny_llama, "-o", out)
             assert_user_error(result, str(out), str(parent), "not writable", "choose an output path you can write to")
         assert list(parent.iterdir()) == []
-    finally:
-        if os.geteuid() == 0:
-            subprocess.run(["chattr", "-i", str(parent)], check=True)
-        else:
-            parent.chmod(0o755)
 
 
 @pytest.mark.parametrize("out", ["/sys/attnres-test-output", "/proc/attnres-test-output"])

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from finetune_helpers import tiny_model_folder, tiny_recipe, write_corpus, write_recipe
-from reliability_helpers import assert_user_error, leftovers, one_torch_thread, run_cli
+from reliability_helpers import assert_user_error, leftovers, one_torch_thread, read_only_folder, run_cli
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -165,3 +165,24 @@ def test_recipe_file_missing(tmp_path):
     missing = tmp_path / "nope.yaml"
     for command in (["recipes", "validate"], ["finetune"]):
         assert_user_error(run_cli(*command, missing), str(missing), "does not exist")
+
+
+def test_output_dir_on_a_read_only_location(tmp_path, setup):
+    """Refused before the model or the data is loaded, also as root (immutable folder, /sys)."""
+    with read_only_folder(tmp_path / "locked") as locked:
+        if not locked:
+            pytest.skip("cannot make a folder read-only here")
+        recipe, _ = _recipe(tmp_path, setup, output={"dir": str(tmp_path / "locked" / "run")})
+        _both(recipe, tmp_path / "locked" / "run", "output.dir", "not writable", "choose a folder you can write to")
+        assert list((tmp_path / "locked").iterdir()) == []
+    if Path("/sys").is_dir() and not Path("/sys/attnres-run").exists():
+        recipe, _ = _recipe(tmp_path, setup, output={"dir": "/sys/attnres-run"})
+        _both(recipe, Path("/sys/attnres-run"), "output.dir", "not writable")
+
+
+def test_output_dir_below_a_file(tmp_path, setup):
+    blocker = tmp_path / "blocker"
+    blocker.write_text("a file")
+    recipe, _ = _recipe(tmp_path, setup, output={"dir": str(blocker / "run")})
+    _both(recipe, blocker / "run", "output.dir", "is a file, not a folder")
+    assert blocker.read_text() == "a file"
