@@ -266,6 +266,12 @@ def finetune(
     from rich.markup import escape
 
     report.say(f"[bold]Resolved recipe[/]\n{escape(recipe.to_yaml())}")
+    report.say(
+        f"Accelerate: {distributed}, {accelerator.num_processes} process(es) on {accelerator.device}, "
+        f"mixed precision {accelerator.mixed_precision}"
+    )
+    if os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true" and distributed != "FSDP":
+        report.say(f"[yellow]note:[/] FSDP was asked for but Accelerate runs {distributed} here (FSDP needs GPUs)")
     if resume and checkpoint is None:
         report.say(f"--resume: no checkpoint in {out / 'checkpoints'}; starting from step 0")
 
@@ -289,7 +295,9 @@ def finetune(
     world = accelerator.num_processes
     global_batch = world * recipe.train.grad_accum * recipe.train.micro_batch
     with accelerator.main_process_first():
-        corpus: Corpus = build_corpus(recipe, start.tokenizer, recipe.train.steps * global_batch * recipe.data.seq_len)
+        # A streamed dataset is read only as far as the run needs (+1%: packing drops each source's tail).
+        needed = recipe.train.steps * global_batch * recipe.data.seq_len
+        corpus: Corpus = build_corpus(recipe, start.tokenizer, needed + needed // 100 + recipe.data.seq_len)
     report.say(corpus.describe)
     order = SequenceOrder(len(corpus.train), recipe.train.seed)
     optimizer = make_optimizer(model, recipe)

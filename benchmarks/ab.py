@@ -25,7 +25,6 @@ import os
 import platform
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -37,36 +36,57 @@ from attnres_convert.recipe import apply_overrides, find_recipe, parse_recipe, r
 from attnres_convert.training import finetune  # noqa: E402
 
 
-def run_arm(name: str, data: dict, overrides: list[str], workdir: Path, console) -> dict:
-    out = workdir / name
-    recipe = parse_recipe(
+def arm_recipe(data: dict, overrides: list[str], out: Path):
+    return parse_recipe(
         apply_overrides(data, [*overrides, f"output.dir={out}", "output.save_model=false", "output.overwrite=true", "eval.at_start=true"])
     )
+
+
+def finished(recipe, out: Path) -> bool:
+    """An arm already run with exactly this recipe (`--reuse`): its run folder is complete."""
+    saved = out / "recipe.yaml"
+    return (out / "final_metrics.json").is_file() and saved.is_file() and saved.read_text() == recipe.to_yaml()
+
+
+def run_arm(name: str, data: dict, overrides: list[str], workdir: Path, console, reuse: bool = False) -> dict:
+    out = workdir / name
+    recipe = arm_recipe(data, overrides, out)
+    if reuse and finished(recipe, out):
+        if console:
+            console.print(f"{name}: reusing the finished run in {out}")
+        return summarize_arm(name, overrides, out)
     if console:
         console.rule(f"[bold]{name}[/]: {' '.join(overrides) or 'recipe as written'}")
-    began = time.perf_counter()
     result = finetune(recipe, console=console)
-    wall = time.perf_counter() - began
-    evals = [r for r in result.records if r["kind"] == "eval"]
-    summary = {
-        "name": name,
-        "overrides": overrides,
-        "converted": result.metrics["converted"],
-        "eval_loss_step0": evals[0]["loss"],
-        "eval_loss_final": result.metrics["eval_loss"],
-        "eval_perplexity_final": result.metrics["eval_perplexity"],
-        "eval_curve": [(r["step"], r["loss"]) for r in evals],
-        "train_loss_last": result.metrics["train_loss_last"],
-        "tokens": result.metrics["tokens"],
-        "tokens_per_s": result.metrics["tokens_per_s"],
-        "trainable_parameters": result.metrics["trainable_parameters"],
-        "attnres_parameters": result.metrics["attnres_parameters"],
-        "wall_seconds": wall,
-        "train_curve": [(r["step"], r["loss"]) for r in read_metrics(out / "metrics.jsonl") if r["kind"] == "train"],
-    }
     del result
     gc.collect()
-    return summary
+    return summarize_arm(name, overrides, out)
+
+
+def summarize_arm(name: str, overrides: list[str], out: Path) -> dict:
+    final = json.loads((out / "final_metrics.json").read_text())
+    records = read_metrics(out / "metrics.jsonl")
+    evals = [r for r in records if r["kind"] == "eval"]
+    return {
+        "name": name,
+        "overrides": overrides,
+        "converted": final["converted"],
+        "eval_loss_step0": evals[0]["loss"],
+        "eval_loss_final": final["eval_loss"],
+        "eval_perplexity_final": final["eval_perplexity"],
+        "eval_curve": [(r["step"], r["loss"]) for r in evals],
+        "train_loss_last": final["train_loss_last"],
+        "tokens": final["tokens"],
+        "tokens_per_s": final["tokens_per_s"],
+        "train_seconds": final["train_seconds"],
+        "trainable_parameters": final["trainable_parameters"],
+        "attnres_parameters": final["attnres_parameters"],
+        "train_curve": [(r["step"], r["loss"]) for r in records if r["kind"] == "train"],
+    }
+
+
+def arm_name(extra: list[str]) -> str:
+    return "attnres" + "".join(f"_{o.replace('/', '-')}" for o in extra)
 
 
 def _one_thread() -> None:
@@ -141,6 +161,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--results", default=str(ROOT / "benchmarks" / "results"))
     parser.add_argument("--workdir", default=None, help="Where the runs write (default: a temporary folder).")
     parser.add_argument("--jobs", type=int, default=1, help="Run this many arms at once, each in its own 1-thread process.")
+    parser.add_argument("--reuse", action="store_true", help="Keep arms already finished in --workdir with the same recipe.")
     parser.add_argument("--quiet", action="store_true")
     args = parser.parse_args(argv)
 
@@ -158,7 +179,7 @@ def main(argv: list[str] | None = None) -> dict:
     variants = ([] if args.no_plain else [[]]) + [[o for o in v.split(",") if o] for v in args.sweep]
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="attnres-ab-"))
     jobs = [("baseline", [*args.overrides, "model.convert=false"])]
-    jobs += [(f"attnres-{index}", [*args.overrides, *extra]) for index, extra in enumerate(variants)]
+    jobs += [(arm_name(extra), [*args.overrides, *extra]) for extra in variants]
     if args.jobs > 1:
         # Arms in parallel processes, one thread each: on a shared CPU this beats one process per arm in turn.
         import concurrent.futures
@@ -166,10 +187,10 @@ def main(argv: list[str] | None = None) -> dict:
 
         context = multiprocessing.get_context("spawn")
         with concurrent.futures.ProcessPoolExecutor(args.jobs, mp_context=context, initializer=_one_thread) as pool:
-            futures = [pool.submit(run_arm, name, data, overrides, workdir, None) for name, overrides in jobs]
+            futures = [pool.submit(run_arm, name, data, overrides, workdir, None, args.reuse) for name, overrides in jobs]
             summaries = [future.result() for future in futures]
     else:
-        summaries = [run_arm(name, data, overrides, workdir, console) for name, overrides in jobs]
+        summaries = [run_arm(name, data, overrides, workdir, console, args.reuse) for name, overrides in jobs]
     baseline, arms = summaries[0], summaries[1:]
     for arm, extra in zip(arms, variants):
         arm["overrides"] = extra

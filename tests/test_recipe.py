@@ -55,7 +55,7 @@ def run_cli(*args):
 def test_defaults_fill_in_a_minimal_recipe():
     recipe = parse_recipe(minimal())
     assert recipe.model.source is None and recipe.model.convert
-    assert recipe.train.trainable == "attnres" and recipe.train.peak_attnres_lr == pytest.approx(1e-3)
+    assert recipe.train.trainable == "attnres" and recipe.train.peak_attnres_lr == pytest.approx(1e-4)
     assert recipe.data.eval.fraction == 0.05 and recipe.data.seq_len == 256
     assert recipe.lora.target_modules == "all-linear" and recipe.lora.merge
 
@@ -282,3 +282,32 @@ def test_cli_recipes_list_show_validate(tmp_path):
     assert invalid.returncode == 2 and f"data.train.files[0]: file {tmp_path / 'none.txt'} does not exist" in invalid.stderr
     unknown = run_cli("recipes", "show", "no-such-recipe")
     assert unknown.returncode == 2 and "shipped: " in unknown.stderr
+
+
+def test_corpus_from_jsonl_parquet_and_a_datasets_builder(tmp_path):
+    """Records are documents; a held-out fraction takes whole documents (every 10th here) from any source."""
+    import json
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from attnres_convert.data import build_corpus
+    from finetune_helpers import char_tokenizer
+
+    texts = [f"document {i}: " + "to be or not " * (i % 4 + 1) for i in range(30)]
+    jsonl = tmp_path / "docs.jsonl"
+    jsonl.write_text("".join(json.dumps({"text": t, "id": i}) + "\n" for i, t in enumerate(texts)))
+    parquet = tmp_path / "docs.parquet"
+    pq.write_table(pa.table({"body": texts}), parquet)
+    held = {9, 19, 29}
+    expected_train = sum(len(t) + 1 for i, t in enumerate(texts) if i not in held)  # one token per character + EOS
+    sources = [{"files": [str(jsonl)]}, {"files": [str(parquet)], "text_field": "body"}, {"dataset": "json", "data_files": [str(jsonl)]}]
+    for source in sources:
+        recipe = parse_recipe(minimal(data={"train": source, "eval": {"fraction": 0.1}, "seq_len": 16}, eval={"max_sequences": None}))
+        corpus = build_corpus(recipe, char_tokenizer(), 10**6)
+        assert (corpus.train_documents, corpus.eval_documents) == (27, 3), source
+        assert corpus.train.num_tokens == expected_train // 16 * 16, source
+        assert corpus.eval.num_tokens == sum(len(texts[i]) + 1 for i in held) // 16 * 16, source
+    recipe = parse_recipe(minimal(data={"train": {"files": [str(jsonl)], "text_field": "body"}}))
+    with pytest.raises(RecipeError, match=r"data\.train: record 1 of .*docs\.jsonl has no field 'body'; set text_field"):
+        build_corpus(recipe, char_tokenizer(), 10**6)
