@@ -8,6 +8,7 @@ the hub shows them) and the loss curve.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -190,6 +191,13 @@ def _metrics_table(metrics: Mapping[str, Mapping[str, float]]) -> list[str]:
     return rows
 
 
+def _repo_name(name: str, base_model: str | None, suffix: str) -> str:
+    """A repo-style model name for `model-index` ("SmolLM2-135M-Instruct-attnres"), not a display name
+    such as "SmolLM2-135M-Instruct (embedded, ....gguf)"."""
+    stem = base_model.split("/")[-1] if base_model else re.sub(r"[^A-Za-z0-9._-]+", "-", name.split(" (")[0]).strip("-")
+    return f"{stem or 'model'}-{suffix}"
+
+
 def _model_index(name: str, metrics: Mapping[str, float], eval_data: str) -> list[dict]:
     """The hub's structured eval results for the fine-tuned model (loss and perplexity when given)."""
     entries = [
@@ -257,7 +265,7 @@ def finetune_card(
     """
     finetuned_key = finetuned_key or (list(metrics)[-1] if metrics else None)
     extra = {"base_model_relation": "finetune"} if base_model else {}
-    index = _model_index(f"{name}-attnres", metrics.get(finetuned_key, {}), eval_data) if finetuned_key else []
+    index = _model_index(_repo_name(name, base_model, "attnres"), metrics.get(finetuned_key, {}), eval_data) if finetuned_key else []
     if index:
         extra["model-index"] = index
     lines = [
@@ -316,7 +324,7 @@ def baseline_card(
     if base_model:
         meta["base_model"] = base_model
     meta["license"] = license or "other"
-    index = _model_index(f"{name}-baseline", metrics.get(finetuned_key, {}), eval_data) if finetuned_key else []
+    index = _model_index(_repo_name(name, base_model, "baseline"), metrics.get(finetuned_key, {}), eval_data) if finetuned_key else []
     meta.update(extra, **({"model-index": index} if index else {}))
     lines = [
         "---\n" + yaml.safe_dump(meta, sort_keys=False, allow_unicode=True) + "---\n",

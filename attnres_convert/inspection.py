@@ -8,8 +8,9 @@ magnitudes and gradients compared with the original residual model.
 * Profiles: for each sublayer, the RMS of the stream its norm reads (in a PreNorm model it grows with
   depth, so each new output is a shrinking share of it: PreNorm dilution), the RMS of what it adds, and
   the gradient norm of its parameters under the LM loss. "Original" is the same model with its
-  pseudo-queries set to zero, which computes exactly the base model (count scaling), so no second
-  checkpoint is needed.
+  pseudo-queries set to zero, which computes the plain residual sum with the same weights (count
+  scaling): exactly the base model for a converted model or one whose base weights were not trained,
+  so no second checkpoint is needed.
 """
 
 from __future__ import annotations
@@ -259,7 +260,8 @@ def inspect_source(
 ) -> InspectResult:
     """Load MODEL (a converted folder, or a plain model which is converted in memory with the default S),
     measure it on TEXT (default: the built-in sample) and, with PLOT=OUT.png, write OUT.png (depth
-    weights) and OUT-magnitudes.png (original against converted). Profiles need a backward pass: they
+    weights), OUT-relative.png (the same against uniform) and OUT-magnitudes.png (residual sum against
+    AttnRes). Profiles need a backward pass: they
     run when plotting unless `profiles` says otherwise."""
     from .loading import load_any
     from .samples import SAMPLE_TEXT
@@ -290,6 +292,9 @@ def inspect_source(
             f"mean over {inspection.depth.tokens} tokens"
         )
         result.plots.append(depth_heatmaps(inspection.depth, out, title))
+        relative_path = out.with_name(f"{out.stem}-relative{out.suffix or '.png'}")
+        title = f"{loaded.name}: depth-attention weights against uniform (n x alpha; 1 = as converted)"
+        result.plots.append(depth_heatmaps(inspection.depth, relative_path, title, relative=True))
         if inspection.converted is not None:
             profile_path = out.with_name(f"{out.stem}-magnitudes{out.suffix or '.png'}")
             title = f"{loaded.name}: per-sublayer magnitudes and gradients, original vs Block AttnRes"

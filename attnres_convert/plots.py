@@ -32,21 +32,25 @@ def _save(figure, path: str | os.PathLike) -> Path:
     return path
 
 
-def _heatmap(axis, matrix: np.ndarray, row_labels: list[str], columns: list[str], vmax: float, title: str):
+def _heatmap(axis, matrix: np.ndarray, row_labels: list[str], columns: list[str], title: str, relative: bool, scale):
     import matplotlib
 
-    cmap = matplotlib.colormaps["viridis"].with_extremes(bad="white")  # white: sources a reader does not read
-    image = axis.imshow(np.ma.masked_invalid(matrix), cmap=cmap, vmin=0.0, vmax=vmax, aspect="auto", interpolation="nearest")
+    # Relative: n x alpha, the weight against uniform (1 = what a freshly converted model gives), on a
+    # diverging map centred at 1, so a small learned preference shows where raw weights look flat.
+    shown = matrix * (~np.isnan(matrix)).sum(1, keepdims=True) if relative else matrix
+    cmap = matplotlib.colormaps["RdBu_r" if relative else "viridis"].with_extremes(bad="white")  # white: not a source
+    image = axis.imshow(np.ma.masked_invalid(shown), cmap=cmap, norm=scale, aspect="auto", interpolation="nearest")
     axis.set_title(title, fontsize=10)
     axis.set_xticks(range(len(columns)), [_short(c) for c in columns], fontsize=7, rotation=0)
     step = max(1, math.ceil(len(row_labels) / 16))
     axis.set_yticks(range(0, len(row_labels), step), row_labels[::step], fontsize=7)
     axis.set_xlabel("source", fontsize=8)
     if matrix.shape[0] <= 40 and matrix.shape[1] <= 12:
-        for (row, col), value in np.ndenumerate(matrix):
+        for (row, col), value in np.ndenumerate(shown):
             if not np.isnan(value):
-                axis.text(col, row, f"{value:.2f}".lstrip("0"), ha="center", va="center", fontsize=5.5,
-                          color="white" if value < 0.6 * vmax else "black")
+                dark = abs(scale(value) - 0.5) > 0.3 if relative else scale(value) < 0.6
+                text = f"{value:.2f}" if relative else f"{value:.2f}".lstrip("0")
+                axis.text(col, row, text, ha="center", va="center", fontsize=5.5, color="white" if dark else "black")
     return image
 
 
@@ -57,15 +61,23 @@ def _short(column: str) -> str:
     return ("B" if kind == "block" else "y") + number
 
 
-def depth_heatmaps(depth, path: str | os.PathLike, title: str = "") -> Path:
+def depth_heatmaps(depth, path: str | os.PathLike, title: str = "", relative: bool = False) -> Path:
     """Sublayer x source heatmaps of the mean depth-attention weights: pre-attention and pre-MLP side by
-    side (one panel for parallel-residual models), the output aggregation as a strip below."""
+    side (one panel for parallel-residual models), the output aggregation as a strip below. `relative`
+    colours n x alpha (weight against uniform) instead of alpha."""
+    from matplotlib.colors import Normalize, TwoSlopeNorm
+
     kinds = np.array(depth.kinds)
     groups = [(kind, label) for kind, label in (("attention", "pre-attention"), ("mlp", "pre-MLP"),
                                                   ("attention+mlp", "pre-block (parallel attention + MLP)"))
               if (kinds == kind).any()]
-    finite = depth.matrix[~np.isnan(depth.matrix)]
-    vmax = float(finite.max()) if finite.size else 1.0
+    if relative:
+        ratios = (depth.matrix * (~np.isnan(depth.matrix)).sum(1, keepdims=True))[~np.isnan(depth.matrix)]
+        spread = max(0.05, float(np.abs(ratios - 1.0).max()) if ratios.size else 0.05)
+        scale = TwoSlopeNorm(vcenter=1.0, vmin=max(0.0, 1.0 - spread), vmax=1.0 + spread)
+    else:
+        finite = depth.matrix[~np.isnan(depth.matrix)]
+        scale = Normalize(0.0, float(finite.max()) if finite.size else 1.0)
     rows = max(int((kinds == kind).sum()) for kind, _ in groups)
     figure = _figure(3.4 * len(groups) + 1.2, min(11.0, 1.9 + 0.2 * rows))
     grid = figure.add_gridspec(2, len(groups), height_ratios=[max(rows, 1), 1.4])
@@ -74,12 +86,13 @@ def depth_heatmaps(depth, path: str | os.PathLike, title: str = "") -> Path:
         axis = figure.add_subplot(grid[0, index])
         mask = kinds == kind
         layer_labels = [str(layer) for layer, keep in zip(depth.layers, mask) if keep]
-        image = _heatmap(axis, depth.matrix[mask], layer_labels, depth.columns, vmax, label)
+        image = _heatmap(axis, depth.matrix[mask], layer_labels, depth.columns, label, relative, scale)
         if index == 0:
             axis.set_ylabel("decoder layer", fontsize=8)
     output_axis = figure.add_subplot(grid[1, :])
-    _heatmap(output_axis, depth.matrix[kinds == "output"], ["output"], depth.columns, vmax, "output aggregation")
-    figure.colorbar(image, ax=figure.axes, shrink=0.6, label="mean softmax weight")
+    _heatmap(output_axis, depth.matrix[kinds == "output"], ["output"], depth.columns, "output aggregation", relative, scale)
+    label = "weight / uniform weight (n x alpha)" if relative else "mean softmax weight alpha"
+    figure.colorbar(image, ax=figure.axes, shrink=0.6, label=label)
     figure.suptitle(title or "Depth-attention weights", fontsize=10)
     return _save(figure, path)
 
@@ -99,9 +112,9 @@ def magnitude_profiles(original, converted, kinds: Sequence[str], path: str | os
     axes = figure.subplots(2, 2, sharex=True)
     for axis, (attr, label, log) in zip(axes.flat, panels):
         if not identical:
-            axis.plot(x, getattr(original, attr), color=ORIGINAL_COLOR, lw=1.4, label="original (residual sum)")
+            axis.plot(x, getattr(original, attr), color=ORIGINAL_COLOR, lw=1.4, label="residual sum (pseudo-queries zeroed)")
         axis.plot(x, getattr(converted, attr), color=CONVERTED_COLOR, lw=1.2, ls="--" if identical else "-",
-                  label="converted = original (queries at zero)" if identical else "converted (Block AttnRes)")
+                  label="AttnRes = residual sum (pseudo-queries at zero)" if identical else "Block AttnRes (learned)")
         if log:
             axis.set_yscale("log")
         axis.set_title(label, fontsize=9)

@@ -57,6 +57,7 @@ def test_finetune_card():
     meta, body = _split(card)
     assert meta["base_model"] == "HuggingFaceTB/SmolLM2-135M-Instruct" and meta["license"] == "apache-2.0"
     assert meta["base_model_relation"] == "finetune" and "fine-tuned" in meta["tags"]
+    assert meta["model-index"][0]["name"] == "SmolLM2-135M-Instruct-attnres"
     results = meta["model-index"][0]["results"][0]
     assert results["dataset"]["name"] == "Hamlet and Macbeth"
     assert {m["type"]: m["value"] for m in results["metrics"]} == {"loss": 2.9571, "perplexity": 19.246}

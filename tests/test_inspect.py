@@ -90,12 +90,13 @@ def test_plots_are_written_and_readable(tmp_path):
     model = _random_queries(convert_model(tiny_model("llama", num_hidden_layers=4), block_size=2))
     inspection = inspect_model(model, token_ids(1, 16), "tiny")
     heatmap = depth_heatmaps(inspection.depth, tmp_path / "depth.png", "tiny")
+    relative = depth_heatmaps(inspection.depth, tmp_path / "relative.png", "tiny", relative=True)
     profile = magnitude_profiles(inspection.original, inspection.converted, inspection.kinds, tmp_path / "mag.png")
     curve = loss_curve_plot(
         [{"step": s, "loss": 3 - s / 100, **({"eval_loss": 3.1 - s / 120} if s % 10 == 0 else {})} for s in range(51)],
         tmp_path / "sub" / "loss.png",
     )
-    for path in (heatmap, profile, curve):
+    for path in (heatmap, relative, profile, curve):
         image = imread(path)
         assert image.shape[0] > 200 and image.shape[1] > 300
         assert image[..., :3].std() > 0.05  # not a blank canvas
@@ -110,8 +111,9 @@ def test_cli_inspect_converted_folder(tmp_path):
     assert result.exit_code == 0, result.output
     for expected in ("qwen3", "block size S", "parameters added", "layer 2 mlp", "output", "pseudo-random"):
         assert expected in result.output
-    assert (tmp_path / "out.png").stat().st_size > 10_000
-    assert (tmp_path / "out-magnitudes.png").stat().st_size > 10_000
+    for name in ("out.png", "out-relative.png", "out-magnitudes.png"):
+        assert (tmp_path / name).stat().st_size > 10_000, name
+        assert f"Wrote{tmp_path / name}" in "".join(result.output.split())  # Rich may wrap a long path
 
 
 def test_cli_inspect_plain_model_converts_in_memory(tmp_path):
