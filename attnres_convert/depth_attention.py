@@ -48,19 +48,48 @@ class BlockState(NamedTuple):
     stream: torch.Tensor
 
 
+class SourceBuffer(NamedTuple):
+    """The state without autograd (inference, generation): every source in one preallocated float32
+    buffer. A block boundary is a counter increment, a reader's sources are a view, and the partial sum
+    accumulates in place, so a reader costs a handful of operations: what matters when decoding one
+    token, where per-operation overhead dominates. (In-place updates are safe only without autograd;
+    training uses BlockState.)
+
+    sources:     [B, T, K, D] float32; completed sources in slots [0, count), the partial sum in slot count.
+    count:       the number of completed sources (embedding + completed blocks).
+    has_partial: whether slot `count` holds a partial sum (False right after a block boundary).
+    stream:      [B, T, D] the plain residual stream, as in BlockState.
+    """
+
+    sources: torch.Tensor
+    count: int
+    has_partial: bool
+    stream: torch.Tensor
+
+
+STATE_TYPES = (BlockState, SourceBuffer)
+
+
 def inverse_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
     x = x.float()
     return torch.rsqrt(x.pow(2).mean(-1) + eps)
 
 
-def start_state(embeddings: torch.Tensor, eps: float) -> BlockState:
-    """The embedding b_0 is always its own source."""
+def start_state(embeddings: torch.Tensor, eps: float, capacity: int | None = None) -> BlockState | SourceBuffer:
+    """The embedding b_0 is always its own source. With a capacity (the most sources any reader has)
+    and no autograd, the state is a SourceBuffer."""
+    if capacity is not None and not torch.is_grad_enabled():
+        sources = embeddings.new_zeros(*embeddings.shape[:-1], capacity, embeddings.shape[-1], dtype=torch.float32)
+        sources[..., 0, :] = embeddings
+        return SourceBuffer(sources, 1, False, embeddings)
     first = embeddings.float().unsqueeze(-2)
     return BlockState(first, inverse_rms(first, eps), None, embeddings)
 
 
 def close_block(state: BlockState, eps: float) -> BlockState:
     """At a block boundary the partial sum becomes a completed block (the only copy of the blocks)."""
+    if isinstance(state, SourceBuffer):
+        return SourceBuffer(state.sources, state.count + 1, False, state.stream) if state.has_partial else state
     if state.partial is None:
         return state
     new = state.partial.float().unsqueeze(-2)
@@ -69,7 +98,10 @@ def close_block(state: BlockState, eps: float) -> BlockState:
     return BlockState(blocks, inv_rms, None, state.stream)
 
 
-def add_output(state: BlockState, output: torch.Tensor) -> BlockState:
+def add_output(state, output: torch.Tensor):
+    if isinstance(state, SourceBuffer):
+        state.sources[..., state.count, :].add_(output)
+        return SourceBuffer(state.sources, state.count, True, state.stream + output)
     partial = output if state.partial is None else state.partial + output
     return BlockState(state.blocks, state.inv_rms, partial, state.stream + output)
 
@@ -110,8 +142,10 @@ def depth_mix(
     is the base model's own residual stream bit for bit, with its own rounding (in bfloat16 a freshly
     summed mix would round differently from the base model's running sum and drift from it).
     """
-    blocks, inv_rms, partial, stream = state
     q = query if key_norm_weight is None else pseudo_query(query, key_norm_weight)
+    if isinstance(state, SourceBuffer):
+        return _mix_buffer(state, q, eps, scaling)
+    blocks, inv_rms, partial, stream = state
     logits = block_logits(state, q) if logits_of_blocks is None else logits_of_blocks  # [B, T, m]
     if partial is not None:
         # Phase 2: the partial sum is the only source that changed since the last block boundary; its
@@ -132,6 +166,24 @@ def depth_mix(
     if scaling == "count":
         mixed = mixed + stream
     return mixed.to(stream.dtype)
+
+
+def _mix_buffer(state: SourceBuffer, q: torch.Tensor, eps: float, scaling: str) -> torch.Tensor:
+    """depth_mix on a SourceBuffer: the same formula, with every source read from one view."""
+    n = state.count + int(state.has_partial)
+    sources = state.sources[..., :n, :]  # [B, T, n, D]
+    logits = (sources @ q).mul_(torch.rsqrt(sources.pow(2).mean(-1).add_(eps)))
+    weights = torch.softmax(logits, dim=-1)
+    if _RECORDERS:
+        _RECORDERS[-1].append(weights.movedim(-1, 0).clone())
+    stream, d = state.stream, sources.shape[-1]
+    flat = sources.reshape(-1, n, d)
+    if scaling == "count":
+        # H + n * sum_i (alpha_i - 1/n) k_i in one fused product: exactly H at zero queries.
+        mixed = torch.baddbmm(stream.float().reshape(-1, 1, d), (weights - 1.0 / n).view(-1, 1, n), flat, alpha=n)
+    else:
+        mixed = torch.bmm(weights.view(-1, 1, n), flat)
+    return mixed.view(stream.shape).to(stream.dtype)
 
 
 # Active recorders of depth-attention weights (a plain list, not a ContextVar: torch.compile traces it).

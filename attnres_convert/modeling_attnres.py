@@ -29,12 +29,14 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 from .architectures import Family, Sublayer, family_for
 from .configuration_attnres import AttnResConfig
 from .depth_attention import (
+    STATE_TYPES,
     BlockState,
     SublayerPlan,
     add_output,
     block_logits,
     close_block,
     depth_mix,
+    output_num_sources,
     plan_sublayers,
     pseudo_query,
     start_state,
@@ -67,6 +69,7 @@ class _LayerSpec(NamedTuple):
     eps: float
     scaling: str
     argnames: tuple[str, ...]  # the base layer's positional parameters after hidden_states
+    capacity: int  # the most sources any reader has (size of the inference SourceBuffer)
 
 
 class AttnResDecoderLayerMixin:
@@ -81,10 +84,10 @@ class AttnResDecoderLayerMixin:
         # Base models pass some arguments positionally (GPT-2 passes the cache and mask that way).
         call_kwargs = dict(zip(spec.argnames, args))
         call_kwargs.update(kwargs)
-        if isinstance(hidden_states, BlockState):
+        if isinstance(hidden_states, STATE_TYPES):
             state = hidden_states
         else:
-            state = start_state(hidden_states, spec.eps)
+            state = start_state(hidden_states, spec.eps, spec.capacity)
         queries = [
             pseudo_query(getattr(self, f"{s.name}_res_proj").weight, getattr(self, f"{s.name}_res_norm").weight)
             for s in spec.sublayers
@@ -93,7 +96,7 @@ class AttnResDecoderLayerMixin:
             state = close_block(state, spec.eps)
         # Phase 1: when the layer's sublayers read the same completed blocks, score them in one product.
         shared = None
-        if len(queries) > 1 and not any(plan.closes_block for plan in spec.plans[1:]):
+        if isinstance(state, BlockState) and len(queries) > 1 and not any(p.closes_block for p in spec.plans[1:]):
             shared = block_logits(state, torch.stack(queries))
         for index, (sublayer, plan) in enumerate(zip(spec.sublayers, spec.plans)):
             if index > 0 and plan.closes_block:
@@ -121,7 +124,7 @@ class AttnResFinalNormMixin:
     """Mixed in before the base model's final norm: the output aggregation, then the norm itself."""
 
     def forward(self, hidden_states, *args, **kwargs):
-        if isinstance(hidden_states, BlockState):
+        if isinstance(hidden_states, STATE_TYPES):
             query, key_norm, eps, scaling = self._attnres_output
             hidden_states = depth_mix(hidden_states, query.weight, key_norm.weight, eps, scaling)
         return super().forward(hidden_states, *args, **kwargs)
@@ -149,7 +152,7 @@ def _positional_argnames(layer_cls: type) -> tuple[str, ...]:
 def stream_state(state) -> torch.Tensor:
     """The plain residual stream a BlockState stands for (sum of all sources): what the base model's
     hidden state would be. Used for `output_hidden_states` and for inspection."""
-    return state.stream if isinstance(state, BlockState) else state
+    return state.stream if isinstance(state, STATE_TYPES) else state
 
 
 def attach_depth_attention(causal_lm: nn.Module, config: AttnResConfig, family: Family) -> None:
@@ -160,6 +163,7 @@ def attach_depth_attention(causal_lm: nn.Module, config: AttnResConfig, family: 
     sublayers = family.sublayers(text_config)
     per_layer = len(sublayers)
     plans = plan_sublayers(len(layers) * per_layer, config.block_size)
+    capacity = output_num_sources(len(layers) * per_layer, config.block_size)
     eps = family.eps(text_config)
     reference = base.get_input_embeddings().weight
     factory = {"device": reference.device, "dtype": reference.dtype}
@@ -180,6 +184,7 @@ def attach_depth_attention(causal_lm: nn.Module, config: AttnResConfig, family: 
             eps,
             config.source_scaling,
             argnames,
+            capacity,
         )
     base.output_attn_res_proj = AttnResQuery(hidden, **factory)
     base.output_attn_res_norm = AttnResKeyNorm(hidden, eps, **factory)

@@ -127,3 +127,16 @@ def test_random_queries_match_reference_on_the_design_test_vector():
         got = model(ids).logits
         want = _reference_neox_parallel(model, ids, 3)
     assert (got - want).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt_neox_parallel"])
+def test_inference_buffer_and_autograd_state_compute_the_same(family):
+    """Without autograd the state is one preallocated buffer updated in place (SourceBuffer); with
+    autograd it is an immutable BlockState. Both must compute the same function."""
+    model = convert_model(tiny_model(family), block_size=3).eval()
+    _randomize_depth_params(model, seed=3)
+    ids = token_ids()
+    with torch.no_grad():
+        inference = model(ids).logits
+    training = model(ids).logits.detach()
+    assert (inference - training).abs().max().item() <= 1e-4
