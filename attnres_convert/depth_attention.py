@@ -68,6 +68,9 @@ class SourceBuffer(NamedTuple):
 
 
 STATE_TYPES = (BlockState, SourceBuffer)
+# Up to this many tokens per forward (a decoding step of a batch), operation count dominates and the
+# SourceBuffer wins; above it (prefill, training), memory traffic dominates and BlockState wins.
+SMALL_STEP_TOKENS = 64
 
 
 def inverse_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -76,9 +79,10 @@ def inverse_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def start_state(embeddings: torch.Tensor, eps: float, capacity: int | None = None) -> BlockState | SourceBuffer:
-    """The embedding b_0 is always its own source. With a capacity (the most sources any reader has)
-    and no autograd, the state is a SourceBuffer."""
-    if capacity is not None and not torch.is_grad_enabled():
+    """The embedding b_0 is always its own source. With a capacity (the most sources any reader has),
+    no autograd and few tokens (decoding), the state is a SourceBuffer; otherwise a BlockState, whose
+    contiguous blocks and cached statistics make every reader's products read each block once."""
+    if capacity is not None and not torch.is_grad_enabled() and embeddings.shape[:-1].numel() <= SMALL_STEP_TOKENS:
         sources = embeddings.new_zeros(*embeddings.shape[:-1], capacity, embeddings.shape[-1], dtype=torch.float32)
         sources[..., 0, :] = embeddings
         return SourceBuffer(sources, 1, False, embeddings)

@@ -130,12 +130,16 @@ def test_random_queries_match_reference_on_the_design_test_vector():
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt_neox_parallel"])
-def test_inference_buffer_and_autograd_state_compute_the_same(family):
-    """Without autograd the state is one preallocated buffer updated in place (SourceBuffer); with
-    autograd it is an immutable BlockState. Both must compute the same function."""
+@pytest.mark.parametrize("length", [20, 60])
+def test_inference_buffer_and_autograd_state_compute_the_same(family, length):
+    """Without autograd and for few tokens the state is one preallocated buffer updated in place
+    (SourceBuffer); otherwise an immutable BlockState. All paths compute the same function."""
+    from attnres_convert.depth_attention import SMALL_STEP_TOKENS
+
     model = convert_model(tiny_model(family), block_size=3).eval()
     _randomize_depth_params(model, seed=3)
-    ids = token_ids()
+    ids = token_ids(2, length)
+    assert (ids.numel() <= SMALL_STEP_TOKENS) == (length == 20)
     with torch.no_grad():
         inference = model(ids).logits
     training = model(ids).logits.detach()
