@@ -96,7 +96,28 @@ def save_checkpoint(accelerator, out: Path, state: TrainerState, keep_last: int)
     return final
 
 
+def check_checkpoint_is_data(path: Path) -> None:
+    """Accelerate reads registered objects (scheduler, trainer state: custom_checkpoint_*.pkl) with
+    torch.load(weights_only=False), which runs any code a tampered file holds. Read each one first with
+    weights_only=True (tensors, numbers, strings, containers only) and refuse the checkpoint otherwise."""
+    from accelerate.utils import load
+
+    from .recipe import RecipeError
+
+    for file in sorted(Path(path).glob("custom_checkpoint_*.pkl")):
+        try:
+            load(file, map_location="cpu", weights_only=True)
+        except Exception as error:  # noqa: BLE001 - any refusal of the safe unpickler
+            found = re.search(r"GLOBAL ([\w.]+)", str(error))
+            raise RecipeError(
+                f"--resume: {file} holds Python objects other than plain data{f' ({found.group(1)})' if found else ''}; "
+                "refusing to unpickle it, as it could run code. Resume only from checkpoints attnres wrote, or start "
+                "a new run (output.overwrite=true or another output.dir)."
+            ) from None
+
+
 def load_checkpoint(accelerator, path: Path) -> None:
+    check_checkpoint_is_data(path)
     # strict=False: the checkpoint holds the trainable weights only.
     accelerator.load_state(str(path), strict=False)
 

@@ -158,9 +158,11 @@ def test_sigkill_while_writing_a_checkpoint(tmp_path, setup, reference):
     assert not [p for p in folder.iterdir() if p.name.endswith(".partial")], "the half-written checkpoint was left"
 
 
-def test_sigint_saves_a_checkpoint_and_exits_cleanly(tmp_path, setup, reference):
-    """Ctrl-C on the installed command: the current step finishes, a checkpoint is written, exit code 130
-    with a message saying how to resume, no traceback; --resume then completes with the same losses."""
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_sigint_saves_a_checkpoint_and_exits_cleanly(tmp_path, setup, reference, sig):
+    """Ctrl-C (or SIGTERM) on the installed command: the current step finishes, a checkpoint is written, exit
+    code 128 + signal with a message saying how to resume, no traceback; --resume then completes with the
+    same losses."""
     out = tmp_path / "run"
     recipe = _recipe(tmp_path / "recipe.yaml", setup, out, checkpoint={"every": 0, "keep_last": 2})
     process = subprocess.Popen(
@@ -171,11 +173,11 @@ def test_sigint_saves_a_checkpoint_and_exits_cleanly(tmp_path, setup, reference)
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline and process.poll() is None and _last_logged_step(out) < 2:
         time.sleep(0.001)
-    process.send_signal(signal.SIGINT)
+    process.send_signal(sig)
     stdout, stderr = process.communicate(timeout=120)
     if process.returncode == 0:
-        pytest.skip("the run finished before SIGINT arrived")
-    assert process.returncode == 130, stderr
+        pytest.skip("the run finished before the signal arrived")
+    assert process.returncode == 128 + sig, stderr
     message = squash(stderr)
     assert "Traceback" not in stderr, stderr
     assert squash("interrupted:") in message and "--resume" in message and squash("checkpoint saved") in message, stderr

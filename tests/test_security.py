@@ -327,3 +327,26 @@ def test_shipped_code_opens_no_file_and_no_connection_at_runtime(tmp_path):
     assert result.returncode == 0, result.stderr
     report = [line for line in result.stdout.splitlines() if line.startswith(("OPENED", "CONNECTIONS"))]
     assert report == ["OPENED []", "CONNECTIONS []"], result.stdout
+
+
+def test_resume_refuses_a_tampered_checkpoint(tmp_path):
+    """Accelerate unpickles registered state (custom_checkpoint_*.pkl) without weights_only: a checkpoint that
+    holds code is refused before it is read, so `--resume` never runs it."""
+    from attnres_convert.recipe import load_recipe
+    from attnres_convert.training import TrainingInterrupted, finetune
+    from finetune_helpers import tiny_model_folder, tiny_recipe, write_corpus, write_recipe
+
+    out = tmp_path / "run"
+    recipe = write_recipe(tmp_path / "recipe.yaml", tiny_recipe(tiny_model_folder(tmp_path / "model"),
+                                                                write_corpus(tmp_path / "corpus"), out, train={"steps": 6}))
+    with pytest.raises(TrainingInterrupted):
+        finetune(load_recipe(recipe), stop_at_step=2)
+    checkpoint = sorted((out / "checkpoints").iterdir())[-1]
+    sentinel = tmp_path / "pwned"
+    pickles = sorted(checkpoint.glob("custom_checkpoint_*.pkl"))
+    assert pickles
+    state = torch.load(pickles[-1], weights_only=True)
+    torch.save({**state, "payload": _RunsCode(sentinel)}, pickles[-1])
+    result = run_cli("finetune", recipe, "--resume")
+    assert_user_error(result, "--resume", pickles[-1].name, "exec", "could run code")
+    assert not sentinel.exists(), "resuming ran the checkpoint's code"
