@@ -125,7 +125,10 @@ class AttnResFinalNormMixin:
 
     def forward(self, hidden_states, *args, **kwargs):
         if isinstance(hidden_states, STATE_TYPES):
-            query, key_norm, eps, scaling = self._attnres_output
+            owner, eps, scaling = self._attnres_output
+            # Looked up on the owner at every call, so a wrapper put in their place (PEFT's
+            # modules_to_save, FSDP) is the one used.
+            query, key_norm = owner.output_attn_res_proj, owner.output_attn_res_norm
             hidden_states = depth_mix(hidden_states, query.weight, key_norm.weight, eps, scaling)
         return super().forward(hidden_states, *args, **kwargs)
 
@@ -191,9 +194,9 @@ def attach_depth_attention(causal_lm: nn.Module, config: AttnResConfig, family: 
     norm = getattr(base, family.final_norm)
     if not isinstance(norm, AttnResFinalNormMixin):
         norm.__class__ = _attnres_class(AttnResFinalNormMixin, type(norm))
-    # A plain (unregistered) reference: the parameters belong to the base model module, where the
-    # checkpoint contract puts them; the norm only reads them.
-    norm._attnres_output = (base.output_attn_res_proj, base.output_attn_res_norm, eps, config.source_scaling)
+    # A plain (unregistered) reference to the owner: the parameters belong to the base model module,
+    # where the checkpoint contract puts them; the norm only reads them.
+    norm._attnres_output = (base, eps, config.source_scaling)
 
 
 class AttnResPreTrainedModel(PreTrainedModel):
