@@ -40,7 +40,14 @@ def load_starting_model(recipe: Recipe) -> StartingModel:
             raise
         except Exception as error:  # noqa: BLE001
             raise SourceError(f"could not load the AttnRes model in {source.name}: {error}") from error
-        return StartingModel(model, tokenizer, source, True, summarize(model))
+        summary = summarize(model)
+        asked = spec.block_size or (1 if spec.full else None)
+        if asked is not None and asked != summary.block_size:
+            raise RecipeError(
+                f"model.block_size: {source.name} is already converted with block size {summary.block_size}; "
+                f"it cannot be trained as {asked}. Drop the block setting, or start from the original model"
+            )
+        return StartingModel(model, tokenizer, source, True, summary)
     if spec.convert:
         # Refuse an impossible block size before loading any weights.
         try:

@@ -253,3 +253,12 @@ def test_real_smollm2_short_run(smollm2_folder, tmp_path):
     assert metrics["attnres_parameters"] == 70_272 and metrics["tokens"] == 2 * 2 * 64
     assert 1.0 < metrics["eval_loss_start"] < 6.0 and math.isfinite(metrics["eval_loss"])
     assert abs(metrics["eval_loss"] - metrics["eval_loss_start"]) < 0.5
+
+
+def test_a_converted_folder_continues_its_learned_routing(setup, tmp_path):
+    first = run(setup, tmp_path / "first", train={"steps": 4}, eval={"every": 0, "max_sequences": 8})
+    sections = dict(model={"source": str(first.model_dir), "num_blocks": None}, train={"steps": 2}, eval={"every": 0, "max_sequences": 8})
+    second = run(setup, tmp_path / "second", **sections)
+    assert second.metrics["converted"] and math.isclose(second.metrics["eval_loss_start"], first.metrics["eval_loss"], rel_tol=1e-6)
+    with pytest.raises(RecipeError, match=r"model\.block_size: .* is already converted with block size 4; it cannot be trained as 2"):
+        run(setup, tmp_path / "third", **{**sections, "model": {**sections["model"], "block_size": 2}})
