@@ -215,6 +215,7 @@ def atomic_folder(out: Path, write: Callable[[Path], None], overwrite: bool = Fa
     try:
         tmp = _make_dir(lambda: _new_sibling(out))
         write(tmp)
+        _apply_umask(tmp)
         _fsync_tree(tmp)
         if out.exists():
             if _exchange(tmp, out):
@@ -238,6 +239,16 @@ def atomic_folder(out: Path, write: Callable[[Path], None], overwrite: bool = Fa
             ) from error
         raise
     return out
+
+
+def _apply_umask(folder: Path) -> None:
+    """The temporary folder is private (0700) while it is written; the published one gets the modes a
+    plain save_pretrained would have, so other users can read the model."""
+    mask = os.umask(0)
+    os.umask(mask)
+    for path in [folder, *folder.rglob("*")]:
+        if not path.is_symlink():
+            path.chmod((0o777 if path.is_dir() else 0o666) & ~mask)
 
 
 def _fsync_tree(folder: Path) -> None:

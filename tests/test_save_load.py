@@ -141,3 +141,15 @@ def test_loading_keeps_trained_queries_and_zeroes_missing_ones(tmp_path):
     for name, param in partial.named_parameters():
         if name.endswith("_res_proj.weight"):
             assert torch.count_nonzero(param) == 0, name
+
+
+def test_published_folder_is_readable_like_a_plain_save(tmp_path):
+    import os
+
+    mask = os.umask(0o022)
+    try:
+        out = save_converted(convert_model(tiny_model("llama")), tmp_path / "m")
+    finally:
+        os.umask(mask)
+    assert out.stat().st_mode & 0o777 == 0o755
+    assert all(p.stat().st_mode & 0o777 == 0o644 for p in out.iterdir())
