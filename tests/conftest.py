@@ -10,6 +10,19 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 
+import torch  # noqa: E402
+
+# Tiny models are dominated by per-operation overhead, where a second thread only adds contention;
+# tests on the real model ask for two threads themselves (see `two_threads`).
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def two_threads():
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(1)
+
 
 @pytest.fixture(scope="session")
 def smollm2_path():

@@ -26,8 +26,7 @@ def shakespeare_ids(smollm2_folder):
 
 
 @pytest.fixture(scope="module")
-def smollm2(smollm2_folder):
-    torch.set_num_threads(2)
+def smollm2(smollm2_folder, two_threads):
     return AutoModelForCausalLM.from_pretrained(smollm2_folder, dtype=torch.float32).eval()
 
 
