@@ -8,6 +8,7 @@ to uniform routing). Norm weights and biases are not decayed either, as usual.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -43,7 +44,10 @@ def apply_lora(model: nn.Module, lora: LoraSection, seed: int) -> nn.Module:
     )
     torch.manual_seed(seed)  # the same LoRA init for the baseline and the AttnRes run of an A/B
     try:
-        return get_peft_model(model, config)
+        with warnings.catch_warnings():
+            # PEFT asks transformers' deprecated `is_gradient_checkpointing`: noise for the user.
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+            return get_peft_model(model, config)
     except ValueError as error:
         raise RecipeError(f"lora.target_modules: {error}") from error
 

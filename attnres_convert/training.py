@@ -279,7 +279,7 @@ def finetune(
     from accelerate.utils import set_seed
 
     set_seed(recipe.train.seed)
-    report.say(f"Loading {recipe.model.source or 'the embedded SmolLM2-135M-Instruct'} ...")
+    report.say(f"Loading {'the embedded SmolLM2-135M-Instruct' if recipe.model.is_default else recipe.model.source} ...")
     start = load_starting_model(recipe)
     model = start.model
     if recipe.train.gradient_checkpointing:
@@ -519,6 +519,8 @@ def _card(model, start: StartingModel, recipe: Recipe, final: dict, history, cor
         base_model, license_ = card_identity(start.source.location)
     else:
         base_model, license_ = base_identity(start.source)
+    if start.source.kind == "default" and base_model:
+        name = base_model.split("/")[-1]  # not the GGUF file's long description
     metrics = {}
     if final["eval_loss_start"] is not None:
         metrics["before fine-tuning (= original)"] = {"loss": final["eval_loss_start"], "perplexity": final["eval_perplexity_start"]}
@@ -531,7 +533,7 @@ def _card(model, start: StartingModel, recipe: Recipe, final: dict, history, cor
         recipe=recipe.model_dump(mode="json"),
         metrics=metrics,
         finetuned_key="fine-tuned",
-        eval_data=f"held-out text ({len(corpus.eval)} sequences of {recipe.data.seq_len} tokens)",
+        eval_data=f"{corpus.eval_documents} held-out documents, {len(corpus.eval)} sequences x {recipe.data.seq_len} tokens",
         train_data=f"{final['tokens']:,} tokens",
         loss_curve=LOSS_CURVE,
         history=history,

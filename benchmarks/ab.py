@@ -89,6 +89,43 @@ def arm_name(extra: list[str]) -> str:
     return "attnres" + "".join(f"_{o.replace('/', '-')}" for o in extra)
 
 
+def throughput(data: dict, arms: list[tuple[str, list[str]]], steps: int, workdir: Path) -> dict[str, float]:
+    """Training tokens/s of each arm, measured interleaved in one process on the same batch (one step of
+    each arm in turn, alternating the order), so a busy machine slows every arm alike. Median of `steps`."""
+    import statistics
+    import time
+
+    import torch
+
+    from attnres_convert.optim import apply_lora, make_optimizer, select_trainable
+    from attnres_convert.starting_model import load_starting_model
+    from attnres_convert.training import token_loss
+
+    built = []
+    for name, overrides in arms:
+        recipe = arm_recipe(data, overrides, workdir / f"throughput-{name}")
+        model = load_starting_model(recipe).model
+        if recipe.train.trainable == "lora":
+            model = apply_lora(model, recipe.lora, recipe.train.seed)
+        select_trainable(model, recipe.train.trainable)
+        built.append((name, model.train(), make_optimizer(model, recipe)))
+    micro, length = recipe.train.micro_batch, recipe.data.seq_len
+    vocab = built[0][1].get_input_embeddings().num_embeddings
+    ids = torch.randint(0, vocab, (micro, length), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "attention_mask": None, "predictions": micro * (length - 1)}
+    times: dict[str, list[float]] = {name: [] for name, _, _ in built}
+    for round_ in range(steps + 2):  # two warm-up rounds
+        for name, model, optimizer in built if round_ % 2 == 0 else reversed(built):
+            began = time.perf_counter()
+            loss, _ = token_loss(model, batch, "cpu")
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            if round_ >= 2:
+                times[name].append(time.perf_counter() - began)
+    return {name: micro * length / statistics.median(values) for name, values in times.items()}
+
+
 def _one_thread() -> None:
     import torch
     import transformers
@@ -108,25 +145,25 @@ def markdown(report: dict) -> str:
         f"Machine: {report['machine']}; torch {report['torch']}, {report['threads']} thread(s) per arm, "
         f"{report.get('jobs', 1)} arm(s) at a time (tokens/s depend on what else the machine was running).",
         "",
-        "| model | held-out loss | perplexity | Δ vs baseline | trainable params | tokens/s |",
-        "|---|---|---|---|---|---|",
-        f"| original (no training) | {base['eval_loss_step0']:.4f} | {_ppl(base['eval_loss_step0']):.2f} | | | |",
+        "| model | held-out loss | perplexity | Δ vs baseline | trainable params | tokens/s (run) | tokens/s (interleaved) |",
+        "|---|---|---|---|---|---|---|",
+        f"| original (no training) | {base['eval_loss_step0']:.4f} | {_ppl(base['eval_loss_step0']):.2f} | | | | |",
     ]
     for arm in report["attnres"]:
         lines.append(
             f"| converted, step 0{_label(arm)} | {arm['eval_loss_step0']:.4f} | {_ppl(arm['eval_loss_step0']):.2f} | "
-            f"{arm['eval_loss_step0'] - base['eval_loss_step0']:+.2e} vs original | | |"
+            f"{arm['eval_loss_step0'] - base['eval_loss_step0']:+.2e} vs original | | | |"
         )
         break
     lines.append(
         f"| baseline after training | {base['eval_loss_final']:.4f} | {base['eval_perplexity_final']:.2f} | | "
-        f"{base['trainable_parameters']:,} | {base['tokens_per_s']:,.0f} |"
+        f"{base['trainable_parameters']:,} | {base['tokens_per_s']:,.0f} | {_speed(base)} |"
     )
     for arm in report["attnres"]:
         lines.append(
             f"| AttnRes after training{_label(arm)} | {arm['eval_loss_final']:.4f} | {arm['eval_perplexity_final']:.2f} | "
             f"{arm['eval_loss_final'] - base['eval_loss_final']:+.4f} | {arm['trainable_parameters']:,} "
-            f"(AttnRes {arm['attnres_parameters']:,}) | {arm['tokens_per_s']:,.0f} |"
+            f"(AttnRes {arm['attnres_parameters']:,}) | {arm['tokens_per_s']:,.0f} | {_speed(arm)} |"
         )
     lines += ["", "Held-out loss during training (step: baseline / AttnRes variants):", ""]
     steps = [s for s, _ in base["eval_curve"]]
@@ -139,6 +176,11 @@ def markdown(report: dict) -> str:
             cells.append(f"{curve[step]:.4f}" if step in curve else "")
         lines.append(f"| {step} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _speed(arm: dict) -> str:
+    value = arm.get("tokens_per_s_interleaved")
+    return f"{value:,.0f}" if value else ""
 
 
 def _ppl(loss: float) -> float:
@@ -161,6 +203,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--results", default=str(ROOT / "benchmarks" / "results"))
     parser.add_argument("--workdir", default=None, help="Where the runs write (default: a temporary folder).")
     parser.add_argument("--jobs", type=int, default=1, help="Run this many arms at once, each in its own 1-thread process.")
+    parser.add_argument("--throughput", type=int, default=0, metavar="STEPS",
+                        help="Also time STEPS training steps of every arm interleaved in one process (fair tokens/s).")
     parser.add_argument("--reuse", action="store_true", help="Keep arms already finished in --workdir with the same recipe.")
     parser.add_argument("--quiet", action="store_true")
     args = parser.parse_args(argv)
@@ -194,6 +238,12 @@ def main(argv: list[str] | None = None) -> dict:
     baseline, arms = summaries[0], summaries[1:]
     for arm, extra in zip(arms, variants):
         arm["overrides"] = extra
+    if args.throughput:
+        if console:
+            console.print(f"Measuring training throughput: {args.throughput} interleaved steps per arm ...")
+        measured = throughput(data, jobs, args.throughput, workdir)
+        for summary, (name, _) in zip(summaries, jobs):
+            summary["tokens_per_s_interleaved"] = measured[name]
     report = _write(args, recipe, baseline, arms)
     if console:
         console.print(markdown(report))

@@ -262,3 +262,25 @@ def test_a_converted_folder_continues_its_learned_routing(setup, tmp_path):
     assert second.metrics["converted"] and math.isclose(second.metrics["eval_loss_start"], first.metrics["eval_loss"], rel_tol=1e-6)
     with pytest.raises(RecipeError, match=r"model\.block_size: .* is already converted with block size 4; it cannot be trained as 2"):
         run(setup, tmp_path / "third", **{**sections, "model": {**sections["model"], "block_size": 2}})
+
+
+def test_ab_benchmark_on_a_tiny_model(setup, tmp_path):
+    """benchmarks/ab.py: baseline and AttnRes from the same start and data order, a sweep variant, reuse."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import ab
+
+    recipe = write_recipe(tmp_path / "ab.yaml", tiny_recipe(setup["model"], setup["corpus"], tmp_path / "unused",
+                                                            train={"trainable": "lora", "steps": 3}, lora={"r": 4}))
+    args = [str(recipe), "--name", "tiny", "--results", str(tmp_path / "results"), "--workdir", str(tmp_path / "runs"), "--quiet"]
+    report = ab.main([*args, "--sweep", "train.attnres_lr=1e-3", "--throughput", "1"])
+    base, arms = report["baseline"], report["attnres"]
+    assert [a["overrides"] for a in arms] == [[], ["train.attnres_lr=1e-3"]]
+    assert math.isclose(arms[0]["eval_loss_step0"], base["eval_loss_step0"], rel_tol=1e-6)  # converted = original
+    assert base["attnres_parameters"] == 0 and arms[0]["attnres_parameters"] > 0
+    assert all(arm["tokens_per_s_interleaved"] > 0 for arm in [base, *arms])
+    table = (tmp_path / "results" / "tiny.md").read_text()
+    assert "| baseline after training |" in table and "| AttnRes after training (train.attnres_lr=1e-3) |" in table
+    saved = json.loads((tmp_path / "results" / "tiny.json").read_text())
+    assert saved["baseline"]["eval_loss_final"] == base["eval_loss_final"]
+    again = ab.main([*args, "--reuse"])  # finished arms are read back, not run again
+    assert again["baseline"]["eval_curve"] == base["eval_curve"] and again["attnres"][0]["train_curve"] == arms[0]["train_curve"]
