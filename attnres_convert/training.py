@@ -380,6 +380,8 @@ def finetune(
                     "instead of fp16, and run again (output.overwrite=true or a new output.dir): resuming the same "
                     "recipe would meet the same step again."
                 )
+            lrs = {group.get("name", str(i)): group["lr"] for i, group in enumerate(optimizer.param_groups)}  # this step's
+            lr = lrs.get("base", lrs.get("attnres"))
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
@@ -388,8 +390,6 @@ def finetune(
             state.tokens += int(tokens)
             elapsed = time.perf_counter() - began
             state.train_seconds += elapsed
-            lrs = {group.get("name", str(i)): group["lr"] for i, group in enumerate(optimizer.param_groups)}
-            lr = lrs.get("base", lrs.get("attnres"))
             if state.step % recipe.train.log_every == 0 or state.step == recipe.train.steps:
                 metrics.write(
                     {
