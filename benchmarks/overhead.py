@@ -42,7 +42,9 @@ def prepare_folder(workdir: Path) -> Path:
     if not (folder / "config.json").exists():
         gguf = default_model_path()
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-        model.hf_quantizer = None
+        model.hf_quantizer = None  # dequantised on load: plain float32 weights that save normally
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
         model.save_pretrained(folder)
         AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(folder)
     return folder
@@ -215,15 +217,23 @@ def main() -> None:
     converted = convert_model(copy.deepcopy(original)).eval()
     full = convert_model(copy.deepcopy(original), full=True).eval()
 
+    def record(rows):  # written after every stage, so a long run that is stopped keeps what it measured
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        meta = {"torch": torch.__version__, "threads": args.threads, "repeats": args.repeats, "cpu_count": os.cpu_count()}
+        args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+
     rows = speed(original, converted, full, args.repeats, compiled=False)
+    record(rows)
     if args.compile:
         rows += [dict(r, metric=r["metric"] + " [compiled]") for r in speed(original, converted, full, args.repeats, True)
                  if not r["metric"].startswith("train")]
     del original, converted, full
     if not args.skip_memory:
         rows += step_memory(folder)
+        record(rows)
     if not args.skip_convert:
         rows += convert_cost(folder, workdir, max(1, args.repeats // 3))
+        record(rows)
 
     table = Table(title=f"AttnRes overhead, SmolLM2-135M fp32, {args.threads} threads (medians, interleaved)")
     for column in ("metric", "original", "converted", "converted / original"):
@@ -233,9 +243,7 @@ def main() -> None:
         fmt = "{:.1f} MiB" if unit == "MiB" else "{:.3f} s"
         table.add_row(r["metric"], fmt.format(r["original_s"]), fmt.format(r["converted_s"]), f"{r['ratio']:.3f}")
     console.print(table)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"torch": torch.__version__, "threads": args.threads, "repeats": args.repeats, "cpu_count": os.cpu_count()}
-    args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    record(rows)
     console.print(f"written to {args.out}")
 
 
