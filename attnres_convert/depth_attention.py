@@ -21,9 +21,6 @@ from typing import NamedTuple
 
 import torch
 
-SCALINGS = ("count", "mean")  # "count": h = n * mix (exact conversion); "mean": h = mix (from scratch)
-
-
 class BlockState(NamedTuple):
     """What the residual stream carries between sublayers, instead of one tensor.
 
@@ -208,16 +205,6 @@ def record_depth_weights() -> Iterator[list[torch.Tensor]]:
         yield recorded
     finally:
         _RECORDERS.remove(recorded)
-
-
-def depth_weights(state: BlockState, query: torch.Tensor, key_norm_weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """The softmax weights alpha over the state's sources, [n, B, T] (for inspection and plots)."""
-    q = pseudo_query(query, key_norm_weight)
-    logits = block_logits(state, q)
-    if state.partial is not None:
-        p = state.partial.float()
-        logits = torch.cat([logits, ((p @ q) * inverse_rms(p, eps)).unsqueeze(-1)], dim=-1)
-    return torch.softmax(logits, dim=-1).movedim(-1, 0)
 
 
 # ---------------------------------------------------------------------------------------------
