@@ -415,16 +415,20 @@ def expand_files(patterns: list[str], field: str) -> tuple[list[Path], list[str]
 
 
 @functools.lru_cache(maxsize=16)
-def _max_positions(source, converted: bool, trust_remote_code: bool) -> int | None:
-    """The model's position limit from its config (cached: reading a GGUF header takes seconds)."""
+def cached_config(source, converted: bool, trust_remote_code: bool):
+    """The (base) model config of a local source, read once per process: parsing a GGUF header takes
+    seconds, and validation and model loading both need it. Treat it as read-only."""
     from transformers import AutoConfig
 
     from .sources import load_config
 
     if converted:
-        config = AutoConfig.from_pretrained(source.location).text_config
-    else:
-        config = load_config(source, trust_remote_code)
+        return AutoConfig.from_pretrained(source.location).text_config
+    return load_config(source, trust_remote_code)
+
+
+def _max_positions(source, converted: bool, trust_remote_code: bool) -> int | None:
+    config = cached_config(source, converted, trust_remote_code)
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
     return getattr(text_config, "max_position_embeddings", None) or getattr(text_config, "n_positions", None)
 

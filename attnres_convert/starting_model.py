@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from transformers import PreTrainedModel
 
 from .errors import SourceError
-from .recipe import Recipe, RecipeError
+from .recipe import Recipe, RecipeError, cached_config
 from .saving import is_converted_folder, load_converted
 from .sources import DTYPES, ModelSource, load_config, load_model, load_tokenizer, resolve_source
 from .surgery import ConversionSummary, convert_model, resolve_block_size, structure_of, summarize
@@ -51,7 +51,8 @@ def load_starting_model(recipe: Recipe) -> StartingModel:
     if spec.convert:
         # Refuse an impossible block size before loading any weights.
         try:
-            resolve_block_size(structure_of(load_config(source, spec.trust_remote_code)), spec.block_size, spec.num_blocks, spec.full)
+            config = cached_config(source, False, spec.trust_remote_code) if source.kind != "hub" else load_config(source, spec.trust_remote_code)
+            resolve_block_size(structure_of(config), spec.block_size, spec.num_blocks, spec.full)
         except ValueError as error:
             raise RecipeError(f"model.block_size: {error}") from error
     model = load_model(source, spec.dtype, spec.trust_remote_code)
