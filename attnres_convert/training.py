@@ -466,7 +466,7 @@ def _save_result(accelerator, model, start: StartingModel, recipe: Recipe, out: 
     from .plots import loss_curve_plot
 
     history = loss_history(records)
-    title = f"{'AttnRes' if start.converted else 'baseline'}: {start.source.name}"
+    title = f"{'AttnRes' if start.converted else 'Baseline (no AttnRes)'}: {display_name(start.source)}"
     loss_curve_plot(history, out / LOSS_CURVE, title=title)
     (out / FINAL_METRICS).write_text(json.dumps(final, indent=2))
     if not recipe.output.save_model:
@@ -504,11 +504,18 @@ def _save_result(accelerator, model, start: StartingModel, recipe: Recipe, out: 
     return model_dir
 
 
+def display_name(source) -> str:
+    """A short model name for titles: the hub id's name, the folder's name, or the embedded model's."""
+    if source.kind == "default":
+        return "SmolLM2-135M-Instruct"
+    return Path(source.location).name if source.kind != "hub" else source.location.split("/")[-1]
+
+
 def _card(model, start: StartingModel, recipe: Recipe, final: dict, history, corpus) -> str:
     from .card import base_identity, card_identity, finetune_card
     from .surgery import summarize
 
-    name = start.source.name
+    name = display_name(start.source)
     if not start.converted:
         return (
             f"# {name}, fine-tuned (baseline, no AttnRes)\n\nThe original model trained with the same `attnres finetune` "
@@ -519,8 +526,6 @@ def _card(model, start: StartingModel, recipe: Recipe, final: dict, history, cor
         base_model, license_ = card_identity(start.source.location)
     else:
         base_model, license_ = base_identity(start.source)
-    if start.source.kind == "default" and base_model:
-        name = base_model.split("/")[-1]  # not the GGUF file's long description
     metrics = {}
     if final["eval_loss_start"] is not None:
         metrics["before fine-tuning (= original)"] = {"loss": final["eval_loss_start"], "perplexity": final["eval_perplexity_start"]}
