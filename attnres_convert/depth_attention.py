@@ -47,26 +47,30 @@ class BlockState(NamedTuple):
 
 class SourceBuffer(NamedTuple):
     """The state without autograd (inference, generation): every source in one preallocated float32
-    buffer. A block boundary is a counter increment, a reader's sources are a view, and the partial sum
-    accumulates in place, so a reader costs a handful of operations: what matters when decoding one
-    token, where per-operation overhead dominates. (In-place updates are safe only without autograd;
-    training uses BlockState.)
+    buffer, written in place. A block boundary is a counter increment, a reader's sources are a view
+    and the partial sum accumulates in its slot, so nothing is concatenated or copied per sublayer
+    (Full AttnRes with BlockState would copy the growing block tensor at every sublayer). In-place
+    updates are safe only without autograd; training uses BlockState.
 
-    sources:     [B, T, K, D] float32; completed sources in slots [0, count), the partial sum in slot count.
+    sources:     [B, T, K, D] float32; completed sources in slots [0, count), the partial sum in slot
+                 count. K is the most sources any reader has.
+    inv_rms:     [B, T, K] float32, 1 / rms of the completed sources, written once when a block
+                 completes (left unset for few tokens, where readers recompute it: fewer operations).
     count:       the number of completed sources (embedding + completed blocks).
     has_partial: whether slot `count` holds a partial sum (False right after a block boundary).
     stream:      [B, T, D] the plain residual stream, as in BlockState.
     """
 
     sources: torch.Tensor
+    inv_rms: torch.Tensor
     count: int
     has_partial: bool
     stream: torch.Tensor
 
 
 STATE_TYPES = (BlockState, SourceBuffer)
-# Up to this many tokens per forward (a decoding step of a batch), operation count dominates and the
-# SourceBuffer wins; above it (prefill, training), memory traffic dominates and BlockState wins.
+# Up to this many tokens per forward (a decoding step), operation count dominates: a reader then
+# recomputes every source's statistics in a few large operations instead of reusing cached ones.
 SMALL_STEP_TOKENS = 64
 
 
@@ -75,14 +79,20 @@ def inverse_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
     return torch.rsqrt(x.pow(2).mean(-1) + eps)
 
 
+def _few_tokens(x: torch.Tensor) -> bool:
+    return x.shape[:2].numel() <= SMALL_STEP_TOKENS
+
+
 def start_state(embeddings: torch.Tensor, eps: float, capacity: int | None = None) -> BlockState | SourceBuffer:
-    """The embedding b_0 is always its own source. With a capacity (the most sources any reader has),
-    no autograd and few tokens (decoding), the state is a SourceBuffer; otherwise a BlockState, whose
-    contiguous blocks and cached statistics make every reader's products read each block once."""
-    if capacity is not None and not torch.is_grad_enabled() and embeddings.shape[:-1].numel() <= SMALL_STEP_TOKENS:
-        sources = embeddings.new_zeros(*embeddings.shape[:-1], capacity, embeddings.shape[-1], dtype=torch.float32)
+    """The embedding b_0 is always its own source. Without autograd and with a capacity (the most
+    sources any reader has) the state is a SourceBuffer; otherwise a BlockState."""
+    if capacity is not None and not torch.is_grad_enabled():
+        sources = embeddings.new_empty(*embeddings.shape[:-1], capacity, embeddings.shape[-1], dtype=torch.float32)
         sources[..., 0, :] = embeddings
-        return SourceBuffer(sources, 1, False, embeddings)
+        inv_rms = sources.new_empty(sources.shape[:-1])
+        if not _few_tokens(embeddings):
+            inv_rms[..., 0] = inverse_rms(embeddings, eps)
+        return SourceBuffer(sources, inv_rms, 1, False, embeddings)
     first = embeddings.float().unsqueeze(-2)
     return BlockState(first, inverse_rms(first, eps), None, embeddings)
 
@@ -90,7 +100,11 @@ def start_state(embeddings: torch.Tensor, eps: float, capacity: int | None = Non
 def close_block(state: BlockState, eps: float) -> BlockState:
     """At a block boundary the partial sum becomes a completed block (the only copy of the blocks)."""
     if isinstance(state, SourceBuffer):
-        return SourceBuffer(state.sources, state.count + 1, False, state.stream) if state.has_partial else state
+        if not state.has_partial:
+            return state
+        if not _few_tokens(state.stream):
+            state.inv_rms[..., state.count] = inverse_rms(state.sources[..., state.count, :], eps)
+        return SourceBuffer(state.sources, state.inv_rms, state.count + 1, False, state.stream)
     if state.partial is None:
         return state
     new = state.partial.float().unsqueeze(-2)
@@ -101,8 +115,12 @@ def close_block(state: BlockState, eps: float) -> BlockState:
 
 def add_output(state, output: torch.Tensor):
     if isinstance(state, SourceBuffer):
-        state.sources[..., state.count, :].add_(output)
-        return SourceBuffer(state.sources, state.count, True, state.stream + output)
+        slot = state.sources[..., state.count, :]
+        if state.has_partial:
+            slot.add_(output)
+        else:  # the first output of a block initialises its slot (the buffer is allocated uninitialised)
+            slot.copy_(output)
+        return SourceBuffer(state.sources, state.inv_rms, state.count, True, state.stream + output)
     partial = output if state.partial is None else state.partial + output
     return BlockState(state.blocks, state.inv_rms, partial, state.stream + output)
 
@@ -113,19 +131,37 @@ def pseudo_query(query: torch.Tensor, key_norm_weight: torch.Tensor) -> torch.Te
     return query.reshape(-1).float() * key_norm_weight.float()
 
 
-def block_logits(state: BlockState, queries: torch.Tensor) -> torch.Tensor:
-    """Scores of the completed blocks for one or several readers: queries [D] -> [B, T, m], or
-    [k, D] -> [B, T, m, k]. Readers of the same completed blocks (the sublayers of one decoder layer)
-    are scored in one product, reading the blocks once (phase 1 of the two-phase computation)."""
-    blocks, inv_rms = state.blocks, state.inv_rms
-    flat = blocks.reshape(-1, blocks.shape[-1])
+def scores_blocks_once(state) -> bool:
+    """Whether a layer's readers should score the completed blocks together (`block_logits` with all
+    their queries): always, except for a decoding step, which recomputes every score anyway."""
+    return not (isinstance(state, SourceBuffer) and _few_tokens(state.stream))
+
+
+def block_logits(state, queries: torch.Tensor, start: int = 0) -> torch.Tensor:
+    """Scores of the completed sources [start, count) for one or several readers: queries [D] ->
+    [B, T, c], or [k, D] -> [B, T, c, k]. Readers of the same completed blocks (the sublayers of one
+    decoder layer) are scored in one product, reading the blocks once (phase 1 of the two-phase
+    computation)."""
+    if isinstance(state, SourceBuffer):
+        keys, inv_rms = state.sources[..., start : state.count, :], state.inv_rms[..., start : state.count]
+    else:
+        keys, inv_rms = state.blocks[..., start:, :], state.inv_rms[..., start:]
+    c, d = keys.shape[-2], keys.shape[-1]
+    columns = queries.reshape(-1, d).t()  # [D, k]
+    if keys.is_contiguous():
+        scores = keys.reshape(-1, d) @ columns
+    else:
+        # A view of the buffer: one batched product per token, [c, D] @ [D, k], reads it in place
+        # (a plain matmul would first copy the keys into one contiguous matrix).
+        flat = keys.reshape(-1, c, d)
+        scores = torch.bmm(flat, columns.expand(flat.shape[0], d, columns.shape[1]))
     if queries.dim() == 1:
-        return (flat @ queries).view(inv_rms.shape) * inv_rms
-    return (flat @ queries.t()).view(*inv_rms.shape, -1) * inv_rms.unsqueeze(-1)
+        return scores.view(inv_rms.shape) * inv_rms
+    return scores.view(*inv_rms.shape, -1) * inv_rms.unsqueeze(-1)
 
 
 def depth_mix(
-    state: BlockState,
+    state: BlockState | SourceBuffer,
     query: torch.Tensor,
     key_norm_weight: torch.Tensor | None,
     eps: float,
@@ -135,8 +171,8 @@ def depth_mix(
     """The input of one sublayer (or of the final norm): attention over the state's sources.
 
     query: the pseudo-query w ([1, D] or [D]) and key_norm_weight g ([D]); or, with key_norm_weight None,
-    the folded `pseudo_query` already. logits_of_blocks: this reader's `block_logits`, when they were
-    computed together with other readers'.
+    the folded `pseudo_query` already. logits_of_blocks: this reader's `block_logits` of the first
+    completed sources, when they were computed together with other readers' (the rest are scored here).
 
     With "count" scaling h = n * sum_i alpha_i k_i. Since the sources sum to the stream H, this equals
     H + sum_i (n alpha_i - 1) k_i, which is how it is computed: at zero queries n alpha_i - 1 is 0, so h
@@ -144,10 +180,20 @@ def depth_mix(
     summed mix would round differently from the base model's running sum and drift from it).
     """
     q = query if key_norm_weight is None else pseudo_query(query, key_norm_weight)
+    if isinstance(state, SourceBuffer) and _few_tokens(state.stream):
+        return _mix_few_tokens(state, q, eps, scaling)
     if isinstance(state, SourceBuffer):
-        return _mix_buffer(state, q, eps, scaling)
-    blocks, inv_rms, partial, stream = state
-    logits = block_logits(state, q) if logits_of_blocks is None else logits_of_blocks  # [B, T, m]
+        count, partial, stream = state.count, state.sources[..., state.count, :] if state.has_partial else None, state.stream
+        keys = state.sources[..., : count + int(state.has_partial), :]
+    else:
+        count, partial, stream = state.blocks.shape[-2], state.partial, state.stream
+        keys = state.blocks
+    if logits_of_blocks is None:
+        logits = block_logits(state, q)  # [B, T, c]
+    elif logits_of_blocks.shape[-1] < count:  # blocks completed since the shared scores were taken
+        logits = torch.cat([logits_of_blocks, block_logits(state, q, logits_of_blocks.shape[-1])], dim=-1)
+    else:
+        logits = logits_of_blocks
     if partial is not None:
         # Phase 2: the partial sum is the only source that changed since the last block boundary; its
         # score joins the blocks' before one softmax over the few sources of this token.
@@ -157,34 +203,45 @@ def depth_mix(
     weights = torch.softmax(logits, dim=-1)  # [B, T, n], float32
     if _RECORDERS:
         _RECORDERS[-1].append(weights.detach().movedim(-1, 0))
+    n, d = logits.shape[-1], stream.shape[-1]
+    if isinstance(state, SourceBuffer):
+        # Partial sum and blocks are neighbours in the buffer: one fused product over all n sources.
+        return _fused_mix(stream, weights, keys, scaling)
     if scaling == "count":
-        weights = weights * logits.shape[-1] - 1.0
-    m, d = blocks.shape[-2], blocks.shape[-1]
+        weights = weights * n - 1.0
     # One batched product over the completed blocks: [BT, 1, m] @ [BT, m, D].
-    mixed = torch.bmm(weights[..., :m].reshape(-1, 1, m), blocks.reshape(-1, m, d)).view(stream.shape)
+    mixed = torch.bmm(weights[..., :count].reshape(-1, 1, count), keys.reshape(-1, count, d)).view(stream.shape)
     if partial is not None:
-        mixed = torch.addcmul(mixed, weights[..., m:], partial32)
+        mixed = torch.addcmul(mixed, weights[..., count:], partial32)
     if scaling == "count":
         mixed = mixed + stream
     return mixed.to(stream.dtype)
 
 
-def _mix_buffer(state: SourceBuffer, q: torch.Tensor, eps: float, scaling: str) -> torch.Tensor:
-    """depth_mix on a SourceBuffer: the same formula, with every source read from one view."""
-    n = state.count + int(state.has_partial)
-    sources = state.sources[..., :n, :]  # [B, T, n, D]
-    logits = (sources @ q).mul_(torch.rsqrt(sources.pow(2).mean(-1).add_(eps)))
+def _fused_mix(stream: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, scaling: str) -> torch.Tensor:
+    """n * sum_i alpha_i k_i as H + n * sum_i (alpha_i - 1/n) k_i in one product (exactly H at zero
+    queries); keys [B, T, n, D] may be a strided view of the buffer."""
+    n, d = keys.shape[-2], keys.shape[-1]
+    flat = keys.reshape(-1, n, d)
+    one_token = stream.shape[1] == 1  # decoding: [B, 1, *] already has bmm's shapes, no views needed
+    base = stream.float() if one_token else stream.float().reshape(-1, 1, d)
+    weights = weights if one_token else weights.reshape(-1, 1, n)
+    if scaling == "count":
+        mixed = torch.baddbmm(base, weights - 1.0 / n, flat, alpha=n)
+    else:
+        mixed = torch.bmm(weights, flat)
+    return (mixed if one_token else mixed.view(stream.shape)).to(stream.dtype)
+
+
+def _mix_few_tokens(state: SourceBuffer, q: torch.Tensor, eps: float, scaling: str) -> torch.Tensor:
+    """depth_mix for a decoding step: every source's statistics recomputed from one view, which takes
+    fewer operations than merging cached ones (per-operation overhead is what a decoding step pays)."""
+    keys = state.sources[..., : state.count + int(state.has_partial), :]  # [B, T, n, D]
+    logits = (keys * q).sum(-1).mul_(torch.rsqrt(keys.pow(2).mean(-1).add_(eps)))
     weights = torch.softmax(logits, dim=-1)
     if _RECORDERS:
         _RECORDERS[-1].append(weights.movedim(-1, 0).clone())
-    stream, d = state.stream, sources.shape[-1]
-    flat = sources.reshape(-1, n, d)
-    if scaling == "count":
-        # H + n * sum_i (alpha_i - 1/n) k_i in one fused product: exactly H at zero queries.
-        mixed = torch.baddbmm(stream.float().reshape(-1, 1, d), (weights - 1.0 / n).view(-1, 1, n), flat, alpha=n)
-    else:
-        mixed = torch.bmm(weights.view(-1, 1, n), flat)
-    return mixed.view(stream.shape).to(stream.dtype)
+    return _fused_mix(state.stream, weights, keys, scaling)
 
 
 # Active recorders of depth-attention weights (a plain list, not a ContextVar: torch.compile traces it).

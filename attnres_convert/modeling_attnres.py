@@ -30,7 +30,6 @@ from .architectures import Family, Sublayer, family_for
 from .configuration_attnres import AttnResConfig
 from .depth_attention import (
     STATE_TYPES,
-    BlockState,
     SublayerPlan,
     add_output,
     block_logits,
@@ -39,6 +38,7 @@ from .depth_attention import (
     output_num_sources,
     plan_sublayers,
     pseudo_query,
+    scores_blocks_once,
     start_state,
 )
 
@@ -94,9 +94,10 @@ class AttnResDecoderLayerMixin:
         ]
         if spec.plans[0].closes_block:
             state = close_block(state, spec.eps)
-        # Phase 1: when the layer's sublayers read the same completed blocks, score them in one product.
+        # Phase 1: the layer's sublayers score the blocks completed so far in one product (a block that
+        # completes between them is scored by the later reader alone).
         shared = None
-        if isinstance(state, BlockState) and len(queries) > 1 and not any(p.closes_block for p in spec.plans[1:]):
+        if len(queries) > 1 and scores_blocks_once(state):
             shared = block_logits(state, torch.stack(queries))
         for index, (sublayer, plan) in enumerate(zip(spec.sublayers, spec.plans)):
             if index > 0 and plan.closes_block:

@@ -119,7 +119,7 @@ def speed(original, converted, full, repeats: int, compiled: bool) -> list[dict]
 
 STEP_MEMORY = textwrap.dedent(
     """
-    import json, resource, sys, torch
+    import ctypes, gc, json, sys, torch
     sys.path.insert(0, {root!r})
     torch.set_num_threads(2)
     from transformers import AutoModelForCausalLM
@@ -131,24 +131,35 @@ STEP_MEMORY = textwrap.dedent(
     if {checkpointing}:
         model.gradient_checkpointing_enable()
     batch = torch.randint(100, 40000, (4, 256), generator=torch.Generator().manual_seed(0))
-    def rss():
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * 4096
-    before = rss()
+    def step():
+        model(batch, labels=batch).loss.backward()
+        model.zero_grad(set_to_none=True)
+    def status(field):
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field))
+    step()  # warm-up: one-time allocations (thread pools, autograd buffers) are not the step's
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    before = status("VmRSS:")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset the peak resident size (VmHWM) to the current one
     model(batch, labels=batch).loss.backward()
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    print(json.dumps({{"step_peak_bytes": peak - before}}))
+    print(json.dumps({{"step_peak_bytes": status("VmHWM:") - before}}))
     """
 )
 
 
 def step_memory(folder: Path) -> list[dict]:
+    """Peak resident memory a training step adds (activations, gradients, autograd buffers), measured in a
+    fresh child per model: peak reset after a warm-up step, and malloc returning freed blocks to the
+    system (fixed mmap threshold), so the peak is the step's own and not what the allocator kept."""
     rows = []
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")
     for checkpointing in (False, True):
         peaks = {}
         for converted in (False, True):
             code = STEP_MEMORY.format(root=str(ROOT), folder=str(folder), converted=converted, checkpointing=checkpointing)
-            out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+            out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
             peaks[converted] = json.loads(out.stdout.strip().splitlines()[-1])["step_peak_bytes"]
         rows.append({"metric": "train step peak memory" + (", grad checkpointing" if checkpointing else ""),
                      "original_s": peaks[False] / 2**20, "converted_s": peaks[True] / 2**20,

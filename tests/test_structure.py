@@ -131,16 +131,28 @@ def test_random_queries_match_reference_on_the_design_test_vector():
 
 @pytest.mark.parametrize("family", ["llama", "gpt_neox_parallel"])
 @pytest.mark.parametrize("length", [20, 60])
-def test_inference_buffer_and_autograd_state_compute_the_same(family, length):
-    """Without autograd and for few tokens the state is one preallocated buffer updated in place
-    (SourceBuffer); otherwise an immutable BlockState. All paths compute the same function."""
-    from attnres_convert.depth_attention import SMALL_STEP_TOKENS
+@pytest.mark.parametrize("block_size", [1, 3])
+def test_inference_buffer_and_autograd_state_compute_the_same(family, length, block_size):
+    """Without autograd the state is one preallocated buffer updated in place (SourceBuffer): for few
+    tokens every reader recomputes all scores, for more it reuses cached statistics and scores a layer's
+    readers together (with a block completing between them when S = 1). With autograd it is an
+    immutable BlockState. All paths compute the same function."""
+    from attnres_convert.depth_attention import SMALL_STEP_TOKENS, SourceBuffer, record_depth_weights
 
-    model = convert_model(tiny_model(family), block_size=3).eval()
+    model = convert_model(tiny_model(family), block_size=block_size).eval()
     _randomize_depth_params(model, seed=3)
     ids = token_ids(2, length)
     assert (ids.numel() <= SMALL_STEP_TOKENS) == (length == 20)
-    with torch.no_grad():
+    states = []
+    last_layer = [m for m in model.modules() if hasattr(m, "_attnres_spec")][-1]
+    hook = last_layer.register_forward_hook(lambda module, args, output: states.append(type(output)))
+    with torch.no_grad(), record_depth_weights() as inference_weights:
         inference = model(ids).logits
-    training = model(ids).logits.detach()
+    with record_depth_weights() as training_weights:
+        training = model(ids).logits.detach()
+    hook.remove()
+    assert states[0] is SourceBuffer and states[1] is not SourceBuffer
     assert (inference - training).abs().max().item() <= 1e-4
+    assert len(inference_weights) == len(training_weights)
+    for a, b in zip(inference_weights, training_weights):
+        assert (a - b.detach()).abs().max().item() <= 1e-5
