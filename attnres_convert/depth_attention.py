@@ -75,8 +75,9 @@ SMALL_STEP_TOKENS = 64
 
 
 def inverse_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    # One reduction pass (no squared copy of x to write, keep for backward and read back).
     x = x.float()
-    return torch.rsqrt(x.pow(2).mean(-1) + eps)
+    return torch.rsqrt(torch.linalg.vector_norm(x, dim=-1).square() / x.shape[-1] + eps)
 
 
 def _few_tokens(x: torch.Tensor) -> bool:
@@ -131,33 +132,14 @@ def pseudo_query(query: torch.Tensor, key_norm_weight: torch.Tensor) -> torch.Te
     return query.reshape(-1).float() * key_norm_weight.float()
 
 
-def scores_blocks_once(state) -> bool:
-    """Whether a layer's readers should score the completed blocks together (`block_logits` with all
-    their queries): always, except for a decoding step, which recomputes every score anyway."""
-    return not (isinstance(state, SourceBuffer) and _few_tokens(state.stream))
-
-
-def block_logits(state, queries: torch.Tensor, start: int = 0) -> torch.Tensor:
-    """Scores of the completed sources [start, count) for one or several readers: queries [D] ->
-    [B, T, c], or [k, D] -> [B, T, c, k]. Readers of the same completed blocks (the sublayers of one
-    decoder layer) are scored in one product, reading the blocks once (phase 1 of the two-phase
-    computation)."""
-    if isinstance(state, SourceBuffer):
-        keys, inv_rms = state.sources[..., start : state.count, :], state.inv_rms[..., start : state.count]
-    else:
-        keys, inv_rms = state.blocks[..., start:, :], state.inv_rms[..., start:]
-    c, d = keys.shape[-2], keys.shape[-1]
-    columns = queries.reshape(-1, d).t()  # [D, k]
-    if keys.is_contiguous():
-        scores = keys.reshape(-1, d) @ columns
-    else:
-        # A view of the buffer: one batched product per token, [c, D] @ [D, k], reads it in place
-        # (a plain matmul would first copy the keys into one contiguous matrix).
-        flat = keys.reshape(-1, c, d)
-        scores = torch.bmm(flat, columns.expand(flat.shape[0], d, columns.shape[1]))
-    if queries.dim() == 1:
-        return scores.view(inv_rms.shape) * inv_rms
-    return scores.view(*inv_rms.shape, -1) * inv_rms.unsqueeze(-1)
+def source_scores(keys: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """q . k for every source of every token: keys [B, T, c, D] (contiguous blocks or a strided view of
+    the buffer) -> [B, T, c]. As one batched product [1, D] @ [D, c] per token, which reads the keys in
+    place at memory speed; measured on CPU, a plain [B*T*c, D] @ [D] product (or the [D, k] product
+    that scores a layer's k readers at once) ran two to three times slower."""
+    d = keys.shape[-1]
+    flat = keys.reshape(-1, keys.shape[-2], d)
+    return torch.bmm(q.view(1, 1, d).expand(flat.shape[0], 1, d), flat.transpose(1, 2)).view(keys.shape[:-1])
 
 
 def depth_mix(
@@ -166,13 +148,11 @@ def depth_mix(
     key_norm_weight: torch.Tensor | None,
     eps: float,
     scaling: str = "count",
-    logits_of_blocks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The input of one sublayer (or of the final norm): attention over the state's sources.
 
     query: the pseudo-query w ([1, D] or [D]) and key_norm_weight g ([D]); or, with key_norm_weight None,
-    the folded `pseudo_query` already. logits_of_blocks: this reader's `block_logits` of the first
-    completed sources, when they were computed together with other readers' (the rest are scored here).
+    the folded `pseudo_query` already.
 
     With "count" scaling h = n * sum_i alpha_i k_i. Since the sources sum to the stream H, this equals
     H + sum_i (n alpha_i - 1) k_i, which is how it is computed: at zero queries n alpha_i - 1 is 0, so h
@@ -180,42 +160,50 @@ def depth_mix(
     summed mix would round differently from the base model's running sum and drift from it).
     """
     q = query if key_norm_weight is None else pseudo_query(query, key_norm_weight)
-    if isinstance(state, SourceBuffer) and _few_tokens(state.stream):
-        return _mix_few_tokens(state, q, eps, scaling)
     if isinstance(state, SourceBuffer):
-        count, partial, stream = state.count, state.sources[..., state.count, :] if state.has_partial else None, state.stream
-        keys = state.sources[..., : count + int(state.has_partial), :]
-    else:
-        count, partial, stream = state.blocks.shape[-2], state.partial, state.stream
-        keys = state.blocks
-    if logits_of_blocks is None:
-        logits = block_logits(state, q)  # [B, T, c]
-    elif logits_of_blocks.shape[-1] < count:  # blocks completed since the shared scores were taken
-        logits = torch.cat([logits_of_blocks, block_logits(state, q, logits_of_blocks.shape[-1])], dim=-1)
-    else:
-        logits = logits_of_blocks
+        return _mix_buffer(state, q, eps, scaling)
+    blocks, inv_rms, partial, stream = state
+    # Completed blocks: cached statistics, one product. The partial sum is the only source that changed
+    # since the last block boundary; its score joins before one softmax over the few sources of a token.
+    logits = source_scores(blocks, q) * inv_rms  # [B, T, m]
     if partial is not None:
-        # Phase 2: the partial sum is the only source that changed since the last block boundary; its
-        # score joins the blocks' before one softmax over the few sources of this token.
         partial32 = partial.float()
         partial_logit = (partial32 @ q) * inverse_rms(partial32, eps)
         logits = torch.cat([logits, partial_logit.unsqueeze(-1)], dim=-1)
     weights = torch.softmax(logits, dim=-1)  # [B, T, n], float32
     if _RECORDERS:
         _RECORDERS[-1].append(weights.detach().movedim(-1, 0))
-    n, d = logits.shape[-1], stream.shape[-1]
-    if isinstance(state, SourceBuffer):
-        # Partial sum and blocks are neighbours in the buffer: one fused product over all n sources.
-        return _fused_mix(stream, weights, keys, scaling)
+    m, n, d = blocks.shape[-2], logits.shape[-1], stream.shape[-1]
+    flat = blocks.reshape(-1, m, d)
     if scaling == "count":
+        # One batched product over the completed blocks, [BT, 1, m] @ [BT, m, D], added to the stream.
         weights = weights * n - 1.0
-    # One batched product over the completed blocks: [BT, 1, m] @ [BT, m, D].
-    mixed = torch.bmm(weights[..., :count].reshape(-1, 1, count), keys.reshape(-1, count, d)).view(stream.shape)
+        mixed = torch.baddbmm(stream.float().reshape(-1, 1, d), weights[..., :m].reshape(-1, 1, m), flat)
+    else:
+        mixed = torch.bmm(weights[..., :m].reshape(-1, 1, m), flat)
     if partial is not None:
-        mixed = torch.addcmul(mixed, weights[..., count:], partial32)
-    if scaling == "count":
-        mixed = mixed + stream
-    return mixed.to(stream.dtype)
+        # In place: the product's backward does not need its output.
+        mixed.addcmul_(weights[..., m:].reshape(-1, 1, 1), partial32.reshape(-1, 1, d))
+    return mixed.view(stream.shape).to(stream.dtype)
+
+
+def _mix_buffer(state: SourceBuffer, q: torch.Tensor, eps: float, scaling: str) -> torch.Tensor:
+    """depth_mix on a SourceBuffer. The partial sum sits next to the completed sources, so one product
+    scores all n sources and one product mixes them."""
+    n = state.count + int(state.has_partial)
+    keys = state.sources[..., :n, :]  # [B, T, n, D], a view
+    if _few_tokens(state.stream):
+        # A decoding step: recomputing every source's statistics takes fewer operations than merging
+        # cached ones, and per-operation overhead is what a decoding step pays.
+        logits = (keys * q).sum(-1).mul_(torch.rsqrt(keys.pow(2).mean(-1).add_(eps)))
+    else:
+        if state.has_partial:
+            state.inv_rms[..., state.count] = inverse_rms(state.sources[..., state.count, :], eps)
+        logits = source_scores(keys, q).mul_(state.inv_rms[..., :n])
+    weights = torch.softmax(logits, dim=-1)
+    if _RECORDERS:
+        _RECORDERS[-1].append(weights.movedim(-1, 0).clone())
+    return _fused_mix(state.stream, weights, keys, scaling)
 
 
 def _fused_mix(stream: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, scaling: str) -> torch.Tensor:
@@ -231,17 +219,6 @@ def _fused_mix(stream: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, 
     else:
         mixed = torch.bmm(weights, flat)
     return (mixed if one_token else mixed.view(stream.shape)).to(stream.dtype)
-
-
-def _mix_few_tokens(state: SourceBuffer, q: torch.Tensor, eps: float, scaling: str) -> torch.Tensor:
-    """depth_mix for a decoding step: every source's statistics recomputed from one view, which takes
-    fewer operations than merging cached ones (per-operation overhead is what a decoding step pays)."""
-    keys = state.sources[..., : state.count + int(state.has_partial), :]  # [B, T, n, D]
-    logits = (keys * q).sum(-1).mul_(torch.rsqrt(keys.pow(2).mean(-1).add_(eps)))
-    weights = torch.softmax(logits, dim=-1)
-    if _RECORDERS:
-        _RECORDERS[-1].append(weights.movedim(-1, 0).clone())
-    return _fused_mix(state.stream, weights, keys, scaling)
 
 
 # Active recorders of depth-attention weights (a plain list, not a ContextVar: torch.compile traces it).

@@ -32,13 +32,10 @@ from .depth_attention import (
     STATE_TYPES,
     SublayerPlan,
     add_output,
-    block_logits,
     close_block,
     depth_mix,
     output_num_sources,
     plan_sublayers,
-    pseudo_query,
-    scores_blocks_once,
     start_state,
 )
 
@@ -88,22 +85,11 @@ class AttnResDecoderLayerMixin:
             state = hidden_states
         else:
             state = start_state(hidden_states, spec.eps, spec.capacity)
-        queries = [
-            pseudo_query(getattr(self, f"{s.name}_res_proj").weight, getattr(self, f"{s.name}_res_norm").weight)
-            for s in spec.sublayers
-        ]
-        if spec.plans[0].closes_block:
-            state = close_block(state, spec.eps)
-        # Phase 1: the layer's sublayers score the blocks completed so far in one product (a block that
-        # completes between them is scored by the later reader alone).
-        shared = None
-        if len(queries) > 1 and scores_blocks_once(state):
-            shared = block_logits(state, torch.stack(queries))
-        for index, (sublayer, plan) in enumerate(zip(spec.sublayers, spec.plans)):
-            if index > 0 and plan.closes_block:
+        for sublayer, plan in zip(spec.sublayers, spec.plans):
+            if plan.closes_block:
                 state = close_block(state, spec.eps)
-            logits = None if shared is None else shared[..., index]
-            h = depth_mix(state, queries[index], None, spec.eps, spec.scaling, logits)
+            query = getattr(self, f"{sublayer.name}_res_proj").weight
+            h = depth_mix(state, query, getattr(self, f"{sublayer.name}_res_norm").weight, spec.eps, spec.scaling)
             state = add_output(state, self._attnres_sublayer(sublayer, h, call_kwargs))
         return state
 
