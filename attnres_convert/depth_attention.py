@@ -59,6 +59,11 @@ class SourceBuffer(NamedTuple):
     count:       the number of completed sources (embedding + completed blocks).
     has_partial: whether slot `count` holds a partial sum (False right after a block boundary).
     stream:      [B, T, D] the plain residual stream, as in BlockState.
+    queries:     [R, D] the folded pseudo-queries of all R sublayers, or None.
+    scores:      [B, T, K, R] with queries: the scores (q_r . k_i * inv_rms_i) of each completed source
+                 for every sublayer r, written when the source completes (phase 1 of the two-phase
+                 computation: a completed block is read once by one product with all queries, not
+                 once per reader); a reader adds only its partial sum's score (phase 2).
     """
 
     sources: torch.Tensor
@@ -66,6 +71,8 @@ class SourceBuffer(NamedTuple):
     count: int
     has_partial: bool
     stream: torch.Tensor
+    queries: torch.Tensor | None = None
+    scores: torch.Tensor | None = None
 
 
 STATE_TYPES = (BlockState, SourceBuffer)
@@ -84,16 +91,29 @@ def _few_tokens(x: torch.Tensor) -> bool:
     return x.shape[:2].numel() <= SMALL_STEP_TOKENS
 
 
-def start_state(embeddings: torch.Tensor, eps: float, capacity: int | None = None) -> BlockState | SourceBuffer:
+def wants_score_table(embeddings: torch.Tensor) -> bool:
+    """Whether start_state would keep a score table, so whether the caller should gather the queries."""
+    return not torch.is_grad_enabled() and not _few_tokens(embeddings)
+
+
+def start_state(
+    embeddings: torch.Tensor, eps: float, capacity: int | None = None, queries: torch.Tensor | None = None
+) -> BlockState | SourceBuffer:
     """The embedding b_0 is always its own source. Without autograd and with a capacity (the most
-    sources any reader has) the state is a SourceBuffer; otherwise a BlockState."""
+    sources any reader has) the state is a SourceBuffer, with a score table when `queries` (all the
+    sublayers' folded pseudo-queries, [R, D]) are given; otherwise a BlockState."""
     if capacity is not None and not torch.is_grad_enabled():
         sources = embeddings.new_empty(*embeddings.shape[:-1], capacity, embeddings.shape[-1], dtype=torch.float32)
         sources[..., 0, :] = embeddings
         inv_rms = sources.new_empty(sources.shape[:-1])
+        state = SourceBuffer(sources, inv_rms, 1, False, embeddings)
         if not _few_tokens(embeddings):
             inv_rms[..., 0] = inverse_rms(embeddings, eps)
-        return SourceBuffer(sources, inv_rms, 1, False, embeddings)
+            if queries is not None:
+                scores = sources.new_empty(*sources.shape[:-1], queries.shape[0])
+                state = state._replace(queries=queries, scores=scores)
+                _score_source(state, 0)
+        return state
     first = embeddings.float().unsqueeze(-2)
     return BlockState(first, inverse_rms(first, eps), None, embeddings)
 
@@ -105,7 +125,9 @@ def close_block(state: BlockState, eps: float) -> BlockState:
             return state
         if not _few_tokens(state.stream):
             state.inv_rms[..., state.count] = inverse_rms(state.sources[..., state.count, :], eps)
-        return SourceBuffer(state.sources, state.inv_rms, state.count + 1, False, state.stream)
+            if state.scores is not None:
+                _score_source(state, state.count)
+        return state._replace(count=state.count + 1, has_partial=False)
     if state.partial is None:
         return state
     new = state.partial.float().unsqueeze(-2)
@@ -121,7 +143,7 @@ def add_output(state, output: torch.Tensor):
             slot.add_(output)
         else:  # the first output of a block initialises its slot (the buffer is allocated uninitialised)
             slot.copy_(output)
-        return SourceBuffer(state.sources, state.inv_rms, state.count, True, state.stream + output)
+        return state._replace(has_partial=True, stream=state.stream + output)
     partial = output if state.partial is None else state.partial + output
     return BlockState(state.blocks, state.inv_rms, partial, state.stream + output)
 
@@ -130,6 +152,13 @@ def pseudo_query(query: torch.Tensor, key_norm_weight: torch.Tensor) -> torch.Te
     """(w * g): the key norm's weight folds into the query, since (w * g) . (k / rms(k)) is
     ((w * g) . k) * inv_rms(k). float32, shape [D]."""
     return query.reshape(-1).float() * key_norm_weight.float()
+
+
+def _score_source(state: SourceBuffer, slot: int) -> None:
+    """Phase 1: a completed source scored by every sublayer's query in one [BT, D] @ [D, R] product."""
+    key = state.sources[..., slot, :]
+    scores = (key.reshape(-1, key.shape[-1]) @ state.queries.t()).view(*key.shape[:-1], -1)
+    state.scores[..., slot, :] = scores * state.inv_rms[..., slot, None]
 
 
 def source_scores(keys: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -148,11 +177,13 @@ def depth_mix(
     key_norm_weight: torch.Tensor | None,
     eps: float,
     scaling: str = "count",
+    reader: int | None = None,
 ) -> torch.Tensor:
     """The input of one sublayer (or of the final norm): attention over the state's sources.
 
     query: the pseudo-query w ([1, D] or [D]) and key_norm_weight g ([D]); or, with key_norm_weight None,
-    the folded `pseudo_query` already.
+    the folded `pseudo_query` already. reader: the sublayer's 0-based index, to read its column of a
+    SourceBuffer's score table.
 
     With "count" scaling h = n * sum_i alpha_i k_i. Since the sources sum to the stream H, this equals
     H + sum_i (n alpha_i - 1) k_i, which is how it is computed: at zero queries n alpha_i - 1 is 0, so h
@@ -161,7 +192,7 @@ def depth_mix(
     """
     q = query if key_norm_weight is None else pseudo_query(query, key_norm_weight)
     if isinstance(state, SourceBuffer):
-        return _mix_buffer(state, q, eps, scaling)
+        return _mix_buffer(state, q, eps, scaling, reader)
     blocks, inv_rms, partial, stream = state
     # Completed blocks: cached statistics, one product. The partial sum is the only source that changed
     # since the last block boundary; its score joins before one softmax over the few sources of a token.
@@ -187,7 +218,7 @@ def depth_mix(
     return mixed.view(stream.shape).to(stream.dtype)
 
 
-def _mix_buffer(state: SourceBuffer, q: torch.Tensor, eps: float, scaling: str) -> torch.Tensor:
+def _mix_buffer(state: SourceBuffer, q: torch.Tensor, eps: float, scaling: str, reader: int | None) -> torch.Tensor:
     """depth_mix on a SourceBuffer. The partial sum sits next to the completed sources, so one product
     scores all n sources and one product mixes them."""
     n = state.count + int(state.has_partial)
@@ -196,6 +227,12 @@ def _mix_buffer(state: SourceBuffer, q: torch.Tensor, eps: float, scaling: str) 
         # A decoding step: recomputing every source's statistics takes fewer operations than merging
         # cached ones, and per-operation overhead is what a decoding step pays.
         logits = (keys * q).sum(-1).mul_(torch.rsqrt(keys.pow(2).mean(-1).add_(eps)))
+    elif state.scores is not None and reader is not None:
+        logits = state.scores[..., : state.count, reader]
+        if state.has_partial:
+            partial = state.sources[..., state.count, :]
+            partial_logit = (partial @ q).mul_(inverse_rms(partial, eps))
+            logits = torch.cat([logits, partial_logit.unsqueeze(-1)], dim=-1)
     else:
         if state.has_partial:
             state.inv_rms[..., state.count] = inverse_rms(state.sources[..., state.count, :], eps)

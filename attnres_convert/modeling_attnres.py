@@ -36,7 +36,9 @@ from .depth_attention import (
     depth_mix,
     output_num_sources,
     plan_sublayers,
+    pseudo_query,
     start_state,
+    wants_score_table,
 )
 
 
@@ -67,6 +69,8 @@ class _LayerSpec(NamedTuple):
     scaling: str
     argnames: tuple[str, ...]  # the base layer's positional parameters after hidden_states
     capacity: int  # the most sources any reader has (size of the inference SourceBuffer)
+    owner: nn.Module  # the base model (a plain reference), whose layers hold every sublayer's query
+    layers: str  # the attribute of the owner that lists the decoder layers
 
 
 class AttnResDecoderLayerMixin:
@@ -84,12 +88,14 @@ class AttnResDecoderLayerMixin:
         if isinstance(hidden_states, STATE_TYPES):
             state = hidden_states
         else:
-            state = start_state(hidden_states, spec.eps, spec.capacity)
+            queries = _all_queries(spec, hidden_states) if wants_score_table(hidden_states) else None
+            state = start_state(hidden_states, spec.eps, spec.capacity, queries)
         for sublayer, plan in zip(spec.sublayers, spec.plans):
             if plan.closes_block:
                 state = close_block(state, spec.eps)
             query = getattr(self, f"{sublayer.name}_res_proj").weight
-            h = depth_mix(state, query, getattr(self, f"{sublayer.name}_res_norm").weight, spec.eps, spec.scaling)
+            key_norm = getattr(self, f"{sublayer.name}_res_norm").weight
+            h = depth_mix(state, query, key_norm, spec.eps, spec.scaling, reader=plan.index - 1)
             state = add_output(state, self._attnres_sublayer(sublayer, h, call_kwargs))
         return state
 
@@ -105,6 +111,20 @@ class AttnResDecoderLayerMixin:
                 y = getattr(self, post)(y)
             total = y if total is None else total + y
         return total
+
+
+def _all_queries(spec: _LayerSpec, like: torch.Tensor) -> torch.Tensor | None:
+    """Every sublayer's folded pseudo-query, [R, D] in execution order, for the inference score table;
+    None where the parameters are not whole tensors on one device (sharded or spread over devices)."""
+    queries = []
+    for layer in getattr(spec.owner, spec.layers):
+        for sublayer in layer._attnres_spec.sublayers:
+            query = getattr(layer, f"{sublayer.name}_res_proj").weight
+            key_norm = getattr(layer, f"{sublayer.name}_res_norm").weight
+            if query.numel() != like.shape[-1] or key_norm.numel() != like.shape[-1] or query.device != like.device:
+                return None
+            queries.append(pseudo_query(query, key_norm))
+    return torch.stack(queries)
 
 
 class AttnResFinalNormMixin:
@@ -175,6 +195,8 @@ def attach_depth_attention(causal_lm: nn.Module, config: AttnResConfig, family: 
             config.source_scaling,
             argnames,
             capacity,
+            base,
+            family.layers,
         )
     base.output_attn_res_proj = AttnResQuery(hidden, **factory)
     base.output_attn_res_norm = AttnResKeyNorm(hidden, eps, **factory)
