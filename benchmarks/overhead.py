@@ -73,9 +73,11 @@ def speed(original, converted, full, repeats: int, compiled: bool) -> list[dict]
         models = {name: torch.compile(model) for name, model in models.items()}
     rows = []
 
-    @torch.no_grad()
     def prefill(model):
-        return lambda: model(prompt, use_cache=False)
+        def run():
+            with torch.no_grad():  # inference: the decorator of a factory would not cover the call
+                return model(prompt, use_cache=False)
+        return run
 
     t = interleaved({name: prefill(m) for name, m in models.items()}, repeats)
     rows.append({"metric": "prefill 512 tokens", "original_s": t["original"], "converted_s": t["converted"],
