@@ -277,25 +277,7 @@ def finetune_card(
         f"the original), then fine-tuned{f' on {train_data}' if train_data else ''}.",
         "",
         *_load_section(),
-        "## Held-out evaluation",
-        "",
-        f"On {eval_data} (never seen in training):",
-        "",
-        *_metrics_table(metrics),
-        "",
-    ]
-    if loss_curve or history:
-        lines += ["## Training curve", ""]
-        if loss_curve:
-            lines += [f"![training and held-out loss]({loss_curve})", ""]
-        lines += _curve_rows(history or [])
-    lines += [
-        "## Recipe",
-        "",
-        "```yaml",
-        yaml.safe_dump(_plain(recipe), sort_keys=False, allow_unicode=True).rstrip(),
-        "```",
-        "",
+        *_training_sections(metrics, eval_data, loss_curve, history, recipe),
         *_conversion_section(summary),
         *_verification_section(verification),
         *_inspect_section(),
@@ -334,18 +316,21 @@ def baseline_card(
         "recipe as its Block AttnRes counterpart, for comparison. It is a plain transformers model: "
         "`AutoModelForCausalLM.from_pretrained(PATH_OR_REPO)`.",
         "",
-        "## Held-out evaluation",
-        "",
-        f"On {eval_data} (never seen in training):",
-        "",
-        *_metrics_table(metrics),
-        "",
+        *_training_sections(metrics, eval_data, loss_curve, history, recipe),
     ]
-    if loss_curve or history:
-        lines += ["## Training curve", ""] + ([f"![training and held-out loss]({loss_curve})", ""] if loss_curve else [])
-        lines += _curve_rows(history or [])
-    lines += ["## Recipe", "", "```yaml", yaml.safe_dump(_plain(recipe), sort_keys=False, allow_unicode=True).rstrip(), "```", ""]
     return scrub("\n".join(lines))
+
+
+def _training_sections(metrics, eval_data: str, loss_curve: str | None, history, recipe) -> list[str]:
+    """Held-out evaluation, training curve and recipe: what every fine-tune card shows."""
+    lines = ["## Held-out evaluation", "", f"On {eval_data} (never seen in training):", "", *_metrics_table(metrics), ""]
+    if loss_curve or history:
+        lines += ["## Training curve", ""]
+        if loss_curve:
+            lines += [f"![training and held-out loss]({loss_curve})", ""]
+        lines += _curve_rows(history or [])
+    recipe_yaml = yaml.safe_dump(_plain(recipe), sort_keys=False, allow_unicode=True).rstrip()
+    return lines + ["## Recipe", "", "```yaml", recipe_yaml, "```", ""]
 
 
 def _plain(value):

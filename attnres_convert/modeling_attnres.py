@@ -93,9 +93,7 @@ class AttnResDecoderLayerMixin:
         for sublayer, plan in zip(spec.sublayers, spec.plans):
             if plan.closes_block:
                 state = close_block(state, spec.eps)
-            query = getattr(self, f"{sublayer.name}_res_proj").weight
-            key_norm = getattr(self, f"{sublayer.name}_res_norm").weight
-            h = depth_mix(state, query, key_norm, spec.eps, spec.scaling, reader=plan.index - 1)
+            h = depth_mix(state, *_depth_params(self, sublayer), spec.eps, spec.scaling, reader=plan.index - 1)
             state = add_output(state, self._attnres_sublayer(sublayer, h, call_kwargs))
         return state
 
@@ -113,14 +111,19 @@ class AttnResDecoderLayerMixin:
         return total
 
 
+def _depth_params(layer: nn.Module, sublayer: Sublayer) -> tuple[torch.Tensor, torch.Tensor]:
+    """A sublayer's pseudo-query w and key-norm weight g, looked up at call time (PEFT or FSDP may have
+    wrapped the modules)."""
+    return getattr(layer, f"{sublayer.name}_res_proj").weight, getattr(layer, f"{sublayer.name}_res_norm").weight
+
+
 def _all_queries(spec: _LayerSpec, like: torch.Tensor) -> torch.Tensor | None:
     """Every sublayer's folded pseudo-query, [R, D] in execution order, for the inference score table;
     None where the parameters are not whole tensors on one device (sharded or spread over devices)."""
     queries = []
     for layer in getattr(spec.owner, spec.layers):
         for sublayer in layer._attnres_spec.sublayers:
-            query = getattr(layer, f"{sublayer.name}_res_proj").weight
-            key_norm = getattr(layer, f"{sublayer.name}_res_norm").weight
+            query, key_norm = _depth_params(layer, sublayer)
             if query.numel() != like.shape[-1] or key_norm.numel() != like.shape[-1] or query.device != like.device:
                 return None
             queries.append(pseudo_query(query, key_norm))

@@ -134,9 +134,9 @@ def test_random_queries_match_reference_on_the_design_test_vector():
 @pytest.mark.parametrize("block_size", [1, 3])
 def test_inference_buffer_and_autograd_state_compute_the_same(family, length, block_size):
     """Without autograd the state is one preallocated buffer updated in place (SourceBuffer): for few
-    tokens every reader recomputes all scores, for more it reuses cached statistics and scores a layer's
-    readers together (with a block completing between them when S = 1). With autograd it is an
-    immutable BlockState. All paths compute the same function."""
+    tokens every reader recomputes all scores, for more it reads the completed sources' scores from the
+    table written when each completed (with a block completing between a layer's readers when S = 1).
+    With autograd it is an immutable BlockState. All paths compute the same function."""
     from attnres_convert.depth_attention import SMALL_STEP_TOKENS, SourceBuffer, record_depth_weights
 
     model = convert_model(tiny_model(family), block_size=block_size).eval()
