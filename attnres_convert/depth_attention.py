@@ -22,7 +22,8 @@ from typing import NamedTuple
 import torch
 
 class BlockState(NamedTuple):
-    """What the residual stream carries between sublayers, instead of one tensor.
+    """What the residual stream carries between sublayers, instead of one tensor: the plain-tensor form,
+    traced under torch.compile (eager forwards use SourceBuffer without autograd, TrainState with it).
 
     blocks:  [B, T, m, D] the embedding and every completed block, float32 (scores are float32, and a
              completed block is read by every later sublayer, so it is converted once, when it completes).
@@ -75,7 +76,58 @@ class SourceBuffer(NamedTuple):
     scores: torch.Tensor | None = None
 
 
-STATE_TYPES = (BlockState, SourceBuffer)
+class BlockCache:
+    """The completed blocks of one training forward, kept outside autograd (see `TrainState`).
+
+    values:   [BT, M, D] float32, slot j holds completed source j (0 is the embedding), written once
+              by `_CloseBlock` when the block completes and only read afterwards.
+    inv_rms:  [BT, M] float32, their 1 / rms.
+    grad:     [M, BT, D] float32, the gradient every reader's backward adds for each completed block;
+              allocated by the first backward (after the forward's peak), handed to the block's producer
+              by `_CloseBlock.backward` once all its readers are done. Source-major, so a reader's
+              slots [:m] are one contiguous tensor, updated in place by plain elementwise kernels (a
+              strided token-major [BT, :m, D] view made the in-place batched product fall back to one
+              small matrix product per token).
+    rms_grad: [M, BT] the per-token coefficient of k_j in that gradient (from the key statistics):
+              every reader's term is a multiple of the same k_j, so it is summed as one scalar per token
+              and applied once instead of once per reader.
+    """
+
+    __slots__ = ("values", "inv_rms", "grad", "rms_grad")
+
+    def __init__(self, values: torch.Tensor, inv_rms: torch.Tensor):
+        self.values, self.inv_rms = values, inv_rms
+        self.grad: torch.Tensor | None = None
+        self.rms_grad: torch.Tensor | None = None
+
+    def gradients(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.grad is None:
+            self.grad = self.values.new_zeros(self.values.shape[1], *self.values.shape[::2])
+            self.rms_grad = self.inv_rms.new_zeros(self.inv_rms.shape[::-1])
+        return self.grad, self.rms_grad
+
+
+class TrainState(NamedTuple):
+    """The state of an eager training forward. Completed blocks live in one preallocated BlockCache
+    instead of a BlockState's growing tensor (which copies all blocks at every boundary: 36 block
+    copies for 8 blocks, ~1,900 for Full AttnRes), and the readers' gradients for them are
+    accumulated in place in one buffer instead of one [BT, m, D] tensor per reader summed by autograd.
+    Autograd still orders everything: each completed block is represented by a `handle` (an empty
+    tensor returned by `_CloseBlock`) that its readers take as input, so a block's gradient is handed
+    on only after every reader has added to it.
+
+    The cache is written only when a block completes and never changed afterwards, so gradient
+    checkpointing replays (which rewrite the slots they close with identical values) see the forward's
+    state: the immutability that BlockState gives, for the blocks, by construction.
+    """
+
+    cache: BlockCache
+    handles: tuple[torch.Tensor, ...]  # one per completed block, in order
+    partial: torch.Tensor | None
+    stream: torch.Tensor
+
+
+STATE_TYPES = (BlockState, SourceBuffer, TrainState)
 # Up to this many tokens per forward (a decoding step), operation count dominates: a reader then
 # recomputes every source's statistics in a few large operations instead of reusing cached ones.
 SMALL_STEP_TOKENS = 64
@@ -114,6 +166,13 @@ def start_state(
                 state = state._replace(queries=queries, scores=scores)
                 _score_source(state, 0)
         return state
+    if capacity is not None and not torch.compiler.is_compiling():
+        # Eager training. Under torch.compile the BlockState below is traced instead: plain tensor
+        # operations, which the compiler fuses, where the custom autograd functions would break the graph.
+        tokens, d = embeddings.shape[:-1].numel(), embeddings.shape[-1]
+        values = embeddings.new_empty(tokens, capacity, d, dtype=torch.float32)
+        state = TrainState(BlockCache(values, values.new_empty(tokens, capacity)), (), embeddings, embeddings)
+        return close_block(state, eps)
     first = embeddings.float().unsqueeze(-2)
     return BlockState(first, inverse_rms(first, eps), None, embeddings)
 
@@ -130,6 +189,9 @@ def close_block(state: BlockState, eps: float) -> BlockState:
         return state._replace(count=state.count + 1, has_partial=False)
     if state.partial is None:
         return state
+    if isinstance(state, TrainState):
+        handle = _CloseBlock.apply(state.partial, state.cache, len(state.handles), eps)
+        return state._replace(handles=state.handles + (handle,), partial=None)
     new = state.partial.float().unsqueeze(-2)
     blocks = torch.cat([state.blocks, new], dim=-2)
     inv_rms = torch.cat([state.inv_rms, inverse_rms(new, eps)], dim=-1)
@@ -145,7 +207,7 @@ def add_output(state, output: torch.Tensor):
             slot.copy_(output)
         return state._replace(has_partial=True, stream=state.stream + output)
     partial = output if state.partial is None else state.partial + output
-    return BlockState(state.blocks, state.inv_rms, partial, state.stream + output)
+    return state._replace(partial=partial, stream=state.stream + output)
 
 
 def pseudo_query(query: torch.Tensor, key_norm_weight: torch.Tensor) -> torch.Tensor:
@@ -171,6 +233,97 @@ def source_scores(keys: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return torch.bmm(q.view(1, 1, d).expand(flat.shape[0], 1, d), flat.transpose(1, 2)).view(keys.shape[:-1])
 
 
+class _CloseBlock(torch.autograd.Function):
+    """A completed block enters the TrainState's cache; returns its handle (an empty tensor)."""
+
+    @staticmethod
+    def forward(ctx, block, cache: BlockCache, slot: int, eps: float):
+        flat = block.reshape(-1, block.shape[-1]).float()
+        cache.values[:, slot] = flat
+        cache.inv_rms[:, slot] = inverse_rms(flat, eps)
+        ctx.cache, ctx.slot, ctx.shape, ctx.dtype = cache, slot, block.shape, block.dtype
+        return flat.new_empty(0)
+
+    @staticmethod
+    def backward(ctx, _):
+        cache, slot = ctx.cache, ctx.slot
+        if cache.grad is None:  # no reader contributed (the loss does not depend on this block)
+            return torch.zeros(ctx.shape, dtype=ctx.dtype, device=cache.values.device), None, None, None
+        grad = cache.grad[slot].addcmul(cache.values[:, slot], cache.rms_grad[slot, :, None])
+        # Consumed: cleared, so that a second backward through the same graph (retain_graph) adds up anew.
+        cache.grad[slot].zero_()
+        cache.rms_grad[slot].zero_()
+        return grad.view(ctx.shape).to(ctx.dtype), None, None, None
+
+
+class _DepthMix(torch.autograd.Function):
+    """depth_mix on a TrainState, with a hand-written backward. Autograd through the plain formulation
+    writes two [BT, m, D] gradients per reader (one from the scores, one from the mix), sums them and
+    the readers' results block by block; here each reader adds both terms to the cache's gradient
+    buffer in one in-place product, and the key-statistics term as a per-token scalar. Saves only the
+    partial sum, the [BT, n] weights and scores, and reads completed blocks from the cache.
+
+    Returns (mix, weights [BT, n]); the weights are for recorders only (not differentiable)."""
+
+    @staticmethod
+    def forward(ctx, q, stream, partial, cache: BlockCache, eps: float, scaling: str, *handles):
+        m, d = len(handles), stream.shape[-1]
+        keys = cache.values[:, :m]  # [BT, m, D]
+        logits = source_scores(keys, q) * cache.inv_rms[:, :m]
+        inv_partial = None
+        if partial is not None:
+            p = partial.reshape(-1, d).float()
+            inv_partial = inverse_rms(p, eps)
+            logits = torch.cat([logits, ((p @ q) * inv_partial).unsqueeze(-1)], dim=-1)
+        weights = torch.softmax(logits, dim=-1)
+        n = weights.shape[-1]
+        coef = weights * n - 1.0 if scaling == "count" else weights
+        if scaling == "count":  # H + sum_i (n alpha_i - 1) k_i, see depth_mix
+            mixed = torch.baddbmm(stream.float().reshape(-1, 1, d), coef[:, None, :m], keys)
+        else:
+            mixed = torch.bmm(coef[:, None, :m], keys)
+        if partial is not None:
+            mixed.addcmul_(coef[:, m:, None], p.unsqueeze(1))
+        ctx.save_for_backward(q, partial, weights, logits, inv_partial)
+        ctx.cache, ctx.scaling, ctx.m = cache, scaling, m
+        ctx.mark_non_differentiable(weights)
+        return mixed.view(stream.shape).to(stream.dtype), weights
+
+    @staticmethod
+    def backward(ctx, grad, _):
+        q, partial, weights, logits, inv_partial = ctx.saved_tensors
+        cache, m, count = ctx.cache, ctx.m, ctx.scaling == "count"
+        keys, inv = cache.values[:, :m], cache.inv_rms[:, :m]
+        tokens, n, d = keys.shape[0], weights.shape[-1], keys.shape[-1]
+        g = grad.reshape(tokens, 1, d).float()
+        # d(mix)/d(alpha_i) = (n) k_i, then the softmax's backward.
+        dweights = torch.bmm(g, keys.transpose(1, 2)).view(tokens, m)
+        if partial is not None:
+            p = partial.reshape(tokens, d).float()
+            dweights = torch.cat([dweights, torch.bmm(g, p.unsqueeze(-1)).view(tokens, 1)], dim=-1)
+            inv = torch.cat([inv, inv_partial.unsqueeze(-1)], dim=-1)
+        if count:
+            dweights = dweights * n
+        dlogits = weights * (dweights - (weights * dweights).sum(-1, keepdim=True))
+        coef = weights * n - 1.0 if count else weights
+        # A score s_i = (q . k_i) inv_i has d s_i / d k_i = inv_i q - s_i inv_i^2 k_i / D, so the
+        # gradient of k_i is coef_i g + (dlogit_i inv_i) q - (dlogit_i s_i inv_i^2 / D) k_i.
+        via_query = dlogits * inv  # [BT, n]
+        via_rms = -(via_query * logits * inv) / d
+        grads, rms_grads = cache.gradients()
+        grads[:m].addcmul_(coef[:, :m].t().unsqueeze(-1), g.view(1, tokens, d))
+        grads[:m].addcmul_(via_query[:, :m].t().unsqueeze(-1), q.view(1, 1, d))
+        rms_grads[:m] += via_rms[:, :m].t()
+        dq = torch.bmm(via_query[:, None, :m], keys).view(tokens, d).sum(0)
+        dpartial = None
+        if partial is not None:
+            dq = dq + via_query[:, m] @ p
+            dpartial = (via_rms[:, m, None] * p).addcmul_(coef[:, m, None], g.view(tokens, d))
+            dpartial = dpartial.addcmul_(via_query[:, m, None], q).view(partial.shape).to(partial.dtype)
+        dstream = grad if count else None
+        return (dq, dstream, dpartial, None, None, None) + (None,) * m
+
+
 def depth_mix(
     state: BlockState | SourceBuffer,
     query: torch.Tensor,
@@ -193,6 +346,11 @@ def depth_mix(
     q = query if key_norm_weight is None else pseudo_query(query, key_norm_weight)
     if isinstance(state, SourceBuffer):
         return _mix_buffer(state, q, eps, scaling, reader)
+    if isinstance(state, TrainState):
+        mixed, weights = _DepthMix.apply(q, state.stream, state.partial, state.cache, eps, scaling, *state.handles)
+        if _RECORDERS:
+            _RECORDERS[-1].append(weights.movedim(-1, 0).reshape(-1, *state.stream.shape[:-1]))
+        return mixed
     blocks, inv_rms, partial, stream = state
     # Completed blocks: cached statistics, one product. The partial sum is the only source that changed
     # since the last block boundary; its score joins before one softmax over the few sources of a token.

@@ -4,7 +4,8 @@
 and runs the base model's own forward (embeddings, masks, rotary, cache). Only two things change:
 
 * each decoder layer runs its sublayers (architectures.py) on a depth-attention mix of the earlier
-  sources instead of the residual sum, and passes a `BlockState` to the next layer instead of one tensor;
+  sources instead of the residual sum, and passes a state (depth_attention.py) to the next layer instead
+  of one tensor;
 * the final norm first aggregates the sources with one more pseudo-query (the output aggregation).
 
 New parameters, per decoder layer: `self_attention_res_proj.weight` [1, d] (pseudo-query, zero init),
@@ -77,7 +78,7 @@ class AttnResDecoderLayerMixin:
     """Mixed in before a base decoder layer class (see `_attnres_class`); replaces its forward only.
 
     The base model calls the layer exactly as before; the first layer receives the embeddings, every
-    later one the BlockState returned by its predecessor.
+    later one the state returned by its predecessor.
     """
 
     def forward(self, hidden_states, *args, **kwargs):
@@ -163,7 +164,7 @@ def _positional_argnames(layer_cls: type) -> tuple[str, ...]:
 
 
 def stream_state(state) -> torch.Tensor:
-    """The plain residual stream a BlockState stands for (sum of all sources): what the base model's
+    """The plain residual stream a depth-attention state stands for (sum of all sources): what the base model's
     hidden state would be. Used for `output_hidden_states` and for inspection."""
     return state.stream if isinstance(state, STATE_TYPES) else state
 

@@ -68,26 +68,27 @@ def _randomize_depth_params(model, seed=0):
                 param.copy_(1.0 + 0.3 * torch.randn(param.shape, generator=generator))
 
 
-def _mix(sources, query, key_norm, eps):
+def _mix(sources, query, key_norm, eps, scaling="count"):
     keys = torch.stack(sources)  # [n, B, T, D]
     normed = keys / torch.sqrt(keys.pow(2).mean(-1, keepdim=True) + eps) * key_norm
     alpha = torch.softmax((normed * query.reshape(-1)).sum(-1), dim=0)
-    return len(sources) * (alpha.unsqueeze(-1) * keys).sum(0)
+    return (len(sources) if scaling == "count" else 1) * (alpha.unsqueeze(-1) * keys).sum(0)
 
 
-def _reference_llama(model, ids, block_size):
+def _reference_llama(model, ids, block_size, scaling="count"):
     base, eps = model.model, model.config.text_config.rms_norm_eps
     outputs = [base.embed_tokens(ids)]
     positions = torch.arange(ids.shape[1]).unsqueeze(0)
     rotary = base.rotary_emb(outputs[0], positions)
     for j, layer in enumerate(base.layers):
         h = _mix(design_sources(2 * j + 1, block_size, outputs), layer.self_attention_res_proj.weight,
-                 layer.self_attention_res_norm.weight, eps)
+                 layer.self_attention_res_norm.weight, eps, scaling)
         outputs.append(layer.self_attn(layer.input_layernorm(h), position_embeddings=rotary, attention_mask=None)[0])
-        h = _mix(design_sources(2 * j + 2, block_size, outputs), layer.mlp_res_proj.weight, layer.mlp_res_norm.weight, eps)
+        h = _mix(design_sources(2 * j + 2, block_size, outputs), layer.mlp_res_proj.weight, layer.mlp_res_norm.weight,
+                 eps, scaling)
         outputs.append(layer.mlp(layer.post_attention_layernorm(h)))
     h = _mix(design_sources(len(outputs), block_size, outputs), base.output_attn_res_proj.weight,
-             base.output_attn_res_norm.weight, eps)
+             base.output_attn_res_norm.weight, eps, scaling)
     return model.lm_head(base.norm(h))
 
 
@@ -136,7 +137,7 @@ def test_inference_buffer_and_autograd_state_compute_the_same(family, length, bl
     """Without autograd the state is one preallocated buffer updated in place (SourceBuffer): for few
     tokens every reader recomputes all scores, for more it reads the completed sources' scores from the
     table written when each completed (with a block completing between a layer's readers when S = 1).
-    With autograd it is an immutable BlockState. All paths compute the same function."""
+    With autograd it is a TrainState (blocks in a cache outside autograd). All paths compute the same function."""
     from attnres_convert.depth_attention import SMALL_STEP_TOKENS, SourceBuffer, record_depth_weights
 
     model = convert_model(tiny_model(family), block_size=block_size).eval()
@@ -156,3 +157,40 @@ def test_inference_buffer_and_autograd_state_compute_the_same(family, length, bl
     assert len(inference_weights) == len(training_weights)
     for a, b in zip(inference_weights, training_weights):
         assert (a - b.detach()).abs().max().item() <= 1e-4
+
+
+def _gradients(model, logits_fn, ids, backwards=1):
+    model.zero_grad(set_to_none=True)
+    logits = logits_fn()
+    loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+    for i in range(backwards):
+        loss.backward(retain_graph=i + 1 < backwards)
+    return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("scaling", ["count", "mean"])
+@pytest.mark.parametrize("block_size", [1, 3])
+def test_training_gradients_match_autograd_through_the_reference(block_size, scaling):
+    """An eager training forward runs a hand-written backward (TrainState: completed blocks in a cache
+    outside autograd, every reader's gradient added to them in place). Its gradient for every parameter
+    (queries, key norms, the base model's weights and embeddings) must be autograd's through the plain
+    reference; and a second backward through the same graph (retain_graph) must add exactly as much again."""
+    from attnres_convert.depth_attention import TrainState
+
+    model = convert_model(tiny_model("llama"), block_size=block_size, source_scaling=scaling).train()
+    _randomize_depth_params(model, seed=11)
+    ids = token_ids(2, 24)
+    states = []
+    hook = model.model.layers[0].register_forward_hook(lambda module, args, output: states.append(type(output)))
+    got = _gradients(model, lambda: model(ids).logits, ids)
+    hook.remove()
+    assert states == [TrainState]
+    want = _gradients(model, lambda: _reference_llama(model, ids, block_size, scaling), ids)
+    assert got.keys() == want.keys() and any("_res_proj" in name for name in got)
+    for name in want:
+        scale = want[name].abs().max().item()
+        assert scale > 0 or "layers.0.self_attention_res_" in name, f"no gradient for {name}"  # one source: nothing to route
+        assert (got[name] - want[name]).abs().max().item() <= 1e-4 * max(scale, 1.0), name
+    twice = _gradients(model, lambda: model(ids).logits, ids, backwards=2)
+    for name in got:
+        assert torch.allclose(twice[name], 2 * got[name], rtol=1e-5, atol=1e-7), name
