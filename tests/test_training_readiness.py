@@ -49,3 +49,25 @@ def test_gradient_checkpointing_gives_identical_loss_and_gradients(family):
     assert grads_plain.keys() == grads_ckpt.keys()
     for name in grads_plain:
         assert torch.allclose(grads_plain[name], grads_ckpt[name], atol=1e-5, rtol=1e-4), name
+
+
+
+def test_trains_under_bfloat16_autocast():
+    """Accelerate's mixed precision runs the forward under autocast, the sublayers in bfloat16: training
+    works through the hand-written backward (which turns autocast off inside, for the design's float32
+    statistics), every reader's query gets a finite gradient and the weights stay float32."""
+    from attnres_convert.depth_attention import record_depth_weights
+
+    model = convert_model(tiny_model("llama"), block_size=3).train()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "_res_proj" in name:
+                param.normal_(0.0, 0.5)
+    ids = token_ids()
+    loss32, _ = _loss_and_grads(model, ids)
+    with torch.autocast("cpu", dtype=torch.bfloat16), record_depth_weights() as weights:
+        loss16, grads16 = _loss_and_grads(model, ids)
+    assert abs(loss16.item() - loss32.item()) <= 0.05 * abs(loss32.item())
+    assert weights and all(w.dtype == torch.float32 for w in weights)
+    for name in (n for n in grads16 if "_res_proj" in n and not n.startswith("model.layers.0.self_attention")):
+        assert torch.isfinite(grads16[name]).all() and grads16[name].abs().sum() > 0, name
