@@ -270,8 +270,8 @@ class _DepthMix(torch.autograd.Function):
     the [BT, n] weights and scores, and reads completed blocks from the cache. Measured on the default
     SmolLM2 training step: step peak memory 1.118x -> 1.076x of the base model's, and the AttnRes
     operations of a forward + backward in half the time of autograd through BlockState.
-    Runs in float32 with autocast off (the design: depth-attention statistics in float32 whatever
-    the model dtype; an autocast bfloat16 product would also not add in place into a float32 sum).
+    Runs with autocast off: the design keeps depth-attention statistics in float32 whatever the
+    model dtype, and under mixed precision autocast would run the score and mix products in bfloat16.
 
     Returns (mix, weights [BT, n]); the weights are for recorders only (not differentiable)."""
 
@@ -345,7 +345,7 @@ class _DepthMix(torch.autograd.Function):
 
 
 def depth_mix(
-    state: BlockState | SourceBuffer,
+    state: BlockState | SourceBuffer | TrainState,
     query: torch.Tensor,
     key_norm_weight: torch.Tensor | None,
     eps: float,
