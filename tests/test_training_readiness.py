@@ -51,7 +51,6 @@ def test_gradient_checkpointing_gives_identical_loss_and_gradients(family):
         assert torch.allclose(grads_plain[name], grads_ckpt[name], atol=1e-5, rtol=1e-4), name
 
 
-
 def test_trains_under_bfloat16_autocast():
     """Accelerate's mixed precision runs the forward under autocast, the sublayers in bfloat16: training
     works through the hand-written backward (which turns autocast off inside, for the design's float32
