@@ -277,32 +277,15 @@ class _DepthMix(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, stream, partial, cache: BlockCache, eps: float, scaling: str, *handles):
+        m = len(handles)
         with _no_autocast(stream):
-            return _DepthMix._forward(ctx, q, stream, partial, cache, eps, scaling, len(handles))
-
-    @staticmethod
-    def _forward(ctx, q, stream, partial, cache, eps, scaling, m):
-        d = stream.shape[-1]
-        keys = cache.values[:, :m]  # [BT, m, D]
-        logits = source_scores(keys, q) * cache.inv_rms[:, :m]
-        inv_partial = None
-        if partial is not None:
-            p = partial.reshape(-1, d).float()
-            inv_partial = inverse_rms(p, eps)
-            logits = torch.cat([logits, ((p @ q) * inv_partial).unsqueeze(-1)], dim=-1)
-        weights = torch.softmax(logits, dim=-1)
-        n = weights.shape[-1]
-        coef = weights * n - 1.0 if scaling == "count" else weights
-        if scaling == "count":  # H + sum_i (n alpha_i - 1) k_i, see depth_mix
-            mixed = torch.baddbmm(stream.float().reshape(-1, 1, d), coef[:, None, :m], keys)
-        else:
-            mixed = torch.bmm(coef[:, None, :m], keys)
-        if partial is not None:
-            mixed.addcmul_(coef[:, m:, None], p.unsqueeze(1))
+            mixed, weights, logits, inv_partial = _mix_blocks(
+                cache.values[:, :m], cache.inv_rms[:, :m], partial, stream, q, eps, scaling
+            )
         ctx.save_for_backward(q, partial, weights, logits, inv_partial)
         ctx.cache, ctx.scaling, ctx.m = cache, scaling, m
         ctx.mark_non_differentiable(weights)
-        return mixed.view(stream.shape).to(stream.dtype), weights
+        return mixed, weights
 
     @staticmethod
     def backward(ctx, grad, _):
@@ -368,32 +351,41 @@ def depth_mix(
         return _mix_buffer(state, q, eps, scaling, reader)
     if isinstance(state, TrainState):
         mixed, weights = _DepthMix.apply(q, state.stream, state.partial, state.cache, eps, scaling, *state.handles)
-        if _RECORDERS:
-            _RECORDERS[-1].append(weights.movedim(-1, 0).reshape(-1, *state.stream.shape[:-1]))
-        return mixed
-    blocks, inv_rms, partial, stream = state
+    else:
+        blocks, inv_rms, partial, stream = state
+        m, d = blocks.shape[-2], blocks.shape[-1]
+        mixed, weights, _, _ = _mix_blocks(blocks.reshape(-1, m, d), inv_rms.reshape(-1, m), partial, stream, q, eps, scaling)
+    if _RECORDERS:
+        _RECORDERS[-1].append(weights.detach().movedim(-1, 0).reshape(-1, *state.stream.shape[:-1]))
+    return mixed
+
+
+def _mix_blocks(keys, inv_rms, partial, stream, q, eps: float, scaling: str):
+    """depth_mix over completed blocks keys [BT, m, D] with their cached 1 / rms [BT, m], and the partial
+    sum: the traced BlockState path, and the forward of the TrainState's `_DepthMix`. Returns the mix in
+    the stream's shape and dtype, the weights and scores [BT, n], and the partial's 1 / rms ([BT] or None)."""
+    m, d = keys.shape[-2], keys.shape[-1]
     # Completed blocks: cached statistics, one product. The partial sum is the only source that changed
     # since the last block boundary; its score joins before one softmax over the few sources of a token.
-    logits = source_scores(blocks, q) * inv_rms  # [B, T, m]
+    logits = source_scores(keys, q) * inv_rms
+    inv_partial = None
     if partial is not None:
-        partial32 = partial.float()
-        partial_logit = (partial32 @ q) * inverse_rms(partial32, eps)
-        logits = torch.cat([logits, partial_logit.unsqueeze(-1)], dim=-1)
-    weights = torch.softmax(logits, dim=-1)  # [B, T, n], float32
-    if _RECORDERS:
-        _RECORDERS[-1].append(weights.detach().movedim(-1, 0))
-    m, n, d = blocks.shape[-2], logits.shape[-1], stream.shape[-1]
-    flat = blocks.reshape(-1, m, d)
+        p = partial.reshape(-1, d).float()
+        inv_partial = inverse_rms(p, eps)
+        logits = torch.cat([logits, ((p @ q) * inv_partial).unsqueeze(-1)], dim=-1)
+    weights = torch.softmax(logits, dim=-1)  # float32
+    n = weights.shape[-1]
     if scaling == "count":
         # One batched product over the completed blocks, [BT, 1, m] @ [BT, m, D], added to the stream.
-        weights = weights * n - 1.0
-        mixed = torch.baddbmm(stream.float().reshape(-1, 1, d), weights[..., :m].reshape(-1, 1, m), flat)
+        coef = weights * n - 1.0
+        mixed = torch.baddbmm(stream.float().reshape(-1, 1, d), coef[:, None, :m], keys)
     else:
-        mixed = torch.bmm(weights[..., :m].reshape(-1, 1, m), flat)
+        coef = weights
+        mixed = torch.bmm(coef[:, None, :m], keys)
     if partial is not None:
         # In place: the product's backward does not need its output.
-        mixed.addcmul_(weights[..., m:].reshape(-1, 1, 1), partial32.reshape(-1, 1, d))
-    return mixed.view(stream.shape).to(stream.dtype)
+        mixed.addcmul_(coef[:, m:, None], p.unsqueeze(1))
+    return mixed.view(stream.shape).to(stream.dtype), weights, logits, inv_partial
 
 
 def _mix_buffer(state: SourceBuffer, q: torch.Tensor, eps: float, scaling: str, reader: int | None) -> torch.Tensor:
