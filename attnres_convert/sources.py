@@ -34,6 +34,13 @@ class ModelSource:
             return f"SmolLM2-135M-Instruct (embedded, {self.gguf_file})"
         return self.given or self.location
 
+    @property
+    def short_name(self) -> str:
+        """A short model name for titles: the hub id's name, the folder's name, or the embedded model's."""
+        if self.kind == "default":
+            return "SmolLM2-135M-Instruct"
+        return self.location.split("/")[-1] if self.kind == "hub" else Path(self.location).name
+
     def load_kwargs(self) -> dict:
         return {"gguf_file": self.gguf_file} if self.gguf_file else {}
 

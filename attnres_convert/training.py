@@ -466,7 +466,7 @@ def _save_result(accelerator, model, start: StartingModel, recipe: Recipe, out: 
     from .plots import loss_curve_plot
 
     history = loss_history(records)
-    title = f"{'AttnRes' if start.converted else 'Baseline (no AttnRes)'}: {display_name(start.source)}"
+    title = f"{'AttnRes' if start.converted else 'Baseline (no AttnRes)'}: {start.source.short_name}"
     loss_curve_plot(history, out / LOSS_CURVE, title=title)
     (out / FINAL_METRICS).write_text(json.dumps(final, indent=2))
     if not recipe.output.save_model:
@@ -504,18 +504,11 @@ def _save_result(accelerator, model, start: StartingModel, recipe: Recipe, out: 
     return model_dir
 
 
-def display_name(source) -> str:
-    """A short model name for titles: the hub id's name, the folder's name, or the embedded model's."""
-    if source.kind == "default":
-        return "SmolLM2-135M-Instruct"
-    return Path(source.location).name if source.kind != "hub" else source.location.split("/")[-1]
-
-
 def _card(model, start: StartingModel, recipe: Recipe, final: dict, history, corpus) -> str:
     from .card import base_identity, card_identity, finetune_card
     from .surgery import summarize
 
-    name = display_name(start.source)
+    name = start.source.short_name
     if not start.converted:
         return (
             f"# {name}, fine-tuned (baseline, no AttnRes)\n\nThe original model trained with the same `attnres finetune` "

@@ -258,7 +258,6 @@ def main() -> None:
         fmt = "{:.1f} MiB" if unit == "MiB" else "{:.3f} s"
         table.add_row(r["metric"], fmt.format(r["original_s"]), fmt.format(r["converted_s"]), f"{r['ratio']:.3f}")
     console.print(table)
-    record(rows)
     console.print(f"written to {args.out}")
 
 
