@@ -159,6 +159,25 @@ def test_inference_buffer_and_autograd_state_compute_the_same(family, length, bl
         assert (a - b.detach()).abs().max().item() <= 1e-4
 
 
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("block_size", [1, 3])
+def test_decoding_steps_with_the_kv_cache_match_a_full_forward(batch, block_size):
+    """A decoding step (one token per sequence) has its own formulation of the scores and mix (StepViews;
+    a matrix-vector product for one sequence, a product and sum for several). With trained (random)
+    queries, every step's logits must be those of one forward over the whole sequence."""
+    model = convert_model(tiny_model("llama"), block_size=block_size).eval()
+    _randomize_depth_params(model, seed=5)
+    ids = token_ids(batch, 16, seed=4)
+    with torch.no_grad():
+        full = model(ids).logits
+        out = model(ids[:, :10], use_cache=True)
+        steps = [out.logits[:, -1]]
+        for t in range(10, 16):
+            out = model(ids[:, t : t + 1], past_key_values=out.past_key_values, use_cache=True)
+            steps.append(out.logits[:, -1])
+    assert (torch.stack(steps, 1) - full[:, 9:]).abs().max().item() <= 1e-4
+
+
 def _gradients(model, logits_fn, ids, backwards=1):
     model.zero_grad(set_to_none=True)
     logits = logits_fn()
