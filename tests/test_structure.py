@@ -187,23 +187,30 @@ def _gradients(model, logits_fn, ids, backwards=1):
     return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
 
 
+@pytest.mark.parametrize("table", [True, False], ids=["score-table", "no-table"])
 @pytest.mark.parametrize("scaling", ["count", "mean"])
 @pytest.mark.parametrize("block_size", [1, 3])
-def test_training_gradients_match_autograd_through_the_reference(block_size, scaling):
+def test_training_gradients_match_autograd_through_the_reference(block_size, scaling, table, monkeypatch):
     """An eager training forward runs a hand-written backward (TrainState: completed blocks in a cache
-    outside autograd, every reader's gradient added to them in place). Its gradient for every parameter
-    (queries, key norms, the base model's weights and embeddings) must be autograd's through the plain
-    reference; and a second backward through the same graph (retain_graph) must add exactly as much again."""
+    outside autograd, every reader's gradient added to them in place, the completed blocks' scores in a
+    table written when each completes). Its gradient for every parameter (queries, key norms, the base
+    model's weights and embeddings) must be autograd's through the plain reference; and a second
+    backward through the same graph (retain_graph) must add exactly as much again. Without the table
+    (queries that are not whole tensors on one device, as under FSDP) every reader scores the blocks itself."""
+    from attnres_convert import modeling_attnres
     from attnres_convert.depth_attention import TrainState
 
+    if not table:
+        monkeypatch.setattr(modeling_attnres, "_all_queries", lambda spec, like: None)
     model = convert_model(tiny_model("llama"), block_size=block_size, source_scaling=scaling).train()
     _randomize_depth_params(model, seed=11)
     ids = token_ids(2, 24)
     states = []
-    hook = model.model.layers[0].register_forward_hook(lambda module, args, output: states.append(type(output)))
+    hook = model.model.layers[0].register_forward_hook(lambda module, args, output: states.append(output))
     got = _gradients(model, lambda: model(ids).logits, ids)
     hook.remove()
-    assert states == [TrainState]
+    assert [type(state) for state in states] == [TrainState]
+    assert (states[0].cache.scores is not None) == table
     want = _gradients(model, lambda: _reference_llama(model, ids, block_size, scaling), ids)
     assert got.keys() == want.keys() and any("_res_proj" in name for name in got)
     for name in want:
