@@ -72,6 +72,7 @@ class _LayerSpec(NamedTuple):
     capacity: int  # the most sources any reader has (size of the inference SourceBuffer)
     owner: nn.Module  # the base model (a plain reference), whose layers hold every sublayer's query
     layers: str  # the attribute of the owner that lists the decoder layers
+    param_names: tuple[tuple[str, str], ...]  # per sublayer: its query and key-norm modules' names
 
 
 class AttnResDecoderLayerMixin:
@@ -84,17 +85,16 @@ class AttnResDecoderLayerMixin:
     def forward(self, hidden_states, *args, **kwargs):
         spec: _LayerSpec = self._attnres_spec
         # Base models pass some arguments positionally (GPT-2 passes the cache and mask that way).
-        call_kwargs = dict(zip(spec.argnames, args))
-        call_kwargs.update(kwargs)
+        call_kwargs = dict(zip(spec.argnames, args), **kwargs) if args else kwargs
         if isinstance(hidden_states, STATE_TYPES):
             state = hidden_states
         else:
             queries = _all_queries(spec, hidden_states) if wants_score_table(hidden_states) else None
             state = start_state(hidden_states, spec.eps, spec.capacity, queries)
-        for sublayer, plan in zip(spec.sublayers, spec.plans):
+        for sublayer, plan, names in zip(spec.sublayers, spec.plans, spec.param_names):
             if plan.closes_block:
                 state = close_block(state, spec.eps)
-            h = depth_mix(state, *_depth_params(self, sublayer), spec.eps, spec.scaling, reader=plan.index - 1)
+            h = depth_mix(state, *_depth_params(self, names), spec.eps, spec.scaling, reader=plan.index - 1)
             state = add_output(state, self._attnres_sublayer(sublayer, h, call_kwargs))
         return state
 
@@ -112,10 +112,10 @@ class AttnResDecoderLayerMixin:
         return total
 
 
-def _depth_params(layer: nn.Module, sublayer: Sublayer) -> tuple[torch.Tensor, torch.Tensor]:
+def _depth_params(layer: nn.Module, names: tuple[str, str]) -> tuple[torch.Tensor, torch.Tensor]:
     """A sublayer's pseudo-query w and key-norm weight g, looked up at call time (PEFT or FSDP may have
     wrapped the modules)."""
-    return getattr(layer, f"{sublayer.name}_res_proj").weight, getattr(layer, f"{sublayer.name}_res_norm").weight
+    return getattr(layer, names[0]).weight, getattr(layer, names[1]).weight
 
 
 def _all_queries(spec: _LayerSpec, like: torch.Tensor) -> torch.Tensor | None:
@@ -123,8 +123,8 @@ def _all_queries(spec: _LayerSpec, like: torch.Tensor) -> torch.Tensor | None:
     None where the parameters are not whole tensors on one device (sharded or spread over devices)."""
     queries = []
     for layer in getattr(spec.owner, spec.layers):
-        for sublayer in layer._attnres_spec.sublayers:
-            query, key_norm = _depth_params(layer, sublayer)
+        for names in layer._attnres_spec.param_names:
+            query, key_norm = _depth_params(layer, names)
             if query.numel() != like.shape[-1] or key_norm.numel() != like.shape[-1] or query.device != like.device:
                 return None
             queries.append(pseudo_query(query, key_norm))
@@ -175,6 +175,7 @@ def attach_depth_attention(causal_lm: nn.Module, config: AttnResConfig, family: 
     base = getattr(causal_lm, family.base_model)
     layers = getattr(base, family.layers)
     sublayers = family.sublayers(text_config)
+    param_names = tuple((f"{sublayer.name}_res_proj", f"{sublayer.name}_res_norm") for sublayer in sublayers)
     per_layer = len(sublayers)
     plans = plan_sublayers(len(layers) * per_layer, config.block_size)
     capacity = output_num_sources(len(layers) * per_layer, config.block_size)
@@ -189,9 +190,9 @@ def attach_depth_attention(causal_lm: nn.Module, config: AttnResConfig, family: 
             argnames = _positional_argnames(base_cls)
         else:
             argnames = layer._attnres_spec.argnames
-        for sublayer in sublayers:
-            layer.add_module(f"{sublayer.name}_res_proj", AttnResQuery(hidden, **factory))
-            layer.add_module(f"{sublayer.name}_res_norm", AttnResKeyNorm(hidden, eps, **factory))
+        for query_name, key_norm_name in param_names:
+            layer.add_module(query_name, AttnResQuery(hidden, **factory))
+            layer.add_module(key_norm_name, AttnResKeyNorm(hidden, eps, **factory))
         layer._attnres_spec = _LayerSpec(
             sublayers,
             tuple(plans[index * per_layer : (index + 1) * per_layer]),
@@ -201,6 +202,7 @@ def attach_depth_attention(causal_lm: nn.Module, config: AttnResConfig, family: 
             capacity,
             base,
             family.layers,
+            param_names,
         )
     base.output_attn_res_proj = AttnResQuery(hidden, **factory)
     base.output_attn_res_norm = AttnResKeyNorm(hidden, eps, **factory)
