@@ -264,7 +264,7 @@ def add_output(state, output: torch.Tensor):
 def pseudo_query(query: torch.Tensor, key_norm_weight: torch.Tensor) -> torch.Tensor:
     """(w * g): the key norm's weight folds into the query, since (w * g) . (k / rms(k)) is
     ((w * g) . k) * inv_rms(k). float32, shape [D]."""
-    return query.view(-1).float() * key_norm_weight.float()
+    return query.reshape(-1).float() * key_norm_weight.float()
 
 
 def _score_source(state: SourceBuffer, slot: int) -> None:
@@ -339,8 +339,9 @@ class _DepthMix(torch.autograd.Function):
     partial sum, the [BT, n] weights and the partial's score, and reads completed blocks from the cache.
     Measured on the default SmolLM2 training step: step peak memory 1.118x -> 1.076x of the base
     model's, and the AttnRes operations of a forward + backward (61 readers, 4 x 256 tokens, alone)
-    in 244 ms against 525 ms through autograd on BlockState (306 ms without the table). Without a score table (reader None: the output aggregation, or queries that
-    are not whole tensors here) a reader scores the completed blocks itself and adds that gradient too.
+    in 244 ms against 525 ms through autograd on BlockState (306 ms without the table).
+    Without a score table (reader None: the output aggregation, or queries that are not whole tensors
+    on this device) a reader scores the completed blocks itself and adds that gradient too.
     Runs with autocast off: the design keeps depth-attention statistics in float32 whatever the
     model dtype, and under mixed precision autocast would run the score and mix products in bfloat16.
 
