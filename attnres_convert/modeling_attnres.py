@@ -23,6 +23,7 @@ from typing import NamedTuple
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
@@ -223,6 +224,19 @@ class AttnResPreTrainedModel(PreTrainedModel):
     _supports_flex_attn = True
     _supports_attention_backend = True
     _can_compile_fullgraph = False
+
+    def _set_gradient_checkpointing(self, enable: bool = True, gradient_checkpointing_func=checkpoint, **kwargs):
+        # Reentrant checkpointing differentiates only through tensor arguments; the depth-attention state a
+        # layer receives is a tuple of tensors, which it would pass through as a constant. Refused here,
+        # where transformers hands every entry point's settings over, instead of failing inside a layer.
+        if enable and getattr(gradient_checkpointing_func, "keywords", {}).get("use_reentrant"):
+            raise ValueError(
+                "AttnRes models need non-reentrant activation checkpointing: the depth-attention state passed "
+                "between decoder layers is a tuple of tensors, which reentrant checkpointing cannot "
+                "differentiate through. Enable it without use_reentrant, or with "
+                "gradient_checkpointing_kwargs={'use_reentrant': False} (transformers' default)."
+            )
+        super()._set_gradient_checkpointing(enable=enable, gradient_checkpointing_func=gradient_checkpointing_func, **kwargs)
 
     @torch.no_grad()
     def _init_weights(self, module):

@@ -28,6 +28,16 @@ def attnres_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     return found
 
 
+def enable_checkpointing(model: nn.Module) -> None:
+    """Non-reentrant activation checkpointing (the only kind AttnRes models accept), under transformers'
+    current name where it has one (`gradient_checkpointing_enable` warns until it goes in v6)."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
 def apply_lora(model: nn.Module, lora: LoraSection, seed: int) -> nn.Module:
     """Wrap with PEFT LoRA. The AttnRes parameters are then marked trainable explicitly, not through
     `modules_to_save`: that wraps a *copy* of each module, and the final norm reads the output

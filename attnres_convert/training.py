@@ -45,7 +45,7 @@ from .checkpoints import (
 from .data import Corpus, SequenceOrder, Sequences, build_corpus, local_micro_batches
 from .errors import AttnResError
 from .metrics import METRICS, MetricsLog, loss_history, perplexity, read_metrics
-from .optim import apply_lora, count_parameters, make_optimizer, make_scheduler, select_trainable
+from .optim import apply_lora, count_parameters, enable_checkpointing, make_optimizer, make_scheduler, select_trainable
 from .recipe import Recipe, RecipeError, check_recipe, is_run_folder, parse_recipe, read_yaml
 from .starting_model import StartingModel, load_starting_model
 
@@ -283,7 +283,7 @@ def finetune(
     start = load_starting_model(recipe)
     model = start.model
     if recipe.train.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_checkpointing(model)
     if recipe.train.trainable == "lora":
         model = apply_lora(model, recipe.lora, recipe.train.seed)
     select_trainable(model, recipe.train.trainable)

@@ -30,6 +30,8 @@ import torch  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
+from attnres_convert.optim import enable_checkpointing  # noqa: E402
+
 console = Console()
 
 
@@ -114,14 +116,14 @@ def speed(original, converted, full, repeats: int, compiled: bool) -> list[dict]
         for m in (original, converted):
             m.train()
             if checkpointing:
-                m.gradient_checkpointing_enable()
+                enable_checkpointing(m)
             else:
-                m.gradient_checkpointing_disable()
+                m.activation_checkpointing_disable()
         t = interleaved({name: step(models[name]) for name in ("original", "converted")}, max(3, repeats))
         rows.append(compared("train step 4x256" + (", grad checkpointing" if checkpointing else ""), t))
         for m in (original, converted):
             m.zero_grad(set_to_none=True)
-            m.gradient_checkpointing_disable()
+            m.activation_checkpointing_disable()
             m.eval()
     return rows
 
@@ -132,13 +134,14 @@ STEP_MEMORY = textwrap.dedent(
     sys.path.insert(0, {root!r})
     torch.set_num_threads(2)
     from transformers import AutoModelForCausalLM
+    from attnres_convert.optim import enable_checkpointing
     from attnres_convert.surgery import convert_model
     model = AutoModelForCausalLM.from_pretrained({folder!r}, dtype=torch.float32)
     if {converted}:
         model = convert_model(model)
     model.train()
     if {checkpointing}:
-        model.gradient_checkpointing_enable()
+        enable_checkpointing(model)
     batch = torch.randint(100, 40000, (4, 256), generator=torch.Generator().manual_seed(0))
     def step():
         model(batch, labels=batch).loss.backward()

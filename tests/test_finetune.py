@@ -107,6 +107,18 @@ def test_lora_trains_adapters_and_attnres_merged_or_kept(setup, tmp_path):
         assert torch.allclose(with_adapter(input_ids=ids).logits, merged_logits, atol=1e-4)
 
 
+def test_gradient_checkpointing_trains_the_same_without_deprecation_warnings(setup, tmp_path, recwarn):
+    """train.gradient_checkpointing (non-reentrant, the only kind AttnRes accepts) with LoRA, where PEFT
+    needs input gradients for the frozen layers: the same losses as without it, and no FutureWarning
+    from transformers' deprecated `gradient_checkpointing_enable`."""
+    sections = dict(train={"trainable": "lora", "steps": 4, "lr": 1e-2}, lora={"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]})
+    plain = run(setup, tmp_path / "plain", **sections)
+    checkpointed = run(setup, tmp_path / "ckpt", **{**sections, "train": {**sections["train"], "gradient_checkpointing": True}})
+    assert train_losses(checkpointed) == pytest.approx(train_losses(plain), rel=1e-5)
+    assert checkpointed.metrics["eval_loss"] == pytest.approx(plain.metrics["eval_loss"], rel=1e-5)
+    assert not [w for w in recwarn if "checkpointing_enable" in str(w.message)]
+
+
 def test_baseline_trains_the_original_model_from_the_same_start(setup, tmp_path):
     sections = dict(train={"trainable": "lora", "steps": 3}, lora={"r": 4})
     baseline = run(setup, tmp_path / "baseline", model={"convert": False}, **sections)

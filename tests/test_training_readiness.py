@@ -51,6 +51,18 @@ def test_gradient_checkpointing_gives_identical_loss_and_gradients(family):
         assert torch.allclose(grads_plain[name], grads_ckpt[name], atol=1e-5, rtol=1e-4), name
 
 
+def test_reentrant_checkpointing_is_refused_with_the_fix():
+    """Reentrant checkpointing cannot differentiate through the state tuple a layer receives (it failed
+    deep inside a layer with "'tuple' object has no attribute 'shape'"): refused when it is enabled."""
+    model = convert_model(tiny_model("llama"), block_size=3).train()
+    with pytest.raises(ValueError, match=r"non-reentrant.*'use_reentrant': False"):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    assert any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
+    ids = token_ids()
+    model(ids, labels=ids).loss.backward()
+
+
 def test_trains_under_bfloat16_autocast():
     """Accelerate's mixed precision runs the forward under autocast, the sublayers in bfloat16: training
     works through the hand-written backward (which turns autocast off inside, for the design's float32
