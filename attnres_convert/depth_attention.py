@@ -51,7 +51,7 @@ class SourceBuffer(NamedTuple):
     buffer, written in place. A block boundary is a counter increment, a reader's sources are a view
     and the partial sum accumulates in its slot, so nothing is concatenated or copied per sublayer
     (Full AttnRes with BlockState would copy the growing block tensor at every sublayer). In-place
-    updates are safe only without autograd; training uses BlockState.
+    updates are safe only without autograd; training uses TrainState (BlockState under torch.compile).
 
     sources:     [B, T, K, D] float32; completed sources in slots [0, count), the partial sum in slot
                  count. K is the most sources any reader has.
@@ -267,11 +267,16 @@ def pseudo_query(query: torch.Tensor, key_norm_weight: torch.Tensor) -> torch.Te
     return query.reshape(-1).float() * key_norm_weight.float()
 
 
+def table_scores(keys: torch.Tensor, queries: torch.Tensor, inv_rms: torch.Tensor) -> torch.Tensor:
+    """Phase 1: a completed source [BT, D] scored by every sublayer's query [R, D] in one product, with
+    its 1 / rms [BT]: the [BT, R] rows of a score table."""
+    return torch.mm(keys, queries.t()).mul_(inv_rms[:, None])
+
+
 def _score_source(state: SourceBuffer, slot: int) -> None:
-    """Phase 1: a completed source scored by every sublayer's query in one [BT, D] @ [D, R] product."""
     key = state.sources[..., slot, :]
-    scores = (key.reshape(-1, key.shape[-1]) @ state.queries.t()).view(*key.shape[:-1], -1)
-    state.scores[..., slot, :] = scores * state.inv_rms[..., slot, None]
+    scores = table_scores(key.reshape(-1, key.shape[-1]), state.queries, state.inv_rms[..., slot].reshape(-1))
+    state.scores[..., slot, :] = scores.view(*key.shape[:-1], -1)
 
 
 def source_scores(keys: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -301,7 +306,7 @@ class _CloseBlock(torch.autograd.Function):
             inv_rms = inverse_rms(flat, eps)
             cache.inv_rms[:, slot] = inv_rms
             if queries is not None:
-                cache.scores[:, slot] = torch.mm(flat, queries.t()).mul_(inv_rms[:, None])
+                cache.scores[:, slot] = table_scores(flat, queries, inv_rms)
         ctx.save_for_backward(queries)
         ctx.cache, ctx.slot, ctx.shape, ctx.dtype = cache, slot, block.shape, block.dtype
         return flat.new_empty(0)
@@ -418,15 +423,19 @@ def depth_mix(
     """The input of one sublayer (or of the final norm): attention over the state's sources.
 
     query: the pseudo-query w ([1, D] or [D]) and key_norm_weight g ([D]); or, with key_norm_weight None,
-    the folded `pseudo_query` already. reader: the sublayer's 0-based index, to read its column of a
-    SourceBuffer's score table.
+    the folded `pseudo_query` already. reader: the sublayer's 0-based index, to read its column of the
+    state's score table and its row of the queries stacked for it (folded once per forward, not again here).
 
     With "count" scaling h = n * sum_i alpha_i k_i. Since the sources sum to the stream H, this equals
     H + sum_i (n alpha_i - 1) k_i, which is how it is computed: at zero queries n alpha_i - 1 is 0, so h
     is the base model's own residual stream bit for bit, with its own rounding (in bfloat16 a freshly
     summed mix would round differently from the base model's running sum and drift from it).
     """
-    q = query if key_norm_weight is None else pseudo_query(query, key_norm_weight)
+    queries = getattr(state, "queries", None)
+    if queries is not None and reader is not None:  # folded once for the score table already
+        q = queries[reader]
+    else:
+        q = query if key_norm_weight is None else pseudo_query(query, key_norm_weight)
     if isinstance(state, SourceBuffer):
         return _mix_buffer(state, q, eps, scaling, reader)
     if isinstance(state, TrainState):
@@ -476,25 +485,24 @@ def _mix_buffer(state: SourceBuffer, q: torch.Tensor, eps: float, scaling: str, 
     n = state.count + int(state.has_partial)
     step = state.step
     if step is not None:
-        weights = torch.softmax(_few_token_logits(step, n, q), dim=-1)
-        if _RECORDERS:
-            _RECORDERS[-1].append(weights.movedim(-1, 0).clone())
-        return _fused_mix(state.stream, weights, step.flat[n], scaling, step.inverse[n])
-    keys = state.sources.narrow(-2, 0, n)  # [B, T, n, D], a view
-    if state.scores is not None and reader is not None:
-        logits = state.scores[..., : state.count, reader]
-        if state.has_partial:
-            partial = state.sources[..., state.count, :]
-            partial_logit = (partial @ q).mul_(inverse_rms(partial, eps))
-            logits = torch.cat([logits, partial_logit.unsqueeze(-1)], dim=-1)
+        logits, flat, inverse = _few_token_logits(step, n, q), step.flat[n], step.inverse[n]
     else:
-        if state.has_partial:
-            state.inv_rms[..., state.count] = inverse_rms(state.sources[..., state.count, :], eps)
-        logits = source_scores(keys, q).mul_(state.inv_rms[..., :n])
+        keys = state.sources.narrow(-2, 0, n)  # [B, T, n, D], a view
+        if state.scores is not None and reader is not None:
+            logits = state.scores[..., : state.count, reader]
+            if state.has_partial:
+                partial = state.sources[..., state.count, :]
+                partial_logit = (partial @ q).mul_(inverse_rms(partial, eps))
+                logits = torch.cat([logits, partial_logit.unsqueeze(-1)], dim=-1)
+        else:
+            if state.has_partial:
+                state.inv_rms[..., state.count] = inverse_rms(state.sources[..., state.count, :], eps)
+            logits = source_scores(keys, q).mul_(state.inv_rms[..., :n])
+        flat, inverse = keys.reshape(-1, n, keys.shape[-1]), None
     weights = torch.softmax(logits, dim=-1)
     if _RECORDERS:
         _RECORDERS[-1].append(weights.movedim(-1, 0).clone())
-    return _fused_mix(state.stream, weights, keys.reshape(-1, n, keys.shape[-1]), scaling)
+    return _fused_mix(state.stream, weights, flat, scaling, inverse)
 
 
 def _few_token_logits(step: StepViews, n: int, q: torch.Tensor) -> torch.Tensor:

@@ -120,8 +120,9 @@ def _depth_params(layer: nn.Module, names: tuple[str, str]) -> tuple[torch.Tenso
 
 
 def _all_queries(spec: _LayerSpec, like: torch.Tensor) -> torch.Tensor | None:
-    """Every sublayer's folded pseudo-query, [R, D] in execution order, for the inference score table;
-    None where the parameters are not whole tensors on one device (sharded or spread over devices)."""
+    """Every sublayer's folded pseudo-query, [R, D] in execution order, for the score table (inference and
+    eager training), from which each reader then takes its own row; None where the parameters are not
+    whole tensors on one device (sharded or spread over devices)."""
     queries = []
     for layer in getattr(spec.owner, spec.layers):
         for names in layer._attnres_spec.param_names:
