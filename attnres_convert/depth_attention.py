@@ -53,15 +53,23 @@ class SourceBuffer(NamedTuple):
     (Full AttnRes with BlockState would copy the growing block tensor at every sublayer). In-place
     updates are safe only without autograd; training uses TrainState (BlockState under torch.compile).
 
-    sources:     [B, T, K, D] float32; completed sources in slots [0, count), the partial sum in slot
-                 count. K is the most sources any reader has.
-    inv_rms:     [B, T, K] float32, 1 / rms of the completed sources, written once when a block
-                 completes (left unset for few tokens, where readers recompute it: fewer operations).
+    sources:     float32; completed sources in slots [0, count), the partial sum in slot count; K slots,
+                 the most sources any reader has. Two layouts, after what a forward pays for:
+                 many tokens (prefill): [K, B, T, D], source-major. Such a forward is bound by memory
+                 traffic; every source is one contiguous tensor, so the partial sum's update and score,
+                 and the mix as a chain of elementwise multiply-adds, run at memory speed (measured per
+                 512-token reader: a strided slot's norm 85 us against 47, its add 96 against 66, and the
+                 mix of 3 sources 145 us against 242 for one batched product over a token-major buffer).
+                 few tokens (a decoding step, `step` set): [B, T, K, D], token-major (a view of a
+                 [B, T, K, D + 1] buffer, see StepViews). Such a forward pays per operation, and a
+                 token's n sources are one [n, D] matrix: one product scores them and one mixes them.
+    inv_rms:     1 / rms of the completed sources ([K, B, T]), written once when a source completes
+                 (unused for few tokens, where readers recompute statistics: fewer operations).
     count:       the number of completed sources (embedding + completed blocks).
     has_partial: whether slot `count` holds a partial sum (False right after a block boundary).
     stream:      [B, T, D] the plain residual stream, as in BlockState.
-    queries:     [R, D] the folded pseudo-queries of all R sublayers, or None.
-    scores:      [B, T, K, R] with queries: the scores (q_r . k_i * inv_rms_i) of each completed source
+    queries:     [R, D] the folded pseudo-queries of all R sublayers, or None (then each reader folds its own).
+    scores:      [K, B, T, R] with queries and many tokens: the scores (q_r . k_i * inv_rms_i) of each completed source
                  for every sublayer r, written when the source completes (phase 1 of the two-phase
                  computation: a completed block is read once by one product with all queries, not
                  once per reader); a reader adds only its partial sum's score (phase 2).
@@ -81,35 +89,50 @@ class SourceBuffer(NamedTuple):
 
 class StepViews(NamedTuple):
     """What the readers of a few-token forward use, made once per forward instead of once per reader.
-    Such a forward pays per operation (1-3 us each on CPU, against well under a microsecond of
-    arithmetic), and making a view, or wrapping a Python number into a tensor, is an operation.
-    Measured on a SmolLM2 decoding step (61 readers, AttnRes work alone): 2.5 -> 1.9 ms.
+    Such a forward pays per operation (1-3 us each on CPU alone, 5-7 inside the model, whose weights
+    evict the caches between readers), and making a view, or wrapping a Python number into a tensor, is
+    an operation. Measured on a SmolLM2 decoding step (61 readers, AttnRes work alone): 2.5 -> 1.9 ms.
 
-    eps:       the key norm's eps, a 0-dim float32 tensor.
+    The buffer behind it is [B, T, K, D + 1]: each source's row ends in a constant sqrt(D * eps), so one
+    norm of the padded row is sqrt(|k|^2 + D eps) = sqrt(D) rms(k), the key statistic in one operation.
+
     inverse:   inverse[n] = 1/n, 0-dim float32 tensors.
-    prefixes:  prefixes[n] = sources[..., :n, :], the n sources a reader reads, [B, T, n, D].
-    flat:      flat[n], the same as [B*T, n, D] for the batched product of the mix.
-    slots:     slots[j] = sources[..., j, :], where outputs accumulate.
-    rows:      with one token, rows[n] = the n sources as [n, D], for one matrix-vector product with the
+    padded:    padded[n] = the n sources a reader reads with their constant, [B, T, n, D + 1].
+    rows:      with one token, rows[n] = padded[n] as [n, D + 1], for one matrix-vector product with the
                query (a batched product is slower; with more tokens the scores are a product and a sum).
+    flat:      flat[n], the n sources without the constant as [B*T, n, D], for the batched product of the mix.
+    slots:     slots[j] = source j without the constant, [B, T, D], where outputs accumulate.
+    queries:   every sublayer's folded query times sqrt(D), with a 0 for the constant (see
+               `_few_token_logits`), one view each; or None.
+    root_d:    sqrt(D), a 0-dim float32 tensor.
     """
 
-    eps: torch.Tensor
     inverse: tuple[torch.Tensor, ...]
-    prefixes: tuple[torch.Tensor, ...]
+    padded: tuple[torch.Tensor, ...]
+    rows: tuple[torch.Tensor, ...] | None
     flat: tuple[torch.Tensor, ...]
     slots: tuple[torch.Tensor, ...]
-    rows: tuple[torch.Tensor, ...] | None
+    queries: tuple[torch.Tensor, ...] | None
+    root_d: torch.Tensor
 
     @classmethod
-    def of(cls, sources: torch.Tensor, eps: float) -> StepViews:
-        capacity, d, tokens = sources.shape[-2], sources.shape[-1], sources.shape[:-2].numel()
-        constants = torch.tensor([eps] + [1.0 / n for n in range(1, capacity + 1)], device=sources.device).unbind()
-        prefixes = tuple(sources.narrow(-2, 0, n) for n in range(1, capacity + 1))
-        flat = tuple(p.view(tokens, n, d) for n, p in enumerate(prefixes, 1))
-        rows = (None,) + tuple(f.view(n, d) for n, f in enumerate(flat, 1)) if tokens == 1 else None
+    def of(cls, padded: torch.Tensor, eps: float, queries: torch.Tensor | None = None) -> StepViews:
+        """Views of a token-major buffer [B, T, K, D + 1], whose constant column this fills."""
+        capacity, d, tokens = padded.shape[-2], padded.shape[-1] - 1, padded.shape[:-2].numel()
+        padded[..., d] = (d * eps) ** 0.5
+        constants = torch.tensor([d**0.5] + [1.0 / n for n in range(1, capacity + 1)], device=padded.device).unbind()
+        prefixes = tuple(padded.narrow(-2, 0, n) for n in range(1, capacity + 1))
+        rows = (None,) + tuple(p.view(n, d + 1) for n, p in enumerate(prefixes, 1)) if tokens == 1 else None
+        flat = tuple(p.view(tokens, n, d + 1)[..., :d] for n, p in enumerate(prefixes, 1))
+        slots = padded[..., :d].unbind(-2)
+        scaled = None if queries is None else pad_query(queries * constants[0]).unbind()
         # Index n for n sources (no reader has none).
-        return cls(constants[0], (None,) + constants[1:], (None,) + prefixes, (None,) + flat, sources.unbind(-2), rows)
+        return cls((None,) + constants[1:], (None,) + prefixes, rows, (None,) + flat, slots, scaled, constants[0])
+
+
+def pad_query(q: torch.Tensor) -> torch.Tensor:
+    """A query [..., D] with a 0 for the constant column of a decoding step's buffer."""
+    return torch.nn.functional.pad(q, (0, 1))
 
 
 class BlockCache:
@@ -188,33 +211,34 @@ def _few_tokens(x: torch.Tensor) -> bool:
     return x.shape[:2].numel() <= SMALL_STEP_TOKENS
 
 
-def wants_score_table(embeddings: torch.Tensor) -> bool:
-    """Whether start_state would keep a score table, so whether the caller should gather the queries."""
-    if torch.is_grad_enabled():
-        return not torch.compiler.is_compiling()
-    return not _few_tokens(embeddings)
+def wants_queries() -> bool:
+    """Whether start_state would use all sublayers' folded queries (for a score table, or for a decoding
+    step's readers), so whether the caller should gather them."""
+    return not (torch.is_grad_enabled() and torch.compiler.is_compiling())
 
 
 def start_state(
     embeddings: torch.Tensor, eps: float, capacity: int | None = None, queries: torch.Tensor | None = None
 ) -> BlockState | SourceBuffer | TrainState:
     """The embedding b_0 is always its own source. With a capacity (the most sources any reader has)
-    the state is a SourceBuffer without autograd (with a score table when `queries`, all the sublayers'
-    folded pseudo-queries [R, D], are given) and a TrainState with it; a BlockState under torch.compile
-    or without a capacity."""
+    the state is a SourceBuffer without autograd and a TrainState with it; a BlockState under
+    torch.compile or without a capacity. `queries`, all the sublayers' folded pseudo-queries [R, D],
+    where given, make the score table (or, for few tokens, the readers' query views)."""
     if capacity is not None and not torch.is_grad_enabled():
-        sources = embeddings.new_empty(*embeddings.shape[:-1], capacity, embeddings.shape[-1], dtype=torch.float32)
-        sources[..., 0, :] = embeddings
-        inv_rms = sources.new_empty(sources.shape[:-1])
-        state = SourceBuffer(sources, inv_rms, 1, False, embeddings)
         if _few_tokens(embeddings):
-            state = state._replace(step=StepViews.of(sources, eps))
-        else:
-            inv_rms[..., 0] = inverse_rms(embeddings, eps)
-            if queries is not None:
-                scores = sources.new_empty(*sources.shape[:-1], queries.shape[0])
-                state = state._replace(queries=queries, scores=scores)
-                _score_source(state, 0)
+            d = embeddings.shape[-1]
+            padded = embeddings.new_empty(*embeddings.shape[:-1], capacity, d + 1, dtype=torch.float32)
+            step = StepViews.of(padded, eps, queries)
+            step.slots[0].copy_(embeddings)
+            return SourceBuffer(padded[..., :d], padded.new_empty(0), 1, False, embeddings, queries=queries, step=step)
+        sources = embeddings.new_empty(capacity, *embeddings.shape, dtype=torch.float32)
+        sources[0] = embeddings
+        inv_rms = sources.new_empty(sources.shape[:-1])
+        inv_rms[0] = inverse_rms(sources[0], eps)
+        state = SourceBuffer(sources, inv_rms, 1, False, embeddings)
+        if queries is not None:
+            state = state._replace(queries=queries, scores=sources.new_empty(*sources.shape[:-1], queries.shape[0]))
+            _score_source(state, 0)
         return state
     if capacity is not None and not torch.compiler.is_compiling():
         # Eager training. Under torch.compile the BlockState below is traced instead: plain tensor
@@ -234,7 +258,7 @@ def close_block(state, eps: float):
         if not state.has_partial:
             return state
         if state.step is None:
-            state.inv_rms[..., state.count] = inverse_rms(state.sources[..., state.count, :], eps)
+            state.inv_rms[state.count] = inverse_rms(state.sources[state.count], eps)
             if state.scores is not None:
                 _score_source(state, state.count)
         return state._replace(count=state.count + 1, has_partial=False)
@@ -251,7 +275,7 @@ def close_block(state, eps: float):
 
 def add_output(state, output: torch.Tensor):
     if isinstance(state, SourceBuffer):
-        slot = state.sources.select(-2, state.count) if state.step is None else state.step.slots[state.count]
+        slot = state.sources[state.count] if state.step is None else state.step.slots[state.count]
         if state.has_partial:
             slot.add_(output)
         else:  # the first output of a block initialises its slot (the buffer is allocated uninitialised)
@@ -263,8 +287,9 @@ def add_output(state, output: torch.Tensor):
 
 def pseudo_query(query: torch.Tensor, key_norm_weight: torch.Tensor) -> torch.Tensor:
     """(w * g): the key norm's weight folds into the query, since (w * g) . (k / rms(k)) is
-    ((w * g) . k) * inv_rms(k). float32, shape [D]."""
-    return query.reshape(-1).float() * key_norm_weight.float()
+    ((w * g) . k) * inv_rms(k). float32, shape [D] (or [R, D] for R stacked queries [R, 1, D] and key
+    norms [R, D])."""
+    return query.reshape(key_norm_weight.shape).float() * key_norm_weight.float()
 
 
 def table_scores(keys: torch.Tensor, queries: torch.Tensor, inv_rms: torch.Tensor) -> torch.Tensor:
@@ -274,9 +299,9 @@ def table_scores(keys: torch.Tensor, queries: torch.Tensor, inv_rms: torch.Tenso
 
 
 def _score_source(state: SourceBuffer, slot: int) -> None:
-    key = state.sources[..., slot, :]
-    scores = table_scores(key.reshape(-1, key.shape[-1]), state.queries, state.inv_rms[..., slot].reshape(-1))
-    state.scores[..., slot, :] = scores.view(*key.shape[:-1], -1)
+    key = state.sources[slot]
+    scores = table_scores(key.reshape(-1, key.shape[-1]), state.queries, state.inv_rms[slot].reshape(-1))
+    state.scores[slot] = scores.view(*key.shape[:-1], -1)
 
 
 def source_scores(keys: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -431,11 +456,13 @@ def depth_mix(
     is the base model's own residual stream bit for bit, with its own rounding (in bfloat16 a freshly
     summed mix would round differently from the base model's running sum and drift from it).
     """
-    queries = getattr(state, "queries", None)
-    if queries is not None and reader is not None:  # folded once for the score table already
-        q = queries[reader]
+    step = getattr(state, "step", None)
+    if reader is not None and getattr(state, "queries", None) is not None:  # folded once per forward
+        q = state.queries[reader] if step is None else step.queries[reader]
     else:
         q = query if key_norm_weight is None else pseudo_query(query, key_norm_weight)
+        if step is not None:
+            q = pad_query(q * step.root_d)  # see _few_token_logits
     if isinstance(state, SourceBuffer):
         return _mix_buffer(state, q, eps, scaling, reader)
     if isinstance(state, TrainState):
@@ -480,59 +507,79 @@ def _mix_blocks(keys, inv_rms, partial, stream, q, eps: float, scaling: str, tab
 
 
 def _mix_buffer(state: SourceBuffer, q: torch.Tensor, eps: float, scaling: str, reader: int | None) -> torch.Tensor:
-    """depth_mix on a SourceBuffer. The partial sum sits next to the completed sources, so one product
-    scores all n sources and one product mixes them."""
+    """depth_mix on a SourceBuffer."""
     n = state.count + int(state.has_partial)
     step = state.step
-    if step is not None:
-        logits, flat, inverse = _few_token_logits(step, n, q), step.flat[n], step.inverse[n]
+    if step is not None:  # token-major: one product scores a token's n sources, one mixes them
+        weights = torch.softmax(_few_token_logits(step, n, q), dim=-1)
+        if _RECORDERS:
+            _RECORDERS[-1].append(weights.movedim(-1, 0).clone())
+        return _fused_mix(state.stream, weights, step.flat[n], scaling, step.inverse[n])
+    # Source-major: scores [n, B, T], from the table where there is one (phase 2: only the partial sum
+    # is scored here), else one product over the n contiguous sources.
+    m, d = state.count, state.sources.shape[-1]
+    if state.scores is not None and reader is not None:
+        logits = state.scores[:m, ..., reader]
+        if state.has_partial:
+            partial = state.sources[m]
+            partial_logit = (partial @ q).mul_(inverse_rms(partial, eps))
+            logits = torch.cat([logits, partial_logit.unsqueeze(0)])
     else:
-        keys = state.sources.narrow(-2, 0, n)  # [B, T, n, D], a view
-        if state.scores is not None and reader is not None:
-            logits = state.scores[..., : state.count, reader]
-            if state.has_partial:
-                partial = state.sources[..., state.count, :]
-                partial_logit = (partial @ q).mul_(inverse_rms(partial, eps))
-                logits = torch.cat([logits, partial_logit.unsqueeze(-1)], dim=-1)
-        else:
-            if state.has_partial:
-                state.inv_rms[..., state.count] = inverse_rms(state.sources[..., state.count, :], eps)
-            logits = source_scores(keys, q).mul_(state.inv_rms[..., :n])
-        flat, inverse = keys.reshape(-1, n, keys.shape[-1]), None
-    weights = torch.softmax(logits, dim=-1)
+        if state.has_partial:
+            state.inv_rms[m] = inverse_rms(state.sources[m], eps)
+        logits = torch.mv(state.sources[:n].view(-1, d), q).view(state.inv_rms[:n].shape).mul_(state.inv_rms[:n])
+    weights = torch.softmax(logits, dim=0)
     if _RECORDERS:
-        _RECORDERS[-1].append(weights.movedim(-1, 0).clone())
-    return _fused_mix(state.stream, weights, flat, scaling, inverse)
+        _RECORDERS[-1].append(weights.clone())
+    return _chained_mix(state.stream, weights, state.sources, scaling)
+
+
+def _chained_mix(stream: torch.Tensor, weights: torch.Tensor, sources: torch.Tensor, scaling: str) -> torch.Tensor:
+    """n * sum_i alpha_i k_i as H + sum_i n (alpha_i - 1/n) k_i (exactly H at zero queries), as one
+    elementwise multiply-add per source over a source-major buffer: weights [n, B, T] (this function's
+    own, changed in place), sources [K, B, T, D]. Measured per 512-token reader, cold caches: faster than
+    one batched product ([B*T, 1, n] @ [B*T, n, D] runs as B*T tiny matrix products) up to n = 9."""
+    n = weights.shape[0]
+    if scaling == "count":
+        coef = weights.sub_(1.0 / n).mul_(n).unsqueeze(-1)
+        mixed = torch.addcmul(stream.float(), coef[0], sources[0])
+    else:
+        coef = weights.unsqueeze(-1)
+        mixed = sources[0] * coef[0]
+    for i in range(1, n):
+        mixed.addcmul_(coef[i], sources[i])
+    return mixed.to(stream.dtype)
 
 
 def _few_token_logits(step: StepViews, n: int, q: torch.Tensor) -> torch.Tensor:
-    """Scores of the first n sources in a decoding step, [B, T, n]. Recomputing every source's statistics
-    takes fewer operations than merging cached ones, and such a step pays per operation, so this is
-    written for the fewest and cheapest: the textbook mean(k * k), add, rsqrt took 15 us per reader,
-    this 10 (measured; an in-place chain for the statistics was slower)."""
-    keys = step.prefixes[n]
-    norms = torch.linalg.vector_norm(keys, dim=-1)
-    inv_rms = torch.addcmul(step.eps, norms, norms, value=1.0 / keys.shape[-1]).rsqrt_()  # rsqrt(|k|^2 / D + eps)
+    """Scores of the first n sources in a decoding step, [B, T, n], for q = (w * g) sqrt(D) padded with a 0.
+    Recomputing every source's statistics takes fewer operations than merging cached ones, and such a
+    step pays per operation, so this is written for the fewest: q . k / rms(k) = (q sqrt(D)) . k / |k, c|
+    with c = sqrt(D eps) the buffer's constant column. Measured per reader of 6 sources (alone): the
+    textbook mean(k * k), add, rsqrt, mv, mul took 15 us; norm, addcmul, rsqrt_, mv, mul_ 7.8; this 5.1."""
+    keys = step.padded[n]
+    norms = torch.linalg.vector_norm(keys, dim=-1)  # sqrt(D) rms(k)
     if step.rows is not None:
-        return inv_rms.mul_(torch.mv(step.rows[n], q))
-    return (keys * q).sum(-1).mul_(inv_rms)
+        return torch.mv(step.rows[n], q) / norms
+    return (keys * q).sum(-1).div_(norms)
 
 
-def _fused_mix(
-    stream: torch.Tensor, weights: torch.Tensor, flat: torch.Tensor, scaling: str, inverse: torch.Tensor | None = None
-) -> torch.Tensor:
+def _fused_mix(stream: torch.Tensor, weights: torch.Tensor, flat: torch.Tensor, scaling: str, inverse: torch.Tensor) -> torch.Tensor:
     """n * sum_i alpha_i k_i as H + n * sum_i (alpha_i - 1/n) k_i in one product (exactly H at zero
-    queries). flat: the keys as [B*T, n, D], may be a strided view of the buffer; inverse: 1/n as a
-    tensor, or None for a Python number."""
+    queries), for few tokens. flat: the keys as [B*T, n, D], a view of the token-major buffer; inverse:
+    1/n as a tensor. (Dtype conversions are skipped where there is none to do: each is an operation.)"""
     n, d = flat.shape[-2], flat.shape[-1]
     one_token = stream.shape[1] == 1  # decoding: [B, 1, *] already has bmm's shapes, no views needed
-    base = stream.float() if one_token else stream.float().reshape(-1, 1, d)
+    same = stream.dtype == torch.float32
+    base = stream if same else stream.float()
+    base = base if one_token else base.reshape(-1, 1, d)
     weights = weights if one_token else weights.reshape(-1, 1, n)
     if scaling == "count":  # the weights are this function's own (recorders got a copy): in place
-        mixed = torch.baddbmm(base, weights.sub_(1.0 / n if inverse is None else inverse), flat, alpha=n)
+        mixed = torch.baddbmm(base, weights.sub_(inverse), flat, alpha=n)
     else:
         mixed = torch.bmm(weights, flat)
-    return (mixed if one_token else mixed.view(stream.shape)).to(stream.dtype)
+    mixed = mixed if one_token else mixed.view(stream.shape)
+    return mixed if same else mixed.to(stream.dtype)
 
 
 # Active recorders of depth-attention weights (a plain list, not a ContextVar: torch.compile traces it).

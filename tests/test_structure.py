@@ -159,17 +159,23 @@ def test_inference_buffer_and_autograd_state_compute_the_same(family, length, bl
         assert (a - b.detach()).abs().max().item() <= 1e-4
 
 
+@pytest.mark.parametrize("folded", [True, False], ids=["folded-queries", "per-reader-queries"])
 @pytest.mark.parametrize("batch", [1, 2])
 @pytest.mark.parametrize("block_size", [1, 3])
-def test_decoding_steps_with_the_kv_cache_match_a_full_forward(batch, block_size):
+def test_decoding_steps_with_the_kv_cache_match_a_full_forward(batch, block_size, folded, monkeypatch):
     """A decoding step (one token per sequence) has its own formulation of the scores and mix (StepViews;
     a matrix-vector product for one sequence, a product and sum for several). With trained (random)
-    queries, every step's logits must be those of one forward over the whole sequence."""
+    queries, every step's logits must be those of the plain reference over the whole sequence; also where
+    each reader folds its own query (parameters that are not whole tensors, as under FSDP)."""
+    from attnres_convert import modeling_attnres
+
+    if not folded:
+        monkeypatch.setattr(modeling_attnres, "_all_queries", lambda spec, like: None)
     model = convert_model(tiny_model("llama"), block_size=block_size).eval()
     _randomize_depth_params(model, seed=5)
     ids = token_ids(batch, 16, seed=4)
     with torch.no_grad():
-        full = model(ids).logits
+        full = _reference_llama(model, ids, block_size)
         out = model(ids[:, :10], use_cache=True)
         steps = [out.logits[:, -1]]
         for t in range(10, 16):
