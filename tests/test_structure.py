@@ -130,17 +130,18 @@ def test_random_queries_match_reference_on_the_design_test_vector():
     assert (got - want).abs().max().item() <= 1e-4
 
 
+@pytest.mark.parametrize("scaling", ["count", "mean"])
 @pytest.mark.parametrize("family", ["llama", "gpt_neox_parallel"])
 @pytest.mark.parametrize("length", [20, 60])
 @pytest.mark.parametrize("block_size", [1, 3])
-def test_inference_buffer_and_autograd_state_compute_the_same(family, length, block_size):
+def test_inference_buffer_and_autograd_state_compute_the_same(family, length, block_size, scaling):
     """Without autograd the state is one preallocated buffer updated in place (SourceBuffer): for few
     tokens every reader recomputes all scores, for more it reads the completed sources' scores from the
     table written when each completed (with a block completing between a layer's readers when S = 1).
     With autograd it is a TrainState (blocks in a cache outside autograd). All paths compute the same function."""
     from attnres_convert.depth_attention import SMALL_STEP_TOKENS, SourceBuffer, record_depth_weights
 
-    model = convert_model(tiny_model(family), block_size=block_size).eval()
+    model = convert_model(tiny_model(family), block_size=block_size, source_scaling=scaling).eval()
     _randomize_depth_params(model, seed=3)
     ids = token_ids(2, length)
     assert (ids.numel() <= SMALL_STEP_TOKENS) == (length == 20)
