@@ -305,10 +305,11 @@ def _score_source(state: SourceBuffer, slot: int) -> None:
 
 
 def source_scores(keys: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """q . k for every source of every token: keys [B, T, c, D] (contiguous blocks or a strided view of
-    the buffer) -> [B, T, c]. As one batched product [1, D] @ [D, c] per token, which reads the keys in
-    place at memory speed; measured on CPU, a plain [B*T*c, D] @ [D] product (or the [D, k] product
-    that scores a layer's k readers at once) ran two to three times slower."""
+    """q . k for every source of every token, on token-major keys: [B, T, c, D] (BlockState's blocks, or a
+    strided view of the training cache) -> [B, T, c]. As one batched product [1, D] @ [D, c] per token,
+    which reads the keys in place at memory speed; measured on CPU over a token-major buffer, a plain
+    [B*T*c, D] @ [D] product (or the [D, k] product that scores a layer's k readers at once) ran two to
+    three times slower. (The source-major inference buffer has each source contiguous: one mv there.)"""
     d = keys.shape[-1]
     flat = keys.reshape(-1, keys.shape[-2], d)
     return torch.bmm(q.view(1, 1, d).expand(flat.shape[0], 1, d), flat.transpose(1, 2)).view(keys.shape[:-1])
