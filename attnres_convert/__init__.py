@@ -1,12 +1,12 @@
 """attnres: convert pretrained PreNorm causal LMs to Block Attention Residuals, exactly."""
 
-from .architectures import FAMILIES, UnsupportedModelError, supported_model_types
-from .configuration_attnres import AttnResConfig
-from .convert import ConvertResult, convert
+from .modeling.architectures import FAMILIES, UnsupportedModelError, supported_model_types
+from .modeling.configuration_attnres import AttnResConfig
+from .conversion.convert import ConvertResult, convert
 from .errors import AttnResError, OutputError, SourceError, VerificationError
-from .modeling_attnres import AttnResForCausalLM
-from .saving import load_converted, save_converted
-from .surgery import BlockSizeError, convert_model, resolve_block_size, summarize
+from .modeling.modeling_attnres import AttnResForCausalLM
+from .conversion.saving import load_converted, save_converted
+from .conversion.surgery import BlockSizeError, convert_model, resolve_block_size, summarize
 
 __version__ = "0.1.0"
 

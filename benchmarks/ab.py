@@ -31,9 +31,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from attnres_convert.metrics import read_metrics  # noqa: E402
-from attnres_convert.recipe import apply_overrides, find_recipe, parse_recipe, read_yaml  # noqa: E402
-from attnres_convert.training import finetune  # noqa: E402
+from attnres_convert.finetune.metrics import read_metrics  # noqa: E402
+from attnres_convert.finetune.recipe import apply_overrides, find_recipe, parse_recipe, read_yaml  # noqa: E402
+from attnres_convert.finetune.training import finetune  # noqa: E402
 
 
 def arm_recipe(data: dict, overrides: list[str], out: Path):
@@ -97,9 +97,9 @@ def throughput(data: dict, arms: list[tuple[str, list[str]]], steps: int, workdi
 
     import torch
 
-    from attnres_convert.optim import apply_lora, make_optimizer, select_trainable
-    from attnres_convert.starting_model import load_starting_model
-    from attnres_convert.training import token_loss
+    from attnres_convert.finetune.optim import apply_lora, make_optimizer, select_trainable
+    from attnres_convert.finetune.starting_model import load_starting_model
+    from attnres_convert.finetune.training import token_loss
 
     built = []
     for name, overrides in arms:

@@ -30,7 +30,7 @@ import torch  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from attnres_convert.optim import enable_checkpointing  # noqa: E402
+from attnres_convert.finetune.optim import enable_checkpointing  # noqa: E402
 
 console = Console()
 
@@ -39,7 +39,7 @@ def prepare_folder(workdir: Path) -> Path:
     """SmolLM2 dequantised once to a plain HF folder, so loads in the benchmark are fast and equal."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from attnres_convert.samples import default_model_path
+    from attnres_convert.conversion.samples import default_model_path
 
     folder = workdir / "smollm2-hf"
     if not (folder / "config.json").exists():
@@ -138,8 +138,8 @@ STEP_MEMORY = textwrap.dedent(
     sys.path.insert(0, {root!r})
     torch.set_num_threads(2)
     from transformers import AutoModelForCausalLM
-    from attnres_convert.optim import enable_checkpointing
-    from attnres_convert.surgery import convert_model
+    from attnres_convert.finetune.optim import enable_checkpointing
+    from attnres_convert.conversion.surgery import convert_model
     model = AutoModelForCausalLM.from_pretrained({folder!r}, dtype=torch.float32)
     if {converted}:
         model = convert_model(model)
@@ -236,7 +236,7 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM
 
-    from attnres_convert.surgery import convert_model
+    from attnres_convert.conversion.surgery import convert_model
 
     workdir = Path(tempfile.mkdtemp(prefix="attnres-bench-"))
     folder = prepare_folder(workdir)

@@ -27,7 +27,7 @@ def two_threads():
 @pytest.fixture(scope="session")
 def smollm2_path():
     from attnres_convert.errors import SourceError
-    from attnres_convert.samples import default_model_path
+    from attnres_convert.conversion.samples import default_model_path
 
     try:
         return default_model_path()

@@ -36,7 +36,7 @@ def one_torch_thread():
 
 def run_cli(*args, env: dict | None = None):
     """`attnres ARGS` in this process (a CliRunner): the exit code and everything printed."""
-    import cli
+    from attnres_convert import cli
 
     return CliRunner().invoke(cli.app, [str(arg) for arg in args], env=env)
 
@@ -74,7 +74,7 @@ def run_attnres(*args, env: dict | None = None, timeout: float = 120) -> subproc
     """The installed `attnres` entry point (cli:main) in a fresh Python."""
     full_env = {**os.environ, **ONE_THREAD_ENV, **(env or {})}
     return subprocess.run(
-        [sys.executable, "-c", "import sys; from cli import main; sys.exit(main())", *map(str, args)],
+        [sys.executable, "-c", "import sys; from attnres_convert.cli import main; sys.exit(main())", *map(str, args)],
         cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL,
     )
 
@@ -115,7 +115,7 @@ def edit_config(folder: Path, **changes) -> Path:
 
 
 def convert_in_child(source: str, out: str, block_size: int, verify: bool, conn) -> None:
-    """`attnres_convert.convert` reporting each stage over CONN as it starts (the parent kills us at chosen
+    """`attnres_convert.conversion.convert` reporting each stage over CONN as it starts (the parent kills us at chosen
     moments). Runs in a forkserver child: torch and transformers are already imported there."""
     import torch
 
@@ -153,16 +153,16 @@ def forkserver_context():
     import multiprocessing
 
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["reliability_helpers", "tiny_models", "attnres_convert", "attnres_convert.training"])
+    context.set_forkserver_preload(["reliability_helpers", "tiny_models", "attnres_convert", "attnres_convert.finetune.training"])
     return context
 
 
 def finetune_in_child(recipe_path: str, resume: bool) -> None:
-    """`attnres_convert.training.finetune` on a recipe file, quietly (the parent kills us at chosen moments)."""
+    """`attnres_convert.finetune.training.finetune` on a recipe file, quietly (the parent kills us at chosen moments)."""
     import torch
 
-    from attnres_convert.recipe import load_recipe
-    from attnres_convert.training import finetune
+    from attnres_convert.finetune.recipe import load_recipe
+    from attnres_convert.finetune.training import finetune
 
     torch.set_num_threads(1)
     finetune(load_recipe(recipe_path), resume=resume)

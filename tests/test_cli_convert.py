@@ -5,7 +5,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from cli import app
+from attnres_convert.cli import app
 from tiny_models import tiny_model
 
 runner = CliRunner()

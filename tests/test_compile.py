@@ -3,7 +3,7 @@
 import torch
 import torch._dynamo as dynamo
 
-from attnres_convert.surgery import convert_model
+from attnres_convert.conversion.surgery import convert_model
 from tiny_models import tiny_model, token_ids
 
 

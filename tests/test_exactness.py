@@ -6,7 +6,7 @@ import copy
 import pytest
 import torch
 
-from attnres_convert.surgery import convert_model, resolve_block_size, structure_of
+from attnres_convert.conversion.surgery import convert_model, resolve_block_size, structure_of
 from tiny_models import CONFIGS, tiny_model, token_ids
 
 FAMILIES = sorted(CONFIGS)

@@ -14,10 +14,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from attnres_convert.checkpoints import list_checkpoints
-from attnres_convert.recipe import RecipeError, parse_recipe
-from attnres_convert.saving import load_converted
-from attnres_convert.training import NonFiniteLossError, TrainingInterrupted, finetune
+from attnres_convert.finetune.checkpoints import list_checkpoints
+from attnres_convert.finetune.recipe import RecipeError, parse_recipe
+from attnres_convert.conversion.saving import load_converted
+from attnres_convert.finetune.training import NonFiniteLossError, TrainingInterrupted, finetune
 from finetune_helpers import tiny_model_folder, tiny_recipe, write_corpus, write_recipe
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -54,7 +54,7 @@ def _train_losses(out: Path) -> dict[int, float]:
 
 
 def _checkpoint_steps(out: Path) -> list[int]:
-    from attnres_convert.checkpoints import list_checkpoints
+    from attnres_convert.finetune.checkpoints import list_checkpoints
 
     return [int(p.name.split("-")[1]) for p in list_checkpoints(out)]
 
@@ -166,7 +166,7 @@ def test_sigint_saves_a_checkpoint_and_exits_cleanly(tmp_path, setup, reference,
     out = tmp_path / "run"
     recipe = _recipe(tmp_path / "recipe.yaml", setup, out, checkpoint={"every": 0, "keep_last": 2})
     process = subprocess.Popen(
-        [sys.executable, "-c", "import sys; from cli import main; sys.exit(main())", "finetune", str(recipe)],
+        [sys.executable, "-c", "import sys; from attnres_convert.cli import main; sys.exit(main())", "finetune", str(recipe)],
         cwd=ROOT, env={**os.environ, **ONE_THREAD_ENV}, stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL,
     )

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import yaml
 
-from attnres_convert.data import SequenceOrder, chunk, held_out, local_micro_batches, pack, split_lines
-from attnres_convert.recipe import (
+from attnres_convert.finetune.data import SequenceOrder, chunk, held_out, local_micro_batches, pack, split_lines
+from attnres_convert.finetune.recipe import (
     RecipeError,
     apply_overrides,
     check_recipe,
@@ -43,7 +43,7 @@ class Ran:
 
 def run_cli(*args):
     """`attnres ARGS` in this process (CliRunner; stdout and stderr apart), lines not wrapped."""
-    import cli
+    from attnres_convert import cli
     from typer.testing import CliRunner
 
     return Ran(CliRunner().invoke(cli.app, [str(a) for a in args], env={"COLUMNS": "300"}))
@@ -291,7 +291,7 @@ def test_corpus_from_jsonl_parquet_and_a_datasets_builder(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from attnres_convert.data import build_corpus
+    from attnres_convert.finetune.data import build_corpus
     from finetune_helpers import char_tokenizer
 
     texts = [f"document {i}: " + "to be or not " * (i % 4 + 1) for i in range(30)]

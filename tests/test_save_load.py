@@ -11,8 +11,8 @@ import torch
 from safetensors import safe_open
 
 from attnres_convert import load_converted, save_converted
-from attnres_convert.saving import SHIPPED_CODE
-from attnres_convert.surgery import convert_model
+from attnres_convert.conversion.saving import SHIPPED_CODE
+from attnres_convert.conversion.surgery import convert_model
 from tiny_models import tiny_model, token_ids
 
 BLOCK_IMPORT = textwrap.dedent(

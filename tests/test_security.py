@@ -92,7 +92,7 @@ def test_remote_code_is_refused_without_the_flag(tmp_path, remote_code_model, mo
 
     # The library calls refuse too: the config and the weights.
     from attnres_convert.errors import SourceError
-    from attnres_convert.sources import load_config, load_model, resolve_source
+    from attnres_convert.conversion.sources import load_config, load_model, resolve_source
 
     source = resolve_source(str(remote_code_model))
     for load in (load_config, load_model):
@@ -107,7 +107,7 @@ def test_remote_code_runs_with_the_flag(tmp_path, remote_code_model):
     env = {**os.environ, **ONE_THREAD_ENV, SENTINEL_ENV: str(sentinel), "HF_MODULES_CACHE": str(tmp_path / "modules"),
            "HF_HOME": str(tmp_path / "hf-home")}
     code = textwrap.dedent(f"""
-        from attnres_convert.sources import load_config, load_model, resolve_source
+        from attnres_convert.conversion.sources import load_config, load_model, resolve_source
         source = resolve_source({str(remote_code_model)!r})
         print(type(load_config(source, trust_remote_code=True)).__name__)
         print(type(load_model(source, trust_remote_code=True)).__name__)
@@ -250,7 +250,7 @@ FORBIDDEN_ATTRIBUTES = {"load", "save", "hub", "load_library", "cpp_extension", 
 def _shipped_files(tmp_path: Path) -> list[Path]:
     """The .py files of a real converted folder (whatever save_pretrained copies, not a list kept by hand)."""
     from attnres_convert import save_converted
-    from attnres_convert.surgery import convert_model
+    from attnres_convert.conversion.surgery import convert_model
     from tiny_models import tiny_model
 
     out = save_converted(convert_model(tiny_model("llama"), block_size=2), tmp_path / "converted")
@@ -259,7 +259,7 @@ def _shipped_files(tmp_path: Path) -> list[Path]:
 
 def test_shipped_code_only_defines_the_model(tmp_path):
     files = _shipped_files(tmp_path)
-    from attnres_convert.saving import SHIPPED_CODE
+    from attnres_convert.conversion.saving import SHIPPED_CODE
 
     assert sorted(path.name for path in files) == sorted(SHIPPED_CODE)
     imports, problems = {}, []
@@ -332,8 +332,8 @@ def test_shipped_code_opens_no_file_and_no_connection_at_runtime(tmp_path):
 def test_resume_refuses_a_tampered_checkpoint(tmp_path):
     """Accelerate unpickles registered state (custom_checkpoint_*.pkl) without weights_only: a checkpoint that
     holds code is refused before it is read, so `--resume` never runs it."""
-    from attnres_convert.recipe import load_recipe
-    from attnres_convert.training import TrainingInterrupted, finetune
+    from attnres_convert.finetune.recipe import load_recipe
+    from attnres_convert.finetune.training import TrainingInterrupted, finetune
     from finetune_helpers import tiny_model_folder, tiny_recipe, write_corpus, write_recipe
 
     out = tmp_path / "run"

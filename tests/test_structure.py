@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from attnres_convert.depth_attention import default_block_size, plan_sublayers, source_ranges
-from attnres_convert.surgery import convert_model
+from attnres_convert.modeling.depth_attention import default_block_size, plan_sublayers, source_ranges
+from attnres_convert.conversion.surgery import convert_model
 from tiny_models import tiny_model, token_ids
 
 # Design page, section 3: Block AttnRes with S = 3 over seven sublayers.
@@ -139,7 +139,7 @@ def test_inference_buffer_and_autograd_state_compute_the_same(family, length, bl
     tokens every reader recomputes all scores, for more it reads the completed sources' scores from the
     table written when each completed (with a block completing between a layer's readers when S = 1).
     With autograd it is a TrainState (blocks in a cache outside autograd). All paths compute the same function."""
-    from attnres_convert.depth_attention import SMALL_STEP_TOKENS, SourceBuffer, record_depth_weights
+    from attnres_convert.modeling.depth_attention import SMALL_STEP_TOKENS, SourceBuffer, record_depth_weights
 
     model = convert_model(tiny_model(family), block_size=block_size, source_scaling=scaling).eval()
     _randomize_depth_params(model, seed=3)
@@ -168,7 +168,7 @@ def test_decoding_steps_with_the_kv_cache_match_a_full_forward(batch, block_size
     a matrix-vector product for one sequence, a product and sum for several). With trained (random)
     queries, every step's logits must be those of the plain reference over the whole sequence; also where
     each reader folds its own query (parameters that are not whole tensors, as under FSDP)."""
-    from attnres_convert import modeling_attnres
+    from attnres_convert.modeling import modeling_attnres
 
     if not folded:
         monkeypatch.setattr(modeling_attnres, "_all_queries", lambda spec, like: None)
@@ -204,8 +204,8 @@ def test_training_gradients_match_autograd_through_the_reference(block_size, sca
     model's weights and embeddings) must be autograd's through the plain reference; and a second
     backward through the same graph (retain_graph) must add exactly as much again. Without the table
     (queries that are not whole tensors on one device, as under FSDP) every reader scores the blocks itself."""
-    from attnres_convert import modeling_attnres
-    from attnres_convert.depth_attention import TrainState
+    from attnres_convert.modeling import modeling_attnres
+    from attnres_convert.modeling.depth_attention import TrainState
 
     if not table:
         monkeypatch.setattr(modeling_attnres, "_all_queries", lambda spec, like: None)

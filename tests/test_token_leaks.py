@@ -35,7 +35,7 @@ DRIVER = textwrap.dedent(
     """
     import json, sys
     import click
-    import cli
+    from attnres_convert import cli
 
     commands = {c.name or c.callback.__name__ for c in cli.app.registered_commands}
     commands |= {group.name for group in cli.app.registered_groups}

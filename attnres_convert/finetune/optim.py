@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .modeling_attnres import AttnResKeyNorm, AttnResQuery
+from ..modeling.modeling_attnres import AttnResKeyNorm, AttnResQuery
 from .recipe import LoraSection, Recipe, RecipeError
 
 

@@ -7,11 +7,11 @@ from dataclasses import dataclass
 
 from transformers import PreTrainedModel
 
-from .errors import SourceError
+from ..errors import SourceError
 from .recipe import Recipe, RecipeError, cached_config
-from .saving import is_converted_folder, load_converted
-from .sources import DTYPES, ModelSource, load_config, load_model, load_tokenizer, resolve_source
-from .surgery import ConversionSummary, convert_model, resolve_block_size, structure_of, summarize
+from ..conversion.saving import is_converted_folder, load_converted
+from ..conversion.sources import DTYPES, ModelSource, load_config, load_model, load_tokenizer, resolve_source
+from ..conversion.surgery import ConversionSummary, convert_model, resolve_block_size, structure_of, summarize
 
 
 @dataclass

@@ -23,7 +23,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from .errors import AttnResError
+from ..errors import AttnResError
 
 SHAKESPEARE_PREFIX = "shakespeare:"
 DEFAULT_SOURCES = (None, "", "default")
@@ -284,9 +284,10 @@ def format_validation_error(error: ValidationError, model: type[BaseModel] = Rec
 
 
 def recipes_dir() -> Path:
-    """The shipped recipes: $ATTNRES_RECIPES, else `recipes/` beside the package (repository layout)."""
+    """The shipped recipes: $ATTNRES_RECIPES, else the package's `recipes/` (package data in a wheel; in a
+    checkout, a link to the repository's `recipes/`)."""
     env = os.environ.get("ATTNRES_RECIPES")
-    return Path(env) if env else Path(__file__).resolve().parent.parent / "recipes"
+    return Path(env) if env else Path(__file__).parent.parent / "recipes"
 
 
 def shipped_recipes() -> dict[str, Path]:
@@ -379,7 +380,7 @@ def expand_files(patterns: list[str], field: str) -> tuple[list[Path], list[str]
     for index, pattern in enumerate(patterns):
         where = f"{field}[{index}]"
         if pattern.startswith(SHAKESPEARE_PREFIX):
-            from .samples import shakespeare_plays
+            from ..conversion.samples import shakespeare_plays
 
             try:
                 plays = shakespeare_plays()
@@ -420,7 +421,7 @@ def cached_config(source, converted: bool, trust_remote_code: bool):
     seconds, and validation and model loading both need it. Treat it as read-only."""
     from transformers import AutoConfig
 
-    from .sources import load_config
+    from ..conversion.sources import load_config
 
     if converted:
         return AutoConfig.from_pretrained(source.location).text_config
@@ -441,8 +442,8 @@ def is_run_folder(path: Path) -> bool:
 def check_recipe(recipe: Recipe, resume: bool = False, check_output: bool = True, token: str | None = None) -> None:
     """What the file system can tell, before anything is loaded or written. `check_output=False` skips the
     run-folder check (`attnres recipes validate`: the folder may exist from an earlier run)."""
-    from .saving import is_converted_folder, write_problem
-    from .sources import resolve_source
+    from ..conversion.saving import is_converted_folder, write_problem
+    from ..conversion.sources import resolve_source
 
     problems: list[str] = []
     train_files: list[Path] = []
@@ -481,7 +482,7 @@ def check_recipe(recipe: Recipe, resume: bool = False, check_output: bool = True
 
     if recipe.output.push_to_hub:
         # Fail now, not after hours of training: the repo id must be valid and a token must exist.
-        from .hub import check_repo_id, resolve_token
+        from ..hub.push import check_repo_id, resolve_token
 
         for check in (lambda: check_repo_id(recipe.output.push_to_hub), lambda: resolve_token(token)):
             try:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from .errors import SourceError
+from ..errors import SourceError
 
 # Public-domain text (Hamlet, Act III Scene 1), used by `attnres convert --verify`.
 SAMPLE_TEXT = """\

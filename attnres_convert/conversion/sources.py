@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedConfig, PreTrainedModel
 
-from .errors import SourceError
-from .hub import hub_endpoint, hub_reachable
+from ..errors import SourceError
+from ..hub.push import hub_endpoint, hub_reachable
 from .samples import default_model_path
 
 DTYPES = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -142,7 +142,7 @@ def load_config(source: ModelSource, trust_remote_code: bool = False) -> PreTrai
 def _unknown_type_error(source: ModelSource) -> SourceError:
     import transformers
 
-    from .architectures import supported_model_types
+    from ..modeling.architectures import supported_model_types
 
     model_type = None
     if source.kind == "folder":

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import yaml
 
-from .hub import scrub
-from .surgery import describe_sources
+from .push import scrub
+from ..conversion.surgery import describe_sources
 
 # Licences of the models that ship offline with this project.
 KNOWN_LICENSES = {"SmolLM2-135M-Instruct.Q4_1.gguf": "apache-2.0"}

@@ -20,7 +20,7 @@ from urllib.parse import urlparse
 
 import yaml
 
-from .errors import AttnResError
+from ..errors import AttnResError
 
 TOKENIZER_VOCABS = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
 # Weight files a new push replaces: stale shards of an earlier push must not survive next to a new index.
@@ -159,7 +159,7 @@ def _config_problems(folder: Path) -> tuple[list[str], str | None]:
         return ["config.json has no model_type: not a transformers model folder"], None
     if config["model_type"] != "attnres":
         return [], "plain"
-    from .saving import SHIPPED_CODE  # lazy: saving imports torch and transformers
+    from ..conversion.saving import SHIPPED_CODE  # lazy: saving imports torch and transformers
 
     problems = []
     auto_map = config.get("auto_map") or {}

@@ -23,11 +23,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .architectures import family_for
-from .errors import SourceError
-from .depth_attention import record_depth_weights, source_ranges
-from .modeling_attnres import AttnResForCausalLM, AttnResQuery
-from .surgery import ConversionSummary, summarize
+from ..modeling.architectures import family_for
+from ..errors import SourceError
+from ..modeling.depth_attention import record_depth_weights, source_ranges
+from ..modeling.modeling_attnres import AttnResForCausalLM, AttnResQuery
+from ..conversion.surgery import ConversionSummary, summarize
 
 
 @dataclass
@@ -263,10 +263,10 @@ def inspect_source(
     weights), OUT-relative.png (the same against uniform) and OUT-magnitudes.png (residual sum against
     AttnRes). Profiles need a backward pass: they
     run when plotting unless `profiles` says otherwise."""
-    from .loading import load_any
-    from .samples import SAMPLE_TEXT
-    from .surgery import convert_model
-    from .verify import sample_input_ids
+    from ..conversion.loading import load_any
+    from ..conversion.samples import SAMPLE_TEXT
+    from ..conversion.surgery import convert_model
+    from ..conversion.verify import sample_input_ids
 
     loaded = load_any(model, dtype, trust_remote_code)
     network = loaded.model

@@ -13,11 +13,11 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from .data import Sequences, TokenBudget, file_documents, pack, pad_token_id, tokenize
-from .errors import AttnResError
-from .loading import LoadedModel, load_any
-from .metrics import perplexity as perplexity_of
-from .recipe import expand_files
+from ..finetune.data import Sequences, TokenBudget, file_documents, pack, pad_token_id, tokenize
+from ..errors import AttnResError
+from ..conversion.loading import LoadedModel, load_any
+from ..finetune.metrics import perplexity as perplexity_of
+from ..finetune.recipe import expand_files
 
 DEFAULT_SEQ_LEN = 512
 
@@ -46,7 +46,7 @@ class EvalResult:
 def heldout_loss(model, sequences: Sequences, batch_size: int = 1) -> tuple[float, int]:
     """(mean next-token loss in nats, number of predictions) of `model` over `sequences`, one process.
     The per-batch loss is fine-tuning's own (training.token_loss), so both tools score alike."""
-    from .training import token_loss
+    from ..finetune.training import token_loss
 
     was_training = model.training
     model.eval()

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import torch
 
-from .card import conversion_card
-from .architectures import UnsupportedModelError
-from .errors import OutputError, VerificationError
-from .modeling_attnres import AttnResForCausalLM
+from ..hub.card import conversion_card
+from ..modeling.architectures import UnsupportedModelError
+from ..errors import OutputError, VerificationError
+from ..modeling.modeling_attnres import AttnResForCausalLM
 from .samples import SAMPLE_TEXT
 from .saving import check_output, save_converted
 from .sources import ModelSource, load_config, load_model, load_tokenizer, resolve_source

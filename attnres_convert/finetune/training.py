@@ -43,7 +43,7 @@ from .checkpoints import (
     trainable_only_hook,
 )
 from .data import Corpus, SequenceOrder, Sequences, build_corpus, local_micro_batches
-from .errors import AttnResError
+from ..errors import AttnResError
 from .metrics import METRICS, MetricsLog, loss_history, perplexity, read_metrics
 from .optim import apply_lora, count_parameters, enable_checkpointing, make_optimizer, make_scheduler, select_trainable
 from .recipe import Recipe, RecipeError, check_recipe, is_run_folder, parse_recipe, read_yaml
@@ -427,7 +427,7 @@ def finetune(
     accelerator.wait_for_everyone()
     pushed = None
     if model_dir is not None and recipe.output.push_to_hub:
-        from .hub import push_folder
+        from ..hub.push import push_folder
 
         report.say(f"Pushing {model_dir} to {recipe.output.push_to_hub} ...")
         pushed = push_folder(model_dir, recipe.output.push_to_hub, token=token, private=recipe.output.private)
@@ -463,7 +463,7 @@ def _save_result(accelerator, model, start: StartingModel, recipe: Recipe, out: 
         state_dict = accelerator.get_state_dict(model)  # gathers the shards; every process takes part
     if not accelerator.is_main_process:
         return None
-    from .plots import loss_curve_plot
+    from ..analysis.plots import loss_curve_plot
 
     history = loss_history(records)
     title = f"{'AttnRes' if start.converted else 'Baseline (no AttnRes)'}: {start.source.short_name}"
@@ -471,7 +471,7 @@ def _save_result(accelerator, model, start: StartingModel, recipe: Recipe, out: 
     (out / FINAL_METRICS).write_text(json.dumps(final, indent=2))
     if not recipe.output.save_model:
         return None
-    from .saving import SHIPPED_CODE, atomic_folder
+    from ..conversion.saving import SHIPPED_CODE, atomic_folder
 
     unwrapped = accelerator.unwrap_model(model)
     adapter = None
@@ -505,8 +505,8 @@ def _save_result(accelerator, model, start: StartingModel, recipe: Recipe, out: 
 
 
 def _card(model, start: StartingModel, recipe: Recipe, final: dict, history, corpus) -> str:
-    from .card import base_identity, card_identity, finetune_card
-    from .surgery import summarize
+    from ..hub.card import base_identity, card_identity, finetune_card
+    from ..conversion.surgery import summarize
 
     name = start.source.short_name
     if not start.converted:

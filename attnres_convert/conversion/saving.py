@@ -22,9 +22,10 @@ from pathlib import Path
 
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from .configuration_attnres import AttnResConfig
-from .errors import OutputError, SourceError
-from .modeling_attnres import AttnResForCausalLM
+from ..modeling import SHIPPED_CODE
+from ..modeling.configuration_attnres import AttnResConfig
+from ..errors import OutputError, SourceError
+from ..modeling.modeling_attnres import AttnResForCausalLM
 
 # save_pretrained copies the modeling code (and its relative imports) next to the weights and writes
 # `auto_map`, so the folder loads with trust_remote_code=True where this package is not installed.
@@ -33,7 +34,6 @@ AttnResForCausalLM.register_for_auto_class("AutoModelForCausalLM")
 AutoConfig.register("attnres", AttnResConfig, exist_ok=True)
 AutoModelForCausalLM.register(AttnResConfig, AttnResForCausalLM, exist_ok=True)
 
-SHIPPED_CODE = ("configuration_attnres.py", "modeling_attnres.py", "architectures.py", "depth_attention.py")
 
 
 def check_output(out: str | os.PathLike, overwrite: bool = False) -> Path:

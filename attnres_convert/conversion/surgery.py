@@ -10,10 +10,10 @@ from dataclasses import dataclass
 from torch import nn
 from transformers import PreTrainedModel
 
-from .architectures import UnsupportedModelError, family_for
-from .configuration_attnres import AttnResConfig
-from .depth_attention import default_block_size, output_num_sources, plan_sublayers, source_ranges
-from .modeling_attnres import AttnResForCausalLM, AttnResKeyNorm, AttnResQuery
+from ..modeling.architectures import UnsupportedModelError, family_for
+from ..modeling.configuration_attnres import AttnResConfig
+from ..modeling.depth_attention import default_block_size, output_num_sources, plan_sublayers, source_ranges
+from ..modeling.modeling_attnres import AttnResForCausalLM, AttnResKeyNorm, AttnResQuery
 
 DEFAULT_NUM_BLOCKS = 8
 

@@ -1,0 +1,1 @@
+"""Analysis of a model: held-out evaluation, depth-attention inspection, plots."""

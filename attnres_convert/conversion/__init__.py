@@ -1,0 +1,1 @@
+"""Conversion: load a source model, rewrite its residuals (surgery), verify against the original, save."""

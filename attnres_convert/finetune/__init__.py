@@ -1,0 +1,1 @@
+"""Fine-tuning: YAML recipes, data, optimiser, checkpoints and the training loop."""

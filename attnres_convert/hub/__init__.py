@@ -1,0 +1,1 @@
+"""The HuggingFace hub: model cards and pushing a folder that loads."""
