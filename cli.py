@@ -10,13 +10,15 @@ import warnings
 from collections.abc import Iterator
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Literal, Optional, get_args, get_origin
 
 import typer
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
+
+from attnres_convert.conversion.options import ConvertOptions, DTypeName
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -39,11 +41,7 @@ EXIT_BAD_INPUT = 2
 EXIT_FAILED_CHECK = 1
 
 
-class DType(str, Enum):
-    auto = "auto"
-    float32 = "float32"
-    bfloat16 = "bfloat16"
-    float16 = "float16"
+DType = Enum("DType", {name: name for name in get_args(DTypeName)}, type=str)
 
 
 def scrubbed(text: str) -> str:
@@ -164,26 +162,56 @@ def push_saved(folder: Path, repo_id: str, **kwargs) -> None:
         console.print(f"commit: {result.commit_url}", highlight=False)
 
 
+def options_from(model: type, parameter: str = "options", panel: str = "Options"):
+    """Add MODEL's fields (a pydantic model) to a command as options and pass them to it as one MODEL.
+
+    Each field is `--field-name` with the field's description as help; a bool that defaults to True is
+    `--name/--no-name`; a Literal is a choice. Fields with json_schema_extra={"cli": False} stay library-only.
+    """
+    import functools
+    import inspect
+
+    def option(name, field):
+        flag = "--" + name.replace("_", "-")
+        annotation = field.annotation
+        if annotation is bool:
+            flag = f"{flag}/--no-{name.replace('_', '-')}" if field.default else flag
+        elif get_origin(annotation) is Literal:
+            annotation = Enum(name, {value: value for value in get_args(annotation)}, type=str)
+        info = typer.Option(flag, help=field.description, show_default=field.default is not None, rich_help_panel=panel)
+        default = annotation(field.default) if isinstance(annotation, type) and issubclass(annotation, Enum) else field.default
+        return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=Annotated[annotation, info], default=default)
+
+    fields = {name: f for name, f in model.model_fields.items() if (f.json_schema_extra or {}).get("cli", True)}
+
+    def decorate(command):
+        signature = inspect.signature(command, eval_str=True)
+        kept = [p for p in signature.parameters.values() if p.name != parameter]
+        added = [option(name, field) for name, field in fields.items()]
+
+        @functools.wraps(command)
+        def wrapper(*args, **kwargs):
+            values = {name: kwargs.pop(name) for name in fields}
+            values = {name: v.value if isinstance(v, Enum) else v for name, v in values.items()}
+            return command(*args, **kwargs, **{parameter: model(**values)})
+
+        wrapper.__signature__ = signature.replace(parameters=kept + added)
+        return wrapper
+
+    return decorate
+
+
 @app.command()
+@options_from(ConvertOptions, panel="Conversion options")
 def convert(
     source: Annotated[
         Optional[str], typer.Argument(help="Hub id, local model folder or .gguf file. Default: embedded SmolLM2-135M-Instruct.")
     ] = None,
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Output folder.")] = None,
-    block_size: Annotated[Optional[int], typer.Option("--block-size", help="Sublayers per block (S).")] = None,
-    num_blocks: Annotated[
-        Optional[int], typer.Option("--num-blocks", help="At most this many blocks, S in whole layers [default: 8].")
-    ] = None,
-    full: Annotated[bool, typer.Option("--full", help="Full AttnRes (S = 1).")] = False,
-    dtype: Annotated[DType, typer.Option(help="auto keeps the checkpoint's dtype.")] = DType.auto,
-    verify: Annotated[bool, typer.Option("--verify/--no-verify", help="Check logits and greedy generation.")] = True,
-    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing output folder.")] = False,
-    trust_remote_code: Annotated[
-        bool, typer.Option("--trust-remote-code", help="Allow the input model's own code to run.")
-    ] = False,
     push_to_hub: PushToHubOption = None,
     private: PrivateOption = False,
     token: TokenOption = None,
+    options: ConvertOptions = None,
 ) -> None:
     """Convert a PreNorm causal LM to Block AttnRes and check it reproduces the original."""
     if output is None:
@@ -192,18 +220,7 @@ def convert(
     from attnres_convert import convert as run_convert
 
     with user_errors(), stages() as stage:
-        result = run_convert(
-            source,
-            output,
-            block_size=block_size,
-            num_blocks=num_blocks,
-            full=full,
-            dtype=dtype.value,
-            verify=verify,
-            overwrite=overwrite,
-            trust_remote_code=trust_remote_code,
-            stage=stage,
-        )
+        result = run_convert(source, output, options, stage=stage)
     console.print(summary_table(result.summary))
     if result.verification is not None:
         console.print(verification_table(result.verification))

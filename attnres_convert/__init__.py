@@ -1,31 +1,48 @@
-"""attnres: convert pretrained PreNorm causal LMs to Block Attention Residuals, exactly."""
+"""attnres: convert pretrained PreNorm causal LMs to Block Attention Residuals, exactly.
 
-from .modeling.architectures import FAMILIES, UnsupportedModelError, supported_model_types
-from .modeling.configuration_attnres import AttnResConfig
-from .conversion.convert import ConvertResult, convert
-from .errors import AttnResError, OutputError, SourceError, VerificationError
-from .modeling.modeling_attnres import AttnResForCausalLM
-from .conversion.saving import load_converted, save_converted
-from .conversion.surgery import BlockSizeError, convert_model, resolve_block_size, summarize
+The public names load on first use, so `attnres --help` and the option declarations the command line
+reads (conversion.options) do not import torch and transformers.
+"""
+
+from __future__ import annotations
+
+import importlib
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "FAMILIES",
-    "AttnResConfig",
-    "AttnResError",
-    "AttnResForCausalLM",
-    "BlockSizeError",
-    "ConvertResult",
-    "OutputError",
-    "SourceError",
-    "UnsupportedModelError",
-    "VerificationError",
-    "convert",
-    "convert_model",
-    "load_converted",
-    "resolve_block_size",
-    "save_converted",
-    "summarize",
-    "supported_model_types",
-]
+# public name -> the module (relative to this package) that defines it
+_EXPORTS = {
+    "FAMILIES": ".modeling.architectures",
+    "UnsupportedModelError": ".modeling.architectures",
+    "supported_model_types": ".modeling.architectures",
+    "AttnResConfig": ".modeling.configuration_attnres",
+    "AttnResForCausalLM": ".modeling.modeling_attnres",
+    "ConvertOptions": ".conversion.options",
+    "OptionsError": ".conversion.options",
+    "ConvertResult": ".conversion.convert",
+    "convert": ".conversion.convert",
+    "load_converted": ".conversion.saving",
+    "save_converted": ".conversion.saving",
+    "BlockSizeError": ".conversion.surgery",
+    "convert_model": ".conversion.surgery",
+    "resolve_block_size": ".conversion.surgery",
+    "summarize": ".conversion.surgery",
+    "AttnResError": ".errors",
+    "OutputError": ".errors",
+    "SourceError": ".errors",
+    "VerificationError": ".errors",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name], __name__), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import textwrap
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -19,7 +20,7 @@ from ..hub.card import conversion_card
 from ..modeling.architectures import UnsupportedModelError
 from ..errors import OutputError, VerificationError
 from ..modeling.modeling_attnres import AttnResForCausalLM
-from .samples import SAMPLE_TEXT
+from .options import ConvertOptions, options_doc
 from .saving import check_output, save_converted
 from .sources import ModelSource, load_config, load_model, load_tokenizer, resolve_source
 from .surgery import ConversionSummary, convert_model, resolve_block_size, structure_of, summarize
@@ -54,44 +55,40 @@ def _check_not_source(source: ModelSource, out: str | os.PathLike) -> None:
 def convert(
     source: str | None = None,
     out: str | os.PathLike | None = None,
+    options: ConvertOptions | None = None,
     *,
-    block_size: int | None = None,
-    num_blocks: int | None = None,
-    full: bool = False,
-    dtype: str = "auto",
-    verify: bool = True,
-    verify_text: str = SAMPLE_TEXT,
-    verify_tokens: int = 256,
-    verify_new_tokens: int = 32,
-    overwrite: bool = False,
-    trust_remote_code: bool = False,
     stage: Stage = _quiet_stage,
     keep_model: bool = False,
+    **option_values,
 ) -> ConvertResult:
     """Convert SOURCE (hub id, folder, .gguf, None = embedded SmolLM2) to Block AttnRes and save to OUT.
 
-    Raises SourceError / OutputError / UnsupportedModelError / BlockSizeError before any heavy work,
-    and VerificationError (after conversion, before saving) when the check fails: nothing is written then.
+    The options are the fields of ConvertOptions, given as keyword arguments (`block_size=4`) or as
+    OPTIONS (keyword arguments override it). Raises OptionsError / SourceError / OutputError /
+    UnsupportedModelError / BlockSizeError before any heavy work, and VerificationError (after
+    conversion, before saving) when the check fails: nothing is written then.
     """
+    opts = ConvertOptions.build(options, **option_values)
+    block_size, num_blocks, full = opts.block_size, opts.num_blocks, opts.full
     model_source: ModelSource = resolve_source(source)
     if out is not None:
         _check_not_source(model_source, out)
-        check_output(out, overwrite)
+        check_output(out, opts.overwrite)
     with stage("Reading config"):
-        config = load_config(model_source, trust_remote_code)
+        config = load_config(model_source, opts.trust_remote_code)
         try:
             structure = structure_of(config)
         except UnsupportedModelError as error:
             raise UnsupportedModelError(f"cannot convert {model_source.name}: {error}") from error
         resolve_block_size(structure, block_size, num_blocks, full)  # refuse before loading weights
     with stage("Loading model"):
-        base = load_model(model_source, dtype, trust_remote_code)
-        tokenizer = load_tokenizer(model_source, trust_remote_code)
+        base = load_model(model_source, opts.dtype, opts.trust_remote_code)
+        tokenizer = load_tokenizer(model_source, opts.trust_remote_code)
     reference = None
-    if verify:
+    if opts.verify:
         with stage("Running the original model"):
-            ids = sample_input_ids(tokenizer, verify_text, verify_tokens, base.config.vocab_size)
-            reference = capture_reference(base, ids, verify_new_tokens)
+            ids = sample_input_ids(tokenizer, opts.verify_text, opts.verify_tokens, base.config.vocab_size)
+            reference = capture_reference(base, ids, opts.verify_new_tokens)
     with stage("Converting"):
         model = convert_model(base, block_size=block_size, num_blocks=num_blocks, full=full)
         del base
@@ -120,7 +117,10 @@ def convert(
                     indent=2,
                 ),
             }
-            output = save_converted(model, out, tokenizer, overwrite=overwrite, extra=extra)
+            output = save_converted(model, out, tokenizer, overwrite=opts.overwrite, extra=extra)
     return ConvertResult(
         model_source.name, output, summary, report, model if keep_model else None, tokenizer if keep_model else None
     )
+
+
+convert.__doc__ += "\n" + textwrap.indent(options_doc(ConvertOptions), "    ")

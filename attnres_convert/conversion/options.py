@@ -1,0 +1,64 @@
+"""`convert`'s options, declared once: `attnres_convert.convert(...)` takes them as keyword arguments
+and the `attnres convert` command builds its flags and help text from the same fields (as mergekit's
+MergeOptions does for its library and CLI).
+
+A field becomes `--field-name` on the command line; a bool defaulting to True becomes
+`--name/--no-name`. Fields marked `cli=False` are library-only. Range and combination checks stay in
+`resolve_block_size` and the loaders, so the library and the command fail with the same messages.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from ..errors import AttnResError
+from .samples import SAMPLE_TEXT
+
+DTypeName = Literal["auto", "float32", "bfloat16", "float16"]
+
+
+class OptionsError(AttnResError):
+    """An unknown option or a value of the wrong type."""
+
+
+class ConvertOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    block_size: int | None = Field(None, description="Sublayers per block (S).")
+    num_blocks: int | None = Field(
+        None, description="At most this many blocks, S in whole layers (default: 8)."
+    )
+    full: bool = Field(False, description="Full AttnRes (S = 1).")
+    dtype: DTypeName = Field("auto", description="auto keeps the checkpoint's dtype.")
+    verify: bool = Field(True, description="Check logits and greedy generation against the original.")
+    verify_tokens: int = Field(256, ge=1, description="Tokens of the sample text the check runs on.")
+    verify_new_tokens: int = Field(32, ge=1, description="Greedy tokens generated (with the KV cache) by the check.")
+    verify_text: str = Field(
+        SAMPLE_TEXT, description="Text the check runs on (default: a built-in sample).", json_schema_extra={"cli": False}
+    )
+    overwrite: bool = Field(False, description="Replace an existing output folder.")
+    trust_remote_code: bool = Field(False, description="Allow the input model's own code to run.")
+
+    @classmethod
+    def build(cls, options: ConvertOptions | None = None, **overrides) -> ConvertOptions:
+        """OPTIONS (or the defaults) with OVERRIDES applied; a misspelt or mistyped option is an OptionsError."""
+        try:
+            if options is None:
+                return cls(**overrides)
+            return cls(**{**options.model_dump(), **overrides}) if overrides else options
+        except ValidationError as error:
+            problems = "; ".join(
+                f"{'.'.join(map(str, e['loc']))}: {e['msg']} (got {e['input']!r})" for e in error.errors()
+            )
+            raise OptionsError(f"invalid convert option: {problems}") from None
+
+
+def options_doc(model: type[BaseModel]) -> str:
+    """The fields of MODEL as a docstring section (name, default, description)."""
+    lines = ["Options (keyword arguments):"]
+    for name, field in model.model_fields.items():
+        default = repr(field.default) if len(repr(field.default)) < 40 else "a built-in sample"
+        lines.append(f"    {name} (default {default}): {field.description}")
+    return "\n".join(lines)
