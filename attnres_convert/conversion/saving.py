@@ -36,11 +36,12 @@ AutoModelForCausalLM.register(AttnResConfig, AttnResForCausalLM, exist_ok=True)
 
 
 
-def check_output(out: str | os.PathLike, overwrite: bool = False) -> Path:
+def check_output(out: str | os.PathLike, overwrite: bool = False, owned: bool = False) -> Path:
     """Fail early, before any work, if the output cannot be written. Writes and leaves nothing.
 
     Returns the output as an absolute path. With `overwrite`, only an empty folder or an earlier attnres
-    output is replaced: a typo such as `-o ~ --overwrite` must never delete a user's folder.
+    output is replaced: a typo such as `-o ~ --overwrite` must never delete a user's folder. `owned`: the
+    caller made OUT itself (a fine-tune's OUT/model, possibly a plain baseline model): replace it whatever it holds.
     """
     path = Path(os.path.abspath(Path(out).expanduser()))
     if not path.name:
@@ -49,7 +50,7 @@ def check_output(out: str | os.PathLike, overwrite: bool = False) -> Path:
         raise OutputError(f"output {out} is a symbolic link. Pass the real folder path, or choose another path.")
     if path.exists() and not path.is_dir():
         raise OutputError(f"output {out} is a file, not a folder. Choose another output path.")
-    if path.is_dir() and _has_entries(path):
+    if path.is_dir() and _has_entries(path) and not owned:
         if not overwrite:
             raise OutputError(f"output folder {out} already exists. Pass --overwrite to replace it, or choose another path.")
         if not is_attnres_output(path):
@@ -196,14 +197,14 @@ def _make_dir(path_for: Callable[[], Path]) -> Path:
     raise FileExistsError(f"could not create a temporary folder like {path}")
 
 
-def atomic_folder(out: Path, write: Callable[[Path], None], overwrite: bool = False) -> Path:
+def atomic_folder(out: Path, write: Callable[[Path], None], overwrite: bool = False, owned: bool = False) -> Path:
     """Run `write(tmp)` into a temporary folder beside `out`, then move it into place.
 
     A kill at any moment leaves either nothing or the previous output at `out`, never a partial folder:
     an existing output is swapped for the new one in a single atomic rename once the new one is complete.
     Ctrl-C (or any exception) removes the temporary folder at once, whenever it arrives.
     """
-    out = check_output(out, overwrite)
+    out = check_output(out, overwrite, owned)
     clean_stale_partials(out)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -116,9 +116,57 @@ def check_checkpoint_is_data(path: Path) -> None:
             ) from None
 
 
-def load_checkpoint(accelerator, path: Path) -> None:
+def check_checkpoint_weights(path: Path, model) -> None:
+    """The checkpoint must hold every trainable tensor of MODEL (the prepared model; frozen ones are rebuilt
+    from the recipe) and nothing else: loading it non-strictly would otherwise resume with some weights
+    silently reset to their starting values. Tied parameters are stored once, under either name. FSDP
+    checkpoints (a sharded folder) are checked by Accelerate itself."""
+    from .recipe import RecipeError
+
+    files = [Path(path) / "model.safetensors", Path(path) / "pytorch_model.bin"]
+    found = next((f for f in files if f.is_file()), None)
+    if found is None:
+        if any(Path(path).glob("pytorch_model_fsdp_*")):
+            return
+        raise RecipeError(f"--resume: {path} holds no model weights (model.safetensors); it is not a complete checkpoint. {_START_OVER}")
+    if found.suffix == ".safetensors":
+        from safetensors import safe_open
+
+        with safe_open(str(found), framework="pt") as handle:
+            stored = set(handle.keys())
+    else:
+        import torch
+
+        stored = set(torch.load(found, map_location="cpu", weights_only=True))
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if param.requires_grad:
+            names.setdefault(id(param), []).append(name)
+    missing = [aliases[0] for aliases in names.values() if not stored & set(aliases)]
+    unexpected = sorted(stored - {name for aliases in names.values() for name in aliases})
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"lacks {len(missing)} trainable tensor(s) ({_some(missing)})")
+        if unexpected:
+            parts.append(f"holds {len(unexpected)} tensor(s) this recipe does not train ({_some(unexpected)})")
+        raise RecipeError(
+            f"--resume: checkpoint {path} {' and '.join(parts)}: it was not written by this recipe's run, or it is "
+            f"damaged. Resuming would silently start those weights over. {_START_OVER}"
+        )
+
+
+_START_OVER = "Resume from another checkpoint (delete this one), or start a new run (output.overwrite=true or another output.dir)."
+
+
+def _some(names: list[str], shown: int = 3) -> str:
+    return ", ".join(names[:shown]) + (f", ... {len(names) - shown} more" if len(names) > shown else "")
+
+
+def load_checkpoint(accelerator, path: Path, model) -> None:
     check_checkpoint_is_data(path)
-    # strict=False: the checkpoint holds the trainable weights only.
+    check_checkpoint_weights(path, model)
+    # strict=False: the checkpoint holds the trainable weights only (checked above to be all of them).
     accelerator.load_state(str(path), strict=False)
 
 

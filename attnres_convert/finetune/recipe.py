@@ -134,7 +134,14 @@ class TrainSection(_Section):
     warmup_steps: int = Field(0, ge=0)
     decay_fraction: float = Field(0.2, gt=0, le=1, description="wsd: the last fraction of steps that decays to min_lr_ratio.")
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Final learning rate as a fraction of the peak.")
-    max_grad_norm: float | None = Field(1.0, gt=0, description="Clip the global gradient norm; null: no clipping.")
+    max_grad_norm: float | None = Field(
+        1.0, gt=0, description="Clip the gradient norm of the base (or LoRA) parameters; null: no clipping. The AttnRes "
+        "parameters are clipped on their own (attnres_max_grad_norm), so their large early gradients never scale the base update."
+    )
+    attnres_max_grad_norm: float | None = Field(
+        None, gt=0, description="Clip the gradient norm of the AttnRes parameters, on their own; null: no clipping (Adam "
+        "normalises their step anyway)."
+    )
     mixed_precision: Literal["no", "bf16", "fp16"] = "no"
     gradient_checkpointing: bool = False
     seed: int = 0

@@ -45,7 +45,15 @@ from .checkpoints import (
 from .data import Corpus, SequenceOrder, Sequences, build_corpus, local_micro_batches
 from ..errors import AttnResError
 from .metrics import METRICS, MetricsLog, loss_history, perplexity, read_metrics
-from .optim import apply_lora, count_parameters, enable_checkpointing, make_optimizer, make_scheduler, select_trainable
+from .optim import (
+    apply_lora,
+    attnres_parameters,
+    count_parameters,
+    enable_checkpointing,
+    make_optimizer,
+    make_scheduler,
+    select_trainable,
+)
 from .recipe import Recipe, RecipeError, check_recipe, is_run_folder, parse_recipe, read_yaml
 from .starting_model import StartingModel, load_starting_model
 
@@ -231,6 +239,296 @@ def prepare_output(recipe: Recipe, out: Path, resuming: bool) -> None:
     (out / RECIPE_FILE).write_text(recipe.to_yaml())
 
 
+@dataclass
+class StepStats:
+    """What one optimizer step measured (global over processes)."""
+
+    loss: float
+    grad_norm: float  # the base (or LoRA) parameters', before clipping
+    attnres_grad_norm: float | None  # the AttnRes parameters', before clipping; None when none train
+    lrs: dict[str, float]  # this step's learning rate per parameter group
+    tokens: int
+    seconds: float
+    stopping: bool  # a signal or stop_at_step asked every process to stop after this step
+
+
+class FinetuneRecipe:
+    """One fine-tuning run, shaped like a torchtune recipe:
+
+        run = FinetuneRecipe(recipe); run.setup(); run.train(); result = run.save()    # or run.run()
+
+    `setup` refuses what it can before anything is loaded or written, then builds the model, data,
+    optimizer and run folder (resuming from the last checkpoint if asked); `train` repeats `train_step`,
+    with `evaluate` and `checkpoint` on the recipe's schedule; `save` writes the result. Every process
+    runs every method; only the main process writes."""
+
+    def __init__(self, recipe: Recipe, *, resume: bool = False, console=None, stop_at_step: int | None = None, token: str | None = None):
+        self.recipe, self.resume, self.stop_at_step, self.token = recipe, resume, stop_at_step, token
+        self.out = Path(recipe.output.dir).expanduser()
+        self.accelerator = _accelerator(recipe)
+        self.main = self.accelerator.is_main_process
+        self.report = _Reporter(console, self.main)
+        self.state = TrainerState()
+
+    def run(self) -> FinetuneResult:
+        """Raises RecipeError (bad recipe, nothing written), NonFiniteLossError (stopped, last good checkpoint
+        kept, no model saved) or TrainingInterrupted (signal or `stop_at_step`: a checkpoint was saved,
+        `resume=True` continues exactly where it stopped)."""
+        self.setup()
+        self.train()
+        return self.save()
+
+    # --- setup ------------------------------------------------------------------------------------
+
+    def setup(self) -> None:
+        self._refuse()
+        self._build()
+        self._open_run_folder()
+
+    def _refuse(self) -> None:
+        """Everything that can be refused is refused before anything is loaded or written."""
+        recipe, out = self.recipe, self.out
+        check_recipe(recipe, resume=self.resume, token=self.token)
+        self.checkpoint_path = latest_checkpoint(out) if self.resume else None
+        if self.resume and (out / FINAL_METRICS).is_file():
+            raise RecipeError(f"output.dir: the run in {out} is complete ({FINAL_METRICS} exists); nothing to resume")
+        if self.checkpoint_path is not None and (out / RECIPE_FILE).is_file():
+            differences = _resume_differences(parse_recipe(read_yaml(out / RECIPE_FILE)), recipe)
+            if differences:
+                raise RecipeError(
+                    f"--resume: the recipe differs from the one the run in {out} started with:\n  "
+                    + "\n  ".join(differences)
+                    + "\nResume with the same recipe, or start a new run in another output.dir"
+                )
+        self.distributed = self.accelerator.distributed_type.value
+        if recipe.train.trainable == "lora" and self.distributed == "FSDP":
+            raise RecipeError("train.trainable: lora under FSDP is not supported (merging needs the whole model); use DDP or trainable full/attnres")
+        from rich.markup import escape
+
+        report = self.report
+        report.say(f"[bold]Resolved recipe[/]\n{escape(recipe.to_yaml())}")
+        report.say(
+            f"Accelerate: {self.distributed}, {self.accelerator.num_processes} process(es) on {self.accelerator.device}, "
+            f"mixed precision {self.accelerator.mixed_precision}"
+        )
+        if os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true" and self.distributed != "FSDP":
+            report.say(f"[yellow]note:[/] FSDP was asked for but Accelerate runs {self.distributed} here (FSDP needs GPUs)")
+        if self.resume and self.checkpoint_path is None:
+            report.say(f"--resume: no checkpoint in {out / 'checkpoints'}; starting from step 0")
+
+    def _build(self) -> None:
+        """Model, data, optimizer, scheduler; prepared by Accelerate."""
+        from accelerate.utils import set_seed
+
+        recipe, accelerator = self.recipe, self.accelerator
+        set_seed(recipe.train.seed)
+        self.report.say(f"Loading {'the embedded SmolLM2-135M-Instruct' if recipe.model.is_default else recipe.model.source} ...")
+        self.start = start = load_starting_model(recipe)
+        model = start.model
+        if recipe.train.gradient_checkpointing:
+            enable_checkpointing(model)
+        if recipe.train.trainable == "lora":
+            model = apply_lora(model, recipe.lora, recipe.train.seed)
+        select_trainable(model, recipe.train.trainable)
+        self.counts = count_parameters(model)
+        self.report.say(
+            f"{'AttnRes' if start.converted else 'original (baseline, not converted)'} model: {self.counts.describe()}"
+            + (f"; block size {start.summary.block_size}, {start.summary.num_blocks} blocks" if start.summary else "")
+        )
+        self.world = accelerator.num_processes
+        self.global_batch = self.world * recipe.train.grad_accum * recipe.train.micro_batch
+        with accelerator.main_process_first():
+            # A streamed dataset is read only as far as the run needs (+1%: packing drops each source's tail).
+            needed = recipe.train.steps * self.global_batch * recipe.data.seq_len
+            self.corpus: Corpus = build_corpus(recipe, start.tokenizer, needed + needed // 100 + recipe.data.seq_len)
+        self.report.say(self.corpus.describe)
+        self.order = SequenceOrder(len(self.corpus.train), recipe.train.seed)
+        optimizer = make_optimizer(model, recipe)
+        self.scheduler = make_scheduler(optimizer, recipe)
+        new = {id(p) for _, p in attnres_parameters(model)}
+        model.train()
+        self.model, self.optimizer = accelerator.prepare(model, optimizer)
+        accelerator.register_for_checkpointing(self.scheduler, self.state)
+        accelerator.register_save_state_pre_hook(trainable_only_hook)
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        # Clipped apart (see `clip_gradients`). DDP keeps the parameter objects; FSDP replaces them.
+        self.base_params = [p for p in trainable if id(p) not in new]
+        self.attnres_params = [p for p in trainable if id(p) in new]
+        self.eval_batch = recipe.eval.batch_size or recipe.train.micro_batch
+
+    def _open_run_folder(self) -> None:
+        """The run folder (main process only), and the checkpoint's state when resuming."""
+        accelerator, out = self.accelerator, self.out
+        self.metrics = MetricsLog(out / METRICS, self.main)
+        if self.main:
+            prepare_output(self.recipe, out, resuming=self.checkpoint_path is not None)
+            remove_partial_checkpoints(out)  # left by a run killed while saving; never resumed from
+            if self.checkpoint_path is None:
+                self.metrics.reset()
+        accelerator.wait_for_everyone()
+        if self.checkpoint_path is not None:
+            load_checkpoint(accelerator, self.checkpoint_path, self.model)
+            if self.main:
+                self.metrics.truncate_after(self.state.step)
+            self.report.say(f"Resumed from {self.checkpoint_path} (step {self.state.step}, {self.state.tokens:,} tokens seen)")
+
+    # --- training ---------------------------------------------------------------------------------
+
+    def train(self) -> None:
+        recipe, state = self.recipe, self.state
+        if self.checkpoint_path is None and recipe.eval.at_start:
+            self.evaluate()
+        with GracefulStop() as self._stop, self.report.bar(recipe.train.steps, state.step):
+            while state.step < recipe.train.steps:
+                stats = self.train_step()
+                self._log(stats)
+                if recipe.eval.every and state.step % recipe.eval.every == 0 and state.step < recipe.train.steps:
+                    self.evaluate()
+                if stats.stopping:
+                    path = self.checkpoint()
+                    why = self._stop.requested or "stop_at_step"
+                    raise TrainingInterrupted(
+                        f"stopped by {why} after step {state.step}; checkpoint saved to {path}. "
+                        "Run the same command with --resume to continue.",
+                        path,
+                        getattr(signal, self._stop.requested or "SIGINT"),
+                    )
+                if recipe.checkpoint.every and state.step % recipe.checkpoint.every == 0 and state.step < recipe.train.steps:
+                    self.checkpoint()
+
+    def train_step(self) -> StepStats:
+        """One optimizer step over the global batch. The loss is the mean over every next-token prediction of
+        all micro-batches and processes."""
+        accelerator, recipe, state, model = self.accelerator, self.recipe, self.state, self.model
+        began = time.perf_counter()
+        micro = local_micro_batches(
+            self.order, state.step, recipe.train.micro_batch, recipe.train.grad_accum, accelerator.process_index, self.world
+        )
+        batches = [self.corpus.train.batch(indices) for indices in micro]
+        local = torch.tensor(
+            [sum(b["predictions"] for b in batches), sum(int(b["lengths"].sum()) for b in batches)],
+            dtype=torch.float64,
+            device=accelerator.device,
+        )
+        predictions, tokens = (float(x) for x in accelerator.reduce(local, "sum"))
+        loss_sum = torch.zeros((), dtype=torch.float64, device=accelerator.device)
+        for index, batch in enumerate(batches):
+            # Gradients are all-reduced once per step, on the last micro-batch.
+            sync = contextlib.nullcontext() if index == len(batches) - 1 else accelerator.no_sync(model)
+            with sync:
+                batch_loss, _ = token_loss(model, batch, accelerator.device)
+                # x world: DDP averages gradients over processes; this makes it the global token mean.
+                accelerator.backward(batch_loss * self.world / predictions)
+            loss_sum += batch_loss.detach().double()
+        grad_norm, attnres_grad_norm = self.clip_gradients()
+        stopping = self._stop.requested is not None or (self.stop_at_step is not None and state.step + 1 >= self.stop_at_step)
+        shared = accelerator.reduce(torch.stack([loss_sum, torch.tensor(float(stopping), dtype=torch.float64, device=accelerator.device)]), "sum")
+        loss = float(shared[0]) / predictions
+        self._refuse_non_finite(loss, grad_norm, attnres_grad_norm)
+        lrs = {group.get("name", str(i)): group["lr"] for i, group in enumerate(self.optimizer.param_groups)}  # this step's
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        state.step += 1
+        state.position += self.global_batch
+        state.tokens += int(tokens)
+        seconds = time.perf_counter() - began
+        state.train_seconds += seconds
+        return StepStats(loss, grad_norm, attnres_grad_norm, lrs, int(tokens), seconds, float(shared[1]) > 0)
+
+    def clip_gradients(self) -> tuple[float, float | None]:
+        """Clip the base (or LoRA) and the AttnRes gradients each on their own; return both norms before
+        clipping. One global clip would let the AttnRes queries' gradients (10x the base's early on) shrink
+        every base update. Under FSDP the parameters are sharded: one norm over all of them, clipped at
+        train.max_grad_norm (reported as grad_norm)."""
+        train, accelerator = self.recipe.train, self.accelerator
+        if self.distributed == "FSDP":
+            norm = accelerator.clip_grad_norm_(self.base_params + self.attnres_params, train.max_grad_norm or float("inf"))
+            return float(norm) if norm is not None else float("nan"), None
+        accelerator.unscale_gradients()  # fp16: once, before both norms
+        base = _clip(self.base_params, train.max_grad_norm)
+        attnres = _clip(self.attnres_params, train.attnres_max_grad_norm) if self.attnres_params else None
+        return base, attnres
+
+    def _refuse_non_finite(self, loss: float, grad_norm: float, attnres_grad_norm: float | None) -> None:
+        norms = [grad_norm] + ([attnres_grad_norm] if attnres_grad_norm is not None else [])
+        bad_norm = not all(math.isfinite(n) for n in norms) and self.recipe.train.mixed_precision != "fp16"  # fp16 skips inf steps itself
+        if math.isfinite(loss) and not bad_norm:
+            return
+        self.optimizer.zero_grad(set_to_none=True)
+        last = latest_checkpoint(self.out)
+        what = f"the loss is {loss}" if not math.isfinite(loss) else f"the gradient norm is {grad_norm} (AttnRes: {attnres_grad_norm})"
+        raise NonFiniteLossError(
+            f"training stopped at step {self.state.step + 1}: {what} (non-finite). No model was saved; "
+            + (f"the last good checkpoint is {last} (step {int(last.name.split('-')[1])}). " if last else "no checkpoint was written before it. ")
+            + "Lower train.lr / train.attnres_lr, set train.max_grad_norm, or use train.mixed_precision=bf16 "
+            "instead of fp16, and run again (output.overwrite=true or a new output.dir): resuming the same "
+            "recipe would meet the same step again."
+        )
+
+    def _log(self, stats: StepStats) -> None:
+        state, recipe = self.state, self.recipe
+        lr = stats.lrs.get("base", stats.lrs.get("attnres"))
+        speed = stats.tokens / stats.seconds
+        if state.step % recipe.train.log_every == 0 or state.step == recipe.train.steps:
+            self.metrics.write(
+                {
+                    "kind": "train",
+                    "step": state.step,
+                    "loss": stats.loss,
+                    "lr": lr,
+                    "attnres_lr": stats.lrs.get("attnres"),
+                    "grad_norm": stats.grad_norm,
+                    "attnres_grad_norm": stats.attnres_grad_norm,
+                    "tokens": state.tokens,
+                    "tokens_per_s": speed,
+                    "epoch": self.order.epoch_of(state.position),
+                }
+            )
+        self.report.step(state.step, stats.loss, lr, speed)
+
+    def evaluate(self) -> float:
+        """Held-out loss now, written to metrics.jsonl."""
+        loss, count = evaluate(self.model, self.corpus.eval, self.accelerator, self.eval_batch)
+        step = self.state.step
+        self.metrics.write({"kind": "eval", "step": step, "loss": loss, "perplexity": perplexity(loss), "predictions": count})
+        self.report.print(f"step {step}: held-out loss {loss:.4f}, perplexity {perplexity(loss):.2f}")
+        return loss
+
+    def checkpoint(self) -> Path:
+        path = save_checkpoint(self.accelerator, self.out, self.state, self.recipe.checkpoint.keep_last)
+        self.report.print(f"step {self.state.step}: checkpoint {path}")
+        return path
+
+    # --- the result -------------------------------------------------------------------------------
+
+    def save(self) -> FinetuneResult:
+        """Final evaluation, metrics, loss curve, the model folder, and the push if the recipe asks."""
+        final_loss = self.evaluate()
+        records = read_metrics(self.out / METRICS) if self.main else []
+        final = _final_metrics(records, self.state, self.counts, self.start, self.recipe, final_loss, self.world)
+        model_dir = _save_result(self.accelerator, self.model, self.start, self.recipe, self.out, final, records, self.corpus)
+        self.accelerator.wait_for_everyone()
+        pushed = None
+        if model_dir is not None and self.recipe.output.push_to_hub:
+            from ..hub.push import push_folder
+
+            self.report.say(f"Pushing {model_dir} to {self.recipe.output.push_to_hub} ...")
+            pushed = push_folder(model_dir, self.recipe.output.push_to_hub, token=self.token, private=self.recipe.output.private)
+        return FinetuneResult(self.out, model_dir, final, records, pushed)
+
+
+def _clip(params: list[torch.Tensor], max_norm: float | None) -> float:
+    """The gradient norm of PARAMS (before clipping), clipped to MAX_NORM unless it is None."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return 0.0
+    norm = torch.nn.utils.get_total_norm(grads)
+    if max_norm is not None:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    return float(norm)
+
+
 def finetune(
     recipe: Recipe,
     *,
@@ -239,199 +537,8 @@ def finetune(
     stop_at_step: int | None = None,
     token: str | None = None,
 ) -> FinetuneResult:
-    """Run RECIPE. Raises RecipeError (bad recipe, nothing written), NonFiniteLossError (stopped, last
-    good checkpoint kept, no model saved) or TrainingInterrupted (signal or `stop_at_step`: a checkpoint
-    was saved, `resume=True` continues exactly where it stopped)."""
-    out = Path(recipe.output.dir).expanduser()
-    accelerator = _accelerator(recipe)
-    main = accelerator.is_main_process
-    report = _Reporter(console, main)
-
-    # 1. Everything that can be refused is refused before anything is loaded or written.
-    check_recipe(recipe, resume=resume, token=token)
-    checkpoint = latest_checkpoint(out) if resume else None
-    if resume and (out / FINAL_METRICS).is_file():
-        raise RecipeError(f"output.dir: the run in {out} is complete ({FINAL_METRICS} exists); nothing to resume")
-    if checkpoint is not None and (out / RECIPE_FILE).is_file():
-        differences = _resume_differences(parse_recipe(read_yaml(out / RECIPE_FILE)), recipe)
-        if differences:
-            raise RecipeError(
-                f"--resume: the recipe differs from the one the run in {out} started with:\n  "
-                + "\n  ".join(differences)
-                + "\nResume with the same recipe, or start a new run in another output.dir"
-            )
-    distributed = accelerator.distributed_type.value
-    if recipe.train.trainable == "lora" and distributed == "FSDP":
-        raise RecipeError("train.trainable: lora under FSDP is not supported (merging needs the whole model); use DDP or trainable full/attnres")
-    from rich.markup import escape
-
-    report.say(f"[bold]Resolved recipe[/]\n{escape(recipe.to_yaml())}")
-    report.say(
-        f"Accelerate: {distributed}, {accelerator.num_processes} process(es) on {accelerator.device}, "
-        f"mixed precision {accelerator.mixed_precision}"
-    )
-    if os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true" and distributed != "FSDP":
-        report.say(f"[yellow]note:[/] FSDP was asked for but Accelerate runs {distributed} here (FSDP needs GPUs)")
-    if resume and checkpoint is None:
-        report.say(f"--resume: no checkpoint in {out / 'checkpoints'}; starting from step 0")
-
-    # 2. Model, data, optimizer.
-    from accelerate.utils import set_seed
-
-    set_seed(recipe.train.seed)
-    report.say(f"Loading {'the embedded SmolLM2-135M-Instruct' if recipe.model.is_default else recipe.model.source} ...")
-    start = load_starting_model(recipe)
-    model = start.model
-    if recipe.train.gradient_checkpointing:
-        enable_checkpointing(model)
-    if recipe.train.trainable == "lora":
-        model = apply_lora(model, recipe.lora, recipe.train.seed)
-    select_trainable(model, recipe.train.trainable)
-    counts = count_parameters(model)
-    report.say(
-        f"{'AttnRes' if start.converted else 'original (baseline, not converted)'} model: {counts.describe()}"
-        + (f"; block size {start.summary.block_size}, {start.summary.num_blocks} blocks" if start.summary else "")
-    )
-    world = accelerator.num_processes
-    global_batch = world * recipe.train.grad_accum * recipe.train.micro_batch
-    with accelerator.main_process_first():
-        # A streamed dataset is read only as far as the run needs (+1%: packing drops each source's tail).
-        needed = recipe.train.steps * global_batch * recipe.data.seq_len
-        corpus: Corpus = build_corpus(recipe, start.tokenizer, needed + needed // 100 + recipe.data.seq_len)
-    report.say(corpus.describe)
-    order = SequenceOrder(len(corpus.train), recipe.train.seed)
-    optimizer = make_optimizer(model, recipe)
-    scheduler = make_scheduler(optimizer, recipe)
-    model.train()
-    model, optimizer = accelerator.prepare(model, optimizer)
-    state = TrainerState()
-    accelerator.register_for_checkpointing(scheduler, state)
-    accelerator.register_save_state_pre_hook(trainable_only_hook)
-    trainable = [p for p in model.parameters() if p.requires_grad]
-
-    # 3. The run folder (main process only).
-    metrics = MetricsLog(out / METRICS, main)
-    if main:
-        prepare_output(recipe, out, resuming=checkpoint is not None)
-        remove_partial_checkpoints(out)  # left by a run killed while saving; never resumed from
-        if checkpoint is None:
-            metrics.reset()
-    accelerator.wait_for_everyone()
-    if checkpoint is not None:
-        load_checkpoint(accelerator, checkpoint)
-        if main:
-            metrics.truncate_after(state.step)
-        report.say(f"Resumed from {checkpoint} (step {state.step}, {state.tokens:,} tokens seen)")
-
-    eval_batch = recipe.eval.batch_size or recipe.train.micro_batch
-
-    def run_eval() -> float:
-        loss, count = evaluate(model, corpus.eval, accelerator, eval_batch)
-        metrics.write({"kind": "eval", "step": state.step, "loss": loss, "perplexity": perplexity(loss), "predictions": count})
-        report.print(f"step {state.step}: held-out loss {loss:.4f}, perplexity {perplexity(loss):.2f}")
-        return loss
-
-    def checkpoint_now() -> Path:
-        path = save_checkpoint(accelerator, out, state, recipe.checkpoint.keep_last)
-        report.print(f"step {state.step}: checkpoint {path}")
-        return path
-
-    if checkpoint is None and recipe.eval.at_start:
-        run_eval()
-
-    # 4. Training.
-    rank = accelerator.process_index
-    with GracefulStop() as stop, report.bar(recipe.train.steps, state.step):
-        while state.step < recipe.train.steps:
-            began = time.perf_counter()
-            micro = local_micro_batches(order, state.step, recipe.train.micro_batch, recipe.train.grad_accum, rank, world)
-            batches = [corpus.train.batch(indices) for indices in micro]
-            local = torch.tensor(
-                [sum(b["predictions"] for b in batches), sum(int(b["lengths"].sum()) for b in batches)],
-                dtype=torch.float64,
-                device=accelerator.device,
-            )
-            predictions, tokens = (float(x) for x in accelerator.reduce(local, "sum"))
-            loss_sum = torch.zeros((), dtype=torch.float64, device=accelerator.device)
-            for index, batch in enumerate(batches):
-                # Gradients are all-reduced once per step, on the last micro-batch.
-                sync = contextlib.nullcontext() if index == len(batches) - 1 else accelerator.no_sync(model)
-                with sync:
-                    batch_loss, _ = token_loss(model, batch, accelerator.device)
-                    # x world: DDP averages gradients over processes; this makes it the global token mean.
-                    accelerator.backward(batch_loss * world / predictions)
-                loss_sum += batch_loss.detach().double()
-            grad_norm = accelerator.clip_grad_norm_(trainable, recipe.train.max_grad_norm or float("inf"))
-            stopping = stop.requested is not None or (stop_at_step is not None and state.step + 1 >= stop_at_step)
-            shared = accelerator.reduce(
-                torch.stack([loss_sum, torch.tensor(float(stopping), dtype=torch.float64, device=accelerator.device)]), "sum"
-            )
-            loss = float(shared[0]) / predictions
-            grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
-            bad_norm = not math.isfinite(grad_norm) and recipe.train.mixed_precision != "fp16"  # fp16 skips inf steps itself
-            if not math.isfinite(loss) or bad_norm:
-                optimizer.zero_grad(set_to_none=True)
-                last = latest_checkpoint(out)
-                what = f"the loss is {loss}" if not math.isfinite(loss) else f"the gradient norm is {grad_norm}"
-                raise NonFiniteLossError(
-                    f"training stopped at step {state.step + 1}: {what} (non-finite). No model was saved; "
-                    + (f"the last good checkpoint is {last} (step {int(last.name.split('-')[1])}). " if last else "no checkpoint was written before it. ")
-                    + "Lower train.lr / train.attnres_lr, set train.max_grad_norm, or use train.mixed_precision=bf16 "
-                    "instead of fp16, and run again (output.overwrite=true or a new output.dir): resuming the same "
-                    "recipe would meet the same step again."
-                )
-            lrs = {group.get("name", str(i)): group["lr"] for i, group in enumerate(optimizer.param_groups)}  # this step's
-            lr = lrs.get("base", lrs.get("attnres"))
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            state.step += 1
-            state.position += global_batch
-            state.tokens += int(tokens)
-            elapsed = time.perf_counter() - began
-            state.train_seconds += elapsed
-            if state.step % recipe.train.log_every == 0 or state.step == recipe.train.steps:
-                metrics.write(
-                    {
-                        "kind": "train",
-                        "step": state.step,
-                        "loss": loss,
-                        "lr": lr,
-                        "attnres_lr": lrs.get("attnres"),
-                        "grad_norm": grad_norm,
-                        "tokens": state.tokens,
-                        "tokens_per_s": tokens / elapsed,
-                        "epoch": order.epoch_of(state.position),
-                    }
-                )
-            report.step(state.step, loss, lr, tokens / elapsed)
-            if recipe.eval.every and state.step % recipe.eval.every == 0 and state.step < recipe.train.steps:
-                run_eval()
-            if float(shared[1]) > 0:
-                path = checkpoint_now()
-                why = stop.requested or "stop_at_step"
-                raise TrainingInterrupted(
-                    f"stopped by {why} after step {state.step}; checkpoint saved to {path}. "
-                    "Run the same command with --resume to continue.",
-                    path,
-                    getattr(signal, stop.requested or "SIGINT"),
-                )
-            if recipe.checkpoint.every and state.step % recipe.checkpoint.every == 0 and state.step < recipe.train.steps:
-                checkpoint_now()
-
-    # 5. The result.
-    final_loss = run_eval()
-    records = read_metrics(out / METRICS) if main else []
-    final = _final_metrics(records, state, counts, start, recipe, final_loss, world)
-    model_dir = _save_result(accelerator, model, start, recipe, out, final, records, corpus)
-    accelerator.wait_for_everyone()
-    pushed = None
-    if model_dir is not None and recipe.output.push_to_hub:
-        from ..hub.push import push_folder
-
-        report.say(f"Pushing {model_dir} to {recipe.output.push_to_hub} ...")
-        pushed = push_folder(model_dir, recipe.output.push_to_hub, token=token, private=recipe.output.private)
-    return FinetuneResult(out, model_dir, final, records, pushed)
+    """Run RECIPE (see FinetuneRecipe.run)."""
+    return FinetuneRecipe(recipe, resume=resume, console=console, stop_at_step=stop_at_step, token=token).run()
 
 
 def _final_metrics(records, state, counts, start, recipe, final_loss, world) -> dict:
@@ -498,33 +605,26 @@ def _save_result(accelerator, model, start: StartingModel, recipe: Recipe, out: 
         (folder / "finetune_metrics.json").write_text(json.dumps(final, indent=2))
         (folder / "README.md").write_text(_card(base, start, recipe, final, history, corpus))
 
-    if model_dir.exists():  # left by an earlier attempt of this run (e.g. killed before final_metrics.json)
-        shutil.rmtree(model_dir)
-    atomic_folder(model_dir, write)
+    # A model folder left by an earlier attempt of this run is swapped out only once the new one is complete.
+    atomic_folder(model_dir, write, owned=True)
     return model_dir
 
 
 def _card(model, start: StartingModel, recipe: Recipe, final: dict, history, corpus) -> str:
-    from ..hub.card import base_identity, card_identity, finetune_card
+    from ..hub.card import base_identity, baseline_card, card_identity, finetune_card
     from ..conversion.surgery import summarize
 
     name = start.source.short_name
-    if not start.converted:
-        return (
-            f"# {name}, fine-tuned (baseline, no AttnRes)\n\nThe original model trained with the same `attnres finetune` "
-            f"recipe as its AttnRes counterpart, for comparison.\n\nHeld-out loss {final['eval_loss']:.4f} "
-            f"(perplexity {final['eval_perplexity']:.2f}) after {final['steps']} steps.\n\n```yaml\n{recipe.to_yaml()}```\n"
-        )
     if start.source.kind == "folder":
         base_model, license_ = card_identity(start.source.location)
     else:
         base_model, license_ = base_identity(start.source)
     metrics = {}
     if final["eval_loss_start"] is not None:
-        metrics["before fine-tuning (= original)"] = {"loss": final["eval_loss_start"], "perplexity": final["eval_perplexity_start"]}
+        before = "before fine-tuning (= original)" if start.converted else "before fine-tuning"
+        metrics[before] = {"loss": final["eval_loss_start"], "perplexity": final["eval_perplexity_start"]}
     metrics["fine-tuned"] = {"loss": final["eval_loss"], "perplexity": final["eval_perplexity"]}
-    return finetune_card(
-        summarize(model),
+    common = dict(
         name=name,
         base_model=base_model,
         license=license_,
@@ -536,3 +636,6 @@ def _card(model, start: StartingModel, recipe: Recipe, final: dict, history, cor
         loss_curve=LOSS_CURVE,
         history=history,
     )
+    if not start.converted:
+        return baseline_card(**common)  # front matter and all: a baseline can be pushed like any model
+    return finetune_card(summarize(model), **common)
