@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shlex
 import signal
 import sys
 import warnings
@@ -396,6 +397,55 @@ def finetune_command(
         console.print(f"[green]Model[/] [bold]{escape(str(result.model_dir))}[/]")
     if result.pushed is not None:
         console.print(f"[green]Pushed[/] to [bold]{result.pushed.url}[/]")
+
+
+@app.command("ab")
+def ab_command(
+    recipe: Annotated[str, typer.Argument(help="A recipe that trains lora or full (e.g. ab-smollm2-shakespeare).")],
+    overrides: Annotated[
+        Optional[list[str]], typer.Argument(help="key.path=value overrides for every arm.", show_default=False)
+    ] = None,
+    sweep: Annotated[
+        Optional[list[str]],
+        typer.Option("--sweep", help='An extra AttnRes arm: space- or comma-separated overrides, e.g. "model.full=true" (repeatable).'),
+    ] = None,
+    seeds: Annotated[int, typer.Option("--seeds", help="Run every arm with train.seed, train.seed+1, ...: deltas paired per seed.")] = 1,
+    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Output folder (default outputs/ab-RECIPE).")] = None,
+    workdir: Annotated[Optional[Path], typer.Option("--workdir", help="Where the arms' run folders go (default OUTPUT-runs).")] = None,
+    no_plain: Annotated[bool, typer.Option("--no-plain", help="With --sweep: no AttnRes arm without extra overrides.")] = False,
+    jobs: Annotated[int, typer.Option("--jobs", help="Train this many arms at once, in one-thread worker processes (CPU).")] = 1,
+    reuse: Annotated[bool, typer.Option("--reuse", help="Keep arms already finished in the work folder with the same recipe.")] = False,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an earlier A/B output folder.")] = False,
+) -> None:
+    """A/B: the recipe trained as a baseline (model.convert=false, same trainable budget) and as AttnRes,
+    plus sweep arms, from the same start and data order; writes ab.json, ab.md and ab.png."""
+    import transformers
+
+    from attnres_convert import AttnResError, BlockSizeError, UnsupportedModelError
+    from attnres_convert.finetune.ab import run_ab
+    from attnres_convert.finetune.training import TrainingError
+
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
+    main = _is_main_process()
+    arms = [[o for o in entry.replace(",", " ").split() if o] for entry in (sweep or [])]
+    try:
+        result = run_ab(
+            recipe, list(overrides or []), sweep=arms, seeds=seeds, output=output, workdir=workdir, plain=not no_plain,
+            jobs=jobs, reuse=reuse, overwrite=overwrite, console=err_console if main else None,
+            command="attnres ab " + shlex.join(sys.argv[2:]) if len(sys.argv) > 1 and sys.argv[1] == "ab" else None,
+        )
+    except (AttnResError, BlockSizeError, UnsupportedModelError) as error:
+        code = EXIT_FAILED_CHECK if isinstance(error, TrainingError) else EXIT_BAD_INPUT
+        if main:
+            fail(str(error), code)
+        raise typer.Exit(code) from None
+    if not main:
+        return
+    from rich.markdown import Markdown
+
+    console.print(Markdown((result.output / "ab.md").read_text()))
+    console.print(f"[green]A/B[/] [bold]{escape(str(result.output))}[/] (ab.json, ab.md, ab.png)")
 
 
 @recipes_app.command("list")

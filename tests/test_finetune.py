@@ -130,13 +130,67 @@ def test_baseline_trains_the_original_model_from_the_same_start(setup, tmp_path)
     assert attnres.metrics["trainable_parameters"] - baseline.metrics["trainable_parameters"] == attnres.metrics["attnres_parameters"]
 
 
+def test_a_baseline_model_folder_has_a_card_ready_to_push(setup, tmp_path):
+    """model.convert=false with output.push_to_hub: the folder must pass the push checks (front matter)."""
+    from attnres_convert.hub.push import check_push_ready, read_front_matter
+
+    baseline = run(setup, tmp_path / "baseline", model={"convert": False}, train={"trainable": "lora", "steps": 2}, lora={"r": 4})
+    assert "README.md" in check_push_ready(baseline.model_dir)  # raises HubError listing problems otherwise
+    card = (baseline.model_dir / "README.md").read_text()
+    meta = read_front_matter(card)
+    assert "attnres-baseline" in meta["tags"] and meta["library_name"] == "transformers"
+    assert "(baseline, no AttnRes)" in card and "## Held-out evaluation" in card
+
+
+def test_a_crash_while_saving_keeps_the_previous_model_folder(setup, tmp_path, monkeypatch):
+    """The model folder is swapped for the new one only once that one is complete."""
+    import attnres_convert.finetune.training as training
+
+    sections = dict(train={"steps": 3}, checkpoint={"every": 1, "keep_last": 1}, eval={"every": 0, "max_sequences": 4})
+    recipe = parse_recipe(tiny_recipe(setup["model"], setup["corpus"], tmp_path / "run", **sections))
+    with pytest.raises(TrainingInterrupted):
+        finetune(recipe, stop_at_step=2)
+    previous = tmp_path / "run" / "model"
+    previous.mkdir()
+    (previous / "kept.txt").write_text("an earlier attempt's model")
+
+    def broken_card(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(training, "_card", broken_card)
+    with pytest.raises(Exception, match="No space left on device"):
+        finetune(recipe, resume=True)
+    assert (previous / "kept.txt").read_text() == "an earlier attempt's model"
+    assert sorted(p.name for p in (tmp_path / "run").iterdir() if p.name.startswith(".")) == []  # no temporary folder left
+
+
+def test_resume_refuses_a_checkpoint_missing_trainable_tensors(setup, tmp_path):
+    from safetensors.torch import save_file
+
+    sections = dict(train={"trainable": "lora", "steps": 4}, lora={"r": 4}, checkpoint={"every": 1}, eval={"every": 0, "max_sequences": 4})
+    recipe = parse_recipe(tiny_recipe(setup["model"], setup["corpus"], tmp_path / "run", **sections))
+    with pytest.raises(TrainingInterrupted) as stopped:
+        finetune(recipe, stop_at_step=2)
+    file = stopped.value.checkpoint / "model.safetensors"
+    tensors = load_file(file)
+    dropped = sorted(name for name in tensors if "lora_B" in name)[0]
+    save_file({k: v for k, v in tensors.items() if k != dropped}, file)
+    with pytest.raises(RecipeError, match=rf"--resume: checkpoint .*step-0000002 lacks 1 trainable tensor\(s\) \({dropped}\)"):
+        finetune(recipe, resume=True)
+    save_file({**tensors, "model.extra.weight": torch.zeros(2)}, file)
+    with pytest.raises(RecipeError, match=r"holds 1 tensor\(s\) this recipe does not train \(model.extra.weight\)"):
+        finetune(recipe, resume=True)
+    save_file(tensors, file)
+    assert finetune(recipe, resume=True).metrics["steps"] == 4
+
+
 def test_run_folder_contents(setup, tmp_path):
     result = run(setup, tmp_path / "run", train={"steps": 4, "log_every": 2}, eval={"every": 2, "max_sequences": 4})
     out = result.output
     assert sorted(p.name for p in out.iterdir()) == ["final_metrics.json", "loss_curve.png", "metrics.jsonl", "model", "recipe.yaml"]
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [(r["kind"], r["step"]) for r in records] == [("eval", 0), ("train", 2), ("eval", 2), ("train", 4), ("eval", 4)]
-    assert {"loss", "lr", "attnres_lr", "grad_norm", "tokens", "tokens_per_s"} <= set(records[1])
+    assert {"loss", "lr", "attnres_lr", "grad_norm", "attnres_grad_norm", "tokens", "tokens_per_s"} <= set(records[1])
     assert records[-1]["perplexity"] == pytest.approx(math.exp(records[-1]["loss"]))
     assert parse_recipe(__import__("yaml").safe_load((out / "recipe.yaml").read_text())).train.log_every == 2
     assert json.loads((out / "final_metrics.json").read_text())["eval_loss"] == pytest.approx(records[-1]["loss"])
@@ -275,25 +329,3 @@ def test_a_converted_folder_continues_its_learned_routing(setup, tmp_path):
     assert second.metrics["converted"] and math.isclose(second.metrics["eval_loss_start"], first.metrics["eval_loss"], rel_tol=1e-6)
     with pytest.raises(RecipeError, match=r"model\.block_size: .* is already converted with block size 4; it cannot be trained as 2"):
         run(setup, tmp_path / "third", **{**sections, "model": {**sections["model"], "block_size": 2}})
-
-
-def test_ab_benchmark_on_a_tiny_model(setup, tmp_path):
-    """benchmarks/ab.py: baseline and AttnRes from the same start and data order, a sweep variant, reuse."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import ab
-
-    recipe = write_recipe(tmp_path / "ab.yaml", tiny_recipe(setup["model"], setup["corpus"], tmp_path / "unused",
-                                                            train={"trainable": "lora", "steps": 3}, lora={"r": 4}))
-    args = [str(recipe), "--name", "tiny", "--results", str(tmp_path / "results"), "--workdir", str(tmp_path / "runs"), "--quiet"]
-    report = ab.main([*args, "--sweep", "train.attnres_lr=1e-3", "--throughput", "1"])
-    base, arms = report["baseline"], report["attnres"]
-    assert [a["overrides"] for a in arms] == [[], ["train.attnres_lr=1e-3"]]
-    assert math.isclose(arms[0]["eval_loss_step0"], base["eval_loss_step0"], rel_tol=1e-6)  # converted = original
-    assert base["attnres_parameters"] == 0 and arms[0]["attnres_parameters"] > 0
-    assert all(arm["tokens_per_s_interleaved"] > 0 for arm in [base, *arms])
-    table = (tmp_path / "results" / "tiny.md").read_text()
-    assert "| baseline after training |" in table and "| AttnRes after training (train.attnres_lr=1e-3) |" in table
-    saved = json.loads((tmp_path / "results" / "tiny.json").read_text())
-    assert saved["baseline"]["eval_loss_final"] == base["eval_loss_final"]
-    again = ab.main([*args, "--reuse"])  # finished arms are read back, not run again
-    assert again["baseline"]["eval_curve"] == base["eval_curve"] and again["attnres"][0]["train_curve"] == arms[0]["train_curve"]

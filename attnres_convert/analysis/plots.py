@@ -157,3 +157,39 @@ def loss_curve_plot(history: Sequence[Mapping], path: str | os.PathLike, title: 
         axis.legend(fontsize=8)
     axis.set_title(title, fontsize=10)
     return _save(figure, path)
+
+
+def ab_curves_plot(report: Mapping, path: str | os.PathLike) -> Path:
+    """`attnres ab`: held-out loss against step for every arm (mean over seeds, each seed a thin line), and
+    beside it each arm's difference to the baseline at the same seed (mean, with the seeds' min..max band)."""
+    import matplotlib
+
+    figure = _figure(10.0, 3.8)
+    curves, deltas = figure.add_subplot(1, 2, 1), figure.add_subplot(1, 2, 2)
+    colors = matplotlib.colormaps["tab10"]
+    for index, arm in enumerate(report["arms"]):
+        color = ORIGINAL_COLOR if index == 0 else colors((index - 1) % 10)
+        for run in arm["runs"]:
+            if len(arm["runs"]) > 1 and run["eval"]:
+                steps, values = zip(*run["eval"])
+                curves.plot(steps, values, color=color, lw=0.6, alpha=0.35)
+        if arm["eval"]:
+            steps, values = zip(*arm["eval"])
+            curves.plot(steps, values, color=color, lw=1.6, marker="o", ms=3, label=arm["name"])
+        points = [(step, d["mean"], d["min"], d["max"]) for step, d in arm.get("delta_curve", [])]
+        if points:
+            steps, mean, low, high = zip(*points)
+            deltas.plot(steps, mean, color=color, lw=1.6, marker="o", ms=3, label=arm["name"])
+            deltas.fill_between(steps, low, high, color=color, alpha=0.15, lw=0)
+    deltas.axhline(0.0, color=ORIGINAL_COLOR, lw=1.0)
+    seeds = len(report.get("seeds", [])) or 1
+    curves.set_title(f"Held-out loss ({seeds} seed{'s' if seeds > 1 else ''}: mean and each seed)", fontsize=10)
+    deltas.set_title("Arm - baseline, same seed (mean, min..max)", fontsize=10)
+    for axis, label in ((curves, "loss (nats / token)"), (deltas, "Δ loss (nats / token)")):
+        axis.set_xlabel("optimizer step", fontsize=8)
+        axis.set_ylabel(label, fontsize=8)
+        axis.tick_params(labelsize=7)
+        axis.grid(alpha=0.3, lw=0.5)
+        if axis.lines:
+            axis.legend(fontsize=7)
+    return _save(figure, path)

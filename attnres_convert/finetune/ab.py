@@ -1,0 +1,442 @@
+"""`attnres ab`: does AttnRes pay? One recipe, trained as a baseline and as AttnRes from the same start.
+
+    baseline  the recipe with model.convert=false: the original model, the same trainable budget except the
+              AttnRes parameters (the same LoRA adapters, or every base weight for trainable: full)
+    attnres   the recipe as written: converted (exact at step 0), the AttnRes parameters train alongside
+    sweep     AttnRes variants, each a list of extra overrides (`--sweep "train.attnres_lr=1e-3 model.full=true"`)
+
+Every arm runs once per seed (train.seed, train.seed + 1, ...): same seed, same LoRA initialisation and the
+same data order in every arm, so the difference between two arms at one seed is paired. The output
+folder holds `ab.json` (every arm's held-out curve per seed and its mean), `ab.md` (the table: final
+held-out loss, delta to the baseline as mean and spread over the seeds) and `ab.png` (the curves). It is
+written atomically at the end; the arms' run folders stay in the work folder, where `reuse` finds arms
+already finished with the same recipe.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import math
+import os
+import platform
+import statistics
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .metrics import METRICS, read_metrics
+from .recipe import Recipe, RecipeError, apply_overrides, find_recipe, parse_recipe, read_yaml
+
+AB_JSON, AB_MD, AB_PNG = "ab.json", "ab.md", "ab.png"
+ARM_SETTINGS = ("output.save_model=false", "output.overwrite=true", "eval.at_start=true", "output.push_to_hub=null")
+
+
+@dataclass(frozen=True)
+class Arm:
+    name: str
+    overrides: tuple[str, ...]  # on top of the recipe and the overrides common to every arm
+
+    @property
+    def is_baseline(self) -> bool:
+        return self.name == "baseline"
+
+
+def plan_arms(sweep: list[list[str]], plain: bool = True) -> list[Arm]:
+    """baseline, attnres (unless `plain` is false) and one arm per sweep entry, named after its overrides."""
+    arms = [Arm("baseline", ("model.convert=false",))]
+    if plain:
+        arms.append(Arm("attnres", ()))
+    names = {arm.name for arm in arms}
+    for extra in sweep:
+        if not extra:
+            raise RecipeError("--sweep: an arm needs at least one override (key.path=value)")
+        name = "attnres " + " ".join(extra)
+        if name in names:
+            raise RecipeError(f"--sweep: the arm {' '.join(extra)!r} is given twice")
+        names.add(name)
+        arms.append(Arm(name, tuple(extra)))
+    return arms
+
+
+def folder_name(arm: Arm, seed: int) -> str:
+    safe = "".join(c if c.isalnum() or c in "._-" else "_" for c in arm.name.replace(" ", "__"))
+    return f"{safe[:120]}/seed-{seed}"
+
+
+def arm_recipe(data: dict, common: list[str], arm: Arm, seed: int, workdir: Path) -> Recipe:
+    overrides = [*common, *arm.overrides, f"train.seed={seed}", f"output.dir={workdir / folder_name(arm, seed)}", *ARM_SETTINGS]
+    try:
+        return parse_recipe(apply_overrides(data, overrides))
+    except RecipeError as error:
+        raise RecipeError(f"arm {arm.name!r}: {error}") from None
+
+
+def finished(recipe: Recipe) -> bool:
+    """A run folder already complete with this very recipe (checked through today's schema)."""
+    out = Path(recipe.output.dir)
+    saved = out / "recipe.yaml"
+    if not ((out / "final_metrics.json").is_file() and saved.is_file()):
+        return False
+    try:
+        # The description documents the recipe; it does not change what trains.
+        return parse_recipe(read_yaml(saved)).model_dump(exclude={"description"}) == recipe.model_dump(exclude={"description"})
+    except RecipeError:
+        return False
+
+
+@dataclass
+class RunSummary:
+    """One arm at one seed, read back from its run folder."""
+
+    seed: int
+    eval: list[tuple[int, float]]
+    train: list[tuple[int, float]]
+    eval_loss_final: float
+    tokens: int
+    tokens_per_s: float | None
+    train_seconds: float
+    trainable_parameters: int
+    attnres_parameters: int
+    converted: bool
+    grad_norm: list[tuple[int, float]] = field(default_factory=list)
+    attnres_grad_norm: list[tuple[int, float]] = field(default_factory=list)
+
+
+def read_run(folder: Path, seed: int) -> RunSummary:
+    final = json.loads((folder / "final_metrics.json").read_text())
+    records = read_metrics(folder / METRICS)
+    trains = [r for r in records if r["kind"] == "train"]
+    return RunSummary(
+        seed=seed,
+        eval=[(r["step"], r["loss"]) for r in records if r["kind"] == "eval"],
+        train=[(r["step"], r["loss"]) for r in trains],
+        eval_loss_final=final["eval_loss"],
+        tokens=final["tokens"],
+        tokens_per_s=final["tokens_per_s"],
+        train_seconds=final["train_seconds"],
+        trainable_parameters=final["trainable_parameters"],
+        attnres_parameters=final["attnres_parameters"],
+        converted=final["converted"],
+        grad_norm=[(r["step"], r["grad_norm"]) for r in trains if r.get("grad_norm") is not None],
+        attnres_grad_norm=[(r["step"], r["attnres_grad_norm"]) for r in trains if r.get("attnres_grad_norm") is not None],
+    )
+
+
+def paired(values: list[float]) -> dict:
+    """Mean and spread of per-seed deltas (sample standard deviation; 0 with one seed)."""
+    return {
+        "mean": statistics.fmean(values),
+        "std": statistics.stdev(values) if len(values) > 1 else 0.0,
+        "min": min(values),
+        "max": max(values),
+        "per_seed": values,
+    }
+
+
+def _mean_curve(runs: list[RunSummary]) -> list[tuple[int, float]]:
+    steps = sorted(set.intersection(*(set(dict(r.eval)) for r in runs)))
+    return [(step, statistics.fmean(dict(r.eval)[step] for r in runs)) for step in steps]
+
+
+def arm_report(arm: Arm, runs: list[RunSummary], baseline: list[RunSummary] | None) -> dict:
+    """The arm's entry of ab.json: its curves per seed, their mean, and its paired delta to the baseline."""
+    speeds = [r.tokens_per_s for r in runs if r.tokens_per_s]
+    entry = {
+        "name": arm.name,
+        "overrides": list(arm.overrides),
+        "converted": runs[0].converted,
+        "eval": _mean_curve(runs),
+        "eval_loss_final": statistics.fmean(r.eval_loss_final for r in runs),
+        "tokens": runs[0].tokens,
+        "tokens_per_s": statistics.fmean(speeds) if speeds else None,
+        "trainable_parameters": runs[0].trainable_parameters,
+        "attnres_parameters": runs[0].attnres_parameters,
+        "runs": [vars(r) for r in runs],
+    }
+    if baseline is not None and not arm.is_baseline:
+        base = {r.seed: r for r in baseline}
+        entry["delta_final"] = paired([r.eval_loss_final - base[r.seed].eval_loss_final for r in runs])
+        steps = [s for s, _ in entry["eval"] if all(s in dict(base[r.seed].eval) for r in runs)]
+        entry["delta_curve"] = [(s, paired([dict(r.eval)[s] - dict(base[r.seed].eval)[s] for r in runs])) for s in steps]
+    return entry
+
+
+# --- the live table -------------------------------------------------------------------------------
+
+
+def _progress_of(folder: Path) -> tuple[int | None, float | None, bool]:
+    """(last step, last held-out loss, finished) of a run folder being written, without disturbing it."""
+    path = folder / METRICS
+    if not path.is_file():
+        return None, None, False
+    try:
+        records = read_metrics(path)
+    except OSError:
+        return None, None, False
+    steps = [r["step"] for r in records if r.get("kind") == "train"]
+    evals = [r["loss"] for r in records if r.get("kind") == "eval"]
+    return (steps[-1] if steps else 0), (evals[-1] if evals else None), (folder / "final_metrics.json").is_file()
+
+
+def live_table(arms: list[Arm], seeds: list[int], workdir: Path, steps: int, title: str):
+    """Rich table of every arm x seed: step reached, last held-out loss, its difference to the baseline's
+    at the same seed. Re-read from the run folders' metrics.jsonl at each refresh (the arms may run in
+    other processes)."""
+    from rich.table import Table
+
+    table = Table(title=title)
+    for column in ("arm", "seed", "step", "held-out loss", "Δ vs baseline", "state"):
+        table.add_column(column, justify="left" if column in ("arm", "state") else "right")
+    base_loss: dict[int, dict[int, float]] = {}
+    for seed in seeds:
+        path = workdir / folder_name(arms[0], seed) / METRICS
+        if path.is_file():
+            base_loss[seed] = {r["step"]: r["loss"] for r in read_metrics(path) if r.get("kind") == "eval"}
+    for arm in arms:
+        for seed in seeds:
+            folder = workdir / folder_name(arm, seed)
+            step, loss, done = _progress_of(folder)
+            delta = ""
+            if loss is not None and not arm.is_baseline:
+                evals = [r for r in read_metrics(folder / METRICS) if r.get("kind") == "eval"]
+                reference = base_loss.get(seed, {}).get(evals[-1]["step"])
+                delta = f"{loss - reference:+.4f}" if reference is not None else ""
+            state = "[green]done[/]" if done else ("running" if step is not None else "[dim]waiting[/]")
+            table.add_row(arm.name, str(seed), f"{step}/{steps}" if step is not None else "", f"{loss:.4f}" if loss else "", delta, state)
+    return table
+
+
+# --- running --------------------------------------------------------------------------------------
+
+
+@dataclass
+class ABResult:
+    output: Path
+    report: dict
+
+
+def _run_one(data: dict, common: list[str], arm: Arm, seed: int, workdir: str, reuse: bool) -> None:
+    """Train one arm at one seed (in this process or a worker process)."""
+    from .training import finetune
+
+    recipe = arm_recipe(data, common, arm, seed, Path(workdir))
+    if reuse and finished(recipe):
+        return
+    result = finetune(recipe)  # quiet: the live table shows every arm's progress
+    del result
+    gc.collect()
+
+
+def _one_thread() -> None:
+    """Worker processes of `jobs > 1`: one thread each (the arms share the cores)."""
+    import torch
+    import transformers
+
+    torch.set_num_threads(1)
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
+
+
+def run_ab(
+    recipe: str | os.PathLike,
+    overrides: list[str] | None = None,
+    *,
+    sweep: list[list[str]] | None = None,
+    seeds: int = 1,
+    output: str | os.PathLike | None = None,
+    workdir: str | os.PathLike | None = None,
+    plain: bool = True,
+    jobs: int = 1,
+    reuse: bool = False,
+    overwrite: bool = False,
+    console=None,
+    command: str | None = None,
+) -> ABResult:
+    """Run every arm at every seed, then write OUTPUT/ab.json, ab.md and ab.png (atomically).
+
+    `jobs > 1` trains that many arms at once in worker processes of one thread each (on a CPU, two
+    one-thread processes finish two arms sooner than one two-thread process does one after the other).
+    Under `accelerate launch` every process takes part in every arm (jobs must be 1); the main one writes."""
+    from accelerate import PartialState
+
+    overrides = list(overrides or [])
+    path = find_recipe(recipe)
+    data = read_yaml(path)
+    base = parse_recipe(apply_overrides(data, overrides))
+    if base.train.trainable == "attnres":
+        raise RecipeError(
+            "train.trainable: the A/B needs a recipe that trains something besides AttnRes (lora or full): "
+            "the baseline trains the same budget without AttnRes, and with trainable: attnres it would train nothing"
+        )
+    if seeds < 1:
+        raise RecipeError(f"--seeds: must be >= 1 (got {seeds})")
+    if jobs < 1:
+        raise RecipeError(f"--jobs: must be >= 1 (got {jobs})")
+    state = PartialState()
+    if jobs > 1 and state.num_processes > 1:
+        raise RecipeError("--jobs: under accelerate launch every process trains every arm together; use --jobs 1")
+    out = Path(output or f"outputs/ab-{path.stem}").expanduser().resolve()
+    _check_output(out, overwrite)
+    work = Path(workdir).expanduser().resolve() if workdir else out.with_name(out.name + "-runs")
+    arms = plan_arms(sweep or [], plain)
+    seed_list = [base.train.seed + index for index in range(seeds)]
+    for arm in arms:  # every arm's recipe is valid before the first one trains
+        arm_recipe(data, overrides, arm, seed_list[0], work)
+    jobs_list = [(arm, seed) for seed in seed_list for arm in arms]  # seed-major: a first paired delta early
+
+    main = state.is_main_process
+    title = f"A/B: {path.stem} ({base.train.steps} steps, {len(seed_list)} seed(s))"
+    show = console is not None and main
+    with _live(console if show else None, lambda: live_table(arms, seed_list, work, base.train.steps, title)):
+        if jobs > 1:
+            _run_parallel(data, overrides, jobs_list, work, jobs, reuse)
+        else:
+            for arm, seed in jobs_list:
+                _run_one(data, overrides, arm, seed, str(work), reuse)
+    state.wait_for_everyone()
+    runs = {arm: [read_run(work / folder_name(arm, seed), seed) for seed in seed_list] for arm in arms}
+    report = {
+        "recipe": str(recipe),
+        "overrides": overrides,
+        "command": command or "",
+        "steps": base.train.steps,
+        "seeds": seed_list,
+        "machine": _machine(jobs),
+        "workdir": str(work),
+        "arms": [arm_report(arm, runs[arm], runs[arms[0]]) for arm in arms],
+    }
+    if main:
+        from ..conversion.saving import atomic_folder
+
+        atomic_folder(out, lambda folder: write_report(report, folder), owned=True)
+    state.wait_for_everyone()
+    return ABResult(out, report)
+
+
+def _run_parallel(data, overrides, jobs_list, work: Path, jobs: int, reuse: bool) -> None:
+    import concurrent.futures
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=context, initializer=_one_thread) as pool:
+        futures = [pool.submit(_run_one, data, overrides, arm, seed, str(work), reuse) for arm, seed in jobs_list]
+        for future in futures:
+            future.result()
+
+
+@contextlib.contextmanager
+def _live(console, table) -> Iterator[None]:
+    """The live table, redrawn from the run folders every two seconds (Rich refreshes it in its own thread)."""
+    if console is None:
+        yield
+        return
+    from rich.live import Live
+
+    with Live(get_renderable=table, console=console, refresh_per_second=0.5):
+        yield
+
+
+def _check_output(out: Path, overwrite: bool) -> None:
+    """OUT may be replaced only if it is an earlier A/B output (holds ab.json) and overwrite is set."""
+    if out.exists() and not out.is_dir():
+        raise RecipeError(f"--output: {out} is a file, not a folder; choose another path")
+    if out.is_dir() and any(out.iterdir()):
+        if not (out / AB_JSON).is_file():
+            raise RecipeError(f"--output: {out} exists and is not an A/B output (no {AB_JSON}); choose another folder")
+        if not overwrite:
+            raise RecipeError(f"--output: {out} already holds an A/B; pass --overwrite to replace it, or choose another folder")
+
+
+def _machine(jobs: int) -> dict:
+    import torch
+
+    return {
+        "cpu": f"{platform.machine()}, {os.cpu_count()} CPUs",
+        "accelerator": torch.accelerator.current_accelerator().type if torch.accelerator.is_available() else None,
+        "torch": torch.__version__,
+        "threads_per_arm": 1 if jobs > 1 else torch.get_num_threads(),
+        "jobs": jobs,
+    }
+
+
+def write_report(report: dict, folder: Path) -> None:
+    from ..analysis.plots import ab_curves_plot
+
+    (folder / AB_JSON).write_text(json.dumps(report, indent=2))
+    (folder / AB_MD).write_text(markdown(report))
+    ab_curves_plot(report, folder / AB_PNG)
+
+
+# --- ab.md ----------------------------------------------------------------------------------------
+
+
+def _delta(entry: dict) -> str:
+    delta = entry.get("delta_final")
+    if delta is None:
+        return ""
+    if len(delta["per_seed"]) == 1:
+        return f"{delta['mean']:+.4f}"
+    return f"{delta['mean']:+.4f} ± {delta['std']:.4f} ({delta['min']:+.4f} .. {delta['max']:+.4f})"
+
+
+def markdown(report: dict) -> str:
+    arms = report["arms"]
+    base = arms[0]
+    seeds = report["seeds"]
+    machine = report["machine"]
+    start = base["eval"][0] if base["eval"] and base["eval"][0][0] == 0 else None
+    lines = [
+        f"# A/B: {report['recipe']} ({report['steps']} steps, {base['tokens']:,} training tokens per arm, "
+        f"seed{'s' if len(seeds) > 1 else ''} {', '.join(map(str, seeds))})",
+        "",
+        f"Command: `{report['command']}`" if report["command"] else "",
+        "",
+        f"Machine: {machine['cpu']}{', ' + machine['accelerator'] if machine['accelerator'] else ''}; torch {machine['torch']}, "
+        f"{machine['threads_per_arm']} thread(s) per arm, {machine['jobs']} arm(s) at a time (tokens/s depend on what else "
+        "the machine was running).",
+        "",
+        "Held-out loss in nats per token (mean over the seeds); Δ = arm - baseline at the same seed: mean ± sample "
+        "standard deviation (min .. max) over the seeds. Negative is better.",
+        "",
+        "| arm | overrides | held-out loss | perplexity | Δ vs baseline | trainable params | tokens/s |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    if start is not None:
+        lines.append(f"| original model (step 0) | | {start[1]:.4f} | {math.exp(start[1]):.2f} | | | |")
+        for entry in arms[1:]:
+            if entry["eval"] and entry["eval"][0][0] == 0:
+                lines.append(
+                    f"| converted (step 0) | | {entry['eval'][0][1]:.4f} | {math.exp(entry['eval'][0][1]):.2f} | "
+                    f"{entry['eval'][0][1] - start[1]:+.1e} vs original | | |"
+                )
+                break
+    for entry in arms:
+        params = f"{entry['trainable_parameters']:,}" + (f" (AttnRes {entry['attnres_parameters']:,})" if entry["attnres_parameters"] else "")
+        speed = f"{entry['tokens_per_s']:,.0f}" if entry["tokens_per_s"] else ""
+        overrides = " ".join(f"`{o}`" for o in entry["overrides"])
+        lines.append(
+            f"| {entry['name']} | {overrides} | {entry['eval_loss_final']:.4f} | {math.exp(entry['eval_loss_final']):.2f} | "
+            f"{_delta(entry)} | {params} | {speed} |"
+        )
+    lines += ["", "Held-out loss during training (mean over the seeds; Δ vs baseline in brackets):", ""]
+    lines += ["| step | " + " | ".join(e["name"] for e in arms) + " |", "|---" * (1 + len(arms)) + "|"]
+    for step, loss in base["eval"]:
+        cells = [f"{loss:.4f}"]
+        for entry in arms[1:]:
+            curve, deltas = dict(entry["eval"]), dict(entry.get("delta_curve", []))
+            cell = f"{curve[step]:.4f}" if step in curve else ""
+            if step in deltas and step:
+                cell += f" ({deltas[step]['mean']:+.4f})"
+            cells.append(cell)
+        lines.append(f"| {step} | " + " | ".join(cells) + " |")
+    norms = [(e["name"], e["runs"][0]) for e in arms if e["runs"][0]["grad_norm"]]
+    if norms:
+        lines += ["", f"Gradient norms before clipping (seed {seeds[0]}; median over the run):", ""]
+        lines += ["| arm | base / LoRA | AttnRes |", "|---|---|---|"]
+        for name, run in norms:
+            attn = [v for _, v in run["attnres_grad_norm"]]
+            base_norm = statistics.median(v for _, v in run["grad_norm"])
+            lines.append(f"| {name} | {base_norm:.3f} | {f'{statistics.median(attn):.3f}' if attn else ''} |")
+    return "\n".join(lines) + "\n"

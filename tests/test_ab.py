@@ -1,0 +1,138 @@
+"""`attnres ab` on a tiny model (seconds): arms from the same start, paired deltas over seeds, the output
+files and their schema; and clipping per parameter group, which keeps the A/B fair."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from attnres_convert.cli import app
+from attnres_convert.finetune.ab import run_ab
+from attnres_convert.finetune.recipe import RecipeError, parse_recipe
+from attnres_convert.finetune.training import FinetuneRecipe
+from finetune_helpers import tiny_model_folder, tiny_recipe, write_corpus, write_recipe
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ab")
+    model, corpus = tiny_model_folder(root / "tiny-llama"), write_corpus(root / "corpus")
+    recipe = tiny_recipe(model, corpus, root / "unused", train={"trainable": "lora", "steps": 4, "lr": 1e-2},
+                         lora={"r": 4}, eval={"every": 2, "max_sequences": 4})
+    return {"root": root, "model": model, "corpus": corpus, "recipe": write_recipe(root / "ab.yaml", recipe)}
+
+
+def test_ab_end_to_end_writes_paired_deltas_over_seeds(setup, tmp_path):
+    out = tmp_path / "ab"
+    result = runner.invoke(app, ["ab", str(setup["recipe"]), "train.warmup_steps=0", "--seeds", "2", "-o", str(out),
+                                 "--sweep", "train.attnres_lr=1e-3 model.num_blocks=null model.full=true"])
+    assert result.exit_code == 0, result.output
+    assert sorted(p.name for p in out.iterdir()) == ["ab.json", "ab.md", "ab.png"]
+    report = json.loads((out / "ab.json").read_text())
+    assert report["seeds"] == [0, 1] and report["steps"] == 4 and report["overrides"] == ["train.warmup_steps=0"]
+    arms = report["arms"]
+    assert [a["name"] for a in arms] == ["baseline", "attnres", "attnres train.attnres_lr=1e-3 model.num_blocks=null model.full=true"]
+    assert [a["overrides"] for a in arms] == [["model.convert=false"], [], ["train.attnres_lr=1e-3", "model.num_blocks=null", "model.full=true"]]
+    for arm in arms:
+        assert [step for step, _ in arm["eval"]] == [0, 2, 4]
+        assert arm["tokens_per_s"] > 0 and arm["tokens"] == 4 * 4 * 32
+        assert [r["seed"] for r in arm["runs"]] == [0, 1]
+        for step, loss in arm["eval"]:  # the mean of the seeds' curves
+            assert loss == pytest.approx(sum(dict(r["eval"])[step] for r in arm["runs"]) / 2)
+    base = {r["seed"]: r for r in arms[0]["runs"]}
+    assert arms[0]["attnres_parameters"] == 0 and "delta_final" not in arms[0]
+    for arm in arms[1:]:
+        assert arm["attnres_parameters"] > 0
+        for run in arm["runs"]:  # converted at step 0 = the original model, seed by seed
+            assert math.isclose(run["eval"][0][1], base[run["seed"]]["eval"][0][1], rel_tol=1e-6)
+            assert run["attnres_grad_norm"] and all(value > 0 for _, value in run["attnres_grad_norm"])
+        deltas = [r["eval_loss_final"] - base[r["seed"]]["eval_loss_final"] for r in arm["runs"]]
+        assert arm["delta_final"]["per_seed"] == pytest.approx(deltas)
+        assert arm["delta_final"]["mean"] == pytest.approx(sum(deltas) / 2)
+        assert arm["delta_final"]["std"] == pytest.approx(abs(deltas[0] - deltas[1]) / math.sqrt(2))
+    # Different seeds: a different LoRA init and data order, so different curves.
+    assert base[0]["train"] != base[1]["train"]
+    table = (out / "ab.md").read_text()
+    assert "| baseline | `model.convert=false` |" in table and "| converted (step 0) |" in table
+    assert f"{arms[1]['delta_final']['mean']:+.4f} ± {arms[1]['delta_final']['std']:.4f}" in table
+    assert (out / "ab.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    # The same A/B again: every arm is read back from the work folder, not trained again.
+    stamps = {p: p.stat().st_mtime_ns for p in (tmp_path / "ab-runs").rglob("metrics.jsonl")}
+    assert len(stamps) == 6
+    again = run_ab(setup["recipe"], ["train.warmup_steps=0"], seeds=2, output=out, reuse=True, overwrite=True,
+                   sweep=[["train.attnres_lr=1e-3", "model.num_blocks=null", "model.full=true"]])
+    assert json.loads(json.dumps(again.report["arms"])) == arms
+    assert {p: p.stat().st_mtime_ns for p in stamps} == stamps
+
+
+def test_ab_refuses_what_it_cannot_compare(setup, tmp_path):
+    with pytest.raises(RecipeError, match="the A/B needs a recipe that trains something besides AttnRes"):
+        run_ab(setup["recipe"], ["train.trainable=attnres"], output=tmp_path / "ab")
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "notes.txt").write_text("mine")
+    with pytest.raises(RecipeError, match="is not an A/B output"):
+        run_ab(setup["recipe"], output=tmp_path / "taken")
+    with pytest.raises(RecipeError, match=r"arm 'attnres model.bogus=1': model.bogus: unknown key"):
+        run_ab(setup["recipe"], sweep=[["model.bogus=1"]], output=tmp_path / "ab")
+    assert not (tmp_path / "ab").exists() and (tmp_path / "taken" / "notes.txt").read_text() == "mine"
+
+
+def _first_step_gradients(setup, out, convert: bool = True, **train) -> tuple[dict[str, torch.Tensor], object]:
+    """The gradients the optimizer applies at step 1 (after clipping), by parameter name, and the step's stats."""
+    from attnres_convert.finetune.training import GracefulStop
+
+    sections = dict(model={"convert": convert}, train={"trainable": "lora", "steps": 2, "warmup_steps": 0, **train},
+                    lora={"r": 4}, eval={"at_start": False})
+    run = FinetuneRecipe(parse_recipe(tiny_recipe(setup["model"], setup["corpus"], out, **sections)))
+    run.setup()
+    seen: dict[str, torch.Tensor] = {}
+    step = run.optimizer.step
+
+    def record(*args, **kwargs):
+        seen.update({name: p.grad.clone() for name, p in run.model.named_parameters() if p.grad is not None})
+        return step(*args, **kwargs)
+
+    run.optimizer.step = record
+    with GracefulStop() as run._stop:
+        stats = run.train_step()
+    return seen, stats
+
+
+def test_attnres_gradients_never_scale_the_base_update(setup, tmp_path):
+    """At step 1 the converted model computes exactly what the original does, so the LoRA gradients of the
+    AttnRes arm are the baseline's: clipped at max_grad_norm to the same values, however large the AttnRes
+    gradients are (one global norm would shrink them). The AttnRes gradients are clipped on their own."""
+    tight = {"max_grad_norm": 1e-3}
+    baseline, base_stats = _first_step_gradients(setup, tmp_path / "b", convert=False, **tight)
+    assert base_stats.attnres_grad_norm is None and base_stats.grad_norm > 1e-3  # clipping is active
+    lora = [name for name in baseline if "lora_" in name]
+    norm = lambda grads, names: torch.linalg.vector_norm(torch.stack([grads[n].norm() for n in names])).item()  # noqa: E731
+    assert lora and norm(baseline, lora) == pytest.approx(1e-3, rel=1e-3)
+
+    unclipped, stats = _first_step_gradients(setup, tmp_path / "a", **tight)
+    assert stats.grad_norm == pytest.approx(base_stats.grad_norm, rel=1e-4)
+    # One global norm would include these: the LoRA gradients would come out smaller than the baseline's.
+    assert stats.attnres_grad_norm > 0.1 * stats.grad_norm
+    assert all(torch.allclose(unclipped[name], baseline[name], rtol=1e-4, atol=1e-9) for name in lora)
+    new = [name for name in unclipped if "_res_" in name]
+    assert norm(unclipped, new) == pytest.approx(stats.attnres_grad_norm, rel=1e-4)  # not clipped by default
+
+    clipped, clipped_stats = _first_step_gradients(setup, tmp_path / "c", attnres_max_grad_norm=1e-2, **tight)
+    assert clipped_stats.attnres_grad_norm == pytest.approx(stats.attnres_grad_norm, rel=1e-4)
+    assert norm(clipped, new) == pytest.approx(1e-2, rel=1e-3)
+    assert all(torch.allclose(clipped[name], baseline[name], rtol=1e-4, atol=1e-9) for name in lora)
