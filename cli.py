@@ -407,7 +407,7 @@ def ab_command(
     ] = None,
     sweep: Annotated[
         Optional[list[str]],
-        typer.Option("--sweep", help='An extra AttnRes arm: space- or comma-separated overrides, e.g. "model.full=true" (repeatable).'),
+        typer.Option("--sweep", help='An extra AttnRes arm: space- or comma-separated overrides, e.g. "train.attnres_lr=1e-3" (repeatable).'),
     ] = None,
     seeds: Annotated[int, typer.Option("--seeds", help="Run every arm with train.seed, train.seed+1, ...: deltas paired per seed.")] = 1,
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Output folder (default outputs/ab-RECIPE).")] = None,

@@ -175,7 +175,8 @@ def ab_curves_plot(report: Mapping, path: str | os.PathLike) -> Path:
                 curves.plot(steps, values, color=color, lw=0.6, alpha=0.35)
         if arm["eval"]:
             steps, values = zip(*arm["eval"])
-            curves.plot(steps, values, color=color, lw=1.6, marker="o", ms=3, label=arm["name"])
+            style = dict(color="black", ls="--", zorder=3) if index == 0 else dict(color=color)  # the reference, on top
+            curves.plot(steps, values, lw=1.6, marker="o", ms=3, label=arm["name"], **style)
         points = [(step, d["mean"], d["min"], d["max"]) for step, d in arm.get("delta_curve", [])]
         if points:
             steps, mean, low, high = zip(*points)

@@ -351,6 +351,7 @@ def _check_output(out: Path, overwrite: bool) -> None:
 
 def _machine(jobs: int) -> dict:
     import torch
+    from accelerate import PartialState
 
     return {
         "cpu": f"{platform.machine()}, {os.cpu_count()} CPUs",
@@ -358,6 +359,7 @@ def _machine(jobs: int) -> dict:
         "torch": torch.__version__,
         "threads_per_arm": 1 if jobs > 1 else torch.get_num_threads(),
         "jobs": jobs,
+        "processes": PartialState().num_processes,
     }
 
 
@@ -394,7 +396,8 @@ def markdown(report: dict) -> str:
         f"Command: `{report['command']}`" if report["command"] else "",
         "",
         f"Machine: {machine['cpu']}{', ' + machine['accelerator'] if machine['accelerator'] else ''}; torch {machine['torch']}, "
-        f"{machine['threads_per_arm']} thread(s) per arm, {machine['jobs']} arm(s) at a time (tokens/s depend on what else "
+        f"{machine.get('processes', 1)} process(es) and {machine['threads_per_arm']} thread(s) per arm, {machine['jobs']} arm(s) at a time "
+        "(tokens/s depend on what else "
         "the machine was running).",
         "",
         "Held-out loss in nats per token (mean over the seeds); Δ = arm - baseline at the same seed: mean ± sample "
