@@ -136,3 +136,23 @@ def test_attnres_gradients_never_scale_the_base_update(setup, tmp_path):
     assert clipped_stats.attnres_grad_norm == pytest.approx(stats.attnres_grad_norm, rel=1e-4)
     assert norm(clipped, new) == pytest.approx(1e-2, rel=1e-3)
     assert all(torch.allclose(clipped[name], baseline[name], rtol=1e-4, atol=1e-9) for name in lora)
+
+
+def test_kl_term_to_the_starting_model(setup, tmp_path):
+    """train.kl_weight: KL(original || model) joins the loss. At step 1 the converted model is the original
+    (KL 0 up to float rounding); afterwards the KL is recorded and the term changes the run."""
+    from attnres_convert.finetune.training import finetune
+
+    def records(out, **train):
+        sections = dict(train={"trainable": "lora", "steps": 3, "lr": 3e-2, "warmup_steps": 0, **train}, lora={"r": 4},
+                        eval={"every": 0, "max_sequences": 4})
+        result = finetune(parse_recipe(tiny_recipe(setup["model"], setup["corpus"], out, **sections)))
+        return [r for r in result.records if r["kind"] == "train"]
+
+    plain, anchored = records(tmp_path / "plain"), records(tmp_path / "kl", kl_weight=1.0)
+    assert "kl" not in plain[0]
+    assert abs(anchored[0]["kl"]) < 1e-6 and anchored[0]["loss"] == pytest.approx(plain[0]["loss"], rel=1e-6)
+    assert all(r["kl"] > 1e-4 for r in anchored[1:])
+    assert anchored[-1]["loss"] != pytest.approx(plain[-1]["loss"], rel=1e-4)
+    with pytest.raises(RecipeError, match=r"train\.kl_weight: must be >= 0"):
+        records(tmp_path / "bad", kl_weight=-1.0)

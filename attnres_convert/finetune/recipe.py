@@ -142,6 +142,11 @@ class TrainSection(_Section):
         None, gt=0, description="Clip the gradient norm of the AttnRes parameters, on their own; null: no clipping (Adam "
         "normalises their step anyway)."
     )
+    kl_weight: float = Field(
+        0.0, ge=0, description="Add kl_weight x KL(starting model || model) per predicted token to the loss: keeps the "
+        "predictions near the original's (for a fresh conversion the starting model is the original, exactly). Costs a "
+        "frozen copy of the model and one more forward pass per micro-batch; metrics.jsonl records `kl`."
+    )
     mixed_precision: Literal["no", "bf16", "fp16"] = "no"
     gradient_checkpointing: bool = False
     seed: int = 0

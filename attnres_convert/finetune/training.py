@@ -19,6 +19,7 @@ and processes), so N processes x grad_accum G give the same update as 1 process 
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import math
 import os
@@ -109,16 +110,32 @@ def _accelerator(recipe: Recipe):
         raise RecipeError(f"train.mixed_precision: {error}") from error
 
 
-def token_loss(model, batch: dict, device) -> tuple[torch.Tensor, int]:
-    """Sum of next-token cross-entropies over the real (unpadded) positions, in float32."""
+def _logits_and_targets(model, batch: dict, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next-token logits [N, V] (float32) and targets [N] (-100 at padding) of a batch."""
     ids = batch["input_ids"].to(device)
     mask = batch["attention_mask"].to(device) if batch["attention_mask"] is not None else None
     logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits[:, :-1]
     targets = ids[:, 1:]
     if mask is not None:
         targets = targets.masked_fill(mask[:, 1:] == 0, -100)
-    loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100, reduction="sum")
-    return loss, batch["predictions"]
+    return logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1)
+
+
+def token_loss(model, batch: dict, device) -> tuple[torch.Tensor, int]:
+    """Sum of next-token cross-entropies over the real (unpadded) positions, in float32."""
+    logits, targets = _logits_and_targets(model, batch, device)
+    return F.cross_entropy(logits, targets, ignore_index=-100, reduction="sum"), batch["predictions"]
+
+
+def token_loss_and_kl(model, reference, batch: dict, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cross-entropy sum of `token_loss` and the sum of KL(reference || model) over the same positions:
+    how far the model's next-token distributions moved from the reference model's."""
+    logits, targets = _logits_and_targets(model, batch, device)
+    with torch.no_grad():
+        reference_logits, _ = _logits_and_targets(reference, batch, device)
+    real = targets != -100
+    kl = F.kl_div(F.log_softmax(logits[real], -1), F.log_softmax(reference_logits[real], -1), log_target=True, reduction="sum")
+    return F.cross_entropy(logits, targets, ignore_index=-100, reduction="sum"), kl
 
 
 def evaluate(model, sequences: Sequences, accelerator, batch_size: int) -> tuple[float, int]:
@@ -250,6 +267,7 @@ class StepStats:
     tokens: int
     seconds: float
     stopping: bool  # a signal or stop_at_step asked every process to stop after this step
+    kl: float | None = None  # mean KL(starting model || model) per prediction, with train.kl_weight
 
 
 class FinetuneRecipe:
@@ -325,6 +343,10 @@ class FinetuneRecipe:
         self.report.say(f"Loading {'the embedded SmolLM2-135M-Instruct' if recipe.model.is_default else recipe.model.source} ...")
         self.start = start = load_starting_model(recipe)
         model = start.model
+        self.reference = None
+        if recipe.train.kl_weight:
+            # The starting model, frozen (for a fresh conversion: the original model, exactly).
+            self.reference = copy.deepcopy(model).requires_grad_(False).eval().to(accelerator.device)
         if recipe.train.gradient_checkpointing:
             enable_checkpointing(model)
         if recipe.train.trainable == "lora":
@@ -412,18 +434,27 @@ class FinetuneRecipe:
         )
         predictions, tokens = (float(x) for x in accelerator.reduce(local, "sum"))
         loss_sum = torch.zeros((), dtype=torch.float64, device=accelerator.device)
+        kl_sum = torch.zeros((), dtype=torch.float64, device=accelerator.device)
         for index, batch in enumerate(batches):
             # Gradients are all-reduced once per step, on the last micro-batch.
             sync = contextlib.nullcontext() if index == len(batches) - 1 else accelerator.no_sync(model)
             with sync:
-                batch_loss, _ = token_loss(model, batch, accelerator.device)
+                if self.reference is None:
+                    batch_loss, _ = token_loss(model, batch, accelerator.device)
+                    objective = batch_loss
+                else:
+                    batch_loss, batch_kl = token_loss_and_kl(model, self.reference, batch, accelerator.device)
+                    objective = batch_loss + recipe.train.kl_weight * batch_kl
+                    kl_sum += batch_kl.detach().double()
                 # x world: DDP averages gradients over processes; this makes it the global token mean.
-                accelerator.backward(batch_loss * self.world / predictions)
+                accelerator.backward(objective * self.world / predictions)
             loss_sum += batch_loss.detach().double()
         grad_norm, attnres_grad_norm = self.clip_gradients()
         stopping = self._stop.requested is not None or (self.stop_at_step is not None and state.step + 1 >= self.stop_at_step)
-        shared = accelerator.reduce(torch.stack([loss_sum, torch.tensor(float(stopping), dtype=torch.float64, device=accelerator.device)]), "sum")
+        flag = torch.tensor(float(stopping), dtype=torch.float64, device=accelerator.device)
+        shared = accelerator.reduce(torch.stack([loss_sum, kl_sum, flag]), "sum")
         loss = float(shared[0]) / predictions
+        kl = float(shared[1]) / predictions if self.reference is not None else None
         self._refuse_non_finite(loss, grad_norm, attnres_grad_norm)
         lrs = {group.get("name", str(i)): group["lr"] for i, group in enumerate(self.optimizer.param_groups)}  # this step's
         self.optimizer.step()
@@ -434,7 +465,7 @@ class FinetuneRecipe:
         state.tokens += int(tokens)
         seconds = time.perf_counter() - began
         state.train_seconds += seconds
-        return StepStats(loss, grad_norm, attnres_grad_norm, lrs, int(tokens), seconds, float(shared[1]) > 0)
+        return StepStats(loss, grad_norm, attnres_grad_norm, lrs, int(tokens), seconds, float(shared[2]) > 0, kl)
 
     def clip_gradients(self) -> tuple[float, float | None]:
         """Clip the base (or LoRA) and the AttnRes gradients each on their own; return both norms before
@@ -480,6 +511,7 @@ class FinetuneRecipe:
                     "attnres_lr": stats.lrs.get("attnres"),
                     "grad_norm": stats.grad_norm,
                     "attnres_grad_norm": stats.attnres_grad_norm,
+                    **({"kl": stats.kl} if stats.kl is not None else {}),
                     "tokens": state.tokens,
                     "tokens_per_s": speed,
                     "epoch": self.order.epoch_of(state.position),
