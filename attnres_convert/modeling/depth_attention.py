@@ -16,10 +16,12 @@ This file ships next to converted weights: it imports torch only.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import os
+from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
 import torch
+from torch.autograd.function import once_differentiable
 
 class BlockState(NamedTuple):
     """What the residual stream carries between sublayers, instead of one tensor: the plain-tensor form,
@@ -75,6 +77,10 @@ class SourceBuffer(NamedTuple):
                  once per reader); a reader adds only its partial sum's score (phase 2).
     step:        for a forward of few tokens (a decoding step), the constants and views its readers
                  use, made once per forward (see StepViews); None otherwise.
+    kernels:     the Triton kernels (see `kernels_for`), or None for the eager path. With kernels the
+                 buffer is source-major for any number of tokens, [K, BT, D] (inv_rms [K, BT], scores
+                 [K, BT, R]), and an output is applied by the next kernel (see `_Update`).
+    update:      with kernels, the last output, until a kernel (or `current_stream`) applies it.
     """
 
     sources: torch.Tensor
@@ -85,6 +91,8 @@ class SourceBuffer(NamedTuple):
     queries: torch.Tensor | None = None
     scores: torch.Tensor | None = None
     step: StepViews | None = None
+    kernels: Kernels | None = None
+    update: _Update | None = None
 
 
 class StepViews(NamedTuple):
@@ -193,9 +201,106 @@ class TrainState(NamedTuple):
     partial: torch.Tensor | None
     stream: torch.Tensor
     queries: torch.Tensor | None = None  # [R, D] all sublayers' folded queries, for the cache's score table
+    kernels: Kernels | None = None  # the Triton kernels, or None for the eager path
 
 
 STATE_TYPES = (BlockState, SourceBuffer, TrainState)
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernel selection. ATTNRES_KERNEL=auto (default): the Triton kernels (depth_kernels.py) for CUDA
+# tensors when triton is importable, the eager path otherwise; triton: the kernels or an error, never
+# a silent fallback (CPU tensors run under Triton's interpreter, TRITON_INTERPRET=1); eager: never.
+# ---------------------------------------------------------------------------------------------
+
+KERNEL_ENV = "ATTNRES_KERNEL"
+
+
+class Kernels(NamedTuple):
+    mix: Callable
+    close: Callable
+    mix_backward: Callable
+
+
+_KERNELS: list[Kernels | ImportError] = []  # the import's outcome, once per process
+
+
+def _import_kernels() -> Kernels | ImportError:
+    if not _KERNELS:
+        try:
+            from .depth_kernels import close, mix, mix_backward
+        except ImportError as error:  # triton not installed (or not importable here)
+            _KERNELS.append(error)
+        else:
+            _KERNELS.append(Kernels(mix, close, mix_backward))
+    return _KERNELS[0]
+
+
+def kernels_for(like: torch.Tensor) -> Kernels | None:
+    """The Triton kernels if selected for tensors like `like`, else None (the eager path)."""
+    mode = os.environ.get(KERNEL_ENV, "auto").strip().lower() or "auto"
+    if mode == "eager":
+        return None
+    if mode not in ("auto", "triton"):
+        raise ValueError(f"{KERNEL_ENV}={mode!r} is not a kernel choice: use auto (the default), triton or eager")
+    forced = mode == "triton"
+    if torch.compiler.is_compiling():
+        if forced:
+            raise RuntimeError(
+                f"{KERNEL_ENV}=triton: the Triton depth-mix kernels do not run under torch.compile, which "
+                f"fuses the eager depth mix itself; unset {KERNEL_ENV} (auto) or set it to eager."
+            )
+        return None
+    on_gpu = like.device.type == "cuda"
+    if not forced and not on_gpu:
+        return None
+    kernels = _import_kernels()
+    if isinstance(kernels, ImportError):
+        if forced:
+            raise RuntimeError(
+                f"{KERNEL_ENV}=triton but Triton cannot be imported ({kernels}). Install it (pip install triton) "
+                f"or set {KERNEL_ENV}=auto to use the eager path where Triton is missing."
+            ) from kernels
+        return None
+    if not on_gpu and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError(
+            f"{KERNEL_ENV}=triton needs CUDA tensors (these are on {like.device.type}); to run the kernels on "
+            f"CPU in Triton's interpreter (slow, for tests) set TRITON_INTERPRET=1 before Python starts."
+        )
+    return kernels
+
+
+class _Update:
+    """With kernels, an output joins the partial sum and the stream inside the next kernel (the next
+    reader's mix, or the block's close), not in operations of its own. This holds it until then:
+    exactly one of them applies it (`take`); `apply` does it eagerly for anyone who reads the stream
+    before (the output_hidden_states hooks)."""
+
+    __slots__ = ("new", "init", "previous", "stream", "slot", "done")
+
+    def __init__(self, new, init: bool, previous, stream, slot):
+        self.new, self.init, self.previous, self.stream, self.slot = new, init, previous, stream, slot
+        self.done = False
+
+    def take(self) -> _Update | None:
+        if self.done:
+            return None
+        self.done = True
+        return self
+
+    def apply(self) -> None:
+        if self.take() is not None:
+            new = self.new.reshape(self.slot.shape)
+            self.slot.copy_(new) if self.init else self.slot.add_(new)
+            torch.add(self.previous, self.new, out=self.stream)
+
+
+def current_stream(state) -> torch.Tensor:
+    """The plain residual stream a state stands for (with kernels, once its last output is applied)."""
+    update = getattr(state, "update", None)
+    if update is not None:
+        update.apply()
+    return state.stream
 # Up to this many tokens per forward (a decoding step), operation count dominates: a reader then
 # recomputes every source's statistics in a few large operations instead of reusing cached ones.
 SMALL_STEP_TOKENS = 64
@@ -224,7 +329,10 @@ def start_state(
     the state is a SourceBuffer without autograd and a TrainState with it; a BlockState under
     torch.compile or without a capacity. `queries`, all the sublayers' folded pseudo-queries [R, D],
     where given, make the score table (or, for few tokens, the readers' query views)."""
+    kernels = kernels_for(embeddings) if capacity is not None else None
     if capacity is not None and not torch.is_grad_enabled():
+        if kernels is not None:
+            return _kernel_buffer(embeddings, eps, capacity, queries, kernels)
         if _few_tokens(embeddings):
             d = embeddings.shape[-1]
             padded = embeddings.new_empty(*embeddings.shape[:-1], capacity, d + 1, dtype=torch.float32)
@@ -247,13 +355,35 @@ def start_state(
         values = embeddings.new_empty(tokens, capacity, d, dtype=torch.float32)
         scores = None if queries is None else values.new_empty(tokens, capacity, queries.shape[0])
         cache = BlockCache(values, values.new_empty(tokens, capacity), scores)
-        return close_block(TrainState(cache, (), embeddings, embeddings, queries), eps)
+        return close_block(TrainState(cache, (), embeddings, embeddings, queries, kernels), eps)
     first = embeddings.float().unsqueeze(-2)
     return BlockState(first, inverse_rms(first, eps), None, embeddings)
 
 
+def _kernel_buffer(embeddings: torch.Tensor, eps: float, capacity: int, queries, kernels: Kernels) -> SourceBuffer:
+    """The SourceBuffer of a forward without autograd on the Triton kernels: source-major for any number of
+    tokens, the embedding closed into slot 0 (with its scores, phase 1) by the close kernel."""
+    tokens, d = embeddings.shape[:-1].numel(), embeddings.shape[-1]
+    sources = embeddings.new_empty(capacity, tokens, d, dtype=torch.float32)
+    inv_rms = sources.new_empty(capacity, tokens)
+    scores = None if queries is None else sources.new_empty(capacity, tokens, queries.shape[0])
+    kernels.close(embeddings, sources[0], inv_rms[0], eps, queries=queries, table=None if scores is None else scores[0])
+    return SourceBuffer(sources, inv_rms, 1, False, embeddings, queries, scores, kernels=kernels)
+
+
 def close_block(state, eps: float):
     """At a block boundary the partial sum becomes a completed block (the only copy of the blocks)."""
+    if isinstance(state, SourceBuffer) and state.kernels is not None:
+        if not state.has_partial:
+            return state
+        slot, update = state.sources[state.count], state.update.take() if state.update is not None else None
+        state.kernels.close(
+            slot, slot, state.inv_rms[state.count], eps,
+            new=None if update is None else update.new, init_partial=update is not None and update.init,
+            stream=None if update is None else update.previous, stream_out=state.stream,
+            queries=state.queries, table=None if state.scores is None else state.scores[state.count],
+        )
+        return state._replace(count=state.count + 1, has_partial=False, update=None)
     if isinstance(state, SourceBuffer):
         if not state.has_partial:
             return state
@@ -265,7 +395,7 @@ def close_block(state, eps: float):
     if state.partial is None:
         return state
     if isinstance(state, TrainState):
-        handle = _CloseBlock.apply(state.partial, state.queries, state.cache, len(state.handles), eps)
+        handle = _CloseBlock.apply(state.partial, state.queries, state.cache, len(state.handles), eps, state.kernels)
         return state._replace(handles=state.handles + (handle,), partial=None)
     new = state.partial.float().unsqueeze(-2)
     blocks = torch.cat([state.blocks, new], dim=-2)
@@ -274,6 +404,13 @@ def close_block(state, eps: float):
 
 
 def add_output(state, output: torch.Tensor):
+    if isinstance(state, SourceBuffer) and state.kernels is not None:
+        if state.update is not None:
+            state.update.apply()  # not taken by a kernel (a caller read no mix in between): applied here
+        dtype = torch.promote_types(state.stream.dtype, output.dtype)
+        stream = torch.empty(state.stream.shape, dtype=dtype, device=state.stream.device)
+        update = _Update(output, not state.has_partial, state.stream, stream, state.sources[state.count])
+        return state._replace(has_partial=True, stream=stream, update=update)
     if isinstance(state, SourceBuffer):
         slot = state.sources[state.count] if state.step is None else state.step.slots[state.count]
         if state.has_partial:
@@ -322,35 +459,46 @@ def _no_autocast(like: torch.Tensor):
 
 class _CloseBlock(torch.autograd.Function):
     """A completed block enters the TrainState's cache (and, with queries [R, D], is scored by every
-    sublayer into the cache's score table); returns its handle (an empty tensor)."""
+    sublayer into the cache's score table); returns its handle (an empty tensor).
+
+    What a backward reads of the cache is saved with save_for_backward (views, no copies), so saved-tensor
+    hooks see it: activation offloading (save_on_cpu) moves it and hands back what the backward reads.
+    The cache is written through `.data` aliases (kernels write through pointers): a later block's write
+    goes to other slots than the ones saved, and must not count as a change of the saved views."""
 
     @staticmethod
-    def forward(ctx, block, queries, cache: BlockCache, slot: int, eps: float):
-        with _no_autocast(block):
-            flat = block.reshape(-1, block.shape[-1]).float()
-            cache.values[:, slot] = flat
-            inv_rms = inverse_rms(flat, eps)
-            cache.inv_rms[:, slot] = inv_rms
-            if queries is not None:
-                cache.scores[:, slot] = table_scores(flat, queries, inv_rms)
-        ctx.save_for_backward(queries)
+    def forward(ctx, block, queries, cache: BlockCache, slot: int, eps: float, kernels: Kernels | None = None):
+        values, inv_rms, scores = cache.values[:, slot], cache.inv_rms[:, slot], None
+        if queries is not None:
+            scores = cache.scores[:, slot]
+        if kernels is not None:
+            kernels.close(block, values, inv_rms, eps, queries=queries, table=scores)
+        else:
+            with _no_autocast(block):
+                flat = block.reshape(-1, block.shape[-1]).float()
+                values.data.copy_(flat)
+                inv_rms.data.copy_(inverse_rms(flat, eps))
+                if queries is not None:
+                    scores.data.copy_(table_scores(flat, queries, inv_rms))
+        ctx.save_for_backward(queries, values, inv_rms, scores)
         ctx.cache, ctx.slot, ctx.shape, ctx.dtype = cache, slot, block.shape, block.dtype
-        return flat.new_empty(0)
+        return values.new_empty(0)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, _):
         cache, slot = ctx.cache, ctx.slot
+        queries, values, inv_rms, scores = ctx.saved_tensors
         if cache.grad is None:  # no reader contributed (the loss does not depend on this block)
-            return torch.zeros(ctx.shape, dtype=ctx.dtype, device=cache.values.device), None, None, None, None
+            return torch.zeros(ctx.shape, dtype=ctx.dtype, device=values.device), None, None, None, None, None
         with _no_autocast(cache.grad):
-            (queries,) = ctx.saved_tensors
-            values, inv_rms, rms_grad = cache.values[:, slot], cache.inv_rms[:, slot], cache.rms_grad[slot]
+            rms_grad = cache.rms_grad[slot]
             dqueries = None
             if queries is not None:
                 # The score table's gradient: s_r = (q_r . k) inv_rms, so ds_r/dk = inv_rms q_r - s_r inv_rms^2 k / D.
                 dscores = cache.score_grad[:, slot]  # [BT, R]
                 via_query = dscores * inv_rms[:, None]
-                rms_grad.sub_((via_query * cache.scores[:, slot]).sum(-1).mul_(inv_rms / values.shape[-1]))
+                rms_grad.sub_((via_query * scores).sum(-1).mul_(inv_rms / values.shape[-1]))
                 cache.grad[slot].addmm_(via_query, queries)
                 dqueries = torch.mm(via_query.t(), values)
                 dscores.zero_()
@@ -358,7 +506,7 @@ class _CloseBlock(torch.autograd.Function):
             # Consumed: cleared, so that a second backward through the same graph (retain_graph) adds up anew.
             cache.grad[slot].zero_()
             rms_grad.zero_()
-        return grad.view(ctx.shape).to(ctx.dtype), dqueries, None, None, None
+        return grad.view(ctx.shape).to(ctx.dtype), dqueries, None, None, None, None
 
 
 class _DepthMix(torch.autograd.Function):
@@ -367,7 +515,7 @@ class _DepthMix(torch.autograd.Function):
     the readers' results block by block; here each reader adds its mix term to the cache's gradient
     buffer in place, and its scores' gradient to its column of the score table's gradient (turned into
     the blocks' and queries' gradients once per block, by `_CloseBlock.backward`). Saves only the
-    partial sum, the [BT, n] weights and the partial's score, and reads completed blocks from the cache.
+    partial sum, the [BT, n] weights and scores, and views of the cache's completed blocks.
     Measured on the default SmolLM2 training step: step peak memory 1.118x -> 1.076x of the base
     model's, and the AttnRes operations of a forward + backward (61 readers, 4 x 256 tokens, alone)
     in 244 ms against 525 ms through autograd on BlockState (306 ms without the table).
@@ -375,33 +523,56 @@ class _DepthMix(torch.autograd.Function):
     on this device) a reader scores the completed blocks itself and adds that gradient too.
     Runs with autocast off: the design keeps depth-attention statistics in float32 whatever the
     model dtype, and under mixed precision autocast would run the score and mix products in bfloat16.
+    With kernels, the forward and the backward are one Triton launch each.
 
     Returns (mix, weights [BT, n]); the weights are for recorders only (not differentiable)."""
 
     @staticmethod
-    def forward(ctx, q, stream, partial, cache: BlockCache, eps: float, scaling: str, reader, *handles):
+    def forward(ctx, q, stream, partial, cache: BlockCache, eps: float, scaling: str, reader, kernels, *handles):
         m = len(handles)
+        keys, inv_rms = cache.values[:, :m], cache.inv_rms[:, :m]
         table = None if reader is None else cache.scores[:, :m, reader]
-        with _no_autocast(stream):
-            mixed, weights, logits, inv_partial = _mix_blocks(
-                cache.values[:, :m], cache.inv_rms[:, :m], partial, stream, q, eps, scaling, table
+        if kernels is not None:
+            mixed, weights, logits, inv_partial = kernels.mix(
+                keys.transpose(0, 1), m, q, stream, eps, scaling == "count",
+                inv_rms=None if table is not None else inv_rms.t(), table=None if table is None else table.t(),
+                partial=partial, save=True,
             )
-        # Without a partial sum the scores are a view of the table, which later blocks write to: not saved.
-        ctx.save_for_backward(q, partial, weights, logits if table is None or partial is not None else None, inv_partial)
-        ctx.cache, ctx.scaling, ctx.m, ctx.reader = cache, scaling, m, reader
+        else:
+            with _no_autocast(stream):
+                mixed, weights, logits, inv_partial = _mix_blocks(keys, inv_rms, partial, stream, q, eps, scaling, table)
+            if table is not None and partial is None:
+                logits = None  # a view of the table, which later blocks write to; unused by the backward
+        ctx.save_for_backward(q, partial, weights, logits, inv_partial, keys, inv_rms)
+        ctx.cache, ctx.scaling, ctx.m, ctx.reader, ctx.kernels = cache, scaling, m, reader, kernels
         ctx.mark_non_differentiable(weights)
         return mixed, weights
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad, _):
+        if ctx.kernels is not None:
+            return _DepthMix._kernel_backward(ctx, grad)
         with _no_autocast(grad):
             return _DepthMix._backward(ctx, grad)
 
     @staticmethod
-    def _backward(ctx, grad):
-        q, partial, weights, logits, inv_partial = ctx.saved_tensors
+    def _kernel_backward(ctx, grad):
+        q, partial, weights, logits, inv_partial, keys, inv_rms = ctx.saved_tensors
         cache, m, count, reader = ctx.cache, ctx.m, ctx.scaling == "count", ctx.reader
-        keys = cache.values[:, :m]
+        grads, rms_grads = cache.gradients()
+        dpartial, dq = ctx.kernels.mix_backward(
+            grad, keys.transpose(0, 1), m, q, weights, logits, count, grads,
+            inv_rms=inv_rms.t(), rms_grad=rms_grads,
+            score_grad=None if reader is None else cache.score_grad[:, :m, reader].t(),
+            partial=partial, inv_partial=inv_partial,
+        )
+        return (dq, grad if count else None, dpartial, None, None, None, None, None) + (None,) * m
+
+    @staticmethod
+    def _backward(ctx, grad):
+        q, partial, weights, logits, inv_partial, keys, inv = ctx.saved_tensors
+        cache, m, count, reader = ctx.cache, ctx.m, ctx.scaling == "count", ctx.reader
         tokens, n, d = keys.shape[0], weights.shape[-1], keys.shape[-1]
         g = grad.reshape(tokens, 1, d).float()
         # d(mix)/d(alpha_i) = (n) k_i, then the softmax's backward.
@@ -422,7 +593,6 @@ class _DepthMix(torch.autograd.Function):
         if reader is not None:
             cache.score_grad[:, :m, reader] += dlogits[:, :m]
         else:
-            inv = cache.inv_rms[:, :m]
             via_query = dlogits[:, :m] * inv
             grads[:m].addcmul_(via_query.t().unsqueeze(-1), q.view(1, 1, d))
             rms_grads[:m] -= (via_query * logits[:, :m] * inv).t() / d
@@ -435,7 +605,7 @@ class _DepthMix(torch.autograd.Function):
             dpartial = (via_rms[:, None] * p).addcmul_(coef[:, m, None], g.view(tokens, d))
             dpartial = dpartial.addcmul_(via_query[:, None], q).view(partial.shape).to(partial.dtype)
         dstream = grad if count else None
-        return (dq, dstream, dpartial, None, None, None, None) + (None,) * m
+        return (dq, dstream, dpartial, None, None, None, None, None) + (None,) * m
 
 
 def depth_mix(
@@ -468,7 +638,9 @@ def depth_mix(
         return _mix_buffer(state, q, eps, scaling, reader)
     if isinstance(state, TrainState):
         column = None if state.queries is None else reader
-        mixed, weights = _DepthMix.apply(q, state.stream, state.partial, state.cache, eps, scaling, column, *state.handles)
+        mixed, weights = _DepthMix.apply(
+            q, state.stream, state.partial, state.cache, eps, scaling, column, state.kernels, *state.handles
+        )
     else:
         blocks, inv_rms, partial, stream = state
         m, d = blocks.shape[-2], blocks.shape[-1]
@@ -509,6 +681,8 @@ def _mix_blocks(keys, inv_rms, partial, stream, q, eps: float, scaling: str, tab
 
 def _mix_buffer(state: SourceBuffer, q: torch.Tensor, eps: float, scaling: str, reader: int | None) -> torch.Tensor:
     """depth_mix on a SourceBuffer."""
+    if state.kernels is not None:
+        return _mix_kernels(state, q, eps, scaling, reader)
     n = state.count + int(state.has_partial)
     step = state.step
     if step is not None:  # token-major: one product scores a token's n sources, one mixes them
@@ -533,6 +707,22 @@ def _mix_buffer(state: SourceBuffer, q: torch.Tensor, eps: float, scaling: str, 
     if _RECORDERS:
         _RECORDERS[-1].append(weights.clone())
     return _chained_mix(state.stream, weights, state.sources, scaling)
+
+
+def _mix_kernels(state: SourceBuffer, q: torch.Tensor, eps: float, scaling: str, reader: int | None) -> torch.Tensor:
+    """depth_mix on a SourceBuffer with kernels: one launch, which first applies the last output."""
+    m, update = state.count, state.update.take() if state.update is not None else None
+    table = state.scores[:m, :, reader] if state.scores is not None and reader is not None else None
+    mixed, weights, _, _ = state.kernels.mix(
+        state.sources, m, q, state.stream if update is None else update.previous, eps, scaling == "count",
+        inv_rms=state.inv_rms if table is None else None, table=table,
+        partial=state.sources[m] if state.has_partial else None,
+        new=None if update is None else update.new, init_partial=update is not None and update.init,
+        stream_out=None if update is None else state.stream, save=bool(_RECORDERS),
+    )
+    if _RECORDERS:
+        _RECORDERS[-1].append(weights.t().reshape(-1, *state.stream.shape[:-1]))
+    return mixed
 
 
 def _chained_mix(stream: torch.Tensor, weights: torch.Tensor, sources: torch.Tensor, scaling: str) -> torch.Tensor:

@@ -35,6 +35,7 @@ from .depth_attention import (
     SublayerPlan,
     add_output,
     close_block,
+    current_stream,
     depth_mix,
     output_num_sources,
     plan_sublayers,
@@ -182,7 +183,7 @@ def _positional_argnames(layer_cls: type) -> tuple[str, ...]:
 def stream_state(state) -> torch.Tensor:
     """The plain residual stream a depth-attention state stands for (sum of all sources): what the base model's
     hidden state would be. Used for `output_hidden_states` and for inspection."""
-    return state.stream if isinstance(state, STATE_TYPES) else state
+    return current_stream(state) if isinstance(state, STATE_TYPES) else state
 
 
 def attach_depth_attention(causal_lm: nn.Module, config: AttnResConfig, family: Family) -> None:

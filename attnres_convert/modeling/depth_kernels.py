@@ -1,0 +1,372 @@
+"""Triton kernels for the depth mix (see depth_attention.py for the math and the states they serve).
+
+One reader of the eager path is a chain of small operations (norm, scores, softmax, the count-scaled
+mix, then the partial-sum and stream updates after its sublayer): on a GPU each is a kernel launch, and
+a decoding step is bound by launches. Here:
+
+* `mix`: one launch per reader. It first applies the previous sublayer's output (partial sum += y,
+  stream = stream + y, rounded to the model dtype exactly as the base model's own residual add), then
+  scores the completed sources (from the score table, or against their cached 1 / rms) and the partial
+  sum (its statistic computed here), takes the softmax and writes h = H + sum_i (n alpha_i - 1) k_i.
+  At zero queries every coefficient is exactly 0, so h is the stream bit for bit, in any dtype.
+* `close`: one launch per block boundary (phase 1 of the two-phase computation): the last output joins
+  the partial sum, which becomes a completed source with its 1 / rms, scored against every sublayer's
+  query into the score table.
+* `mix_backward`: the reader's backward in one launch: gradients of the partial sum, of the completed
+  blocks (added in place to the training cache's buffers) and per-token rows of the query's gradient.
+
+One program per token: a token's sources are a few rows of D values, read once or twice; everything a
+reader needs fits in one program and nothing crosses tokens, so the results are deterministic.
+
+This file ships next to converted weights and is imported only when `triton` is importable and selected
+(ATTNRES_KERNEL, see depth_attention.kernels_for). On CPU tensors it runs under Triton's interpreter
+(TRITON_INTERPRET=1), which is how the test suite checks it without a GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _select(vector, offsets, i):
+    """Element i of a small register vector."""
+    return tl.sum(tl.where(offsets == i, vector, 0.0), axis=0)
+
+
+@triton.jit
+def _rounded(x, ptr):
+    """float32 x in the element type of ptr, rounded to nearest even as PyTorch rounds, so a residual add
+    here gives the base model's bits. bfloat16 is rounded by hand: Triton's interpreter truncates."""
+    if ptr.dtype.element_ty == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = bits + 0x7FFF + ((bits >> 16) & 1)
+        return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        return x.to(ptr.dtype.element_ty)
+
+
+@triton.jit
+def _mix_kernel(
+    keys, s_keys, t_keys,  # completed source i of token t at keys + i * s_keys + t * t_keys
+    inv, s_inv, t_inv,  # their 1 / rms (without a table)
+    table, s_table, t_table,  # their scores for this reader (with a table)
+    part, t_part,  # the partial sum, float32 (inference: the buffer slot) or model dtype (training)
+    new, t_new,  # the previous sublayer's output, applied first (HAS_NEW)
+    stream, t_stream,  # the residual stream before that output
+    stream_out, t_stream_out,  # the stream after it (HAS_NEW)
+    q,  # the folded query [D], float32
+    out, t_out,  # the mix, in the stream's dtype
+    w_out, l_out, ip_out,  # weights [BT, n], scores [BT, n], the partial's 1 / rms [BT] (SAVE)
+    m, D, eps,
+    HAS_PART: tl.constexpr, HAS_NEW: tl.constexpr, INIT_PART: tl.constexpr, USE_TABLE: tl.constexpr,
+    COUNT: tl.constexpr, SAVE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_D)
+    dmask = offs < D
+    slots = tl.arange(0, BLOCK_N)
+    qv = tl.load(q + offs, mask=dmask, other=0.0)
+    h = tl.load(stream + t * t_stream + offs, mask=dmask, other=0.0).to(tl.float32)
+    if HAS_NEW:
+        y = tl.load(new + t * t_new + offs, mask=dmask, other=0.0).to(tl.float32)
+        # The base model's residual add, rounded to its dtype: the stream stays its own bit for bit.
+        rounded = _rounded(h + y, stream_out)
+        tl.store(stream_out + t * t_stream_out + offs, rounded, mask=dmask)
+        h = rounded.to(tl.float32)
+    logits = tl.full([BLOCK_N], float("-inf"), tl.float32)
+    for i in range(0, m):
+        if USE_TABLE:
+            s = tl.load(table + i * s_table + t * t_table)
+        else:
+            k = tl.load(keys + i * s_keys + t * t_keys + offs, mask=dmask, other=0.0)
+            s = tl.sum(k * qv, axis=0) * tl.load(inv + i * s_inv + t * t_inv)
+        logits = tl.where(slots == i, s, logits)
+    n = m
+    if HAS_PART:
+        if HAS_NEW and INIT_PART:
+            p = y
+        else:
+            p = tl.load(part + t * t_part + offs, mask=dmask, other=0.0).to(tl.float32)
+            if HAS_NEW:
+                p = p + y
+        if HAS_NEW:
+            tl.store(part + t * t_part + offs, p, mask=dmask)
+        inv_p = tl.rsqrt(tl.sum(p * p, axis=0) / D + eps)
+        logits = tl.where(slots == m, tl.sum(p * qv, axis=0) * inv_p, logits)
+        n = m + 1
+    e = tl.exp(logits - tl.max(logits, axis=0))
+    total = tl.sum(e, axis=0)
+    if COUNT:
+        # n alpha_i - 1 = (n e_i - sum e) / sum e: exactly 0 for equal scores, whatever the rounding.
+        coef = (e * n - total) / total
+        acc = h
+    else:
+        coef = e / total
+        acc = tl.zeros([BLOCK_D], tl.float32)
+    for i in range(0, m):
+        k = tl.load(keys + i * s_keys + t * t_keys + offs, mask=dmask, other=0.0)
+        acc += _select(coef, slots, i) * k
+    if HAS_PART:
+        acc += _select(coef, slots, m) * p
+    tl.store(out + t * t_out + offs, _rounded(acc, out), mask=dmask)
+    if SAVE:
+        nmask = slots < n
+        tl.store(w_out + t * n + slots, e / total, mask=nmask)
+        tl.store(l_out + t * n + slots, logits, mask=nmask)
+        if HAS_PART:
+            tl.store(ip_out + t, inv_p)
+
+
+@triton.jit
+def _close_kernel(
+    part, t_part,  # the partial sum (or the embedding)
+    new, t_new,  # the last output of the block, joined first (HAS_NEW)
+    stream, t_stream, stream_out, t_stream_out,  # the stream update that output makes (HAS_NEW)
+    dst, t_dst,  # the completed source's float32 slot (may be `part` itself)
+    inv_out, t_inv,  # its 1 / rms
+    queries, R,  # every sublayer's folded query [R, D], float32, contiguous (HAS_TABLE)
+    table, t_table,  # the score table's rows for this source, [BT, R] with unit column stride
+    D, eps,
+    HAS_NEW: tl.constexpr, INIT_PART: tl.constexpr, HAS_TABLE: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    rows = tl.arange(0, BLOCK_R)
+    rmask = rows < R
+    scores = tl.zeros([BLOCK_R], tl.float32)
+    squares = tl.zeros([BLOCK_D], tl.float32)
+    for start in range(0, D, BLOCK_D):  # D in chunks: the scores against all R queries accumulate per chunk
+        offs = start + tl.arange(0, BLOCK_D)
+        dmask = offs < D
+        if HAS_NEW:
+            y = tl.load(new + t * t_new + offs, mask=dmask, other=0.0).to(tl.float32)
+            h = tl.load(stream + t * t_stream + offs, mask=dmask, other=0.0).to(tl.float32)
+            tl.store(stream_out + t * t_stream_out + offs, _rounded(h + y, stream_out), mask=dmask)
+            if INIT_PART:
+                k = y
+            else:
+                k = tl.load(part + t * t_part + offs, mask=dmask, other=0.0).to(tl.float32) + y
+        else:
+            k = tl.load(part + t * t_part + offs, mask=dmask, other=0.0).to(tl.float32)
+        tl.store(dst + t * t_dst + offs, k, mask=dmask)
+        squares += k * k
+        if HAS_TABLE:
+            qs = tl.load(queries + rows[:, None] * D + offs[None, :], mask=rmask[:, None] & dmask[None, :], other=0.0)
+            scores += tl.sum(qs * k[None, :], axis=1)
+    inv = tl.rsqrt(tl.sum(squares, axis=0) / D + eps)
+    tl.store(inv_out + t * t_inv, inv)
+    if HAS_TABLE:
+        tl.store(table + t * t_table + rows, scores * inv, mask=rmask)
+
+
+@triton.jit
+def _mix_backward_kernel(
+    g, t_g,  # the mix's gradient
+    keys, s_keys, t_keys, inv, s_inv, t_inv, part, t_part, q,  # as in _mix_kernel
+    w, l, ip,  # saved weights and scores [BT, n], the partial's 1 / rms [BT]
+    grad, s_grad, t_grad,  # the completed blocks' gradient buffer, float32, added to in place
+    rms_grad, s_rms, t_rms,  # their per-token coefficient of k_i (without a table)
+    score_grad, s_sg, t_sg,  # this reader's column of the score table's gradient (with a table)
+    dpart, t_dpart,  # the partial sum's gradient, in its dtype
+    dq, t_dq,  # per-token rows of the query's gradient, float32
+    m, D,
+    HAS_PART: tl.constexpr, USE_TABLE: tl.constexpr, COUNT: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_D)
+    dmask = offs < D
+    slots = tl.arange(0, BLOCK_N)
+    n = m + 1 if HAS_PART else m
+    nmask = slots < n
+    gv = tl.load(g + t * t_g + offs, mask=dmask, other=0.0).to(tl.float32)
+    qv = tl.load(q + offs, mask=dmask, other=0.0)
+    # d(mix)/d(alpha_i) = g . k_i (times n with count scaling), then the softmax's backward.
+    dw = tl.zeros([BLOCK_N], tl.float32)
+    for i in range(0, m):
+        k = tl.load(keys + i * s_keys + t * t_keys + offs, mask=dmask, other=0.0)
+        dw = tl.where(slots == i, tl.sum(gv * k, axis=0), dw)
+    if HAS_PART:
+        p = tl.load(part + t * t_part + offs, mask=dmask, other=0.0).to(tl.float32)
+        dw = tl.where(slots == m, tl.sum(gv * p, axis=0), dw)
+    if COUNT:
+        dw = dw * n
+    wv = tl.load(w + t * n + slots, mask=nmask, other=0.0)
+    lv = tl.load(l + t * n + slots, mask=nmask, other=0.0)
+    dl = wv * (dw - tl.sum(wv * dw, axis=0))
+    if COUNT:
+        coef = wv * n - 1.0
+    else:
+        coef = wv
+    # A score s_i = (q . k_i) inv_i has d s_i / d k_i = inv_i q - s_i inv_i^2 k_i / D.
+    dqv = tl.zeros([BLOCK_D], tl.float32)
+    for i in range(0, m):
+        dli = _select(dl, slots, i)
+        update = _select(coef, slots, i) * gv
+        if USE_TABLE:
+            cell = score_grad + i * s_sg + t * t_sg
+            tl.store(cell, tl.load(cell) + dli)
+        else:
+            inv_i = tl.load(inv + i * s_inv + t * t_inv)
+            via = dli * inv_i
+            update += via * qv
+            cell = rms_grad + i * s_rms + t * t_rms
+            tl.store(cell, tl.load(cell) - via * _select(lv, slots, i) * inv_i / D)
+            k = tl.load(keys + i * s_keys + t * t_keys + offs, mask=dmask, other=0.0)
+            dqv += via * k
+        row = grad + i * s_grad + t * t_grad + offs
+        tl.store(row, tl.load(row, mask=dmask, other=0.0) + update, mask=dmask)
+    if HAS_PART:
+        inv_p = tl.load(ip + t)
+        via = _select(dl, slots, m) * inv_p
+        dqv += via * p
+        dp = _select(coef, slots, m) * gv + via * qv - (via * _select(lv, slots, m) * inv_p / D) * p
+        tl.store(dpart + t * t_dpart + offs, _rounded(dp, dpart), mask=dmask)
+    tl.store(dq + t * t_dq + offs, dqv, mask=dmask)
+
+
+def _launch(d: int) -> dict:
+    block = triton.next_power_of_2(d)
+    return {"BLOCK_D": block, "num_warps": min(16, max(4, block // 256))}
+
+
+def _rows(x: torch.Tensor | None, d: int) -> torch.Tensor | None:
+    """A tensor [..., D] as [BT, D] rows (a view where the layout allows it)."""
+    return None if x is None else x.reshape(-1, d)
+
+
+def mix(
+    keys: torch.Tensor,
+    m: int,
+    q: torch.Tensor,
+    stream: torch.Tensor,
+    eps: float,
+    count: bool,
+    *,
+    inv_rms: torch.Tensor | None = None,
+    table: torch.Tensor | None = None,
+    partial: torch.Tensor | None = None,
+    new: torch.Tensor | None = None,
+    init_partial: bool = False,
+    stream_out: torch.Tensor | None = None,
+    save: bool = False,
+):
+    """One reader's depth mix. keys: completed sources as [>= m, BT, D] (last stride 1, any other
+    strides); inv_rms [>= m, BT] (without a table) or table [>= m, BT] (this reader's scores); partial:
+    [..., D], written in place when `new` is given (then init_partial says whether it starts at `new`);
+    stream [..., D]; stream_out: where stream + new goes. Returns (mix, weights, scores, partial 1/rms),
+    the last three [BT, n], [BT, n], [BT] when `save`, else None."""
+    d = stream.shape[-1]
+    tokens = stream.numel() // d
+    flat_stream, flat_part, flat_new = _rows(stream, d), _rows(partial, d), _rows(new, d)
+    out = torch.empty_like(stream)
+    n = m + int(partial is not None)
+    f32 = dict(device=stream.device, dtype=torch.float32)
+    weights = torch.empty(tokens, n, **f32) if save else None
+    logits = torch.empty(tokens, n, **f32) if save else None
+    inv_partial = torch.empty(tokens, **f32) if save and partial is not None else None
+    flat_out = _rows(stream_out, d) if stream_out is not None else flat_stream
+    _mix_kernel[(tokens,)](
+        keys, keys.stride(0), keys.stride(1),
+        inv_rms if inv_rms is not None else q, *(inv_rms.stride() if inv_rms is not None else (0, 0)),
+        table if table is not None else q, *(table.stride() if table is not None else (0, 0)),
+        flat_part if partial is not None else q, flat_part.stride(0) if partial is not None else 0,
+        flat_new if new is not None else q, flat_new.stride(0) if new is not None else 0,
+        flat_stream, flat_stream.stride(0),
+        flat_out, flat_out.stride(0),
+        q,
+        out, d,
+        weights if save else q, logits if save else q, inv_partial if inv_partial is not None else q,
+        m, d, eps,
+        HAS_PART=partial is not None, HAS_NEW=new is not None, INIT_PART=init_partial,
+        USE_TABLE=table is not None, COUNT=count, SAVE=save,
+        BLOCK_N=max(2, triton.next_power_of_2(n)), **_launch(d),
+    )
+    return out, weights, logits, inv_partial
+
+
+def close(
+    source: torch.Tensor,
+    dst: torch.Tensor,
+    inv_out: torch.Tensor,
+    eps: float,
+    *,
+    new: torch.Tensor | None = None,
+    init_partial: bool = False,
+    stream: torch.Tensor | None = None,
+    stream_out: torch.Tensor | None = None,
+    queries: torch.Tensor | None = None,
+    table: torch.Tensor | None = None,
+) -> None:
+    """A source completes: dst [BT, D] float32 = source (+ new, which also moves stream to stream_out),
+    inv_out [BT] its 1 / rms, and with queries [R, D] its scores into table [BT, R] (unit column stride)."""
+    d = dst.shape[-1]
+    tokens = dst.shape[0]
+    flat_source, flat_new = _rows(source, d), _rows(new, d)
+    has_new = new is not None
+    flat_stream = _rows(stream, d) if has_new else None
+    flat_out = _rows(stream_out, d) if has_new else None
+    has_table = queries is not None
+    rows = queries.shape[0] if has_table else 1
+    block_r = triton.next_power_of_2(rows)
+    # The D chunk keeps the [R, chunk] tile of queries small.
+    block_d = min(triton.next_power_of_2(d), max(16, 8192 // block_r))
+    _close_kernel[(tokens,)](
+        flat_source, flat_source.stride(0),
+        flat_new if has_new else dst, flat_new.stride(0) if has_new else 0,
+        flat_stream if has_new else dst, flat_stream.stride(0) if has_new else 0,
+        flat_out if has_new else dst, flat_out.stride(0) if has_new else 0,
+        dst, dst.stride(0),
+        inv_out, inv_out.stride(0),
+        queries.contiguous() if has_table else dst, rows,
+        table if has_table else dst, table.stride(0) if has_table else 0,
+        d, eps,
+        HAS_NEW=has_new, INIT_PART=init_partial, HAS_TABLE=has_table, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=4,
+    )
+
+
+def mix_backward(
+    grad: torch.Tensor,
+    keys: torch.Tensor,
+    m: int,
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    logits: torch.Tensor,
+    count: bool,
+    block_grad: torch.Tensor,
+    *,
+    inv_rms: torch.Tensor | None = None,
+    rms_grad: torch.Tensor | None = None,
+    score_grad: torch.Tensor | None = None,
+    partial: torch.Tensor | None = None,
+    inv_partial: torch.Tensor | None = None,
+):
+    """The backward of `mix` on a training cache: adds to block_grad [>= m, BT, D] and to score_grad
+    [>= m, BT] (with a table) or rms_grad [>= m, BT] (without), in place. Returns (d partial, d q)."""
+    d = keys.shape[-1]
+    tokens = keys.shape[1]
+    flat_grad, flat_part = _rows(grad, d), _rows(partial, d)
+    dpartial = torch.empty_like(partial) if partial is not None else None
+    flat_dpart = _rows(dpartial, d) if partial is not None else None
+    dq = torch.empty(tokens, d, device=keys.device, dtype=torch.float32)
+    n = weights.shape[-1]
+    use_table = score_grad is not None
+    _mix_backward_kernel[(tokens,)](
+        flat_grad, flat_grad.stride(0),
+        keys, keys.stride(0), keys.stride(1),
+        inv_rms if not use_table else q, *(inv_rms.stride() if not use_table else (0, 0)),
+        flat_part if partial is not None else q, flat_part.stride(0) if partial is not None else 0,
+        q, weights, logits, inv_partial if inv_partial is not None else q,
+        block_grad, block_grad.stride(0), block_grad.stride(1),
+        rms_grad if not use_table else q, *(rms_grad.stride() if not use_table else (0, 0)),
+        score_grad if use_table else q, *(score_grad.stride() if use_table else (0, 0)),
+        flat_dpart if partial is not None else q, flat_dpart.stride(0) if partial is not None else 0,
+        dq, d,
+        m, d,
+        HAS_PART=partial is not None, USE_TABLE=use_table, COUNT=count,
+        BLOCK_N=max(2, triton.next_power_of_2(n)), **_launch(d),
+    )
+    return dpartial, dq.sum(0)
