@@ -82,3 +82,61 @@ def test_trains_under_bfloat16_autocast():
     assert weights and all(w.dtype == torch.float32 for w in weights)
     for name in (n for n in grads16 if "_res_proj" in n and not n.startswith("model.layers.0.self_attention")):
         assert torch.isfinite(grads16[name]).all() and grads16[name].abs().sum() > 0, name
+
+
+def _train_state_loss(model, ids, states):
+    hook = model.model.norm.register_forward_pre_hook(lambda module, args: states.append(args[0]))
+    try:
+        return model(ids, labels=ids).loss
+    finally:
+        hook.remove()
+
+
+def test_double_backward_through_the_depth_mix_raises():
+    """The hand-written backwards are not themselves differentiable: a gradient of a gradient (gradient
+    penalties, Hessian-vector products) must fail loudly instead of silently missing their terms."""
+    model = convert_model(tiny_model("llama", num_hidden_layers=2), block_size=1).train()
+    ids = token_ids(1, 6)
+    states = []
+    loss = _train_state_loss(model, ids, states)
+    assert type(states[0]).__name__ == "TrainState"
+    queries = [p for name, p in model.named_parameters() if name.endswith("_res_proj.weight")]
+    grads = torch.autograd.grad(loss, queries, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        sum(g.square().sum() for g in grads).backward()
+
+
+def test_activation_offloading_sees_the_block_cache():
+    """What the backward reads of the training state's block cache goes through saved-tensor hooks, so
+    activation offloading (torch.autograd.graph.save_on_cpu, or any pack/unpack pair) moves it: with
+    hooks that pack copies, poisoning the cache after the forward changes no gradient."""
+    model = convert_model(tiny_model("llama", num_hidden_layers=2), block_size=3).train()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "_res_proj" in name:
+                param.normal_(0.0, 0.5)
+    ids = token_ids(2, 6)
+    _, want = _loss_and_grads(model, ids)
+
+    def offloaded(poison: bool):
+        model.zero_grad(set_to_none=True)
+        states = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t.clone(), lambda t: t):
+            loss = _train_state_loss(model, ids, states)
+        cache = states[0].cache
+        assert cache.scores is not None  # the score table is part of what is offloaded
+        if poison:  # as if the offloaded originals were freed and reused
+            for tensor in (cache.values, cache.inv_rms, cache.scores):
+                tensor.fill_(float("nan"))
+        loss.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    for got in (offloaded(poison=True),):
+        for name in want:
+            assert torch.allclose(got[name], want[name], rtol=1e-5, atol=1e-7), name
+    model.zero_grad(set_to_none=True)
+    with torch.autograd.graph.save_on_cpu():
+        model(ids, labels=ids).loss.backward()
+    for name, param in model.named_parameters():
+        if name in want:
+            assert torch.allclose(param.grad, want[name], rtol=1e-5, atol=1e-7), name

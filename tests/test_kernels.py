@@ -1,0 +1,165 @@
+"""The Triton depth-mix kernels (modeling/depth_kernels.py), run on CPU by Triton's interpreter: against the
+eager path, the plain reference and the original model, forward and backward, float32 and bfloat16,
+prefill, decoding with the KV cache and training, Full AttnRes and a block size that does not divide
+the depth; and the ATTNRES_KERNEL selection. The interpreter runs each program in Python: tiny shapes."""
+
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+# Read when the kernels are defined (at their module's import), so set before anything imports them.
+os.environ["TRITON_INTERPRET"] = "1"
+pytest.importorskip("triton", reason="the kernel tests need triton (make test installs it)")
+
+from attnres_convert import convert_model, save_converted  # noqa: E402
+from attnres_convert.modeling import depth_attention  # noqa: E402
+from test_structure import _randomize_depth_params, _reference_llama  # noqa: E402
+from tiny_models import tiny_model, token_ids  # noqa: E402
+
+LAYERS = 2  # four sublayers: S = 3 leaves a partial block, S = 1 is Full AttnRes
+
+
+def _model(block_size: int, dtype=torch.float32, random_queries: bool = True):
+    model = convert_model(tiny_model("llama", num_hidden_layers=LAYERS), block_size=block_size).eval()
+    if random_queries:
+        _randomize_depth_params(model, seed=block_size)
+    return model.to(dtype)
+
+
+def _with(mode: str, monkeypatch, fn):
+    monkeypatch.setenv("ATTNRES_KERNEL", mode)
+    try:
+        return fn()
+    finally:
+        monkeypatch.delenv("ATTNRES_KERNEL")
+
+
+def _state_types(model, run) -> list:
+    """The state the final norm receives (what the readers ran on), and the run's result."""
+    states = []
+    hook = model.model.norm.register_forward_pre_hook(lambda module, args: states.append(args[0]))
+    try:
+        return run(), states
+    finally:
+        hook.remove()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("block_size", [1, 3])
+def test_prefill_matches_eager_reference_and_original_bit_for_bit_at_zero_queries(block_size, dtype, monkeypatch):
+    ids = token_ids(2, 5)
+    original = tiny_model("llama", num_hidden_layers=LAYERS).to(dtype)
+    zero = _model(block_size, dtype, random_queries=False)
+    with torch.no_grad():
+        (got, states) = _state_types(zero, lambda: _with("triton", monkeypatch, lambda: zero(ids).logits))
+        assert states[0].kernels is not None  # the kernels ran, not the eager path
+        assert torch.equal(got, original(ids).logits)  # exactness: the plain stream's own bits
+        at_zero = got
+        model = _model(block_size, dtype)
+        got = _with("triton", monkeypatch, lambda: model(ids).logits)
+        eager = _with("eager", monkeypatch, lambda: model(ids).logits)
+    if dtype == torch.float32:
+        assert (got - eager).abs().max().item() <= 1e-4
+        assert (got - _reference_llama(model, ids, block_size)).abs().max().item() <= 1e-4
+    else:  # one bfloat16 rounding of a mix apart, amplified by two layers
+        assert (got.float() - eager.float()).abs().max().item() <= 0.1 * eager.float().abs().max().item()
+    assert not torch.equal(got, at_zero)  # random queries: the mix really routed
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_decoding_with_kv_cache(dtype, monkeypatch):
+    """Greedy decoding: at zero queries the tokens and every step's logits are the original's bit for bit;
+    with random queries the kernels pick the eager path's tokens."""
+    ids = token_ids(1, 4)
+    kwargs = dict(max_new_tokens=3, do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    original = tiny_model("llama", num_hidden_layers=LAYERS).to(dtype)
+    zero = _model(3, dtype, random_queries=False)
+    got = _with("triton", monkeypatch, lambda: zero.generate(ids, **kwargs))
+    want = original.generate(ids, **kwargs)
+    assert torch.equal(got.sequences, want.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(got.logits, want.logits))
+    if dtype == torch.float32:
+        model = _model(3)
+        got = _with("triton", monkeypatch, lambda: model.generate(ids, **kwargs))
+        eager = _with("eager", monkeypatch, lambda: model.generate(ids, **kwargs))
+        assert torch.equal(got.sequences, eager.sequences)
+        assert max((a - b).abs().max().item() for a, b in zip(got.logits, eager.logits)) <= 1e-4
+
+
+def _gradients(model, ids):
+    model.zero_grad(set_to_none=True)
+    loss = model(ids, labels=ids).loss
+    loss.backward()
+    return loss.detach(), {name: p.grad.float() for name, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize(
+    "block_size, dtype, table",
+    [(1, torch.float32, True), (3, torch.float32, False), (3, torch.bfloat16, True)],
+    ids=["full-fp32", "S3-fp32-no-table", "S3-bf16"],
+)
+def test_training_gradients_match_the_eager_backward(block_size, dtype, table, monkeypatch):
+    """The forward and backward kernels against the eager path's hand-written backward (itself checked
+    against autograd through the plain reference in test_structure), for every parameter."""
+    from attnres_convert.modeling import modeling_attnres
+
+    if not table:  # every reader scores the completed blocks itself (the queries are not gathered)
+        monkeypatch.setattr(modeling_attnres, "_all_queries", lambda spec, like: None)
+    model = _model(block_size, dtype).train()
+    ids = token_ids(2, 4)
+    (loss, got), states = _state_types(model, lambda: _with("triton", monkeypatch, lambda: _gradients(model, ids)))
+    assert type(states[0]).__name__ == "TrainState" and states[0].kernels is not None
+    want_loss, want = _with("eager", monkeypatch, lambda: _gradients(model, ids))
+    tolerance = 1e-4 if dtype == torch.float32 else 3e-2
+    assert abs(loss.item() - want_loss.item()) <= tolerance
+    assert got.keys() == want.keys() and any("_res_proj" in name for name in got)
+    for name in want:
+        scale = max(want[name].abs().max().item(), 1e-3)
+        assert (got[name] - want[name]).abs().max().item() <= tolerance * scale, name
+
+
+def test_converted_folder_ships_the_kernels(tmp_path, monkeypatch):
+    """The kernel file travels with the weights: a from_pretrained(trust_remote_code=True) model runs it."""
+    from transformers import AutoModelForCausalLM
+
+    model = _model(3)
+    folder = save_converted(copy.deepcopy(model), tmp_path / "converted")
+    shipped = (folder / "depth_kernels.py").read_text()
+    assert shipped == (Path(depth_attention.__file__).parent / "depth_kernels.py").read_text()
+    loaded = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, dtype=torch.float32).eval()
+    ids = token_ids(1, 3)
+    with torch.no_grad():
+        (got, states), want = (
+            _state_types(loaded, lambda: _with("triton", monkeypatch, lambda: loaded(ids).logits)),
+            model(ids).logits,
+        )
+    assert states[0].kernels is not None
+    assert (got - want).abs().max().item() <= 1e-4
+
+
+def test_selection(monkeypatch):
+    x = torch.zeros(1, 1, 8)
+    monkeypatch.setenv("ATTNRES_KERNEL", "eager")
+    assert depth_attention.kernels_for(x) is None
+    monkeypatch.setenv("ATTNRES_KERNEL", "auto")
+    assert depth_attention.kernels_for(x) is None  # auto: CPU tensors take the eager path
+    monkeypatch.delenv("ATTNRES_KERNEL")
+    assert depth_attention.kernels_for(x) is None  # auto is the default
+    monkeypatch.setenv("ATTNRES_KERNEL", "triton")
+    assert depth_attention.kernels_for(x) is not None  # CPU tensors in the interpreter
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(RuntimeError, match="needs CUDA tensors .* TRITON_INTERPRET=1"):
+        depth_attention.kernels_for(x)
+    monkeypatch.setattr(depth_attention, "_KERNELS", [ImportError("No module named 'triton'")])
+    with pytest.raises(RuntimeError, match=r"ATTNRES_KERNEL=triton but Triton cannot be imported .*pip install triton"):
+        depth_attention.kernels_for(x)
+    monkeypatch.setenv("ATTNRES_KERNEL", "auto")
+    assert depth_attention.kernels_for(x) is None  # auto without triton: eager, no error
+    monkeypatch.setenv("ATTNRES_KERNEL", "fast")
+    with pytest.raises(ValueError, match="'fast' is not a kernel choice: use auto .*, triton or eager"):
+        depth_attention.kernels_for(x)
