@@ -9,6 +9,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+# The Triton depth-mix kernels run on CPU in Triton's interpreter (tests/test_kernels.py). Triton reads this
+# when a kernel is defined, and may have read it before a test module could set it: set before any import.
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch  # noqa: E402
 
