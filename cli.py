@@ -423,7 +423,7 @@ def ab_command(
 
     from attnres_convert import AttnResError, BlockSizeError, UnsupportedModelError
     from attnres_convert.finetune.ab import run_ab
-    from attnres_convert.finetune.training import TrainingError
+    from attnres_convert.finetune.training import TrainingError, TrainingInterrupted
 
     transformers.utils.logging.disable_progress_bar()
     transformers.utils.logging.set_verbosity_error()
@@ -435,6 +435,14 @@ def ab_command(
             jobs=jobs, reuse=reuse, overwrite=overwrite, console=err_console if main else None,
             command="attnres ab " + shlex.join(sys.argv[2:]) if len(sys.argv) > 1 and sys.argv[1] == "ab" else None,
         )
+    except TrainingInterrupted as error:
+        if main:
+            err_console.print(
+                f"[yellow]interrupted:[/] {escape(str(error).split(';')[0])}. Finished arms are kept in the work folder: "
+                "run the same command with --reuse to train only the others.",
+                highlight=False,
+            )
+        raise typer.Exit(128 + error.signum) from None
     except (AttnResError, BlockSizeError, UnsupportedModelError) as error:
         code = EXIT_FAILED_CHECK if isinstance(error, TrainingError) else EXIT_BAD_INPUT
         if main:

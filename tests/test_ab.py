@@ -156,3 +156,13 @@ def test_kl_term_to_the_starting_model(setup, tmp_path):
     assert anchored[-1]["loss"] != pytest.approx(plain[-1]["loss"], rel=1e-4)
     with pytest.raises(RecipeError, match=r"train\.kl_weight: must be >= 0"):
         records(tmp_path / "bad", kl_weight=-1.0)
+
+
+def test_a_failing_arm_is_named_and_the_finished_ones_are_kept(setup, tmp_path):
+    from attnres_convert.finetune.training import NonFiniteLossError
+
+    broken = ["train.trainable=full", "train.lr=1e6", "train.attnres_lr=1e6", "train.max_grad_norm=null", "train.steps=10"]
+    with pytest.raises(NonFiniteLossError, match=r"arm 'attnres train\.trainable=full .*', seed 0: training stopped at step \d+"):
+        run_ab(setup["recipe"], ["train.warmup_steps=0"], sweep=[broken], plain=False, output=tmp_path / "ab")
+    assert not (tmp_path / "ab").exists()
+    assert (tmp_path / "ab-runs" / "baseline" / "seed-0" / "final_metrics.json").is_file()

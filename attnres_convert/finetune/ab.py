@@ -219,12 +219,15 @@ class ABResult:
 
 def _run_one(data: dict, common: list[str], arm: Arm, seed: int, workdir: str, reuse: bool) -> None:
     """Train one arm at one seed (in this process or a worker process)."""
-    from .training import finetune
+    from .training import TrainingError, finetune
 
     recipe = arm_recipe(data, common, arm, seed, Path(workdir))
     if reuse and finished(recipe):
         return
-    result = finetune(recipe)  # quiet: the live table shows every arm's progress
+    try:
+        result = finetune(recipe)  # quiet: the live table shows every arm's progress
+    except (RecipeError, TrainingError) as error:
+        raise type(error)(f"arm {arm.name!r}, seed {seed}: {error}") from None
     del result
     gc.collect()
 
