@@ -416,6 +416,9 @@ def ab_command(
     jobs: Annotated[int, typer.Option("--jobs", help="Train this many arms at once, in one-thread worker processes (CPU).")] = 1,
     reuse: Annotated[bool, typer.Option("--reuse", help="Keep arms already finished in the work folder with the same recipe.")] = False,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an earlier A/B output folder.")] = False,
+    throughput: Annotated[
+        int, typer.Option("--throughput", metavar="STEPS", help="Also time STEPS training steps of every arm interleaved in one process (fair tokens/s).")
+    ] = 0,
 ) -> None:
     """A/B: the recipe trained as a baseline (model.convert=false, same trainable budget) and as AttnRes,
     plus sweep arms, from the same start and data order; writes ab.json, ab.md and ab.png."""
@@ -432,7 +435,7 @@ def ab_command(
     try:
         result = run_ab(
             recipe, list(overrides or []), sweep=arms, seeds=seeds, output=output, workdir=workdir, plain=not no_plain,
-            jobs=jobs, reuse=reuse, overwrite=overwrite, console=err_console if main else None,
+            jobs=jobs, reuse=reuse, overwrite=overwrite, throughput=throughput, console=err_console if main else None,
             command="attnres ab " + shlex.join(sys.argv[2:]) if len(sys.argv) > 1 and sys.argv[1] == "ab" else None,
         )
     except TrainingInterrupted as error:

@@ -74,10 +74,14 @@ def test_ab_end_to_end_writes_paired_deltas_over_seeds(setup, tmp_path):
     # The same A/B again: every arm is read back from the work folder, not trained again.
     stamps = {p: p.stat().st_mtime_ns for p in (tmp_path / "ab-runs").rglob("metrics.jsonl")}
     assert len(stamps) == 6
+    # --throughput: every arm's training steps also timed interleaved in one process.
     again = run_ab(setup["recipe"], ["train.warmup_steps=0"], seeds=2, output=out, reuse=True, overwrite=True,
-                   sweep=[["train.attnres_lr=1e-3", "model.num_blocks=null", "model.full=true"]])
-    assert json.loads(json.dumps(again.report["arms"])) == arms
+                   sweep=[["train.attnres_lr=1e-3", "model.num_blocks=null", "model.full=true"]], throughput=1)
     assert {p: p.stat().st_mtime_ns for p in stamps} == stamps
+    speeds = [arm.pop("tokens_per_s_interleaved") for arm in again.report["arms"]]
+    assert json.loads(json.dumps(again.report["arms"])) == arms
+    assert all(speed > 0 for speed in speeds)
+    assert f"(interleaved {speeds[1]:,.0f}, {speeds[1] / speeds[0]:.2f}x)" in (out / "ab.md").read_text()
 
 
 def test_ab_refuses_what_it_cannot_compare(setup, tmp_path):

@@ -211,6 +211,43 @@ def live_table(arms: list[Arm], seeds: list[int], workdir: Path, steps: int, tit
 # --- running --------------------------------------------------------------------------------------
 
 
+def interleaved_throughput(data: dict, common: list[str], arms: list[Arm], steps: int, workdir: Path, seed: int) -> dict[str, float]:
+    """Training tokens/s of every arm, timed in one process on the same batch, one step of each arm in
+    turn (alternating the order), median of `steps` after two warm-up rounds: a busy machine slows every arm
+    alike, which the runs' own tokens/s (often from different moments, or parallel jobs) do not ensure."""
+    import time
+
+    import torch
+
+    from .optim import apply_lora, make_optimizer, select_trainable
+    from .starting_model import load_starting_model
+    from .training import token_loss
+
+    built = []
+    for arm in arms:
+        recipe = arm_recipe(data, common, arm, seed, workdir)
+        model = load_starting_model(recipe).model
+        if recipe.train.trainable == "lora":
+            model = apply_lora(model, recipe.lora, recipe.train.seed)
+        select_trainable(model, recipe.train.trainable)
+        built.append((arm.name, model.train(), make_optimizer(model, recipe)))
+    micro, length = recipe.train.micro_batch, recipe.data.seq_len
+    vocab = built[0][1].get_input_embeddings().num_embeddings
+    ids = torch.randint(0, vocab, (micro, length), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "attention_mask": None, "predictions": micro * (length - 1)}
+    times: dict[str, list[float]] = {name: [] for name, _, _ in built}
+    for round_ in range(steps + 2):
+        for name, model, optimizer in built if round_ % 2 == 0 else reversed(built):
+            began = time.perf_counter()
+            loss, _ = token_loss(model, batch, "cpu")
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            if round_ >= 2:
+                times[name].append(time.perf_counter() - began)
+    return {name: micro * length / statistics.median(values) for name, values in times.items()}
+
+
 @dataclass
 class ABResult:
     output: Path
@@ -254,6 +291,7 @@ def run_ab(
     jobs: int = 1,
     reuse: bool = False,
     overwrite: bool = False,
+    throughput: int = 0,
     console=None,
     command: str | None = None,
 ) -> ABResult:
@@ -261,6 +299,8 @@ def run_ab(
 
     `jobs > 1` trains that many arms at once in worker processes of one thread each (on a CPU, two
     one-thread processes finish two arms sooner than one two-thread process does one after the other).
+    `throughput > 0` also times that many training steps of every arm interleaved in one process (on the
+    CPU; `tokens_per_s_interleaved` in the report).
     Under `accelerate launch` every process takes part in every arm (jobs must be 1); the main one writes."""
     from accelerate import PartialState
 
@@ -300,6 +340,11 @@ def run_ab(
                 _run_one(data, overrides, arm, seed, str(work), reuse)
     state.wait_for_everyone()
     runs = {arm: [read_run(work / folder_name(arm, seed), seed) for seed in seed_list] for arm in arms}
+    arm_entries = [arm_report(arm, runs[arm], runs[arms[0]]) for arm in arms]
+    if throughput and main:
+        speeds = interleaved_throughput(data, overrides, arms, throughput, work, seed_list[0])
+        for entry in arm_entries:
+            entry["tokens_per_s_interleaved"] = speeds[entry["name"]]
     report = {
         "recipe": str(recipe),
         "overrides": overrides,
@@ -308,7 +353,7 @@ def run_ab(
         "seeds": seed_list,
         "machine": _machine(jobs),
         "workdir": str(work),
-        "arms": [arm_report(arm, runs[arm], runs[arms[0]]) for arm in arms],
+        "arms": arm_entries,
     }
     if main:
         from ..conversion.saving import atomic_folder
@@ -421,6 +466,9 @@ def markdown(report: dict) -> str:
     for entry in arms:
         params = f"{entry['trainable_parameters']:,}" + (f" (AttnRes {entry['attnres_parameters']:,})" if entry["attnres_parameters"] else "")
         speed = f"{entry['tokens_per_s']:,.0f}" if entry["tokens_per_s"] else ""
+        if entry.get("tokens_per_s_interleaved"):
+            ratio = entry["tokens_per_s_interleaved"] / base["tokens_per_s_interleaved"]
+            speed += f" (interleaved {entry['tokens_per_s_interleaved']:,.0f}, {ratio:.2f}x)"
         overrides = " ".join(f"`{o}`" for o in entry["overrides"])
         lines.append(
             f"| {entry['name']} | {overrides} | {entry['eval_loss_final']:.4f} | {math.exp(entry['eval_loss_final']):.2f} | "
