@@ -1,6 +1,6 @@
 """What AttnRes costs: converted vs original SmolLM2-135M, fp32, 2 threads, one process, interleaved runs.
 
-    python benchmarks/overhead.py [--repeats 7] [--compile] [--skip-convert] [--out benchmarks/results/overhead.json]
+    python benchmarks/overhead.py [--repeats 7] [--compile] [--skip-convert] [--out benchmarks/results/overhead-smollm2-cpu.json]
 
 Reports ratios converted/original (the ratio of the medians of interleaved runs, and the median of
 the per-round ratios, which a slow phase of the machine moves less) for prefill (512 tokens), decode
@@ -230,7 +230,7 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="also measure torch.compile'd models")
     parser.add_argument("--skip-convert", action="store_true")
     parser.add_argument("--skip-memory", action="store_true")
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "overhead.json")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "overhead-smollm2-cpu.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 

@@ -1,4 +1,4 @@
-"""Shared helpers of the reliability and security tests (issue 6): run the CLI, check a user error, make
+"""Shared helpers of the reliability and security tests: run the CLI, check a user error, make
 tiny model folders and broken copies of them."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 6, bad input: every row gets exit code 2, a message naming the input and the fix, and nothing at
+"""Bad input: every row gets exit code 2, a message naming the input and the fix, and nothing at
 the output path (not even a temporary folder beside it). Real files, real CLI (CliRunner on `cli.app`)."""
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ def test_convert_writes_a_verified_folder(tiny_folder, tmp_path):
     record = json.loads((out / "attnres_conversion.json").read_text())
     assert record["verification"]["passed"] is True
     assert record["verification"]["max_abs_logit_diff"] <= 1e-4
-    assert record["summary"]["sources_per_sublayer"] == [1, 2, 2, 2, 3, 3]  # design page, S = 3
+    assert record["summary"]["sources_per_sublayer"] == [1, 2, 2, 2, 3, 3]  # docs/design.md, S = 3
     card = (out / "README.md").read_text()
     assert card.startswith("---\n") and "block-attnres" in card and "trust_remote_code=True" in card
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.partial")]

@@ -1,4 +1,4 @@
-"""Issue 6, faults during `convert`: a SIGKILL at any moment leaves no partial folder at the output path and
+"""Faults during `convert`: a SIGKILL at any moment leaves no partial folder at the output path and
 an existing output untouched until the new one is complete; leftover temporary folders are never taken
 for the output and are removed by the next run; Ctrl-C and SIGTERM clean up at once.
 

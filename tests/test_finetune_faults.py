@@ -1,4 +1,4 @@
-"""Issue 6, faults during `finetune`: SIGKILL at any moment loses at most the steps since the last checkpoint
+"""Faults during `finetune`: SIGKILL at any moment loses at most the steps since the last checkpoint
 and `--resume` continues with the same losses as an uninterrupted run; a checkpoint killed half-way is never
 taken for a checkpoint; SIGINT saves a checkpoint and exits cleanly; a non-finite loss stops the run naming
 the step, keeps the last good checkpoint and saves no model. Real signals to real processes (forked from a

@@ -1,4 +1,4 @@
-"""Issue 6, bad recipes: `attnres recipes validate` and `attnres finetune` both refuse them with exit code 2,
+"""Bad recipes: `attnres recipes validate` and `attnres finetune` both refuse them with exit code 2,
 a message naming the field and the problem, and nothing written in output.dir. YAML is read with a safe
 loader: a `!!python/object` tag is an error, never an object."""
 

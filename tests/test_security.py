@@ -1,4 +1,4 @@
-"""Issue 6, security: remote code only with --trust-remote-code; pickle weights only with weights_only (and a
+"""Security: remote code only with --trust-remote-code; pickle weights only with weights_only (and a
 warning); no unsafe loader anywhere in the package; the code shipped next to converted weights only
 defines the model."""
 

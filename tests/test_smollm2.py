@@ -51,7 +51,7 @@ def test_bfloat16_conversion_agrees(smollm2, shakespeare_ids):
 
 
 def test_plain_averaging_would_not_be_exact(smollm2, shakespeare_ids):
-    """Design page section 4: without the n_l scaling the norms' eps moves the logits visibly."""
+    """docs/design.md, exactness: without the n_l scaling the norms' eps moves the logits visibly."""
     base = copy.deepcopy(smollm2)
     reference = capture_reference(base, shakespeare_ids, new_tokens=0)
     report = compare(reference, convert_model(base, source_scaling="mean").eval())

@@ -1,4 +1,4 @@
-"""The math beyond zero init: block structure and a plain reference written from the design page."""
+"""The math beyond zero init: block structure and a plain reference written from docs/design.md."""
 
 import pytest
 import torch
@@ -7,7 +7,7 @@ from attnres_convert.modeling.depth_attention import default_block_size, plan_su
 from attnres_convert.conversion.surgery import convert_model
 from tiny_models import tiny_model, token_ids
 
-# Design page, section 3: Block AttnRes with S = 3 over seven sublayers.
+# docs/design.md, block structure: Block AttnRes with S = 3 over seven sublayers.
 DESIGN_TEST_VECTOR = [
     [(0, 0)],
     [(0, 0), (1, 1)],
@@ -21,8 +21,8 @@ DESIGN_TEST_VECTOR = [
 
 
 def design_sources(reader: int, block_size: int, outputs: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Sources of sublayer `reader` (1-based; L + 1 is the output aggregation), straight from the
-    design page: the embedding, every completed block (sum of its outputs), and the running partial
+    """Sources of sublayer `reader` (1-based; L + 1 is the output aggregation), straight from
+    docs/design.md: the embedding, every completed block (sum of its outputs), and the running partial
     sum of the reader's own block when it is not the first sublayer of that block."""
     block, position = divmod(reader - 1, block_size)
     sources = [outputs[0]]

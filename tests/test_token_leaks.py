@@ -1,4 +1,4 @@
-"""Issue 6: a hub token never reaches stdout, stderr, logs, metrics, configs, cards or error messages.
+"""A hub token never reaches stdout, stderr, logs, metrics, configs, cards or error messages.
 
 End to end: HF_TOKEN is set to a recognisable fake value (not shaped like a real `hf_` token, so pattern
 scrubbing cannot hide a leak) in a fresh Python that runs every command writing a folder or talking to
