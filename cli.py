@@ -137,7 +137,7 @@ PushToHubOption = Annotated[
 PrivateOption = Annotated[bool, typer.Option("--private", help="Create the hub repo as private.")]
 TokenOption = Annotated[
     Optional[str],
-    typer.Option("--token", help="HuggingFace token with write access [default: HF_TOKEN or the `hf auth login` cache]."),
+    typer.Option("--token", help="HuggingFace token with write access (default: HF_TOKEN, else the `hf auth login` cache)."),
 ]
 
 
@@ -264,7 +264,7 @@ def inspect_command(
     plot: Annotated[
         Optional[Path], typer.Option("--plot", help="Write depth heatmaps to OUT.png and magnitudes to OUT-magnitudes.png.")
     ] = None,
-    text: Annotated[Optional[Path], typer.Option("--text", help="Text to average over [default: built-in sample].")] = None,
+    text: Annotated[Optional[Path], typer.Option("--text", help="Text to average over (default: a built-in sample).")] = None,
     max_tokens: Annotated[int, typer.Option("--max-tokens", help="Use at most this many tokens of the text.")] = 256,
     trust_remote_code: Annotated[bool, typer.Option("--trust-remote-code", help="Allow a plain model's own code to run.")] = False,
 ) -> None:

@@ -39,6 +39,8 @@ class _Section(BaseModel):
 
 
 class ModelSection(_Section):
+    """The model to start from and how it is converted."""
+
     source: str | None = Field(
         None,
         description="Hub id, local HF folder, .gguf file, an already converted AttnRes folder, or "
@@ -51,7 +53,7 @@ class ModelSection(_Section):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "float32", description="Weights dtype; keep float32 and use train.mixed_precision for bf16 compute."
     )
-    trust_remote_code: bool = False
+    trust_remote_code: bool = Field(False, description="Allow the source model's own code (auto_map) to run.")
 
     @model_validator(mode="after")
     def _one_block_setting(self):
@@ -78,13 +80,15 @@ class TextSource(_Section):
     dataset: str | None = Field(None, description="A `datasets` name (hub id, or a builder like 'json' with data_files).")
     name: str | None = Field(None, description="The dataset's configuration name (e.g. 'sample-10BT').")
     data_files: list[str] | None = Field(None, description="Passed to datasets.load_dataset (for builders like 'json').")
-    split: str = "train"
+    split: str = Field("train", description="The dataset split to read.")
     text_field: str = Field("text", description="The field holding the text (jsonl, parquet, datasets).")
     streaming: bool = Field(True, description="Stream the dataset instead of downloading it whole.")
     max_documents: int | None = Field(None, ge=1, description="Read at most this many documents.")
 
 
 class HeldOutSource(TextSource):
+    """Held-out text, never trained on: files, a dataset, or a fraction of the training documents."""
+
     fraction: float | None = Field(
         None, gt=0, lt=1, description="Hold out this fraction of the training documents (whole documents)."
     )
@@ -98,8 +102,13 @@ class HeldOutSource(TextSource):
 
 
 class DataSection(_Section):
-    train: TextSource
-    eval: HeldOutSource = Field(default_factory=lambda: HeldOutSource(fraction=0.05))
+    """Training and held-out text, and how it is cut into sequences."""
+
+    train: TextSource = Field(..., description="Training text: exactly one of files, dataset.")
+    eval: HeldOutSource = Field(
+        default_factory=lambda: HeldOutSource(fraction=0.05),
+        description="Held-out text: exactly one of files, dataset, fraction.",
+    )
     seq_len: int = Field(256, ge=8, description="Tokens per training sequence.")
     packing: bool = Field(True, description="Concatenate documents (EOS between) and cut seq_len blocks; false: one document per sequence, padded.")
     add_eos: bool = Field(True, description="Append the tokenizer's EOS token to every document.")
@@ -116,6 +125,8 @@ class DataSection(_Section):
 
 
 class TrainSection(_Section):
+    """What trains, for how long, and the optimiser (AdamW) and schedule."""
+
     trainable: Literal["attnres", "lora", "full"] = Field(
         "attnres", description="attnres: only the AttnRes queries and key norms; lora: LoRA adapters + AttnRes; full: everything."
     )
@@ -125,13 +136,15 @@ class TrainSection(_Section):
     lr: float = Field(..., gt=0, description="Peak learning rate of the base (or LoRA) parameters.")
     attnres_lr: float | None = Field(
         None, gt=0, description="Peak learning rate of the AttnRes parameters (default: lr). With Adam a query step moves the "
-        "scores by about attnres_lr x hidden size: keep it near 1e-4 at d=576 (see README)."
+        "scores by about attnres_lr x hidden size: keep it near 1e-4 at d=576 and scale it as 1/d for wider models."
     )
     weight_decay: float = Field(0.0, ge=0, description="AdamW decay of matrices; never applied to AttnRes params, norms, biases.")
-    betas: tuple[float, float] = (0.9, 0.95)
-    adam_eps: float = Field(1e-8, gt=0)
-    schedule: Literal["cosine", "wsd", "constant"] = "cosine"
-    warmup_steps: int = Field(0, ge=0)
+    betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas, each in [0, 1).")
+    adam_eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
+    schedule: Literal["cosine", "wsd", "constant"] = Field(
+        "cosine", description="After warmup: cosine decay to min_lr_ratio, warmup-stable-decay, or constant."
+    )
+    warmup_steps: int = Field(0, ge=0, description="Linear warmup steps from 0 to the peak learning rates (fewer than steps).")
     decay_fraction: float = Field(0.2, gt=0, le=1, description="wsd: the last fraction of steps that decays to min_lr_ratio.")
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Final learning rate as a fraction of the peak.")
     max_grad_norm: float | None = Field(
@@ -147,9 +160,11 @@ class TrainSection(_Section):
         "predictions near the original's (for a fresh conversion the starting model is the original, exactly). Costs a "
         "frozen copy of the model and one more forward pass per micro-batch; metrics.jsonl records `kl`."
     )
-    mixed_precision: Literal["no", "bf16", "fp16"] = "no"
-    gradient_checkpointing: bool = False
-    seed: int = 0
+    mixed_precision: Literal["no", "bf16", "fp16"] = Field("no", description="Accelerate's mixed precision for the compute.")
+    gradient_checkpointing: bool = Field(
+        False, description="Recompute activations in the backward pass (non-reentrant) to save memory."
+    )
+    seed: int = Field(0, description="Seeds the data order, LoRA initialisation and dropout.")
     log_every: int = Field(1, ge=1, description="Write metrics.jsonl every N steps.")
 
     @model_validator(mode="after")
@@ -167,9 +182,11 @@ class TrainSection(_Section):
 
 
 class LoraSection(_Section):
-    r: int = Field(16, ge=1)
-    alpha: float = Field(32, gt=0)
-    dropout: float = Field(0.0, ge=0, lt=1)
+    """PEFT LoRA adapters, used when train.trainable is lora."""
+
+    r: int = Field(16, ge=1, description="LoRA rank.")
+    alpha: float = Field(32, gt=0, description="LoRA scaling numerator (the update is scaled by alpha / r).")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the LoRA input.")
     target_modules: list[str] | str = Field(
         "all-linear", description="Module names to adapt (e.g. [q_proj, v_proj]) or 'all-linear' (every Linear but the head)."
     )
@@ -186,6 +203,8 @@ class LoraSection(_Section):
 
 
 class EvalSection(_Section):
+    """Held-out loss and perplexity during training."""
+
     every: int = Field(50, ge=0, description="Held-out evaluation every N steps (0: only before and after training).")
     max_sequences: int | None = Field(64, ge=1, description="Evaluate on at most this many held-out sequences (evenly spaced).")
     batch_size: int | None = Field(None, ge=1, description="Default: train.micro_batch.")
@@ -193,11 +212,15 @@ class EvalSection(_Section):
 
 
 class CheckpointSection(_Section):
-    every: int = Field(100, ge=0, description="Save a resumable checkpoint every N steps (0: only on SIGINT).")
-    keep_last: int = Field(2, ge=1)
+    """Resumable checkpoints (trainable weights, optimizer, scheduler, RNG states, data position)."""
+
+    every: int = Field(100, ge=0, description="Save a resumable checkpoint every N steps (0: only on Ctrl-C / SIGTERM).")
+    keep_last: int = Field(2, ge=1, description="Keep this many of the newest checkpoints.")
 
 
 class OutputSection(_Section):
+    """The run folder and where the result goes."""
+
     dir: str = Field(..., min_length=1, description="Run folder: recipe, metrics, checkpoints/, model/.")
     overwrite: bool = Field(False, description="Replace an existing run folder (otherwise use --resume).")
     save_model: bool = Field(True, description="Write the final model to OUT/model (the A/B benchmark turns it off).")
@@ -206,7 +229,9 @@ class OutputSection(_Section):
 
 
 class Recipe(_Section):
-    description: str | None = None
+    """A fine-tuning run."""
+
+    description: str | None = Field(None, description="What this run is for (shown by `attnres recipes list`).")
     model: ModelSection = Field(default_factory=ModelSection)
     data: DataSection
     train: TrainSection
