@@ -39,9 +39,9 @@ def enable_checkpointing(model: nn.Module) -> None:
 
 
 def apply_lora(model: nn.Module, lora: LoraSection, seed: int) -> nn.Module:
-    """Wrap with PEFT LoRA. The AttnRes parameters are then marked trainable explicitly, not through
-    `modules_to_save`: that wraps a *copy* of each module, and the final norm reads the output
-    aggregation's query by direct reference, so a copy would silently never train."""
+    """Wrap with PEFT LoRA. The AttnRes parameters are then marked trainable in place, not through
+    `modules_to_save`, which would train a wrapped copy of each module beside the original: one copy of
+    each, saved with the model rather than the adapter."""
     from peft import LoraConfig, get_peft_model
 
     config = LoraConfig(

@@ -1,0 +1,100 @@
+"""The docs describe the product as it is: generated reference pages are current, every recipe field has a
+description, every `attnres ...` command line in the docs names real commands and options, and every
+local link resolves."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+import typer
+from pydantic import BaseModel
+
+from attnres_convert.cli import app
+from attnres_convert.finetune.recipe import Recipe
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def _generator():
+    spec = importlib.util.spec_from_file_location("docs_generate", ROOT / "docs" / "generate.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_generated_pages_are_current():
+    for path, text in _generator().pages().items():
+        assert path.exists(), f"{path.name} is missing: run python docs/generate.py"
+        assert path.read_text() == text, f"{path.relative_to(ROOT)} is stale: run python docs/generate.py"
+
+
+def _fields(model: type[BaseModel], path: str = ""):
+    for name, field in model.model_fields.items():
+        annotation = field.annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            yield from _fields(annotation, f"{path}{name}.")
+        else:
+            yield f"{path}{name}", field
+
+
+def test_every_recipe_field_is_described():
+    missing = [name for name, field in _fields(Recipe) if not (field.description or "").strip()]
+    assert not missing, f"recipe fields without a description (docs/recipes.md is generated from them): {missing}"
+
+
+def _command_lines(text: str):
+    """`attnres ...` invocations in the pages' bash blocks (backslash continuations joined)."""
+    for block in re.findall(r"```(?:bash|console|sh)\n(.*?)```", text, re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            line = line.strip().removeprefix("$ ")
+            if line.startswith("attnres "):
+                yield line[len("attnres "):]
+            elif "$(which attnres) " in line:
+                yield line.split("$(which attnres) ", 1)[1]
+
+
+def _options(command) -> set[str]:
+    return {opt for param in command.params for opt in (*param.opts, *param.secondary_opts)}
+
+
+def test_command_lines_in_the_docs_use_real_commands_and_options():
+    root = typer.main.get_command(app)
+    checked = 0
+    for page in (p for p in PAGES if p.name != "cli.md"):  # cli.md is generated from the app itself
+        for line in _command_lines(page.read_text()):
+            words = shlex.split(line, comments=True)
+            if not words or words[0].startswith("-"):
+                continue
+            command, where = root, f"{page.name}: attnres {line}"
+            while hasattr(command, "commands") and words and not words[0].startswith("-"):
+                name = words.pop(0)
+                assert name in command.commands, f"{where}: no command {name!r}"
+                command = command.commands[name]
+            unknown = [w.split("=")[0] for w in words if w.startswith("-") and w.split("=")[0] not in _options(command)]
+            assert not unknown, f"{where}: unknown option(s) {unknown}"
+            checked += 1
+    assert checked >= 10  # the pages do show commands; a broken extraction must not pass silently
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor for a heading."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_local_links_resolve(page):
+    text = page.read_text()
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+        if re.match(r"[a-z]+://", target):
+            continue
+        path, _, anchor = target.partition("#")
+        file = (page.parent / path).resolve() if path else page
+        assert file.exists(), f"{page.name}: link to {target}: no such file"
+        if anchor and file.suffix == ".md":
+            headings = re.findall(r"^#+ (.+)$", file.read_text(), re.M)
+            assert anchor in {_anchor(h) for h in headings}, f"{page.name}: link to {target}: no such heading"
