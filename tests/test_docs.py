@@ -62,6 +62,22 @@ def _options(command) -> set[str]:
     return {opt for param in command.params for opt in (*param.opts, *param.secondary_opts)}
 
 
+def _positional_words(command, words: list[str]) -> list[str]:
+    """WORDS without the options and the values they take (an option takes one value per occurrence)."""
+    takes_value = {
+        opt for p in command.params if p.param_type_name == "option" and not p.is_flag for opt in p.opts
+    }
+    positional, skip = [], False
+    for word in words:
+        if skip:
+            skip = False
+        elif word.startswith("-"):
+            skip = "=" not in word and word in takes_value
+        else:
+            positional.append(word)
+    return positional
+
+
 def test_command_lines_in_the_docs_use_real_commands_and_options():
     root = typer.main.get_command(app)
     checked = 0
@@ -77,6 +93,10 @@ def test_command_lines_in_the_docs_use_real_commands_and_options():
                 command = command.commands[name]
             unknown = [w.split("=")[0] for w in words if w.startswith("-") and w.split("=")[0] not in _options(command)]
             assert not unknown, f"{where}: unknown option(s) {unknown}"
+            positional = _positional_words(command, words)
+            arguments = [p for p in command.params if p.param_type_name == "argument"]
+            if not any(p.nargs == -1 for p in arguments):
+                assert len(positional) <= len(arguments), f"{where}: extra argument(s) {positional[len(arguments):]}"
             checked += 1
     assert checked >= 10  # the pages do show commands; a broken extraction must not pass silently
 
