@@ -1,9 +1,11 @@
 """The docs describe the product as it is: generated reference pages are current, every recipe field has a
-description, every `attnres ...` command line in the docs names real commands and options, and every
-local link resolves."""
+description, every `attnres ...` command line in the docs names real commands, options and arguments, every
+Python snippet parses and imports names that exist, and every local link resolves."""
 
 from __future__ import annotations
 
+import ast
+import importlib
 import importlib.util
 import re
 import shlex
@@ -118,3 +120,17 @@ def test_local_links_resolve(page):
         if anchor and file.suffix == ".md":
             headings = re.findall(r"^#+ (.+)$", file.read_text(), re.M)
             assert anchor in {_anchor(h) for h in headings}, f"{page.name}: link to {target}: no such heading"
+
+
+def test_python_snippets_parse_and_import_real_names():
+    checked = 0
+    for page in PAGES:
+        for block in re.findall(r"```python\n(.*?)```", page.read_text(), re.S):
+            tree = ast.parse(block)  # a syntax error names the page in the traceback
+            for node in ast.walk(tree):
+                if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("attnres_convert"):
+                    module = importlib.import_module(node.module)
+                    missing = [a.name for a in node.names if not hasattr(module, a.name)]
+                    assert not missing, f"{page.name}: {node.module} has no {missing}"
+                    checked += 1
+    assert checked >= 3
