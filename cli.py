@@ -459,6 +459,64 @@ def ab_command(
     console.print(f"[green]A/B[/] [bold]{escape(str(result.output))}[/] (ab.json, ab.md, ab.png)")
 
 
+@app.command("architectures")
+def architectures_command(
+    model_types: Annotated[
+        Optional[list[str]], typer.Argument(help="Model types to check [default: every causal-LM type].", show_default=False)
+    ] = None,
+    markdown: Annotated[bool, typer.Option("--markdown", help="Print the table as Markdown.")] = False,
+    write: Annotated[
+        Optional[Path], typer.Option("--write", help="Replace the coverage table in this Markdown file (e.g. docs/architectures.md).")
+    ] = None,
+    variants: Annotated[bool, typer.Option("--variants/--no-variants", help="Also check non-default config variants.")] = True,
+) -> None:
+    """Which causal-LM model types of the installed transformers convert exactly (tiny random models, no download)."""
+    from rich.progress import BarColumn, MofNCompleteColumn
+
+    from attnres_convert.conversion import coverage
+
+    known = set(coverage.causal_lm_model_types())
+    unknown = [t for t in model_types or [] if t not in known]
+    if unknown:
+        fail(f"not a causal-LM model type of this transformers: {', '.join(unknown)}. Run without arguments for all.")
+    if write is not None and model_types:
+        fail("--write rewrites the whole table: run it without model types.")
+    if write is not None and not write.is_file():
+        fail(f"--write {write}: no such file. Give an existing Markdown file; the table goes between its markers.")
+    total = len(model_types or known) + (len(coverage.VARIANTS) if variants and not model_types else 0)
+    with Progress(
+        SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        console=err_console, transient=True,
+    ) as progress:
+        task = progress.add_task("checking", total=total)
+        started = [0]
+
+        def step(name: str) -> None:  # called as each row starts
+            progress.update(task, completed=started[0], description=name)
+            started[0] += 1
+
+        report = coverage.walk(model_types or None, variants=variants and not model_types, progress=step)
+    if write is not None:
+        text = write.read_text()
+        write.write_text(coverage.replace_table(text, coverage.markdown(report)))
+        err_console.print(f"[green]Wrote[/] the coverage table to {escape(str(write))}")
+    if markdown:
+        print(coverage.markdown(report))
+    elif write is None:
+        colours = {"converted": "green", "refused": "yellow", "not built": "red"}
+        table = Table(title=f"transformers {report.transformers_version}: causal-LM model types")
+        for column in ("model type", "status", "structure found or reason"):
+            table.add_column(column, overflow="fold")
+        for row in report.rows:
+            table.add_row(escape(row.label), f"[{colours[row.status]}]{row.status}[/]", escape(row.detail))
+        console.print(table)
+    counts = report.counts
+    console.print(
+        f"converted {counts['converted']}, refused {counts['refused']}, not built {counts['not built']} "
+        f"({len(report.rows)} rows)", highlight=False,
+    )
+
+
 @recipes_app.command("list")
 def recipes_list() -> None:
     """The shipped recipes."""

@@ -125,9 +125,13 @@ def test_corrupt_gguf(tmp_path, content):
 # ---------------------------------------------------------------- the architecture
 
 
-def _opt():
+def _opt_post_norm():
     return T.OPTConfig(hidden_size=32, num_hidden_layers=2, ffn_dim=64, num_attention_heads=4, vocab_size=128,
-                       word_embed_proj_dim=32)
+                       word_embed_proj_dim=32, do_layer_norm_before=False)
+
+
+def _bloom():
+    return T.BloomConfig(hidden_size=32, n_layer=2, n_head=4, vocab_size=128)
 
 
 def _olmo2():
@@ -150,37 +154,39 @@ def _bart():
 @pytest.mark.parametrize(
     "make, needles",
     [
-        (_opt, ["'opt'", "not a supported PreNorm decoder family"]),
+        (_opt_post_norm, ["do_layer_norm_before=False", "post-norm"]),
         (_olmo2, ["OLMo-2", "post-norm"]),
         (_bert, ["BERT", "encoder"]),
         (_t5, ["T5", "encoder-decoder"]),
         (_bart, ["BART", "encoder-decoder"]),
     ],
-    ids=["opt-unsupported", "olmo2-not-prenorm", "bert-encoder", "t5-encoder-decoder", "bart-encoder-decoder"],
+    ids=["opt-post-norm", "olmo2-not-prenorm", "bert-encoder", "t5-encoder-decoder", "bart-encoder-decoder"],
 )
 def test_refused_architectures(tmp_path, make, needles):
     """Refused from the config alone, before any weights are read; the message says why and what is supported."""
     folder = save_config_only(tmp_path / "model", make())
     out = tmp_path / "out"
     result = run_cli("convert", folder, "-o", out)
-    assert_user_error(result, str(folder), *needles, "Supported model types", "llama", out=out)
+    assert_user_error(result, str(folder), *needles, "attnres architectures", out=out)
 
 
 def test_unsupported_architecture_with_weights(tmp_path):
-    """A complete tiny OPT (weights too) is refused the same way."""
+    """A complete tiny BLOOM (weights too): its attention adds the residual itself, so no structure reproduces
+    its layers; the refusal names the layer and sublayer, after loading, and nothing is written."""
     from transformers import AutoModelForCausalLM
 
-    folder = tmp_path / "tiny-opt"
-    AutoModelForCausalLM.from_config(_opt()).save_pretrained(folder)
+    folder = tmp_path / "tiny-bloom"
+    AutoModelForCausalLM.from_config(_bloom()).save_pretrained(folder)
     out = tmp_path / "out"
-    assert_user_error(run_cli("convert", folder, "-o", out), str(folder), "'opt'", "Supported model types", out=out)
+    result = run_cli("convert", folder, "-o", out)
+    assert_user_error(result, str(folder), "bloom", "decoder layer 0, sublayer 1", "attnres architectures", out=out)
 
 
 def test_made_up_model_type(tmp_path, tiny_llama):
     folder = edit_config(copy_model(tiny_llama, tmp_path / "mystery"), model_type="made_up_lm")
     out = tmp_path / "out"
     result = run_cli("convert", folder, "-o", out)
-    assert_user_error(result, str(folder), "made_up_lm", "does not know", "Supported model types", out=out)
+    assert_user_error(result, str(folder), "made_up_lm", "does not know", "attnres architectures", out=out)
 
 
 def test_gpt2_with_cross_attention(tmp_path, tiny_llama):

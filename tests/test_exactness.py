@@ -1,12 +1,12 @@
 """Conversion reproduces the original model: logits, cached greedy generation, padding (tiny random
-configs of every supported family, fp32)."""
+configs of the table's families and of families only discovery finds, fp32)."""
 
 import copy
 
 import pytest
 import torch
 
-from attnres_convert.conversion.surgery import convert_model, resolve_block_size, structure_of
+from attnres_convert.conversion.surgery import convert_model, resolve_block_size, structure_of_model
 from tiny_models import CONFIGS, tiny_model, token_ids
 
 FAMILIES = sorted(CONFIGS)
@@ -14,7 +14,7 @@ FAMILIES = sorted(CONFIGS)
 
 def block_sizes(model) -> list[int]:
     """S = 1, an odd S, the default S and S = L (deduplicated)."""
-    structure = structure_of(model.config)
+    structure = structure_of_model(model)
     total = structure.num_sublayers
     return sorted({1, 3 if total >= 3 else 1, resolve_block_size(structure), total})
 

@@ -45,7 +45,7 @@ def _randomized(model):
     return model
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2", "gpt_neox_parallel", "gemma2"])
+@pytest.mark.parametrize("family", ["llama", "gpt2", "gpt_neox_parallel", "gemma2", "granite"])
 def test_folder_reloads_in_package_and_without_it(family, tmp_path):
     model = _randomized(convert_model(tiny_model(family), block_size=3).eval())
     out = save_converted(model, tmp_path / "converted")

@@ -1,4 +1,8 @@
-"""Tiny random configs of every supported family (hidden 64, 3 layers), as the transformers tests do."""
+"""Tiny random configs of families and config variants (hidden 64, 3 layers), as the transformers tests do:
+the 14 of the architecture table, and families whose structure only discovery finds (Granite's multipliers,
+GLM-4's sandwich norms, OPT's MLP as a chain of modules, Cohere's parallel residual with qk-norm and a logit
+scale, DeepSeek-V3's latent attention with a dense first layer then MoE with a shared expert, Falcon's new
+decoder architecture with two norms in parallel)."""
 
 from __future__ import annotations
 
@@ -24,6 +28,17 @@ CONFIGS = {
     "gpt_neox_parallel": lambda: T.GPTNeoXConfig(**_NEOX, use_parallel_residual=True),
     "gpt_neox_sequential": lambda: T.GPTNeoXConfig(**_NEOX, use_parallel_residual=False),
     "phi": lambda: T.PhiConfig(**_NEOX),
+    "granite": lambda: T.GraniteConfig(**_DECODER, residual_multiplier=0.22, embedding_multiplier=12.0, logits_scaling=8.0),
+    "glm4": lambda: T.Glm4Config(**_DECODER, head_dim=16),
+    "opt": lambda: T.OPTConfig(**_IDS, hidden_size=64, ffn_dim=128, num_hidden_layers=3, num_attention_heads=4,
+                               word_embed_proj_dim=64),
+    "cohere": lambda: T.CohereConfig(**_DECODER, use_qk_norm=True, logit_scale=0.25),
+    "deepseek_v3": lambda: T.DeepseekV3Config(
+        **_DECODER | {"num_key_value_heads": 4}, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=16,
+        qk_nope_head_dim=16, v_head_dim=16, n_group=1, topk_group=1,
+    ),
+    "falcon_new": lambda: T.FalconConfig(**_NEOX, new_decoder_architecture=True, num_kv_heads=2),
 }
 
 

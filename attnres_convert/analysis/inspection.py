@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..modeling.architectures import family_for
+from ..modeling.architectures import module_at
 from ..errors import SourceError
 from ..modeling.depth_attention import record_depth_weights, source_ranges
 from ..modeling.modeling_attnres import AttnResForCausalLM, AttnResQuery
@@ -83,20 +83,19 @@ class Inspection:
 # --- structure -------------------------------------------------------------------------------------
 
 
-def _family(model: AttnResForCausalLM):
-    return family_for(model.config.text_config)
-
-
 def _layers(model: AttnResForCausalLM):
-    family = _family(model)
-    return getattr(getattr(model, family.base_model), family.layers)
+    plan = model._attnres_plan
+    return module_at(module_at(model, plan.base_model), plan.layers)
 
 
 def sublayer_kinds(model: AttnResForCausalLM) -> list[str]:
     """attention / mlp / attention+mlp for sublayers 1..L in execution order."""
-    sublayers = _family(model).sublayers(model.config.text_config)
-    per_layer = ["attention+mlp" if len(s.branches) > 1 else ("mlp" if s.name == "mlp" else "attention") for s in sublayers]
-    return per_layer * len(_layers(model))
+    plan = model._attnres_plan
+    return [
+        "attention+mlp" if len(s.branches) > 1 else ("mlp" if s.name.startswith("mlp") else "attention")
+        for index in range(plan.num_layers)
+        for s in plan.sublayers(index)
+    ]
 
 
 def queries_are_zero(model: AttnResForCausalLM) -> bool:
@@ -157,10 +156,9 @@ def _rms(x: torch.Tensor) -> float:
 def sublayer_profile(model: AttnResForCausalLM, input_ids: torch.Tensor) -> SublayerProfile:
     """Stream and output RMS per sublayer (forward hooks on each branch's norm and last module) and the
     gradient norm of each sublayer's parameters, from one forward/backward pass of the LM loss."""
-    family, config = _family(model), model.config.text_config
-    sublayers = family.sublayers(config)
+    plan = model._attnres_plan
     layers = _layers(model)
-    total = len(layers) * len(sublayers)
+    total = plan.num_sublayers
     stream: list[float | None] = [None] * total
     outputs: list[float] = [0.0] * total
     output_sums: list[torch.Tensor | None] = [None] * total
@@ -181,22 +179,23 @@ def sublayer_profile(model: AttnResForCausalLM, input_ids: torch.Tensor) -> Subl
         output_sums[index] = y.detach() if output_sums[index] is None else output_sums[index] + y.detach()
 
     param_groups: list[list[torch.nn.Parameter]] = []
+    index = -1
     for layer_index, layer in enumerate(layers):
         seen_norms, seen_last = set(), set()
-        for sub_index, sublayer in enumerate(sublayers):
-            index = layer_index * len(sublayers) + sub_index
+        for sublayer in plan.sublayers(layer_index):
+            index += 1
             params: dict[int, torch.nn.Parameter] = {}
             for branch in sublayer.branches:
-                norm = getattr(layer, branch.norm)
+                norm = module_at(layer, branch.norm)
                 if id(norm) not in seen_norms:
                     seen_norms.add(id(norm))
                     hooks.append(norm.register_forward_pre_hook(reading(index)))
-                last = getattr(layer, branch.post[-1] if branch.post else branch.module)
+                last = module_at(layer, branch.post[-1] if branch.post else branch.module)
                 if id(last) not in seen_last:  # Phi's branches share one dropout: it fires once per branch
                     seen_last.add(id(last))
                     hooks.append(last.register_forward_hook(adding))
                 for name in (branch.norm, branch.module, *branch.post):
-                    for p in getattr(layer, name).parameters():
+                    for p in module_at(layer, name).parameters():
                         params[id(p)] = p
             param_groups.append(list(params.values()))
     was_training = model.training

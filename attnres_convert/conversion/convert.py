@@ -27,6 +27,7 @@ from .surgery import ConversionSummary, convert_model, resolve_block_size, struc
 from .verify import VerificationReport, capture_reference, compare, sample_input_ids
 
 Stage = Callable[[str], contextlib.AbstractContextManager]
+SEE_COVERAGE = "`attnres architectures` lists the model types that convert, and why the others do not."
 
 
 @contextlib.contextmanager
@@ -79,8 +80,9 @@ def convert(
         try:
             structure = structure_of(config)
         except UnsupportedModelError as error:
-            raise UnsupportedModelError(f"cannot convert {model_source.name}: {error}") from error
-        resolve_block_size(structure, block_size, num_blocks, full)  # refuse before loading weights
+            raise UnsupportedModelError(f"cannot convert {model_source.name}: {error} {SEE_COVERAGE}") from error
+        if structure is not None:  # else the structure is found, and block sizes checked, on the loaded model
+            resolve_block_size(structure, block_size, num_blocks, full)  # refuse before loading weights
     with stage("Loading model"):
         base = load_model(model_source, opts.dtype, opts.trust_remote_code)
         tokenizer = load_tokenizer(model_source, opts.trust_remote_code)
@@ -89,8 +91,11 @@ def convert(
         with stage("Running the original model"):
             ids = sample_input_ids(tokenizer, opts.verify_text, opts.verify_tokens, base.config.vocab_size)
             reference = capture_reference(base, ids, opts.verify_new_tokens)
-    with stage("Converting"):
-        model = convert_model(base, block_size=block_size, num_blocks=num_blocks, full=full)
+    with stage("Finding and proving the layer structure, converting"):
+        try:
+            model = convert_model(base, block_size=block_size, num_blocks=num_blocks, full=full)
+        except UnsupportedModelError as error:
+            raise UnsupportedModelError(f"cannot convert {model_source.name}: {error} {SEE_COVERAGE}") from error
         del base
     report = None
     if reference is not None:

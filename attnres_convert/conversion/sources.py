@@ -142,8 +142,6 @@ def load_config(source: ModelSource, trust_remote_code: bool = False) -> PreTrai
 def _unknown_type_error(source: ModelSource) -> SourceError:
     import transformers
 
-    from ..modeling.architectures import supported_model_types
-
     model_type = None
     if source.kind == "folder":
         try:
@@ -153,7 +151,7 @@ def _unknown_type_error(source: ModelSource) -> SourceError:
     what = f"model type {model_type!r}" if model_type else "a model type"
     return SourceError(
         f"{source.name} has {what} that transformers {transformers.__version__} does not know, so it cannot be "
-        f"loaded or converted. Supported model types: {', '.join(supported_model_types())}."
+        "loaded or converted. `attnres architectures` lists the model types it can convert."
     )
 
 

@@ -10,10 +10,11 @@ from dataclasses import dataclass
 from torch import nn
 from transformers import PreTrainedModel
 
-from ..modeling.architectures import UnsupportedModelError, family_for
+from ..modeling.architectures import FAMILIES, ModelPlan, UnsupportedModelError, config_refusal, family_for
 from ..modeling.configuration_attnres import AttnResConfig
 from ..modeling.depth_attention import default_block_size, output_num_sources, plan_sublayers, source_ranges
 from ..modeling.modeling_attnres import AttnResForCausalLM, AttnResKeyNorm, AttnResQuery
+from .discovery import check_converted, find_plan
 
 DEFAULT_NUM_BLOCKS = 8
 
@@ -28,16 +29,30 @@ class Structure:
 
     model_type: str
     num_layers: int
-    sublayers_per_layer: int
+    sublayers_per_layer: int  # of the first layer (layers of one model may differ)
+    num_sublayers: int
 
-    @property
-    def num_sublayers(self) -> int:
-        return self.num_layers * self.sublayers_per_layer
+    @classmethod
+    def of_plan(cls, model_type: str, plan: ModelPlan) -> Structure:
+        return cls(model_type, plan.num_layers, len(plan.sublayers(0)), plan.num_sublayers)
 
 
-def structure_of(config) -> Structure:
-    family = family_for(config)
-    return Structure(config.model_type, int(config.num_hidden_layers), len(family.sublayers(config)))
+def structure_of(config) -> Structure | None:
+    """The sublayer layout from the config alone where the architecture table knows the model type (block
+    sizes are then checked before any weights are read); None where it takes the loaded model to find it.
+    UnsupportedModelError where the config alone says the model cannot be converted."""
+    refusal = config_refusal(config)
+    if refusal:
+        raise UnsupportedModelError(f"{refusal}.")
+    if not any(config.model_type in family.model_types for family in FAMILIES):
+        return None
+    return Structure.of_plan(config.model_type, family_for(config).plan(config))
+
+
+def structure_of_model(model: PreTrainedModel) -> Structure:
+    """The sublayer layout of a loaded base model: its proven structure plan."""
+    plan, _ = find_plan(model)
+    return Structure.of_plan(model.config.model_type, plan)
 
 
 def _positive_int(name: str, value) -> int:
@@ -102,11 +117,16 @@ def convert_model(
         raise UnsupportedModelError(
             f"{config.model_type} is an encoder-decoder; only decoder-only PreNorm causal LMs are supported"
         )
-    structure = structure_of(config)
-    size = resolve_block_size(structure, block_size, num_blocks, full)
+    refusal = config_refusal(config)
+    if refusal:
+        raise UnsupportedModelError(f"{refusal}.")
+    plan, trace = find_plan(base_model)  # proven layer by layer on this very model, or refused
+    size = resolve_block_size(Structure.of_plan(config.model_type, plan), block_size, num_blocks, full)
     # A composite config resets its sub-config's attention implementation: keep the base model's.
     attn_implementation, dtype = config._attn_implementation, config.dtype
-    attn_config = AttnResConfig(text_config=config, block_size=size, source_scaling=source_scaling)
+    attn_config = AttnResConfig(
+        text_config=config, block_size=size, source_scaling=source_scaling, structure=plan.to_dict()
+    )
     attn_config._attn_implementation = attn_implementation
     attn_config.dtype = dtype
     _mark_initialized(base_model)
@@ -114,6 +134,7 @@ def convert_model(
     model.generation_config = base_model.generation_config
     model.name_or_path = base_model.name_or_path
     model.train(base_model.training)
+    check_converted(model, trace)
     return model
 
 
@@ -132,7 +153,7 @@ class ConversionSummary:
 
 def summarize(model: AttnResForCausalLM) -> ConversionSummary:
     config = model.config
-    structure = structure_of(config.text_config)
+    structure = Structure.of_plan(config.text_config.model_type, model._attnres_plan)
     total = structure.num_sublayers
     added = sum(p.numel() for m in model.modules() if isinstance(m, (AttnResQuery, AttnResKeyNorm)) for p in m.parameters())
     return ConversionSummary(

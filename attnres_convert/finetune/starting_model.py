@@ -52,7 +52,9 @@ def load_starting_model(recipe: Recipe) -> StartingModel:
         # Refuse an impossible block size before loading any weights.
         try:
             config = cached_config(source, False, spec.trust_remote_code) if source.kind != "hub" else load_config(source, spec.trust_remote_code)
-            resolve_block_size(structure_of(config), spec.block_size, spec.num_blocks, spec.full)
+            structure = structure_of(config)
+            if structure is not None:  # else checked once the loaded model's structure is found
+                resolve_block_size(structure, spec.block_size, spec.num_blocks, spec.full)
         except ValueError as error:
             raise RecipeError(f"model.block_size: {error}") from error
     model = load_model(source, spec.dtype, spec.trust_remote_code)

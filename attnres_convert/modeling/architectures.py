@@ -1,17 +1,24 @@
-"""Which modules form each residual sublayer, per model family, declaratively.
+"""Which modules form each residual sublayer: the plan the shipped forward executes.
 
 A sublayer is what adds one output to the residual stream: one or more branches, each
-`post(module(norm(h)))`, summed. A parallel-residual layer (GPT-NeoX with use_parallel_residual, Phi-1/2,
-GPT-J) has one sublayer with two branches read from the same input. Norms applied to a branch's output
-(Gemma 2/3 post-norms, residual dropouts) belong to the branch.
+`scale * post(module(norm(h)))`, summed. A parallel-residual layer (GPT-NeoX with use_parallel_residual,
+Phi-1/2, GPT-J) has one sublayer with two branches read from the same input. Norms applied to a branch's
+output (Gemma 2/3 and GLM-4 post-norms, residual dropouts) and residual multipliers (Granite) belong to
+the branch.
 
-Adding a family is a few lines here; the generic decoder-layer forward in modeling_attnres.py reads it.
+A `ModelPlan` says where the decoder stack, final norm and head are and which sublayers every decoder
+layer has (layers of one model may differ). Conversion finds it from the model itself and proves it
+layer by layer (attnres_convert/conversion/discovery.py), then records it in the converted config
+(`structure`), so the shipped forward needs nothing else. The `FAMILIES` table below gives the plan of
+configs converted before plans were recorded, and a first candidate for the model types it lists.
+
 This file ships next to converted weights: it imports nothing outside the standard library.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import functools
+from dataclasses import dataclass
 
 
 class UnsupportedModelError(ValueError):
@@ -24,12 +31,106 @@ class Branch:
     module: str  # attention or MLP module
     post: tuple[str, ...] = ()  # modules applied to the branch output before it joins the stream
     attention: bool = False  # receives the layer's call arguments (mask, positions, cache)
+    scale: float | None = None  # residual multiplier applied to the branch output (Granite)
+
+    def to_dict(self) -> dict:
+        data = {"norm": self.norm, "module": self.module}
+        if self.post:
+            data["post"] = list(self.post)
+        if self.attention:
+            data["attention"] = True
+        if self.scale is not None:
+            data["scale"] = self.scale
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Branch:
+        return cls(data["norm"], data["module"], tuple(data.get("post", ())), bool(data.get("attention", False)),
+                   data.get("scale"))
 
 
 @dataclass(frozen=True)
 class Sublayer:
     name: str  # prefix of its AttnRes parameters: "self_attention" or "mlp"
     branches: tuple[Branch, ...]
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "branches": [branch.to_dict() for branch in self.branches]}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Sublayer:
+        return cls(data["name"], tuple(Branch.from_dict(branch) for branch in data["branches"]))
+
+    def describe(self) -> str:
+        """e.g. `input_layernorm -> self_attn -> post_attention_layernorm`, branches joined by ` + `."""
+        parts = []
+        for branch in self.branches:
+            text = " -> ".join((branch.norm, branch.module, *branch.post))
+            parts.append(text if branch.scale is None else f"{text} x {branch.scale:g}")
+        return " + ".join(parts)
+
+
+@dataclass(frozen=True)
+class ModelPlan:
+    """Where a causal LM keeps its decoder stack, final norm and head (attribute paths, dotted where nested),
+    and every decoder layer's sublayers: `kinds` lists the distinct layer layouts, `layer_kinds` the layout
+    of each layer. Serialised into the converted config as `structure`."""
+
+    layer_kinds: tuple[int, ...]
+    kinds: tuple[tuple[Sublayer, ...], ...]
+    eps: float  # the base model's norm eps, for the key norms
+    base_model: str = "model"
+    layers: str = "layers"  # relative to the base model
+    final_norm: str = "norm"  # relative to the base model
+    lm_head: str = "lm_head"
+    logit_scale: float | None = None  # logits * scale (Cohere)
+    logit_divisor: float | None = None  # logits / divisor (Granite)
+    logit_softcap: float | None = None  # tanh(logits / cap) * cap (Gemma 2)
+    tuple_output: bool = False  # the layers return a tuple and the base model takes its first element
+
+    def sublayers(self, layer_index: int) -> tuple[Sublayer, ...]:
+        return self.kinds[self.layer_kinds[layer_index]]
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_kinds)
+
+    @property
+    def num_sublayers(self) -> int:
+        return sum(len(self.kinds[kind]) for kind in self.layer_kinds)
+
+    def to_dict(self) -> dict:
+        data = {
+            "base_model": self.base_model,
+            "layers": self.layers,
+            "final_norm": self.final_norm,
+            "lm_head": self.lm_head,
+            "eps": self.eps,
+            "kinds": [[sublayer.to_dict() for sublayer in kind] for kind in self.kinds],
+            "layer_kinds": list(self.layer_kinds),
+        }
+        for key in ("logit_scale", "logit_divisor", "logit_softcap"):
+            if getattr(self, key) is not None:
+                data[key] = getattr(self, key)
+        if self.tuple_output:
+            data["tuple_output"] = True
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict) -> ModelPlan:
+        kinds = tuple(tuple(Sublayer.from_dict(s) for s in kind) for kind in data["kinds"])
+        optional = {k: data[k] for k in ("logit_scale", "logit_divisor", "logit_softcap", "tuple_output") if data.get(k) is not None}
+        return cls(tuple(data["layer_kinds"]), kinds, float(data["eps"]), data["base_model"], data["layers"],
+                   data["final_norm"], data["lm_head"], **optional)
+
+    @classmethod
+    def uniform(cls, num_layers: int, sublayers: tuple[Sublayer, ...], eps: float, **where) -> ModelPlan:
+        return cls((0,) * num_layers, (tuple(sublayers),), eps, **where)
+
+
+def module_at(root, path: str):
+    """The submodule at a dotted attribute path ("model.decoder.layers")."""
+    return functools.reduce(getattr, path.split("."), root) if path else root
 
 
 @dataclass(frozen=True)
@@ -46,12 +147,19 @@ class Family:
     parallel_flag: str | None = None
     always_parallel: bool = False
     notes: str = ""
-    extra_checks: tuple[tuple[str, object, str], ...] = field(default=())  # (config attr, bad value, why)
 
     def sublayers(self, config) -> tuple[Sublayer, ...]:
         if self.always_parallel or (self.parallel_flag and getattr(config, self.parallel_flag, False)):
             return self.parallel
         return self.sequential
+
+    def plan(self, config) -> ModelPlan:
+        softcap = getattr(config, "final_logit_softcapping", None)
+        return ModelPlan.uniform(
+            int(config.num_hidden_layers), self.sublayers(config), self.eps(config), base_model=self.base_model,
+            layers=self.layers, final_norm=self.final_norm, lm_head=self.lm_head,
+            logit_softcap=float(softcap) if softcap else None,
+        )
 
     def eps(self, config) -> float:
         for attr in self.eps_attrs:
@@ -108,7 +216,6 @@ FAMILIES: tuple[Family, ...] = (
         final_norm="ln_f",
         eps_attrs=("layer_norm_epsilon",),
         sequential=_sequential(_attn("ln_1", "attn"), _mlp("ln_2")),
-        extra_checks=(("add_cross_attention", True, "cross-attention layers read an encoder, not the stream"),),
         notes="GPT-2: LayerNorm, learned positions (added before layer 0)",
     ),
     Family(
@@ -149,16 +256,64 @@ FAMILIES: tuple[Family, ...] = (
     ),
 )
 
-# Known families that cannot be converted exactly, and why.
+_ENCODER = "{} is an encoder (bidirectional attention, post-norm layers), not a decoder-only causal LM"
+_SSM = "{} is built of state-space layers ({}), whose cache is a recurrent state: not handled yet"
+_HYBRID = "{} mixes attention with {} layers in one stack: hybrid layers are not handled yet"
+
+# Known model types that cannot be converted exactly, and why (what discovery would only see as a failure).
 REFUSED: dict[str, str] = {
     "olmo2": "OLMo-2 is post-norm: it normalises sublayer outputs but feeds the raw residual stream into "
     "attention and the MLP, so the stream is read by something that is not a scale-invariant norm",
     "olmo3": "OLMo-3 is post-norm like OLMo-2: the residual stream is read without a PreNorm",
-    "bert": "BERT is an encoder (bidirectional, post-norm), not a causal LM",
-    "roberta": "RoBERTa is an encoder (bidirectional, post-norm), not a causal LM",
+    "olmo_hybrid": "OLMo-Hybrid is post-norm like OLMo-2 and mixes in linear-attention layers",
+    "openai-gpt": "the original GPT is post-norm: each sublayer's LayerNorm is applied after the residual add",
+    "xlnet": "XLNet is a permutation-LM encoder with post-norm layers, not a decoder-only causal LM",
     "t5": "T5 is an encoder-decoder; only decoder-only causal LMs are supported",
     "bart": "BART is an encoder-decoder; only decoder-only causal LMs are supported",
+    **{t: _ENCODER.format(n) for t, n in (
+        ("bert", "BERT"), ("roberta", "RoBERTa"), ("xlm-roberta", "XLM-RoBERTa"), ("camembert", "CamemBERT"),
+        ("electra", "ELECTRA"), ("ernie", "ERNIE"), ("data2vec-text", "Data2Vec-Text"), ("rembert", "RemBERT"),
+        ("roc_bert", "RoCBert"), ("roformer", "RoFormer"), ("xmod", "X-MOD"), ("megatron-bert", "Megatron-BERT"),
+        ("big_bird", "BigBird"), ("bert-generation", "BertGeneration"), ("xlm", "XLM"),
+        ("roberta-prelayernorm", "RoBERTa-PreLayerNorm"), ("xlm-roberta-xl", "XLM-RoBERTa-XL"),
+        ("modernbert-decoder", "ModernBERT-decoder"),
+    )},
+    **{t: _SSM.format(n, k) for t, n, k in (
+        ("mamba", "Mamba", "Mamba mixers"), ("mamba2", "Mamba-2", "Mamba-2 mixers"),
+        ("falcon_mamba", "Falcon-Mamba", "Mamba mixers"), ("rwkv", "RWKV", "RWKV time mixing"),
+        ("xlstm", "xLSTM", "mLSTM blocks"),
+    )},
+    **{t: _HYBRID.format(n, k) for t, n, k in (
+        ("jamba", "Jamba", "Mamba"), ("bamba", "Bamba", "Mamba-2"), ("zamba", "Zamba", "Mamba"),
+        ("zamba2", "Zamba2", "Mamba-2"), ("falcon_h1", "Falcon-H1", "Mamba-2 (in parallel with attention)"),
+        ("granitemoehybrid", "GraniteMoeHybrid", "Mamba-2"), ("nemotron_h", "Nemotron-H", "Mamba-2"),
+        ("lfm2", "LFM2", "short-convolution"), ("lfm2_moe", "LFM2-MoE", "short-convolution"),
+        ("qwen3_next", "Qwen3-Next", "gated delta-net linear-attention"),
+        ("kimi_linear", "Kimi-Linear", "KDA linear-attention"), ("recurrent_gemma", "RecurrentGemma", "RG-LRU recurrent"),
+        ("bailing_hybrid", "Bailing-Hybrid", "linear-attention"), ("minimax", "MiniMax", "lightning linear-attention"),
+    )},
 }
+
+# Config settings that make an otherwise convertible model type post-norm or not a plain decoder:
+# (model type, attribute, value, why).
+CONFIG_REFUSALS: tuple[tuple[str, str, object, str], ...] = (
+    ("opt", "do_layer_norm_before", False, "OPT with do_layer_norm_before=False (OPT-350m) is post-norm: the "
+     "LayerNorms come after the residual adds, so attention and the MLP read the raw residual stream"),
+    ("gpt2", "add_cross_attention", True, "cross-attention layers read an encoder, not the stream"),
+)
+
+
+def config_refusal(config) -> str | None:
+    """Why this config cannot be converted, where the config alone says so; None otherwise."""
+    model_type = getattr(config, "model_type", None)
+    for refused_type, attr, bad, why in CONFIG_REFUSALS:
+        if model_type == refused_type and getattr(config, attr, None) == bad:
+            return f"{model_type} with {attr}={bad!r} cannot be converted: {why}"
+    if model_type in REFUSED:
+        return REFUSED[model_type]
+    if getattr(config, "is_encoder_decoder", False):
+        return f"{model_type} is an encoder-decoder; only decoder-only PreNorm causal LMs are supported"
+    return None
 
 
 def supported_model_types() -> list[str]:
@@ -168,17 +323,18 @@ def supported_model_types() -> list[str]:
 def family_for(config) -> Family:
     """The family of a base config, or UnsupportedModelError saying why and what is supported."""
     model_type = getattr(config, "model_type", None)
-    supported = ", ".join(supported_model_types())
+    refusal = config_refusal(config)
+    if refusal:
+        raise UnsupportedModelError(f"{refusal}.")
     for family in FAMILIES:
         if model_type in family.model_types:
-            for attr, bad, why in family.extra_checks:
-                if getattr(config, attr, None) == bad:
-                    raise UnsupportedModelError(f"{model_type} with {attr}={bad!r} cannot be converted: {why}.")
             return family
-    if model_type in REFUSED:
-        reason = REFUSED[model_type]
-    elif getattr(config, "is_encoder_decoder", False):
-        reason = f"{model_type} is an encoder-decoder; only decoder-only PreNorm causal LMs are supported"
-    else:
-        reason = f"model type {model_type!r} is not a supported PreNorm decoder family"
-    raise UnsupportedModelError(f"{reason}. Supported model types: {supported}.")
+    raise UnsupportedModelError(f"model type {model_type!r} has no entry in the architecture table")
+
+
+def plan_for(text_config, structure: dict | None = None) -> ModelPlan:
+    """The plan recorded in a converted config, or for a config converted before plans were recorded, the
+    table's."""
+    if structure:
+        return ModelPlan.from_dict(structure)
+    return family_for(text_config).plan(text_config)

@@ -27,6 +27,11 @@ class AttnResConfig(PreTrainedConfig):
             the base model's residual sum (conversion is exact; equivalent to the paper's AttnRes with each
             norm's eps rescaled). "mean": the plain softmax mix, for models trained from scratch.
         base_model_type (`str`): the base model's `model_type`, for people and tools reading config.json.
+        structure (`dict`, *optional*):
+            The plan the forward executes (architectures.ModelPlan): where the decoder stack, final norm and
+            head are, and each decoder layer's sublayers (norm -> module -> post-modules, scalars, parallel
+            branches), as found and proven layer by layer at conversion. Absent in configs converted before
+            plans were recorded: the plan then comes from the architecture table.
     """
 
     model_type = "attnres"
@@ -36,6 +41,7 @@ class AttnResConfig(PreTrainedConfig):
     block_size: int = 8
     source_scaling: str = "count"
     base_model_type: str | None = None
+    structure: dict | None = None
     tie_word_embeddings: bool = False
 
     def __post_init__(self, **kwargs):

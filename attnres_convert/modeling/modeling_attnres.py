@@ -3,7 +3,7 @@
 `AttnResForCausalLM` holds the base model's own modules under their original names (`model.layers.3.mlp...`)
 and runs the base model's own forward (embeddings, masks, rotary, cache). Only two things change:
 
-* each decoder layer runs its sublayers (architectures.py) on a depth-attention mix of the earlier
+* each decoder layer runs its sublayers (the config's plan, architectures.py) on a depth-attention mix of the earlier
   sources instead of the residual sum, and passes a state (depth_attention.py) to the next layer instead
   of one tensor;
 * the final norm first aggregates the sources with one more pseudo-query (the output aggregation).
@@ -28,7 +28,7 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-from .architectures import Family, Sublayer, family_for
+from .architectures import ModelPlan, Sublayer, module_at, plan_for
 from .configuration_attnres import AttnResConfig
 from .depth_attention import (
     STATE_TYPES,
@@ -73,8 +73,9 @@ class _LayerSpec(NamedTuple):
     argnames: tuple[str, ...]  # the base layer's positional parameters after hidden_states
     capacity: int  # the most sources any reader has (size of the inference SourceBuffer)
     owner: nn.Module  # the base model (a plain reference), whose layers hold every sublayer's query
-    layers: str  # the attribute of the owner that lists the decoder layers
+    layers: str  # the attribute path, from the owner, of the decoder layers
     param_names: tuple[tuple[str, str], ...]  # per sublayer: its query and key-norm modules' names
+    tuple_output: bool  # return (state,): the base model takes element 0 of what a layer returns
 
 
 class AttnResDecoderLayerMixin:
@@ -88,6 +89,8 @@ class AttnResDecoderLayerMixin:
         spec: _LayerSpec = self._attnres_spec
         # Base models pass some arguments positionally (GPT-2 passes the cache and mask that way).
         call_kwargs = dict(zip(spec.argnames, args), **kwargs) if args else kwargs
+        if isinstance(hidden_states, tuple) and len(hidden_states) == 1 and isinstance(hidden_states[0], STATE_TYPES):
+            hidden_states = hidden_states[0]  # passed on as returned
         if isinstance(hidden_states, STATE_TYPES):
             state = hidden_states
         else:
@@ -100,21 +103,30 @@ class AttnResDecoderLayerMixin:
                 state = close_block(state, spec.eps)
             params = (None, None) if folded else _depth_params(self, names)
             h = depth_mix(state, *params, spec.eps, spec.scaling, reader=plan.index - 1)
-            state = add_output(state, self._attnres_sublayer(sublayer, h, call_kwargs))
-        return state
+            state = add_output(state, run_sublayer(self, sublayer, h, call_kwargs))
+        return (state,) if spec.tuple_output else state
 
-    def _attnres_sublayer(self, sublayer: Sublayer, h: torch.Tensor, call_kwargs: dict) -> torch.Tensor:
-        total = None
-        for branch in sublayer.branches:
-            x = getattr(self, branch.norm)(h)
-            module = getattr(self, branch.module)
-            y = module(x, **call_kwargs) if branch.attention else module(x)
-            if isinstance(y, tuple):  # attention returns (output, weights); some MoE blocks (output, router)
+
+def run_sublayer(layer: nn.Module, sublayer: Sublayer, h: torch.Tensor, call_kwargs: dict) -> torch.Tensor:
+    """What one sublayer adds to the residual stream read as `h`: the sum of its branches'
+    `scale * post(module(norm(h)))`. The conversion's per-layer proof runs this same function."""
+    total = None
+    for branch in sublayer.branches:
+        x = module_at(layer, branch.norm)(h)
+        module = module_at(layer, branch.module)
+        y = module(x, **call_kwargs) if branch.attention else module(x)
+        if isinstance(y, tuple):  # attention returns (output, weights); some MoE blocks (output, router)
+            y = y[0]
+        for post in branch.post:
+            y = module_at(layer, post)(y)
+            if isinstance(y, tuple):
                 y = y[0]
-            for post in branch.post:
-                y = getattr(self, post)(y)
-            total = y if total is None else total + y
-        return total
+        if y.shape != h.shape:  # a branch that returns its tokens flattened (Llama-4's MoE)
+            y = y.view(h.shape)
+        if branch.scale is not None:
+            y = y * branch.scale
+        total = y if total is None else total + y
+    return total
 
 
 def _depth_params(layer: nn.Module, names: tuple[str, str]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -133,7 +145,7 @@ def _all_queries(spec: _LayerSpec, like: torch.Tensor) -> torch.Tensor | None:
     parameters are not whole tensors on one device (sharded or spread over devices). Folded in one
     operation, not one per sublayer."""
     queries, key_norms = [], []
-    for layer in getattr(spec.owner, spec.layers):
+    for layer in module_at(spec.owner, spec.layers):
         for names in layer._attnres_spec.param_names:
             query, key_norm = _depth_params(layer, names)
             if (
@@ -183,24 +195,28 @@ def _positional_argnames(layer_cls: type) -> tuple[str, ...]:
 def stream_state(state) -> torch.Tensor:
     """The plain residual stream a depth-attention state stands for (sum of all sources): what the base model's
     hidden state would be. Used for `output_hidden_states` and for inspection."""
+    if isinstance(state, tuple) and len(state) == 1 and isinstance(state[0], STATE_TYPES):
+        state = state[0]  # from a layer whose base model takes element 0 of what it returns
     return current_stream(state) if isinstance(state, STATE_TYPES) else state
 
 
-def attach_depth_attention(causal_lm: nn.Module, config: AttnResConfig, family: Family) -> None:
+def attach_depth_attention(causal_lm: nn.Module, config: AttnResConfig, plan: ModelPlan) -> None:
     """Add the AttnRes parameters and forwards to a base causal LM's modules, in place."""
     text_config = config.text_config
-    base = getattr(causal_lm, family.base_model)
-    layers = getattr(base, family.layers)
-    sublayers = family.sublayers(text_config)
-    param_names = tuple((f"{sublayer.name}_res_proj", f"{sublayer.name}_res_norm") for sublayer in sublayers)
-    per_layer = len(sublayers)
-    plans = plan_sublayers(len(layers) * per_layer, config.block_size)
-    capacity = output_num_sources(len(layers) * per_layer, config.block_size)
-    eps = family.eps(text_config)
+    base = module_at(causal_lm, plan.base_model)
+    layers = module_at(base, plan.layers)
+    if len(layers) != plan.num_layers:
+        raise ValueError(f"the structure plan has {plan.num_layers} decoder layers, the model {len(layers)}")
+    plans = plan_sublayers(plan.num_sublayers, config.block_size)
+    capacity = output_num_sources(plan.num_sublayers, config.block_size)
+    eps = plan.eps
     reference = base.get_input_embeddings().weight
     factory = {"device": reference.device, "dtype": reference.dtype}
     hidden = text_config.hidden_size
+    first = 0
     for index, layer in enumerate(layers):
+        sublayers = plan.sublayers(index)
+        param_names = tuple((f"{sublayer.name}_res_proj", f"{sublayer.name}_res_norm") for sublayer in sublayers)
         base_cls = type(layer)
         if not isinstance(layer, AttnResDecoderLayerMixin):
             layer.__class__ = _attnres_class(AttnResDecoderLayerMixin, base_cls)
@@ -212,18 +228,20 @@ def attach_depth_attention(causal_lm: nn.Module, config: AttnResConfig, family: 
             layer.add_module(key_norm_name, AttnResKeyNorm(hidden, eps, **factory))
         layer._attnres_spec = _LayerSpec(
             sublayers,
-            tuple(plans[index * per_layer : (index + 1) * per_layer]),
+            tuple(plans[first : first + len(sublayers)]),
             eps,
             config.source_scaling,
             argnames,
             capacity,
             base,
-            family.layers,
+            plan.layers,
             param_names,
+            plan.tuple_output,
         )
+        first += len(sublayers)
     base.output_attn_res_proj = AttnResQuery(hidden, **factory)
     base.output_attn_res_norm = AttnResKeyNorm(hidden, eps, **factory)
-    norm = getattr(base, family.final_norm)
+    norm = module_at(base, plan.final_norm)
     if not isinstance(norm, AttnResFinalNormMixin):
         norm.__class__ = _attnres_class(AttnResFinalNormMixin, type(norm))
     # A plain (unregistered) reference to the owner: the parameters belong to the base model module,
@@ -279,28 +297,28 @@ class AttnResPreTrainedModel(PreTrainedModel):
 class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
     def __init__(self, config: AttnResConfig, base_model: PreTrainedModel | None = None):
         super().__init__(config)
-        family = family_for(config.text_config)
+        plan = plan_for(config.text_config, config.structure)
         if base_model is None:
             base_model = MODEL_FOR_CAUSAL_LM_MAPPING[type(config.text_config)](config.text_config)
-        self._attnres_family = family
-        self.base_model_prefix = family.base_model
+        self._attnres_plan = plan
+        self.base_model_prefix = plan.base_model
         self._tied_weights_keys = getattr(type(base_model), "_tied_weights_keys", None)
         for name, child in base_model.named_children():
             self.add_module(name, child)
-        attach_depth_attention(self, config, family)
+        attach_depth_attention(self, config, plan)
         self.post_init()
 
     def get_input_embeddings(self):
-        return getattr(self, self._attnres_family.base_model).get_input_embeddings()
+        return module_at(self, self._attnres_plan.base_model).get_input_embeddings()
 
     def set_input_embeddings(self, value):
-        getattr(self, self._attnres_family.base_model).set_input_embeddings(value)
+        module_at(self, self._attnres_plan.base_model).set_input_embeddings(value)
 
     def get_output_embeddings(self):
-        return getattr(self, self._attnres_family.lm_head)
+        return module_at(self, self._attnres_plan.lm_head)
 
     def set_output_embeddings(self, value):
-        setattr(self, self._attnres_family.lm_head, value)
+        setattr(self, self._attnres_plan.lm_head, value)
 
     def forward(
         self,
@@ -316,7 +334,8 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
     ) -> CausalLMOutputWithPast:
         output_hidden_states = kwargs.pop("output_hidden_states", None) or self.config.output_hidden_states
         kwargs.pop("return_dict", None)
-        base = getattr(self, self._attnres_family.base_model)
+        plan = self._attnres_plan
+        base = module_at(self, plan.base_model)
         hooks, hidden_states = self._record_streams(base) if output_hidden_states else ([], None)
         try:
             outputs = base(
@@ -336,9 +355,13 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
             hidden_states.append(hidden)
         slice_indices = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         logits = self.get_output_embeddings()(hidden[:, slice_indices, :])
-        softcap = getattr(self.config.text_config, "final_logit_softcapping", None)
-        if softcap is not None:
-            logits = torch.tanh(logits / softcap) * softcap
+        # The head's own scalars, applied as the base causal LM applies them.
+        if plan.logit_scale is not None:
+            logits = logits * plan.logit_scale
+        if plan.logit_divisor is not None:
+            logits = logits / plan.logit_divisor
+        if plan.logit_softcap is not None:
+            logits = torch.tanh(logits / plan.logit_softcap) * plan.logit_softcap
         loss = None
         if labels is not None:
             loss = self.loss_function(
@@ -356,7 +379,7 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
         """Hidden states as the base model defines them (embeddings, each layer's output stream, final
         normed state), so `output_hidden_states=True` means what it means for the base model."""
         recorded: list[torch.Tensor] = []
-        layers = getattr(base, self._attnres_family.layers)
+        layers = module_at(base, self._attnres_plan.layers)
 
         def first(module, args):
             if not recorded:
@@ -370,4 +393,4 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
         return hooks, recorded
 
 
-__all__ = ["AttnResForCausalLM", "AttnResPreTrainedModel"]
+__all__ = ["AttnResForCausalLM", "AttnResPreTrainedModel", "run_sublayer"]

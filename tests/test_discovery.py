@@ -1,0 +1,96 @@
+"""Structure discovery and the per-layer proof: what is found from the model itself, that a plausible but
+wrong structure is never used, and that refusals name the layer, the sublayer and the difference."""
+
+import pytest
+import torch
+
+from attnres_convert.conversion import discovery
+from attnres_convert.conversion.surgery import convert_model
+from attnres_convert.modeling.architectures import FAMILIES, ModelPlan, UnsupportedModelError
+from tiny_models import tiny_model, token_ids
+import transformers as T
+
+LLAMA = next(family for family in FAMILIES if family.name == "llama")
+
+
+def _found(model):
+    plan, _ = discovery.find_plan(model)
+    return plan
+
+
+def test_granite_multipliers_are_part_of_the_plan_and_the_llama_pattern_is_refused():
+    """Forcing the Llama structure onto Granite (residual_multiplier 0.22) is wrong by far more than rounding:
+    the proof rejects it at the first sublayer; discovery finds the multiplier as the config states it."""
+    model = tiny_model("granite")
+    where = discovery.locate(model)
+    trace = discovery.trace_model(model, where)
+    llama_like = LLAMA.plan(model.config)
+    failure = discovery.prove(model, llama_like, trace)
+    assert failure is not None and failure.layer == 0 and failure.sublayer == 1  # where the stream first departs
+    assert failure.relative > 1e-2
+    plan = _found(model)
+    assert [b.scale for s in plan.sublayers(0) for b in s.branches] == [0.22, 0.22]
+    assert plan.logit_divisor == 8.0
+
+
+def test_glm4_sandwich_norms_belong_to_their_sublayers():
+    model = tiny_model("glm4")
+    plan = _found(model)
+    attention, mlp = plan.sublayers(0)
+    assert attention.branches[0].post == ("post_self_attn_layernorm",)
+    assert mlp.branches[0].post == ("post_mlp_layernorm",)
+    trace = discovery.trace_model(model, discovery.locate(model))
+    assert discovery.prove(model, LLAMA.plan(model.config), trace) is not None
+
+
+def test_parallel_branches_and_their_norms():
+    """Falcon's new decoder architecture: two norms read one stream, one sublayer with two branches.
+    The two norms start with equal weights, so only the tensors' identity tells their outputs apart."""
+    (sublayer,) = _found(tiny_model("falcon_new")).sublayers(0)
+    assert [(b.norm, b.module) for b in sublayer.branches] == [("ln_attn", "self_attention"), ("ln_mlp", "mlp")]
+
+
+def test_plan_round_trips_through_the_config():
+    model = convert_model(tiny_model("deepseek_v3"), block_size=3)
+    recorded = model.config.structure
+    plan = ModelPlan.from_dict(recorded)
+    assert plan == model._attnres_plan and plan.to_dict() == recorded
+    assert plan.num_layers == 3 and plan.num_sublayers == 6
+    assert plan.eps == model.config.text_config.rms_norm_eps  # read from the norm module itself
+
+
+def test_a_layer_that_does_more_than_its_sublayers_is_refused_naming_layer_sublayer_and_difference():
+    model = tiny_model("llama")
+    layer = model.model.layers[1]
+    original = type(layer).forward
+
+    def leaky(self, hidden_states, *args, **kwargs):  # a residual path no plan can express
+        return original(self, hidden_states, *args, **kwargs) + 0.5 * hidden_states.flip(-1)
+
+    layer.forward = leaky.__get__(layer)
+    with pytest.raises(UnsupportedModelError) as error:
+        convert_model(model)
+    message = str(error.value)
+    assert "decoder layer 1, sublayer 2" in message and "differs from the original by" in message
+    assert "relative" in message
+
+
+def test_post_norm_is_refused_by_discovery_itself():
+    """OLMo-2 is refused by the table before anything runs; discovery alone says why too."""
+    config = T.Olmo2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                           vocab_size=128)
+    model = T.AutoModelForCausalLM.from_config(config).eval()
+    where = discovery.locate(model)
+    trace = discovery.trace_model(model, where)
+    with pytest.raises(UnsupportedModelError, match=r"decoder layer 0: the residual stream is read by `self_attn`.*post-norm"):
+        discovery.discovered_plan(model, where, trace, {})
+
+
+def test_bf16_model_is_proven_at_its_own_precision():
+    model = tiny_model("glm4").to(torch.bfloat16)
+    converted = convert_model(model, block_size=3).eval()
+    ids = token_ids()
+    reference = tiny_model("glm4").to(torch.bfloat16)(ids).logits.float()
+    with torch.no_grad():
+        logits = converted(ids).logits.float()
+    assert (logits.argmax(-1) == reference.argmax(-1)).float().mean().item() >= 0.95
