@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from reliability_helpers import ONE_THREAD_ENV, ROOT, assert_user_error, one_torch_thread, run_cli, save_tiny
+from reliability_helpers import ONE_THREAD_ENV, ROOT, assert_user_error, leftovers, one_torch_thread, run_attnres, run_cli, save_tiny
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -117,6 +117,18 @@ def test_remote_code_runs_with_the_flag(tmp_path, remote_code_model):
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["CustomConfig", "CustomForCausalLM"]
     assert sentinel.read_text() == "the model's own code ran"
+
+
+def test_model_with_its_own_code_is_refused_before_its_weights_load(tmp_path, remote_code_model):
+    """With --trust-remote-code the config runs, but a model defined by its own code is refused: the converted
+    folder could not load without that code. Said from the config, nothing written."""
+    out = tmp_path / "out"
+    env = {"HF_MODULES_CACHE": str(tmp_path / "modules"), "HF_HOME": str(tmp_path / "hf-home")}
+    result = run_attnres("convert", remote_code_model, "-o", out, "--trust-remote-code", env=env)
+    message = " ".join(result.stderr.split())
+    assert result.returncode == 2, result.stderr
+    assert "tiny_custom_llama is defined by the model's own code" in message and "not supported yet" in message
+    assert "Traceback" not in result.stderr and leftovers(out) == []
 
 
 # ---------------------------------------------------------------- pickle checkpoints
