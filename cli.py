@@ -47,10 +47,8 @@ DType = Enum("DType", {name: name for name in get_args(DTypeName)}, type=str)
 
 def scrubbed(text: str) -> str:
     """TEXT without a HuggingFace token (HF_TOKEN's value or anything shaped like one)."""
-    try:
-        from attnres_convert.hub.push import scrub
-    except Exception:  # noqa: BLE001 - an error message must always print
-        return text
+    from attnres_convert.errors import scrub
+
     return scrub(text, os.environ.get("HF_TOKEN") or os.environ.get("HUGGING_FACE_HUB_TOKEN") or None)
 
 
@@ -520,6 +518,7 @@ def architectures_command(
 @recipes_app.command("list")
 def recipes_list() -> None:
     """The shipped recipes."""
+    from attnres_convert.errors import first_line
     from attnres_convert.finetune.recipe import RecipeError, load_recipe, recipes_dir, shipped_recipes
 
     table = Table(title=f"Recipes in {recipes_dir()}")
@@ -529,7 +528,7 @@ def recipes_list() -> None:
         try:
             recipe = load_recipe(path)
         except RecipeError as error:
-            table.add_row(name, "", "", "", f"[red]invalid:[/] {escape(str(error).splitlines()[0])}")
+            table.add_row(name, "", "", "", f"[red]invalid:[/] {escape(first_line(error))}")
             continue
         source = recipe.model.source if not recipe.model.is_default else "embedded SmolLM2"
         table.add_row(name, source, recipe.train.trainable, str(recipe.train.steps), escape(recipe.description or ""))
@@ -552,7 +551,8 @@ def recipes_validate(
     overrides: Annotated[Optional[list[str]], typer.Argument(help="key.path=value overrides.", show_default=False)] = None,
 ) -> None:
     """Check a recipe (schema, data files, model source, sequence length) without loading or writing anything."""
-    from attnres_convert.finetune.recipe import check_recipe, load_recipe
+    from attnres_convert.finetune.preflight import check_recipe
+    from attnres_convert.finetune.recipe import load_recipe
 
     with user_errors():
         parsed = load_recipe(recipe, list(overrides or []))

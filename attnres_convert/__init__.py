@@ -23,6 +23,7 @@ _EXPORTS = {
     "convert": ".conversion.convert",
     "load_converted": ".conversion.saving",
     "save_converted": ".conversion.saving",
+    "register_auto_classes": ".conversion.saving",
     "BlockSizeError": ".conversion.surgery",
     "convert_model": ".conversion.surgery",
     "resolve_block_size": ".conversion.surgery",

@@ -20,6 +20,16 @@ import torch  # noqa: E402
 torch.set_num_threads(1)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Every module starts with one thread, whatever a module before it left (restored afterwards): tiny
+    matrices gain nothing from a second thread but synchronisation, and on a shared machine lose much more."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def two_threads():
     torch.set_num_threads(2)

@@ -17,21 +17,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 # Tiny models gain nothing from intra-op threads, and on a shared 2-core machine OpenMP threads spinning
-# against other processes make a 1-second fine-tuning run take 25 s: these tests use one thread, in this
-# process while they run (restored afterwards) and in every process they start.
+# against other processes make a 1-second fine-tuning run take 25 s: every test module runs with one torch
+# thread (conftest's `_one_thread`), and the processes these tests start get one thread too.
 ONE_THREAD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-
-
-@contextlib.contextmanager
-def one_torch_thread():
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def run_cli(*args, env: dict | None = None):

@@ -16,7 +16,6 @@ from reliability_helpers import (
     copy_model,
     edit_config,
     leftovers,
-    one_torch_thread,
     read_only_folder,
     run_attnres,
     run_cli,
@@ -24,13 +23,6 @@ from reliability_helpers import (
     save_tiny,
     truncate,
 )
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    with one_torch_thread():
-        yield
-
 
 
 @pytest.fixture(scope="module")

@@ -19,13 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from reliability_helpers import ONE_THREAD_ENV, ROOT, convert_in_child, forkserver_context, one_torch_thread, snapshot
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    with one_torch_thread():
-        yield
+from reliability_helpers import ONE_THREAD_ENV, ROOT, convert_in_child, forkserver_context, snapshot
 
 
 STAGES = ("Reading config", "Loading model", "Running the original model", "Converting",

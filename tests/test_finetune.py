@@ -23,15 +23,6 @@ from finetune_helpers import tiny_model_folder, tiny_recipe, write_corpus, write
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Tiny matrices: a second thread only adds synchronisation (and on a shared machine, much more).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("finetune")
@@ -132,7 +123,8 @@ def test_baseline_trains_the_original_model_from_the_same_start(setup, tmp_path)
 
 def test_a_baseline_model_folder_has_a_card_ready_to_push(setup, tmp_path):
     """model.convert=false with output.push_to_hub: the folder must pass the push checks (front matter)."""
-    from attnres_convert.hub.push import check_push_ready, read_front_matter
+    from attnres_convert.conversion.card import read_front_matter
+    from attnres_convert.hub.push import check_push_ready
 
     baseline = run(setup, tmp_path / "baseline", model={"convert": False}, train={"trainable": "lora", "steps": 2}, lora={"r": 4})
     assert "README.md" in check_push_ready(baseline.model_dir)  # raises HubError listing problems otherwise

@@ -20,13 +20,7 @@ import pytest
 from safetensors.torch import load_file
 
 from finetune_helpers import tiny_model_folder, tiny_recipe, write_corpus, write_recipe
-from reliability_helpers import ONE_THREAD_ENV, ROOT, finetune_in_child, forkserver_context, one_torch_thread, run_cli, squash
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    with one_torch_thread():
-        yield
+from reliability_helpers import ONE_THREAD_ENV, ROOT, finetune_in_child, forkserver_context, run_cli, squash
 
 
 STEPS, EVERY = 10, 3

@@ -16,7 +16,8 @@ from transformers import AutoModelForCausalLM
 from typer.testing import CliRunner
 
 from attnres_convert import convert
-from attnres_convert.hub.push import HubError, check_push_ready, push_folder, scrub
+from attnres_convert.errors import scrub
+from attnres_convert.hub.push import HubError, check_push_ready, push_folder
 from attnres_convert.cli import app
 from fake_hub import PUBLIC, FakeHub
 from tiny_models import tiny_model, token_ids

@@ -8,12 +8,11 @@ import numpy as np
 import pytest
 import yaml
 
-from attnres_convert.finetune.data import SequenceOrder, chunk, held_out, local_micro_batches, pack, split_lines
+from attnres_convert.finetune.data import SequenceOrder, chunk, expand_files, held_out, local_micro_batches, pack, split_lines
+from attnres_convert.finetune.preflight import check_recipe
 from attnres_convert.finetune.recipe import (
     RecipeError,
     apply_overrides,
-    check_recipe,
-    expand_files,
     load_recipe,
     parse_recipe,
     shipped_recipes,

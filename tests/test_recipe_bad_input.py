@@ -11,14 +11,7 @@ import pytest
 import yaml
 
 from finetune_helpers import tiny_model_folder, tiny_recipe, write_corpus, write_recipe
-from reliability_helpers import assert_user_error, leftovers, one_torch_thread, read_only_folder, run_cli
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    with one_torch_thread():
-        yield
-
+from reliability_helpers import assert_user_error, leftovers, read_only_folder, run_cli
 
 
 @pytest.fixture(scope="module")

@@ -15,13 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from reliability_helpers import ONE_THREAD_ENV, ROOT, assert_user_error, leftovers, one_torch_thread, run_attnres, run_cli, save_tiny
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    with one_torch_thread():
-        yield
+from reliability_helpers import ONE_THREAD_ENV, ROOT, assert_user_error, leftovers, run_attnres, run_cli, save_tiny
 
 
 PACKAGE = ROOT / "attnres_convert"

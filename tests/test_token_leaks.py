@@ -14,17 +14,9 @@ import sys
 import textwrap
 from pathlib import Path
 
-import pytest
-
 from fake_hub import FakeHub
 from finetune_helpers import tiny_model_folder, tiny_recipe, write_corpus, write_recipe
-from reliability_helpers import ONE_THREAD_ENV, one_torch_thread
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    with one_torch_thread():
-        yield
+from reliability_helpers import ONE_THREAD_ENV
 
 
 TOKEN = "attnres-SECRET-token-7f3a9c1e5b2d"

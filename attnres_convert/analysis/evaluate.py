@@ -13,11 +13,10 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from ..finetune.data import Sequences, TokenBudget, file_documents, pack, pad_token_id, tokenize
+from ..finetune.data import Sequences, TokenBudget, expand_files, file_documents, pack, pad_token_id, token_loss, tokenize
 from ..errors import AttnResError
 from ..conversion.loading import LoadedModel, load_any
 from ..finetune.metrics import perplexity as perplexity_of
-from ..finetune.recipe import expand_files
 
 DEFAULT_SEQ_LEN = 512
 
@@ -45,9 +44,7 @@ class EvalResult:
 @torch.no_grad()
 def heldout_loss(model, sequences: Sequences, batch_size: int = 1) -> tuple[float, int]:
     """(mean next-token loss in nats, number of predictions) of `model` over `sequences`, one process.
-    The per-batch loss is fine-tuning's own (training.token_loss), so both tools score alike."""
-    from ..finetune.training import token_loss
-
+    The per-batch loss is fine-tuning's own (data.token_loss), so both tools score alike."""
     was_training = model.training
     model.eval()
     total, count = 0.0, 0

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from ..hub.card import conversion_card
+from .card import conversion_card
 from ..modeling.architectures import UnsupportedModelError
 from ..errors import OutputError, VerificationError
 from ..modeling.modeling_attnres import AttnResForCausalLM

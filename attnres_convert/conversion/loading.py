@@ -10,7 +10,7 @@ from pathlib import Path
 from ..modeling.modeling_attnres import AttnResForCausalLM
 from .saving import is_converted_folder, load_converted
 from .sources import DTYPES, load_config, load_model, load_tokenizer, resolve_source
-from ..errors import SourceError
+from ..errors import SourceError, first_line
 
 
 @dataclass
@@ -40,8 +40,7 @@ def load_any(model: str | os.PathLike | None, dtype: str = "auto", trust_remote_
         try:
             loaded = load_converted(folder, dtype=DTYPES[dtype])
         except Exception as error:  # noqa: BLE001 - a corrupt folder is the user's to fix
-            first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-            raise SourceError(f"could not load the AttnRes folder {model}: {first}") from error
+            raise SourceError(f"could not load the AttnRes folder {model}: {first_line(error)}") from error
         return LoadedModel(loaded.eval(), _folder_tokenizer(folder), str(model), True)
     source = resolve_source(None if model is None else str(model))
     load_config(source, trust_remote_code)  # clear errors (unreachable hub, refused code) before loading weights

@@ -27,13 +27,20 @@ from ..modeling.configuration_attnres import AttnResConfig
 from ..errors import OutputError, SourceError
 from ..modeling.modeling_attnres import AttnResForCausalLM
 
-# save_pretrained copies the modeling code (and its relative imports) next to the weights and writes
-# `auto_map`, so the folder loads with trust_remote_code=True where this package is not installed.
-AttnResConfig.register_for_auto_class()
-AttnResForCausalLM.register_for_auto_class("AutoModelForCausalLM")
-AutoConfig.register("attnres", AttnResConfig, exist_ok=True)
-AutoModelForCausalLM.register(AttnResConfig, AttnResForCausalLM, exist_ok=True)
 
+def register_auto_classes() -> None:
+    """Make the AttnRes classes known to transformers' Auto classes, in this process. Idempotent.
+
+    Two effects, both needed wherever a model is saved or loaded: save_pretrained then copies the modeling
+    code (and its relative imports) next to the weights and writes `auto_map`, so the folder loads with
+    trust_remote_code=True where this package is not installed; and AutoConfig / AutoModelForCausalLM
+    resolve model_type "attnres" to these classes here. Called by convert_model, save_converted and
+    load_converted rather than at import, so importing a module changes nothing global.
+    """
+    AttnResConfig.register_for_auto_class()
+    AttnResForCausalLM.register_for_auto_class("AutoModelForCausalLM")
+    AutoConfig.register("attnres", AttnResConfig, exist_ok=True)
+    AutoModelForCausalLM.register(AttnResConfig, AttnResForCausalLM, exist_ok=True)
 
 
 def check_output(out: str | os.PathLike, overwrite: bool = False, owned: bool = False) -> Path:
@@ -217,7 +224,7 @@ def atomic_folder(out: Path, write: Callable[[Path], None], overwrite: bool = Fa
         tmp = _make_dir(lambda: _new_sibling(out))
         write(tmp)
         _apply_umask(tmp)
-        _fsync_tree(tmp)
+        fsync_tree(tmp)
         if out.exists():
             if _exchange(tmp, out):
                 shutil.rmtree(tmp, ignore_errors=True)  # tmp now holds the previous output
@@ -252,7 +259,8 @@ def _apply_umask(folder: Path) -> None:
             path.chmod((0o777 if path.is_dir() else 0o666) & ~mask)
 
 
-def _fsync_tree(folder: Path) -> None:
+def fsync_tree(folder: Path) -> None:
+    """Flush every file under FOLDER to disk, so a rename that publishes it never publishes empty files."""
     for path in folder.rglob("*"):
         if path.is_file():
             with open(path, "rb") as handle:
@@ -274,6 +282,7 @@ def _fsync_dir(folder: Path) -> None:
 
 def write_converted(model: AttnResForCausalLM, folder: Path, tokenizer=None, extra: dict[str, str] | None = None) -> None:
     """Weights (safetensors), config, generation config, self-contained code, tokenizer, extras."""
+    register_auto_classes()
     model.save_pretrained(folder)
     if tokenizer is not None:
         tokenizer.save_pretrained(folder)
@@ -306,4 +315,5 @@ def load_converted(path: str | os.PathLike, **kwargs) -> AttnResForCausalLM:
     """Load a converted folder with this package's classes (no remote code needed)."""
     if not is_converted_folder(path):
         raise SourceError(f"{path} is not an AttnRes model folder (no config.json with model_type 'attnres').")
+    register_auto_classes()
     return AttnResForCausalLM.from_pretrained(path, **kwargs)

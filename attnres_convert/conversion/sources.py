@@ -5,6 +5,7 @@ Every failure becomes a SourceError naming the source and the fix; nothing here 
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import warnings
@@ -14,8 +15,8 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedConfig, PreTrainedModel
 
-from ..errors import SourceError
-from ..hub.push import hub_endpoint, hub_reachable
+from ..errors import SourceError, first_line
+from .hub_access import hub_endpoint, hub_reachable
 from .samples import default_model_path
 
 DTYPES = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -74,16 +75,10 @@ def resolve_source(source: str | None) -> ModelSource:
     return ModelSource("hub", source, given=source)
 
 
-def _first_line(error: Exception) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
-
-
 def _hub_error(source: ModelSource, error: Exception) -> SourceError:
-    first_line = _first_line(error)
     return SourceError(
         f"could not download {source.location!r} from the HuggingFace hub (is it reachable from here? "
-        f"{first_line}). The hub id must be public or you must be logged in; offline, download the model "
+        f"{first_line(error)}). The hub id must be public or you must be logged in; offline, download the model "
         "elsewhere and pass its local folder or a .gguf file instead."
     )
 
@@ -133,10 +128,21 @@ def load_config(source: ModelSource, trust_remote_code: bool = False) -> PreTrai
             raise _unknown_type_error(source) from error
         if source.gguf_file:
             raise SourceError(
-                f"could not read the GGUF file {source.name} ({_first_line(error)}). The file is truncated, corrupt "
+                f"could not read the GGUF file {source.name} ({first_line(error)}). The file is truncated, corrupt "
                 "or not a GGUF model: re-download or re-export it."
             ) from error
-        raise SourceError(f"could not read the model config of {source.name}: {_first_line(error)}") from error
+        raise SourceError(f"could not read the model config of {source.name}: {first_line(error)}") from error
+
+
+@functools.lru_cache(maxsize=16)
+def cached_config(source: ModelSource, converted: bool, trust_remote_code: bool) -> PreTrainedConfig:
+    """The (base) model config of a local source, read once per process: parsing a GGUF header takes
+    seconds, and recipe validation and model loading both need it. Treat it as read-only."""
+    if converted:
+        from ..modeling.configuration_attnres import AttnResConfig
+
+        return AttnResConfig.from_pretrained(source.location).text_config
+    return load_config(source, trust_remote_code)
 
 
 def _unknown_type_error(source: ModelSource) -> SourceError:
@@ -215,7 +221,7 @@ def load_model(source: ModelSource, dtype: str = "auto", trust_remote_code: bool
         if _is_unsafe_pickle(error):
             raise _unsafe_pickle_error(source, error) from error
         raise SourceError(
-            f"could not load the weights of {source.name}: {_first_line(error)}. The file may be truncated or corrupt: "
+            f"could not load the weights of {source.name}: {first_line(error)}. The file may be truncated or corrupt: "
             "re-download or re-export it."
         ) from error
     return model.eval()

@@ -15,6 +15,7 @@ from ..modeling.configuration_attnres import AttnResConfig
 from ..modeling.depth_attention import default_block_size, output_num_sources, plan_sublayers, source_ranges
 from ..modeling.modeling_attnres import AttnResForCausalLM, AttnResKeyNorm, AttnResQuery
 from .discovery import check_converted, find_plan
+from .saving import register_auto_classes
 
 DEFAULT_NUM_BLOCKS = 8
 
@@ -130,6 +131,7 @@ def convert_model(
     attn_config._attn_implementation = attn_implementation
     attn_config.dtype = dtype
     _mark_initialized(base_model)
+    register_auto_classes()  # so that model.save_pretrained writes a folder that loads anywhere
     model = AttnResForCausalLM(attn_config, base_model=base_model)
     model.generation_config = base_model.generation_config
     model.name_or_path = base_model.name_or_path

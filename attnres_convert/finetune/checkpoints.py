@@ -19,6 +19,8 @@ import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from ..conversion.saving import fsync_tree
+
 CHECKPOINTS = "checkpoints"
 _NAME = re.compile(r"^step-(\d+)$")
 
@@ -86,7 +88,7 @@ def save_checkpoint(accelerator, out: Path, state: TrainerState, keep_last: int)
     if accelerator.is_main_process:
         # Readable copy of the trainer state, for people and for the resume message.
         (partial / "trainer_state.json").write_text(json.dumps(state.state_dict(), indent=2))
-        _fsync_tree(partial)
+        fsync_tree(partial)
         if final.exists():
             shutil.rmtree(final)
         os.replace(partial, final)
@@ -168,10 +170,3 @@ def load_checkpoint(accelerator, path: Path, model) -> None:
     check_checkpoint_weights(path, model)
     # strict=False: the checkpoint holds the trainable weights only (checked above to be all of them).
     accelerator.load_state(str(path), strict=False)
-
-
-def _fsync_tree(folder: Path) -> None:
-    for path in folder.rglob("*"):
-        if path.is_file():
-            with open(path, "rb") as handle:
-                os.fsync(handle.fileno())

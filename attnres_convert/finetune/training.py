@@ -33,7 +33,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from .checkpoints import (
     TrainerState,
@@ -43,7 +42,7 @@ from .checkpoints import (
     save_checkpoint,
     trainable_only_hook,
 )
-from .data import Corpus, SequenceOrder, Sequences, build_corpus, local_micro_batches
+from .data import Corpus, SequenceOrder, Sequences, build_corpus, local_micro_batches, token_loss, token_loss_and_kl
 from ..errors import AttnResError
 from .metrics import METRICS, MetricsLog, loss_history, perplexity, read_metrics
 from .optim import (
@@ -55,7 +54,8 @@ from .optim import (
     make_scheduler,
     select_trainable,
 )
-from .recipe import Recipe, RecipeError, check_recipe, is_run_folder, parse_recipe, read_yaml
+from .preflight import check_recipe, is_run_folder
+from .recipe import Recipe, RecipeError, parse_recipe, read_yaml
 from .starting_model import StartingModel, load_starting_model
 
 RECIPE_FILE = "recipe.yaml"
@@ -108,34 +108,6 @@ def _accelerator(recipe: Recipe):
         return Accelerator(mixed_precision=recipe.train.mixed_precision, step_scheduler_with_optimizer=False, cpu=cpu)
     except (ValueError, RuntimeError) as error:
         raise RecipeError(f"train.mixed_precision: {error}") from error
-
-
-def _logits_and_targets(model, batch: dict, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Next-token logits [N, V] (float32) and targets [N] (-100 at padding) of a batch."""
-    ids = batch["input_ids"].to(device)
-    mask = batch["attention_mask"].to(device) if batch["attention_mask"] is not None else None
-    logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits[:, :-1]
-    targets = ids[:, 1:]
-    if mask is not None:
-        targets = targets.masked_fill(mask[:, 1:] == 0, -100)
-    return logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1)
-
-
-def token_loss(model, batch: dict, device) -> tuple[torch.Tensor, int]:
-    """Sum of next-token cross-entropies over the real (unpadded) positions, in float32."""
-    logits, targets = _logits_and_targets(model, batch, device)
-    return F.cross_entropy(logits, targets, ignore_index=-100, reduction="sum"), batch["predictions"]
-
-
-def token_loss_and_kl(model, reference, batch: dict, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The cross-entropy sum of `token_loss` and the sum of KL(reference || model) over the same positions:
-    how far the model's next-token distributions moved from the reference model's."""
-    logits, targets = _logits_and_targets(model, batch, device)
-    with torch.no_grad():
-        reference_logits, _ = _logits_and_targets(reference, batch, device)
-    real = targets != -100
-    kl = F.kl_div(F.log_softmax(logits[real], -1), F.log_softmax(reference_logits[real], -1), log_target=True, reduction="sum")
-    return F.cross_entropy(logits, targets, ignore_index=-100, reduction="sum"), kl
 
 
 def evaluate(model, sequences: Sequences, accelerator, batch_size: int) -> tuple[float, int]:
@@ -643,7 +615,7 @@ def _save_result(accelerator, model, start: StartingModel, recipe: Recipe, out: 
 
 
 def _card(model, start: StartingModel, recipe: Recipe, final: dict, history, corpus) -> str:
-    from ..hub.card import base_identity, baseline_card, card_identity, finetune_card
+    from ..conversion.card import base_identity, baseline_card, card_identity, finetune_card
     from ..conversion.surgery import summarize
 
     name = start.source.short_name

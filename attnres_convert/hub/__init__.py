@@ -1,1 +1,1 @@
-"""The HuggingFace hub: model cards and pushing a folder that loads."""
+"""The HuggingFace hub: pushing a folder that loads (checked against the loading contract first)."""

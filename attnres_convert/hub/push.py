@@ -1,4 +1,4 @@
-"""HuggingFace hub I/O: reachability, and pushing a converted or fine-tuned folder.
+"""Pushing a converted or fine-tuned folder to the HuggingFace hub.
 
 `push_folder` checks the folder against the loading contract first (config with auto_map, the shipped
 code, complete safetensors weights with the AttnRes parameters, tokenizer files that belong together, a
@@ -11,23 +11,19 @@ from __future__ import annotations
 
 import glob
 import json
-import re
-import socket
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
-from urllib.parse import urlparse
 
-import yaml
-
-from ..errors import AttnResError
+from ..conversion.hub_access import hub_endpoint, hub_reachable
+from ..errors import AttnResError, first_line, scrub
+from ..modeling import SHIPPED_CODE
 
 TOKENIZER_VOCABS = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
 # Weight files a new push replaces: stale shards of an earlier push must not survive next to a new index.
 REPLACED_ON_PUSH = ["*.safetensors", "*.safetensors.index.json"]
 # Text files worth scanning for a leaked token before they go public.
 TEXT_SUFFIXES = {".json", ".md", ".txt", ".yaml", ".yml", ".csv", ".jsonl", ".py", ".log", ".toml", ".cfg", ""}
-_TOKEN_PATTERN = re.compile(r"hf_[A-Za-z0-9]{20,}")
 
 
 class HubError(AttnResError):
@@ -38,34 +34,9 @@ class HubUnreachableError(HubError):
     """The hub cannot be reached from this machine."""
 
 
-def hub_endpoint() -> str:
-    from huggingface_hub import constants
-
-    return constants.ENDPOINT
-
-
-def hub_reachable(timeout: float = 3.0) -> bool:
-    """A quick TCP check of the hub endpoint, so an offline machine fails in seconds, not after
-    minutes of HTTP retries."""
-    url = urlparse(hub_endpoint())
-    port = url.port or (443 if url.scheme == "https" else 80)
-    try:
-        with socket.create_connection((url.hostname, port), timeout=timeout):
-            return True
-    except OSError:
-        return False
-
-
 # --------------------------------------------------------------------------------------------------
-# Secrets
+# Token and repo id
 # --------------------------------------------------------------------------------------------------
-
-
-def scrub(text: str, token: str | None = None) -> str:
-    """`text` with the token (and anything shaped like an HF token) replaced by ***."""
-    if token:
-        text = text.replace(token, "***")
-    return _TOKEN_PATTERN.sub("hf_***", text)
 
 
 def resolve_token(token: str | None = None) -> str:
@@ -159,8 +130,6 @@ def _config_problems(folder: Path) -> tuple[list[str], str | None]:
         return ["config.json has no model_type: not a transformers model folder"], None
     if config["model_type"] != "attnres":
         return [], "plain"
-    from ..conversion.saving import SHIPPED_CODE  # lazy: saving imports torch and transformers
-
     problems = []
     auto_map = config.get("auto_map") or {}
     for auto in ("AutoConfig", "AutoModelForCausalLM"):
@@ -182,26 +151,14 @@ def _tokenizer_problems(folder: Path) -> list[str]:
     return []
 
 
-def read_front_matter(text: str) -> dict:
-    """The YAML front matter of a model card ({} when there is none); ValueError when it does not parse."""
-    if not text.startswith("---"):
-        return {}
-    parts = text.split("---", 2)
-    if len(parts) < 3:
-        raise ValueError("the front matter is not closed by a --- line")
-    meta = yaml.safe_load(parts[1]) or {}
-    if not isinstance(meta, dict):
-        raise ValueError("the front matter is not a YAML mapping")
-    return meta
-
-
 def _card_problems(folder: Path) -> list[str]:
+    from ..conversion.card import read_front_matter  # lazy: the card module imports torch
     card = folder / "README.md"
     if not card.is_file():
         return ["README.md (the model card) is missing"]
     try:
         meta = read_front_matter(card.read_text())
-    except (ValueError, yaml.YAMLError) as error:
+    except ValueError as error:
         return [f"README.md front matter does not parse ({error})"]
     if not meta:
         return ["README.md has no YAML front matter (base_model, library_name, tags...)"]
@@ -280,7 +237,6 @@ def _explain(error: Exception, repo_id: str, token: str) -> str:
     from huggingface_hub.errors import HfHubHTTPError
 
     status = getattr(getattr(error, "response", None), "status_code", None)
-    first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     if isinstance(error, HfHubHTTPError) and status == 401:
         reason = "the hub rejected the token (401): it is invalid or expired. Log in again with `hf auth login`"
     elif isinstance(error, HfHubHTTPError) and status == 403:
@@ -289,7 +245,7 @@ def _explain(error: Exception, repo_id: str, token: str) -> str:
             "or push under your own user name"
         )
     else:
-        reason = first_line
+        reason = first_line(error)
     return scrub(f"pushing to {repo_id!r} failed: {reason}.", token)
 
 

@@ -14,32 +14,40 @@ from pathlib import Path
 
 import yaml
 
-from .push import scrub
-from ..conversion.surgery import describe_sources
+from ..errors import scrub
+from .surgery import describe_sources
 
 # Licences of the models that ship offline with this project.
 KNOWN_LICENSES = {"SmolLM2-135M-Instruct.Q4_1.gguf": "apache-2.0"}
 DEFAULT_BASE_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 TAGS = ("attnres", "block-attnres")
+BASELINE_TAGS = ("attnres-baseline", "fine-tuned")  # a plain model: not tagged as AttnRes
 
 
-def _read_front_matter(path: Path) -> dict:
-    if not path.is_file():
-        return {}
-    text = path.read_text(errors="replace")
+def read_front_matter(text: str) -> dict:
+    """The YAML front matter of a model card ({} when there is none); ValueError when it does not parse."""
     if not text.startswith("---"):
         return {}
+    parts = text.split("---", 2)
+    if len(parts) < 3:
+        raise ValueError("the front matter is not closed by a --- line")
     try:
-        meta = yaml.safe_load(text.split("---", 2)[1]) or {}
-    except yaml.YAMLError:
-        return {}
-    return meta if isinstance(meta, dict) else {}
+        meta = yaml.safe_load(parts[1]) or {}
+    except yaml.YAMLError as error:
+        raise ValueError(str(error)) from None
+    if not isinstance(meta, dict):
+        raise ValueError("the front matter is not a YAML mapping")
+    return meta
 
 
 def card_identity(folder: str | Path) -> tuple[str | None, str | None]:
     """(base_model, licence) from a folder's model card: a fine-tune of a converted folder keeps the
-    original base model and its licence."""
-    meta = _read_front_matter(Path(folder) / "README.md")
+    original base model and its licence. A missing or unreadable card says nothing."""
+    card = Path(folder) / "README.md"
+    try:
+        meta = read_front_matter(card.read_text(errors="replace")) if card.is_file() else {}
+    except ValueError:
+        meta = {}
     base = meta.get("base_model")
     return (base[0] if isinstance(base, list) else base), meta.get("license")
 
@@ -59,13 +67,13 @@ def base_identity(source) -> tuple[str | None, str | None]:
 def front_matter(
     base_model: str | None,
     license_: str | None,
-    extra_tags: Sequence[str] = (),
+    tags: Sequence[str] = TAGS,
     extra: Mapping | None = None,
 ) -> str:
     meta = {
         "library_name": "transformers",
         "pipeline_tag": "text-generation",
-        "tags": [*TAGS, *extra_tags],
+        "tags": list(tags),
     }
     if base_model:
         meta["base_model"] = base_model
@@ -234,8 +242,25 @@ def _curve_rows(history: Sequence[Mapping]) -> list[str]:
     return rows + [""]
 
 
-def finetune_card(
+def finetune_card(summary, *, verification=None, **training) -> str:
+    """The README.md of a fine-tuned Block AttnRes folder.
+
+    summary: the ConversionSummary of the trained model (surgery.summarize(model)).
+    verification: the VerificationReport of the conversion, when the fine-tune converted the model itself.
+    training: the keyword arguments of `trained_card` (name, base_model, license, recipe, metrics, ...).
+    """
+    return trained_card(summary, verification, **training)
+
+
+def baseline_card(**training) -> str:
+    """The README.md of the baseline of an A/B fine-tune: the original model (no AttnRes) trained with the
+    same recipe. A plain transformers model: no attnres tags, no remote code. Keyword arguments: `trained_card`'s."""
+    return trained_card(None, None, **training)
+
+
+def trained_card(
     summary,
+    verification,
     *,
     name: str,
     base_model: str | None,
@@ -247,11 +272,9 @@ def finetune_card(
     train_data: str | None = None,
     loss_curve: str | None = "loss_curve.png",
     history: Sequence[Mapping] | None = None,
-    verification=None,
 ) -> str:
-    """The README.md of a fine-tuned Block AttnRes folder.
+    """The card of a fine-tuned folder: a Block AttnRes model (SUMMARY given) or the plain baseline (None).
 
-    summary: the ConversionSummary of the trained model (surgery.summarize(model)).
     name: what was fine-tuned, for the title (e.g. "SmolLM2-135M-Instruct").
     base_model, license: of the original model (card_identity(converted_folder) or base_identity(source)).
     recipe: the resolved recipe as plain data (rendered as YAML).
@@ -261,64 +284,44 @@ def finetune_card(
     eval_data / train_data: short descriptions of the held-out and training text.
     loss_curve: an image file saved in the same folder (plots.loss_curve_plot), or None.
     history: optional [{"step": ..., "loss": ..., "eval_loss": ...}, ...], shown as a small table.
-    verification: the VerificationReport of the conversion, when the fine-tune converted the model itself.
     """
-    finetuned_key = finetuned_key or (list(metrics)[-1] if metrics else None)
-    extra = {"base_model_relation": "finetune"} if base_model else {}
-    index = _model_index(_repo_name(name, base_model, "attnres"), metrics.get(finetuned_key, {}), eval_data) if finetuned_key else []
-    if index:
-        extra["model-index"] = index
-    lines = [
-        front_matter(base_model, license, extra_tags=("fine-tuned",), extra=extra),
-        f"# {name} with Block Attention Residuals, fine-tuned",
-        "",
-        f"`{name}` ({summary.model_type}, {summary.num_layers} layers) converted by `attnres` to **Block Attention "
-        "Residuals** (softmax attention over depth with learned pseudo-queries, starting from an exact copy of "
-        f"the original), then fine-tuned{f' on {train_data}' if train_data else ''}.",
-        "",
-        *_load_section(),
-        *_training_sections(metrics, eval_data, loss_curve, history, recipe),
-        *_conversion_section(summary),
-        *_verification_section(verification),
-        *_inspect_section(),
-    ]
+    on = f" on {train_data}" if train_data else ""
+    attnres = summary is not None
+    tags, suffix = ((*TAGS, "fine-tuned"), "attnres") if attnres else (BASELINE_TAGS, "baseline")
+    lines = [_finetune_front_matter(name, base_model, license, metrics, finetuned_key, eval_data, tags, suffix)]
+    if attnres:
+        lines += [
+            f"# {name} with Block Attention Residuals, fine-tuned",
+            "",
+            f"`{name}` ({summary.model_type}, {summary.num_layers} layers) converted by `attnres` to **Block Attention "
+            "Residuals** (softmax attention over depth with learned pseudo-queries, starting from an exact copy of "
+            f"the original), then fine-tuned{on}.",
+            "",
+            *_load_section(),
+        ]
+    else:
+        lines += [
+            f"# {name}, fine-tuned (baseline, no AttnRes)",
+            "",
+            f"The original `{name}` trained{on} with the same `attnres finetune` recipe as its Block AttnRes "
+            "counterpart, for comparison. It is a plain transformers model: "
+            "`AutoModelForCausalLM.from_pretrained(PATH_OR_REPO)`.",
+            "",
+        ]
+    lines += _training_sections(metrics, eval_data, loss_curve, history, recipe)
+    if attnres:
+        lines += [*_conversion_section(summary), *_verification_section(verification), *_inspect_section()]
     return scrub("\n".join(lines))  # a recipe must not carry a token to a public card
 
 
-def baseline_card(
-    *,
-    name: str,
-    base_model: str | None,
-    license: str | None,  # noqa: A002 - the hub's own field name
-    recipe: Mapping,
-    metrics: Mapping[str, Mapping[str, float]],
-    finetuned_key: str | None = None,
-    eval_data: str = "held-out text",
-    train_data: str | None = None,
-    loss_curve: str | None = "loss_curve.png",
-    history: Sequence[Mapping] | None = None,
-) -> str:
-    """The README.md of the baseline of an A/B fine-tune: the original model (no AttnRes) trained with the
-    same recipe. A plain transformers model: no attnres tags, no remote code."""
+def _finetune_front_matter(name, base_model, license_, metrics, finetuned_key, eval_data, tags, suffix) -> str:
+    """Front matter of a fine-tuned folder: a finetune of the base model, with the fine-tuned row of METRICS
+    (FINETUNED_KEY, default the last) as the hub's `model-index`."""
     finetuned_key = finetuned_key or (list(metrics)[-1] if metrics else None)
     extra = {"base_model_relation": "finetune"} if base_model else {}
-    meta = {"library_name": "transformers", "pipeline_tag": "text-generation", "tags": ["attnres-baseline", "fine-tuned"]}
-    if base_model:
-        meta["base_model"] = base_model
-    meta["license"] = license or "other"
-    index = _model_index(_repo_name(name, base_model, "baseline"), metrics.get(finetuned_key, {}), eval_data) if finetuned_key else []
-    meta.update(extra, **({"model-index": index} if index else {}))
-    lines = [
-        "---\n" + yaml.safe_dump(meta, sort_keys=False, allow_unicode=True) + "---\n",
-        f"# {name}, fine-tuned (baseline, no AttnRes)",
-        "",
-        f"The original `{name}` trained{f' on {train_data}' if train_data else ''} with the same `attnres finetune` "
-        "recipe as its Block AttnRes counterpart, for comparison. It is a plain transformers model: "
-        "`AutoModelForCausalLM.from_pretrained(PATH_OR_REPO)`.",
-        "",
-        *_training_sections(metrics, eval_data, loss_curve, history, recipe),
-    ]
-    return scrub("\n".join(lines))
+    if finetuned_key and (index := _model_index(_repo_name(name, base_model, suffix), metrics.get(finetuned_key, {}), eval_data)):
+        extra["model-index"] = index
+    return front_matter(base_model, license_, tags, extra)
 
 
 def _training_sections(metrics, eval_data: str, loss_curve: str | None, history, recipe) -> list[str]:

@@ -1,0 +1,168 @@
+"""The package's layers, read from the source with ast (every import counts, module-level or inside a
+function): errors <- modeling (the shipped code) <- conversion <- finetune / hub / analysis <- cli.
+A module never imports a layer above its own; and the shipped code is what a converted folder holds."""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+import pytest
+
+import attnres_convert
+from attnres_convert.modeling import SHIPPED_CODE
+
+PACKAGE = Path(attnres_convert.__file__).resolve().parent
+ROOT = "(the package root, which re-exports every layer)"
+RANK = {"errors": 0, "modeling": 1, "conversion": 2, "finetune": 3, "hub": 3, "analysis": 3, ROOT: 4}
+# Within the top layer: the fine-tuning run pushes its result (hub) and plots its curve (analysis), and
+# `attnres eval` reads text with fine-tuning's data pipeline; hub needs neither of the others.
+SIBLINGS_ALLOWED = {("finetune", "hub"), ("finetune", "analysis"), ("analysis", "finetune")}
+# What analysis may use of finetune: the text pipeline and the metrics, never the training run itself.
+RUN_MODULES = {"training", "starting_model", "checkpoints", "optim", "preflight"}
+# triton comes with the CUDA builds of torch; shipped code imports it only where it is importable.
+SHIPPED_MAY_IMPORT = {"torch", "transformers", "triton", "__future__"} | set(sys.stdlib_module_names)
+
+
+def modules() -> dict[str, Path]:
+    """'conversion.saving' -> its file, for every module of the package but cli (a link to the root's)."""
+    found = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        relative = path.relative_to(PACKAGE).with_suffix("")
+        if relative.parts == ("cli",) or relative.name == "__init__" and len(relative.parts) == 1:
+            continue
+        parts = relative.parts[:-1] if relative.name == "__init__" else relative.parts
+        found[".".join(parts)] = path
+    return found
+
+
+def package_imports(name: str, path: Path) -> list[tuple[str, int]]:
+    """(imported module of this package, line) for every import in the file; relative ones resolved."""
+    here = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = here[: len(here) - (node.level - 1)]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module
+            # `from .pkg import name` imports the submodule pkg.name when there is one
+            targets = [f"{module}.{a.name}" if _is_module(module, a.name) else module for a in node.names]
+        else:
+            continue
+        for target in targets:
+            if isinstance(node, ast.Import) or not node.level:
+                if target.split(".")[0] != "attnres_convert":
+                    continue
+                target = target.partition(".")[2]
+            found.append((target.strip(".") or ROOT, node.lineno))
+    return found
+
+
+def _is_module(module: str, name: str) -> bool:
+    folder = PACKAGE.joinpath(*module.removeprefix("attnres_convert").strip(".").split(".")) if module else PACKAGE
+    return (folder / f"{name}.py").is_file() or (folder / name / "__init__.py").is_file()
+
+
+def top(module: str) -> str:
+    return module.split(".")[0]
+
+
+def test_the_import_parser_sees_relative_absolute_and_lazy_imports(tmp_path):
+    source = tmp_path / "sample.py"
+    source.write_text(
+        "from ..errors import AttnResError\nfrom .card import x\nimport attnres_convert.hub.push\n"
+        "def f():\n    from ..finetune import training\n    import json\n"
+    )
+    assert package_imports("conversion.sample", source) == [
+        ("errors", 1), ("conversion.card", 2), ("hub.push", 3), ("finetune.training", 5)
+    ]
+
+
+def test_no_module_imports_a_layer_above_its_own():
+    violations = []
+    for name, path in modules().items():
+        for target, line in package_imports(name, path):
+            source_layer, target_layer = top(name), top(target)
+            if source_layer == target_layer:
+                continue
+            where = f"{path.relative_to(PACKAGE)}:{line} imports {target}"
+            if RANK[target_layer] > RANK[source_layer]:
+                violations.append(f"{where} (a higher layer)")
+            elif RANK[target_layer] == RANK[source_layer] and (source_layer, target_layer) not in SIBLINGS_ALLOWED:
+                violations.append(f"{where} (a sibling it must not depend on)")
+            elif source_layer == "analysis" and target_layer == "finetune" and target.split(".")[1] in RUN_MODULES:
+                violations.append(f"{where} (analysis uses fine-tuning's data and metrics, not its run)")
+    assert violations == [], "\n".join(violations)
+
+
+def test_errors_is_the_bottom_and_the_recipe_schema_stands_alone():
+    assert package_imports("errors", PACKAGE / "errors.py") == []
+    # The schema is parsed and validated without the file system, the models or the hub.
+    schema = {target for target, _ in package_imports("finetune.recipe", PACKAGE / "finetune" / "recipe.py")}
+    assert schema <= {"errors"}, schema
+
+
+def test_the_shipped_code_imports_only_its_siblings_torch_transformers_and_stdlib():
+    folder = PACKAGE / "modeling"
+    assert sorted(p.name for p in folder.glob("*.py") if p.name != "__init__.py") == list(SHIPPED_CODE)
+    siblings = {Path(name).stem for name in SHIPPED_CODE}
+    problems = []
+    for name in SHIPPED_CODE:
+        for node in ast.walk(ast.parse((folder / name).read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                if node.level != 1 or node.module not in siblings:
+                    problems.append(f"{name}:{node.lineno}: from {'.' * node.level}{node.module or ''} import ...")
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                roots = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module]
+                problems += [
+                    f"{name}:{node.lineno}: import {root}" for root in roots if root.split(".")[0] not in SHIPPED_MAY_IMPORT
+                ]
+    assert problems == [], "\n".join(problems)
+
+
+@pytest.fixture(scope="module")
+def converted_folder(tmp_path_factory):
+    from tiny_models import tiny_model
+
+    from attnres_convert import convert_model, save_converted
+
+    return save_converted(convert_model(tiny_model("llama"), block_size=2), tmp_path_factory.mktemp("layout") / "m")
+
+
+def test_a_converted_folder_holds_exactly_the_shipped_code(converted_folder):
+    code = sorted(p.name for p in converted_folder.rglob("*.py"))
+    assert code == sorted(SHIPPED_CODE)
+    for name in SHIPPED_CODE:  # the files themselves, not older or generated copies
+        assert (converted_folder / name).read_bytes() == (PACKAGE / "modeling" / name).read_bytes(), name
+
+
+def test_importing_the_package_registers_nothing_and_registration_is_explicit(converted_folder):
+    """Importing every module leaves transformers' Auto classes alone; register_auto_classes (called by
+    convert_model, save_converted and load_converted; idempotent) makes AutoModelForCausalLM load the
+    folder with this package's classes, no remote code."""
+    import subprocess
+    import textwrap
+
+    code = textwrap.dedent(
+        f"""
+        import importlib, pkgutil
+        import attnres_convert
+        for info in pkgutil.walk_packages(attnres_convert.__path__, "attnres_convert."):
+            if info.name != "attnres_convert.cli":
+                importlib.import_module(info.name)
+        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+        print("attnres" in CONFIG_MAPPING)
+        attnres_convert.register_auto_classes()
+        attnres_convert.register_auto_classes()
+        print(type(AutoModelForCausalLM.from_pretrained({str(converted_folder)!r}, trust_remote_code=False)).__name__)
+        """
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=PACKAGE.parent,
+                            stdin=subprocess.DEVNULL)
+    assert result.stdout.split() == ["False", "AttnResForCausalLM"], result.stdout + result.stderr[-2000:]
