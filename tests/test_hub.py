@@ -18,21 +18,20 @@ from typer.testing import CliRunner
 from attnres_convert import convert
 from attnres_convert.errors import scrub
 from attnres_convert.hub.push import HubError, check_push_ready, push_folder
+from attnres_convert.modeling import SHIPPED_CODE
 from attnres_convert.cli import app
 from fake_hub import PUBLIC, FakeHub
 from tiny_models import tiny_model, token_ids
 
 TOKEN = "hf_FakeTokenForTests0123456789abcdefXYZ"
+# What a pushed converted folder holds: the weights, configs, card, conversion record and the shipped code.
 CONTRACT = {
     "config.json",
     "generation_config.json",
     "model.safetensors",
-    "configuration_attnres.py",
-    "modeling_attnres.py",
-    "architectures.py",
-    "depth_attention.py",
     "README.md",
     "attnres_conversion.json",
+    *SHIPPED_CODE,
 }
 runner = CliRunner()
 
