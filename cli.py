@@ -8,7 +8,7 @@ import shlex
 import signal
 import sys
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Literal, Optional, get_args, get_origin
@@ -77,13 +77,41 @@ def user_errors() -> Iterator[None]:
         fail(str(error))
 
 
-@contextlib.contextmanager
-def stages() -> Iterator:
-    """A Rich progress display with one line per stage of a long job."""
+def quiet_transformers() -> None:
+    """No transformers progress bars or info logs: the command shows its own progress."""
     import transformers
 
     transformers.utils.logging.disable_progress_bar()
     transformers.utils.logging.set_verbosity_error()
+
+
+@contextlib.contextmanager
+def training_errors(main: bool, interrupted: Callable[[Exception], str] = lambda error: escape(str(error))) -> Iterator[None]:
+    """Errors of a training command, raised in every process of a launch; only the main process prints.
+
+    Interrupted (a checkpoint was saved): exit 128 + signal, like an interrupted shell job, with
+    INTERRUPTED(error) as the message. A failed training check: exit 1; other user errors: exit 2.
+    """
+    from attnres_convert import AttnResError, BlockSizeError, UnsupportedModelError
+    from attnres_convert.finetune.training import TrainingError, TrainingInterrupted
+
+    try:
+        yield
+    except TrainingInterrupted as error:
+        if main:
+            err_console.print(f"[yellow]interrupted:[/] {interrupted(error)}", highlight=False)
+        raise typer.Exit(128 + error.signum) from None
+    except (AttnResError, BlockSizeError, UnsupportedModelError) as error:
+        code = EXIT_FAILED_CHECK if isinstance(error, TrainingError) else EXIT_BAD_INPUT
+        if main:
+            fail(str(error), code)
+        raise typer.Exit(code) from None
+
+
+@contextlib.contextmanager
+def stages() -> Iterator:
+    """A Rich progress display with one line per stage of a long job."""
+    quiet_transformers()
     with Progress(
         SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=err_console, transient=False
     ) as progress:
@@ -353,31 +381,17 @@ def finetune_command(
     token: TokenOption = None,
 ) -> None:
     """Continued pretraining of a converted model (or, with model.convert=false, of the original)."""
-    import transformers
-
-    from attnres_convert import AttnResError, BlockSizeError, UnsupportedModelError
     from attnres_convert.finetune.recipe import load_recipe
-    from attnres_convert.finetune.training import TrainingError, TrainingInterrupted, finetune
+    from attnres_convert.finetune.training import finetune
 
-    transformers.utils.logging.disable_progress_bar()  # one progress bar: the training one
-    transformers.utils.logging.set_verbosity_error()
+    quiet_transformers()  # one progress bar: the training one
     overrides = list(overrides or [])
     if push_to_hub:
         overrides += [f"output.push_to_hub={push_to_hub}"] + (["output.private=true"] if private else [])
     main = _is_main_process()
-    try:
+    with training_errors(main):
         parsed = load_recipe(recipe, overrides)
         result = finetune(parsed, resume=resume, console=err_console if main else None, token=token)
-    except TrainingInterrupted as error:  # a checkpoint was saved; exit 128 + signal, like an interrupted shell job
-        if main:
-            err_console.print(f"[yellow]interrupted:[/] {escape(str(error))}", highlight=False)
-        raise typer.Exit(128 + error.signum) from None
-    except (AttnResError, BlockSizeError, UnsupportedModelError) as error:
-        # Every process sees the same error; one message is enough.
-        code = EXIT_FAILED_CHECK if isinstance(error, TrainingError) else EXIT_BAD_INPUT
-        if main:
-            fail(str(error), code)
-        raise typer.Exit(code) from None
     if not main:
         return
     metrics = result.metrics
@@ -420,35 +434,18 @@ def ab_command(
 ) -> None:
     """A/B: the recipe trained as a baseline (model.convert=false, same trainable budget) and as AttnRes,
     plus sweep arms, from the same start and data order; writes ab.json, ab.md and ab.png."""
-    import transformers
-
-    from attnres_convert import AttnResError, BlockSizeError, UnsupportedModelError
     from attnres_convert.finetune.ab import run_ab
-    from attnres_convert.finetune.training import TrainingError, TrainingInterrupted
 
-    transformers.utils.logging.disable_progress_bar()
-    transformers.utils.logging.set_verbosity_error()
+    quiet_transformers()
     main = _is_main_process()
     arms = [[o for o in entry.replace(",", " ").split() if o] for entry in (sweep or [])]
-    try:
+    interrupted = "Finished arms are kept in the work folder: run the same command with --reuse to train only the others."
+    with training_errors(main, lambda error: f"{escape(str(error).split(';')[0])}. {interrupted}"):
         result = run_ab(
             recipe, list(overrides or []), sweep=arms, seeds=seeds, output=output, workdir=workdir, plain=not no_plain,
             jobs=jobs, reuse=reuse, overwrite=overwrite, throughput=throughput, console=err_console if main else None,
             command="attnres ab " + shlex.join(sys.argv[2:]) if len(sys.argv) > 1 and sys.argv[1] == "ab" else None,
         )
-    except TrainingInterrupted as error:
-        if main:
-            err_console.print(
-                f"[yellow]interrupted:[/] {escape(str(error).split(';')[0])}. Finished arms are kept in the work folder: "
-                "run the same command with --reuse to train only the others.",
-                highlight=False,
-            )
-        raise typer.Exit(128 + error.signum) from None
-    except (AttnResError, BlockSizeError, UnsupportedModelError) as error:
-        code = EXIT_FAILED_CHECK if isinstance(error, TrainingError) else EXIT_BAD_INPUT
-        if main:
-            fail(str(error), code)
-        raise typer.Exit(code) from None
     if not main:
         return
     from rich.markdown import Markdown
