@@ -166,3 +166,14 @@ def test_importing_the_package_registers_nothing_and_registration_is_explicit(co
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=PACKAGE.parent,
                             stdin=subprocess.DEVNULL)
     assert result.stdout.split() == ["False", "AttnResForCausalLM"], result.stdout + result.stderr[-2000:]
+
+
+def test_the_command_line_starts_without_torch():
+    """`attnres --help` and the option declarations it reads load neither torch nor transformers: the
+    package's public names load on first use."""
+    import subprocess
+
+    code = "import sys, attnres_convert.cli; print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=PACKAGE.parent,
+                            stdin=subprocess.DEVNULL)
+    assert result.stdout.strip() == "[]", result.stdout + result.stderr[-2000:]
