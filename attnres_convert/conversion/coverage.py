@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..modeling.architectures import UnsupportedModelError, config_refusal
+from .discovery import first_line
 
 STATUSES = ("converted", "refused", "not built")
 MAX_PARAMETERS = 8_000_000  # a tiny config that still has more did not shrink: not worth building
@@ -121,9 +122,7 @@ def tiny_config(model_type: str, **overrides):
 
 
 def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    line = text.splitlines()[0] if text else type(error).__name__
-    return f"{type(error).__name__}: {line}"[:300]
+    return first_line(error)[:300]
 
 
 def _build(model_type: str, overrides: dict):

@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import inspect
 import math
 from dataclasses import dataclass, field
 
@@ -39,7 +38,7 @@ from ..modeling.architectures import (
     module_at,
 )
 from ..modeling.depth_attention import add_output, close_block, depth_mix, start_state
-from ..modeling.modeling_attnres import run_sublayer
+from ..modeling.modeling_attnres import positional_argnames, run_sublayer
 
 RELATIVE_TOLERANCE = 1e-6  # fp32: bit-equal, or this close where the base forward orders its adds differently
 HALF_RELATIVE_TOLERANCE = 1e-2  # bf16 / fp16: a reordered add rounds at the format's precision (2^-8)
@@ -147,12 +146,6 @@ def _is_cache(value) -> bool:
     return hasattr(value, "update") and hasattr(value, "get_seq_length")
 
 
-def _argnames(layer: nn.Module) -> tuple[str, ...]:
-    params = list(inspect.signature(inspect.unwrap(type(layer).forward)).parameters.values())[2:]
-    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    return tuple(p.name for p in params if p.kind in kinds)
-
-
 @dataclass
 class ModelTrace:
     calls: list[LayerCall]
@@ -191,7 +184,7 @@ def trace_model(model: nn.Module, where: Location) -> ModelTrace:
         rest.pop("hidden_states", None)
         snapshot = {k: (copy.deepcopy(v) if _is_cache(v) else v) for k, v in rest.items()}
         positional = tuple(copy.deepcopy(v) if _is_cache(v) else v for v in args[1:])
-        calls.append(LayerCall(hidden.detach().clone(), positional, snapshot, _argnames(module)))
+        calls.append(LayerCall(hidden.detach().clone(), positional, snapshot, positional_argnames(type(module))))
 
     def after_last(module, args, kwargs, output):
         last_output.append(first_tensor(output).detach().clone())
@@ -435,6 +428,8 @@ class LayerFailure:
     def __str__(self) -> str:
         if self.sublayer is None:
             return f"decoder layer {self.layer}: {self.description}"
+        if self.difference is None:
+            return f"decoder layer {self.layer}, sublayer {self.sublayer}: {self.description}"
         return (
             f"decoder layer {self.layer}, sublayer {self.sublayer} ({self.description}): the rewritten layer differs "
             f"from the original by {self.difference:.2e} (relative {self.relative:.1e} > {self.tolerance:.0e})"
@@ -457,8 +452,7 @@ def prove_layer(layer: nn.Module, index: int, sublayers: tuple[Sublayer, ...], c
         try:
             h = h + run_sublayer(layer, sublayer, h, call_kwargs)
         except Exception as error:  # noqa: BLE001 - a candidate that cannot even run is a failed candidate
-            return LayerFailure(index, sub_index + 1, f"{sublayer.describe()}; raised {_first_line(error)}",
-                                float("inf"), float("inf"), limit)
+            return LayerFailure(index, sub_index + 1, f"the rewritten {sublayer.describe()} raised {first_line(error)}")
         # The original's stream where the next sublayer reads it, else (last sublayer) the layer's output.
         reference = inputs.get(sub_index + 1) if sub_index + 1 < len(sublayers) else want
         if reference is not None and reference.shape == h.shape:
@@ -484,7 +478,8 @@ def prove_layer(layer: nn.Module, index: int, sublayers: tuple[Sublayer, ...], c
     return None
 
 
-def _first_line(error: BaseException) -> str:
+def first_line(error: BaseException) -> str:
+    """`Type: first line of the message`, for a one-line report."""
     text = str(error).strip()
     return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"
 

@@ -185,7 +185,7 @@ def _attnres_class(mixin: type, base_cls: type) -> type:
     return cls
 
 
-def _positional_argnames(layer_cls: type) -> tuple[str, ...]:
+def positional_argnames(layer_cls: type) -> tuple[str, ...]:
     forward = inspect.unwrap(layer_cls.forward)
     params = list(inspect.signature(forward).parameters.values())[2:]  # self, hidden_states
     kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
@@ -220,7 +220,7 @@ def attach_depth_attention(causal_lm: nn.Module, config: AttnResConfig, plan: Mo
         base_cls = type(layer)
         if not isinstance(layer, AttnResDecoderLayerMixin):
             layer.__class__ = _attnres_class(AttnResDecoderLayerMixin, base_cls)
-            argnames = _positional_argnames(base_cls)
+            argnames = positional_argnames(base_cls)
         else:
             argnames = layer._attnres_spec.argnames
         for query_name, key_norm_name in param_names:
