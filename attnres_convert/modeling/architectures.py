@@ -129,8 +129,14 @@ class ModelPlan:
 
 
 def module_at(root, path: str):
-    """The submodule at a dotted attribute path ("model.decoder.layers")."""
-    return functools.reduce(getattr, path.split("."), root) if path else root
+    """The submodule at a dotted attribute path ("model.decoder.layers"). A plain child name is read from the
+    module's dict first: this runs for every branch of every sublayer in every forward."""
+    if not path:
+        return root
+    if "." not in path:
+        found = getattr(root, "_modules", {}).get(path)
+        return found if found is not None else getattr(root, path)
+    return functools.reduce(getattr, path.split("."), root)
 
 
 @dataclass(frozen=True)
