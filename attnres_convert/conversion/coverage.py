@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..modeling.architectures import UnsupportedModelError, config_refusal
-from .discovery import first_line
+from .discovery import first_line, one_thread
 
 STATUSES = ("converted", "refused", "not built")
 MAX_PARAMETERS = 8_000_000  # a tiny config that still has more did not shrink: not worth building
@@ -237,17 +237,15 @@ def walk(
     if variants:
         jobs += [job for job in VARIANTS if model_types is None or job[0] in types]
     rows = []
-    verbosity, threads = transformers.logging.get_verbosity(), torch.get_num_threads()
+    verbosity = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity_error()
-    # Tiny tensors: one thread is fastest, and on a shared machine several threads per op wait on each other.
-    torch.set_num_threads(1)
     try:
-        for model_type, variant, overrides in jobs:
-            if progress is not None:
-                progress(model_type if not variant else f"{model_type} ({variant})")
-            rows.append(check_model_type(model_type, variant, overrides))
+        with one_thread():  # tiny models
+            for model_type, variant, overrides in jobs:
+                if progress is not None:
+                    progress(model_type if not variant else f"{model_type} ({variant})")
+                rows.append(check_model_type(model_type, variant, overrides))
     finally:
-        torch.set_num_threads(threads)
         transformers.logging.set_verbosity(verbosity)
     return CoverageReport(rows, transformers.__version__)
 

@@ -602,7 +602,7 @@ def find_plan(model: nn.Module) -> tuple[ModelPlan, ModelTrace]:
     if refusal:
         raise UnsupportedModelError(refusal)
     where = locate(model)
-    with evaluating(model):
+    with evaluating(model), one_thread():
         return _find_plan(model, where)
 
 
@@ -613,19 +613,8 @@ def _find_plan(model: nn.Module, where: Location) -> tuple[ModelPlan, ModelTrace
         reader = f"`{trace.final_reader}`" if trace.final_reader else "the head"
         raise UnsupportedModelError(f"the last decoder layer's output is read by {reader}, not by a final norm")
     head = _head_transform(model, where, trace)
-    candidates: list[ModelPlan] = []
-    try:
-        family = family_for(config)
-    except UnsupportedModelError:
-        family = None
-    if family is not None:
-        candidates.append(dataclasses.replace(family.plan(config), tuple_output=trace.tuple_output))
     failures: list[str] = []
-    try:
-        candidates.append(discovered_plan(model, where, trace, head))
-    except UnsupportedModelError as error:
-        failures.append(str(error))
-    for plan in candidates:
+    for plan in _candidates(model, where, trace, head, failures):
         failure = prove(model, plan, trace)
         if failure is None:
             return plan, trace
@@ -636,13 +625,39 @@ def _find_plan(model: nn.Module, where: Location) -> tuple[ModelPlan, ModelTrace
     )
 
 
+def _candidates(model: nn.Module, where: Location, trace: ModelTrace, head: dict, failures: list[str]):
+    """The architecture table's layout where it has one, then the discovered one (found only if needed)."""
+    try:
+        family = family_for(model.config)
+    except UnsupportedModelError:
+        family = None
+    if family is not None:
+        yield dataclasses.replace(family.plan(model.config), tuple_output=trace.tuple_output)
+    try:
+        yield discovered_plan(model, where, trace, head)
+    except UnsupportedModelError as error:
+        failures.append(str(error))
+
+
+@contextlib.contextmanager
+def one_thread():
+    """The probes are a few tokens: on CPU one thread runs their small operations fastest, and several threads
+    per operation on a busy machine wait on each other (measured 10x slower)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 @torch.no_grad()
 def check_converted(converted: nn.Module, trace: ModelTrace) -> None:
     """The converted model on the probe tokens gives the original's logits (fp32): what the per-layer proof
     cannot see, such as a base model that touches the hidden states between its layers."""
     if next(converted.parameters()).dtype != torch.float32:
         return  # half precision: `attnres convert`'s verification judges the distribution instead
-    with evaluating(converted):
+    with evaluating(converted), one_thread():
         prefill = converted(input_ids=probe_ids(converted), use_cache=trace.step_logits is not None)
         step = _decoding_step(converted, prefill) if trace.step_logits is not None else None
     difference = relative_difference(prefill.logits.float(), trace.logits)[0]
