@@ -153,3 +153,32 @@ def test_published_folder_is_readable_like_a_plain_save(tmp_path):
         os.umask(mask)
     assert out.stat().st_mode & 0o777 == 0o755
     assert all(p.stat().st_mode & 0o777 == 0o644 for p in out.iterdir())
+
+
+def test_saving_never_changes_the_process_umask(tmp_path, monkeypatch):
+    """Reading the umask by setting it would give files other threads create meanwhile mode 0666: saving
+    reads it without touching it, and still publishes the modes the umask asks for."""
+    import os
+
+    from attnres_convert.conversion import saving
+
+    assert saving.current_umask() == _umask_from_proc_or_set()
+    mask = os.umask(0o027)
+    calls = []
+    real_umask = os.umask
+    monkeypatch.setattr(os, "umask", lambda value: calls.append(value) or real_umask(value))
+    try:
+        out = save_converted(convert_model(tiny_model("llama")), tmp_path / "m")
+    finally:
+        real_umask(mask)
+    assert calls == []
+    assert out.stat().st_mode & 0o777 == 0o750
+    assert all(p.stat().st_mode & 0o777 == 0o640 for p in out.iterdir() if p.is_file())
+
+
+def _umask_from_proc_or_set() -> int:
+    import os
+
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask

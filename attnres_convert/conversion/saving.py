@@ -17,6 +17,7 @@ import secrets
 import shutil
 import socket
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -249,11 +250,29 @@ def atomic_folder(out: Path, write: Callable[[Path], None], overwrite: bool = Fa
     return out
 
 
+def current_umask() -> int:
+    """The process umask, read without changing it. `os.umask` can only be read by setting it, and setting
+    it (even for an instant) races with files other threads create meanwhile: they would get mode 0666."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    # No /proc (macOS): the mode a fresh folder gets is 0777 minus the umask.
+    probe = Path(tempfile.mkdtemp(prefix=".attnres-umask-"))
+    try:
+        inner = probe / "d"
+        os.mkdir(inner, 0o777)
+        return 0o777 & ~inner.stat().st_mode
+    finally:
+        shutil.rmtree(probe, ignore_errors=True)
+
+
 def _apply_umask(folder: Path) -> None:
     """The temporary folder is private (0700) while it is written; the published one gets the modes a
     plain save_pretrained would have, so other users can read the model."""
-    mask = os.umask(0)
-    os.umask(mask)
+    mask = current_umask()
     for path in [folder, *folder.rglob("*")]:
         if not path.is_symlink():
             path.chmod((0o777 if path.is_dir() else 0o666) & ~mask)
