@@ -52,6 +52,10 @@ class AttnResQuery(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(1, hidden_size, device=device, dtype=dtype))
 
+    def forward(self) -> torch.Tensor:
+        # Called (rather than read) only where a hook must run first: big-model offload loads the weight here.
+        return self.weight
+
 
 class AttnResKeyNorm(nn.Module):
     """The RMSNorm weight g applied to the keys of one reader (the eps is the base model's)."""
@@ -60,6 +64,9 @@ class AttnResKeyNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
         self.eps = eps
+
+    def forward(self) -> torch.Tensor:
+        return self.weight
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"
@@ -134,9 +141,13 @@ def _depth_params(layer: nn.Module, names: tuple[str, str]) -> tuple[torch.Tenso
     wrapped the modules). Plain modules are read through their dicts: nn.Module's attribute lookup took
     170 us for a SmolLM2 forward's 61 pairs, this 12."""
     query, key_norm = layer._modules[names[0]], layer._modules[names[1]]
-    if type(query) is AttnResQuery and type(key_norm) is AttnResKeyNorm:
-        return query._parameters["weight"], key_norm._parameters["weight"]
-    return query.weight, key_norm.weight  # a wrapper (PEFT's modules_to_save) hands out its active weight
+    if type(query) is AttnResQuery and type(key_norm) is AttnResKeyNorm and "_hf_hook" not in query.__dict__:
+        # FSDP1 swaps parameters for plain tensor attributes during its forward: then `.weight` below.
+        weight, norm_weight = query._parameters.get("weight"), key_norm._parameters.get("weight")
+        if weight is not None and norm_weight is not None:
+            return weight, norm_weight
+    # A wrapper (PEFT's modules_to_save) hands out its active weight; an offloaded module loads it.
+    return _loaded_weight(query), _loaded_weight(key_norm)
 
 
 def _all_queries(spec: _LayerSpec, like: torch.Tensor) -> torch.Tensor | None:
@@ -169,8 +180,24 @@ class AttnResFinalNormMixin:
             # Looked up on the owner at every call, so a wrapper put in their place (PEFT's
             # modules_to_save, FSDP) is the one used.
             query, key_norm = owner.output_attn_res_proj, owner.output_attn_res_norm
-            hidden_states = depth_mix(hidden_states, query.weight, key_norm.weight, eps, scaling)
+            like = hidden_states.stream
+            hidden_states = depth_mix(hidden_states, _placed(query, like), _placed(key_norm, like), eps, scaling)
         return super().forward(hidden_states, *args, **kwargs)
+
+
+def _loaded_weight(module: nn.Module) -> torch.Tensor:
+    """A depth-attention module's weight. Under big-model offload (`device_map="auto"` with CPU or disk
+    offload) an offloaded weight is a meta tensor until Accelerate's hook on the module loads it, which it
+    does when the module is called."""
+    weight = module.weight
+    if weight.device.type == "meta" and hasattr(module, "_hf_hook"):
+        weight = module()
+    return weight
+
+
+def _placed(module: nn.Module, like: torch.Tensor) -> torch.Tensor:
+    """An output-aggregation weight on the device of the stream (a device map may put it elsewhere)."""
+    return _loaded_weight(module).to(like.device)
 
 
 def _attnres_class(mixin: type, base_cls: type) -> type:
@@ -306,6 +333,11 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
         for name, child in base_model.named_children():
             self.add_module(name, child)
         attach_depth_attention(self, config, plan)
+        # device_map="auto" must keep each decoder layer whole: its depth-attention parameters are read with
+        # its sublayers. The converted layers' classes are AttnRes<Base>; the base names stay for tools
+        # that read them off the base model.
+        layer_classes = [type(layer).__name__ for layer in module_at(module_at(self, plan.base_model), plan.layers)]
+        self._no_split_modules = list(dict.fromkeys([*(base_model._no_split_modules or []), *layer_classes]))
         self.post_init()
 
     def get_input_embeddings(self):
