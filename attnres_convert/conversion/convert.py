@@ -10,6 +10,7 @@ import contextlib
 import json
 import os
 import textwrap
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -20,19 +21,28 @@ from .card import conversion_card
 from ..modeling.architectures import UnsupportedModelError
 from ..errors import OutputError, VerificationError
 from ..modeling.modeling_attnres import AttnResForCausalLM
+from .memory_budget import parse_size, plan_verification, verify_saved
 from .options import ConvertOptions, options_doc
-from .saving import check_output, save_converted
+from .saving import atomic_folder, check_output, save_converted
 from .sources import ModelSource, load_config, load_model, load_tokenizer, resolve_source
+from .streaming import StreamPlan, plan_stream, source_folder, write_streamed
 from .surgery import ConversionSummary, convert_model, resolve_block_size, structure_of, summarize
 from .verify import VerificationReport, capture_reference, compare, sample_input_ids
 
 Stage = Callable[[str], contextlib.AbstractContextManager]
 SEE_COVERAGE = "`attnres architectures` lists the model types that convert, and why the others do not."
+# progress(description, total bytes) -> a context whose value is advance(bytes done)
+Progress = Callable[[str, int], contextlib.AbstractContextManager[Callable[[int], None]]]
 
 
 @contextlib.contextmanager
 def _quiet_stage(name: str) -> Iterator[None]:
     yield
+
+
+@contextlib.contextmanager
+def _quiet_progress(name: str, total: int) -> Iterator[Callable[[int], None]]:
+    yield lambda nbytes: None
 
 
 @dataclass
@@ -43,6 +53,7 @@ class ConvertResult:
     verification: VerificationReport | None
     model: AttnResForCausalLM | None = field(default=None, repr=False)
     tokenizer: object | None = field(default=None, repr=False)
+    verification_budget: str | None = None  # how a streamed conversion's check kept to its memory budget
 
 
 def _check_not_source(source: ModelSource, out: str | os.PathLike) -> None:
@@ -59,10 +70,15 @@ def convert(
     options: ConvertOptions | None = None,
     *,
     stage: Stage = _quiet_stage,
+    progress: Progress = _quiet_progress,
     keep_model: bool = False,
     **option_values,
 ) -> ConvertResult:
     """Convert SOURCE (hub id, folder, .gguf, None = embedded SmolLM2) to Block AttnRes and save to OUT.
+
+    A safetensors checkpoint of a model type in the architecture table is converted file to file without
+    loading the model (streaming.py); other inputs (GGUF, pickle, checkpoints with extra tensors, structures
+    found on the loaded model), `stream=False` and `keep_model` go through memory.
 
     The options are the fields of ConvertOptions, given as keyword arguments (`block_size=4`) or as
     OPTIONS (keyword arguments override it). Raises OptionsError / SourceError / OutputError /
@@ -71,7 +87,10 @@ def convert(
     """
     opts = ConvertOptions.build(options, **option_values)
     block_size, num_blocks, full = opts.block_size, opts.num_blocks, opts.full
-    model_source: ModelSource = resolve_source(source)
+    model_source: ModelSource = resolve_source(None if source is None else os.fspath(source))
+    shard_bytes = parse_size(opts.max_shard_size, "--max-shard-size")
+    if opts.max_memory is not None:
+        parse_size(opts.max_memory, "--max-memory")
     if out is not None:
         _check_not_source(model_source, out)
         check_output(out, opts.overwrite)
@@ -83,6 +102,16 @@ def convert(
             raise UnsupportedModelError(f"cannot convert {model_source.name}: {error} {SEE_COVERAGE}") from error
         if structure is not None:  # else the structure is found, and block sizes checked, on the loaded model
             resolve_block_size(structure, block_size, num_blocks, full)  # refuse before loading weights
+    streamable = out is not None and opts.stream and not keep_model and structure is not None
+    folder = source_folder(model_source) if streamable else None
+    if folder is not None:
+        with stage("Planning the streamed conversion"):
+            plan = plan_stream(
+                folder, config, opts.dtype, opts.trust_remote_code, block_size=block_size, num_blocks=num_blocks, full=full
+            )
+        if isinstance(plan, StreamPlan):
+            return _convert_streamed(plan, model_source, out, opts, shard_bytes, stage, progress)
+        warnings.warn(f"{model_source.name} is converted in memory, not streamed: {plan}", stacklevel=2)
     with stage("Loading model"):
         base = load_model(model_source, opts.dtype, opts.trust_remote_code)
         tokenizer = load_tokenizer(model_source, opts.trust_remote_code)
@@ -101,31 +130,79 @@ def convert(
     if reference is not None:
         with stage("Verifying against the original"):
             report = compare(reference, model)
-        if not report.passed:
-            raise VerificationError(
-                "the converted model does not reproduce the original: " + "; ".join(report.failures())
-                + ". Nothing was saved. Try --dtype float32, and report the model if it persists."
-            )
+        _check_verified(report)
     summary = summarize(model)
     output = None
     if out is not None:
         with stage("Saving"):
-            extra = {
-                "README.md": conversion_card(model, summary, report, model_source),
-                "attnres_conversion.json": json.dumps(
-                    {
-                        "source": model_source.name,
-                        "summary": asdict(summary),
-                        "verification": report.to_dict() if report else None,
-                        "torch": torch.__version__,
-                    },
-                    indent=2,
-                ),
-            }
-            output = save_converted(model, out, tokenizer, overwrite=opts.overwrite, extra=extra)
+            extra = _extra_files(model, summary, report, model_source)
+            output = save_converted(model, out, tokenizer, overwrite=opts.overwrite, extra=extra, max_shard_size=shard_bytes)
     return ConvertResult(
         model_source.name, output, summary, report, model if keep_model else None, tokenizer if keep_model else None
     )
+
+
+def _check_verified(report: VerificationReport) -> None:
+    if not report.passed:
+        raise VerificationError(
+            "the converted model does not reproduce the original: " + "; ".join(report.failures())
+            + ". Nothing was saved. Try --dtype float32, and report the model if it persists."
+        )
+
+
+def _extra_files(model, summary: ConversionSummary, report: VerificationReport | None, source: ModelSource) -> dict[str, str]:
+    """The model card and the conversion record saved beside the weights."""
+    record = {
+        "source": source.name,
+        "summary": asdict(summary),
+        "verification": report.to_dict() if report else None,
+        "torch": torch.__version__,
+    }
+    return {
+        "README.md": conversion_card(model, summary, report, source),
+        "attnres_conversion.json": json.dumps(record, indent=2),
+    }
+
+
+def _convert_streamed(
+    plan: StreamPlan,
+    model_source: ModelSource,
+    out: str | os.PathLike,
+    opts: ConvertOptions,
+    max_shard_size: int,
+    stage: Stage,
+    progress: Progress,
+) -> ConvertResult:
+    """Write the converted folder from the input's files into a temporary folder, verify that folder against
+    the original within the memory budget, and only then move it into place."""
+    tokenizer = load_tokenizer(model_source, opts.trust_remote_code)
+    summary = summarize(plan.skeleton)
+    budget = None
+    if opts.verify:
+        budget = plan_verification(
+            plan.total_bytes, plan.largest_layer_bytes(), opts.max_memory, opts.verify_tokens, opts.verify_new_tokens
+        )
+    result: dict = {}
+
+    def write(folder: Path) -> None:
+        with progress("Writing shards", plan.total_bytes) as advance:
+            write_streamed(folder, plan, max_shard_size, advance)
+        report = None
+        if budget is not None:
+            with stage(f"Verifying against the original ({budget.describe()})"):
+                report = verify_saved(
+                    model_source, folder, budget, opts.dtype, tokenizer, opts.verify_text, opts.trust_remote_code
+                )
+            _check_verified(report)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(folder)
+        for name, text in _extra_files(plan.skeleton, summary, report, model_source).items():
+            (folder / name).write_text(text)
+        result["report"] = report
+
+    with stage("Saving"):
+        output = atomic_folder(Path(out), write, opts.overwrite)
+    return ConvertResult(model_source.name, output, summary, result["report"])
 
 
 convert.__doc__ += "\n" + textwrap.indent(options_doc(ConvertOptions), "    ")

@@ -16,6 +16,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ..errors import AttnResError
 from .samples import SAMPLE_TEXT
 
+DEFAULT_MAX_SHARD_SIZE = "5GB"  # transformers' and the hub's convention; the hub refuses files over 50GB
+
 DTypeName = Literal["auto", "float32", "bfloat16", "float16"]
 
 
@@ -40,6 +42,14 @@ class ConvertOptions(BaseModel):
     )
     overwrite: bool = Field(False, description="Replace an existing output folder.")
     trust_remote_code: bool = Field(False, description="Allow the input model's own code to run.")
+    max_shard_size: str = Field(
+        DEFAULT_MAX_SHARD_SIZE, description="Largest weight file written, e.g. 5GB or 500MB (the hub refuses files over 50GB)."
+    )
+    max_memory: str | None = Field(
+        None,
+        description="Memory the verification may use, e.g. 16GB; a larger model is streamed layer by layer from its "
+        "files (default: 80% of the free memory).",
+    )
 
     @classmethod
     def build(cls, options: ConvertOptions | None = None, **overrides) -> ConvertOptions:

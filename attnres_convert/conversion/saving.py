@@ -27,6 +27,7 @@ from ..modeling import SHIPPED_CODE
 from ..modeling.configuration_attnres import AttnResConfig
 from ..errors import OutputError, SourceError
 from ..modeling.modeling_attnres import AttnResForCausalLM
+from .options import DEFAULT_MAX_SHARD_SIZE
 
 
 def register_auto_classes() -> None:
@@ -299,10 +300,17 @@ def _fsync_dir(folder: Path) -> None:
         os.close(handle)
 
 
-def write_converted(model: AttnResForCausalLM, folder: Path, tokenizer=None, extra: dict[str, str] | None = None) -> None:
-    """Weights (safetensors), config, generation config, self-contained code, tokenizer, extras."""
+def write_converted(
+    model: AttnResForCausalLM,
+    folder: Path,
+    tokenizer=None,
+    extra: dict[str, str] | None = None,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+) -> None:
+    """Weights (safetensors, in shards of at most MAX_SHARD_SIZE), config, generation config,
+    self-contained code, tokenizer, extras."""
     register_auto_classes()
-    model.save_pretrained(folder)
+    model.save_pretrained(folder, max_shard_size=max_shard_size)
     if tokenizer is not None:
         tokenizer.save_pretrained(folder)
     for name, text in (extra or {}).items():
@@ -318,8 +326,9 @@ def save_converted(
     tokenizer=None,
     overwrite: bool = False,
     extra: dict[str, str] | None = None,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
 ) -> Path:
-    return atomic_folder(Path(out), lambda tmp: write_converted(model, tmp, tokenizer, extra), overwrite)
+    return atomic_folder(Path(out), lambda tmp: write_converted(model, tmp, tokenizer, extra, max_shard_size), overwrite)
 
 
 def is_converted_folder(path: str | os.PathLike) -> bool:

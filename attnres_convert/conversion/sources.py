@@ -200,12 +200,13 @@ def _warn_if_pickle_only(source: ModelSource) -> None:
         )
 
 
-def load_model(source: ModelSource, dtype: str = "auto", trust_remote_code: bool = False) -> PreTrainedModel:
+def load_model(source: ModelSource, dtype: str = "auto", trust_remote_code: bool = False, **load_kwargs) -> PreTrainedModel:
+    """The base model; LOAD_KWARGS go to from_pretrained (a device map that keeps it inside a memory budget)."""
     if dtype not in DTYPES:
         raise SourceError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
     _check_has_weights(source)
     _warn_if_pickle_only(source)
-    kwargs = source.load_kwargs()
+    kwargs = {**source.load_kwargs(), **load_kwargs}
     # GGUF weights are dequantised on load: float32 keeps them as stored.
     kwargs["dtype"] = torch.float32 if (source.gguf_file and dtype == "auto") else DTYPES[dtype]
     kwargs["weights_only"] = True  # a pickle checkpoint may hold tensors only, never code (explicit: no env override)

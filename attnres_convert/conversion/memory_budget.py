@@ -1,0 +1,137 @@
+"""How much memory a verification may use, and how it stays inside it.
+
+A model that fits in the budget is loaded whole. A larger one is loaded as Accelerate's big-model inference
+does (`device_map="auto"` with a CPU limit): the layers that fit stay in memory, the rest stay in their
+safetensors files and are read layer by layer during each forward. The logits are the same either way;
+only the time changes, so a streamed verification runs fewer tokens.
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+from dataclasses import dataclass
+
+import psutil
+from huggingface_hub.serialization._base import parse_size_to_int
+
+from ..errors import AttnResError
+
+DEFAULT_FRACTION = 0.8  # of the memory available now, when no budget is given
+OVERHEAD = 256 * 2**20  # activations of a short forward, the tokenizer, Python objects
+STREAMED_TOKENS = 64  # each forward of a streamed model reads every offloaded layer from disk
+STREAMED_NEW_TOKENS = 8
+
+
+def parse_size(value: int | str, what: str) -> int:
+    """'5GB', '500MB', '1.5GB' or a number of bytes, as save_pretrained's max_shard_size takes them."""
+    try:
+        size = value if isinstance(value, int) else parse_size_to_int(str(value).strip().upper())
+    except ValueError as error:
+        raise AttnResError(f"{what} {value!r} is not a size: give a number of bytes or a value like 5GB or 500MB") from error
+    if size <= 0:
+        raise AttnResError(f"{what} {value!r} must be positive")
+    return size
+
+
+def available_memory() -> int:
+    return psutil.virtual_memory().available
+
+
+def current_rss() -> int:
+    return psutil.Process().memory_info().rss
+
+
+def peak_rss() -> int:
+    """The process's peak resident memory so far, in bytes (what `/usr/bin/time -v` reports)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
+
+
+def human(size: int) -> str:
+    for unit, scale in (("GB", 10**9), ("MB", 10**6), ("KB", 10**3)):
+        if size >= scale:
+            return f"{size / scale:.2f} {unit}"
+    return f"{size} B"
+
+
+@dataclass(frozen=True)
+class VerifyBudget:
+    """The memory a verification may use and how it loads each model within it."""
+
+    budget: int
+    chosen: bool  # chosen from the free memory (no --max-memory given)
+    weights_in_memory: int | None  # None: the whole model fits; else the CPU limit for resident weights
+    tokens: int
+    new_tokens: int
+
+    @property
+    def streamed(self) -> bool:
+        return self.weights_in_memory is not None
+
+    def describe(self) -> str:
+        origin = "chosen from the free memory" if self.chosen else "--max-memory"
+        how = (
+            f"streaming the layers beyond {human(self.weights_in_memory)} from the files, {self.tokens} tokens"
+            if self.streamed
+            else "the whole model in memory"
+        )
+        return f"verification memory budget {human(self.budget)} ({origin}): {how}"
+
+    def load_kwargs(self, offload_folder: str) -> dict:
+        """from_pretrained arguments that keep the loaded model inside the budget."""
+        if not self.streamed:
+            return {}
+        return {"device_map": "auto", "max_memory": {"cpu": self.weights_in_memory}, "offload_folder": offload_folder}
+
+
+def plan_verification(
+    model_bytes: int, largest_layer_bytes: int, max_memory: int | str | None, tokens: int, new_tokens: int
+) -> VerifyBudget:
+    """Whether a model of MODEL_BYTES verifies in memory or streamed, within MAX_MEMORY (None: a budget from
+    the free memory). The budget covers the whole process: what it holds now, one model's resident weights,
+    the layer being streamed in (twice: read and in use) and the activations."""
+    chosen = max_memory is None
+    budget = int(available_memory() * DEFAULT_FRACTION) if chosen else parse_size(max_memory, "--max-memory")
+    spare = budget - current_rss() - OVERHEAD
+    if model_bytes <= spare:
+        return VerifyBudget(budget, chosen, None, tokens, new_tokens)
+    resident = spare - 2 * largest_layer_bytes
+    if resident <= 0:
+        needed = current_rss() + OVERHEAD + 2 * largest_layer_bytes + 64 * 2**20
+        raise AttnResError(
+            f"a verification memory budget of {human(budget)} is too small for this model: this process already "
+            f"holds {human(current_rss())} and one decoder layer is {human(largest_layer_bytes)}. Give "
+            f"--max-memory {human(needed).replace(' ', '')} or more, or skip the check with --no-verify."
+        )
+    return VerifyBudget(budget, chosen, resident, min(tokens, STREAMED_TOKENS), min(new_tokens, STREAMED_NEW_TOKENS))
+
+
+def verify_saved(source, folder, budget: VerifyBudget, dtype: str, tokenizer, text: str, trust_remote_code: bool = False):
+    """Check the converted FOLDER against the original SOURCE, one model in memory at a time, each loaded
+    within BUDGET (streamed from its files when it does not fit). Returns a VerificationReport."""
+    import gc
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    from ..modeling.modeling_attnres import AttnResForCausalLM
+    from .sources import DTYPES, load_model
+    from .verify import capture_reference, compare, sample_input_ids
+
+    offload = Path(tempfile.mkdtemp(prefix=".attnres-offload-", dir=Path(folder).parent))
+    try:
+        original = load_model(source, dtype, trust_remote_code, **budget.load_kwargs(str(offload / "original")))
+        ids = sample_input_ids(tokenizer, text, budget.tokens, original.config.vocab_size)
+        reference = capture_reference(original, ids, budget.new_tokens)
+        del original
+        gc.collect()
+        converted = AttnResForCausalLM.from_pretrained(
+            folder, dtype=DTYPES[dtype], **budget.load_kwargs(str(offload / "converted"))
+        ).eval()
+        report = compare(reference, converted)
+        del converted
+        gc.collect()
+        return report
+    finally:
+        shutil.rmtree(offload, ignore_errors=True)

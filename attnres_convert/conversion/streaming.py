@@ -1,0 +1,172 @@
+"""Conversion without loading the model: the converted folder written straight from the input's files.
+
+Conversion adds a few small tensors and renames nothing, so for a safetensors checkpoint the converted
+weights are the input's tensors, copied file to file (shards.py), plus the AttnRes parameters in a shard of
+their own. Which tensors the converted model saves, under which names and shapes, comes from the converted
+model built on the meta device (no memory): if the checkpoint holds exactly those, it is streamed; anything
+else (extra or missing tensors, other names) goes through the in-memory conversion, which handles it as
+from_pretrained does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedConfig
+from transformers.dynamic_module_utils import custom_object_save
+
+from ..errors import OutputError
+from ..modeling import SHIPPED_CODE
+from ..modeling.modeling_attnres import AttnResForCausalLM, AttnResKeyNorm, AttnResQuery
+from .shards import DTYPES, OutputTensor, StoredTensor, checkpoint_files, checkpoint_tensors, plan_shards, write_sharded
+from .sources import DTYPES as DTYPE_CHOICES
+from .sources import ModelSource
+from .surgery import convert_model
+
+Advance = Callable[[int], None]
+
+
+@dataclass
+class StreamPlan:
+    """What a streamed conversion writes: the converted model's skeleton (meta tensors: config, code and
+    structure) and every output tensor, base tensors first in the input's order, AttnRes ones last."""
+
+    skeleton: AttnResForCausalLM
+    base: list[OutputTensor]
+    added: list[OutputTensor]
+    source_folder: Path
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(tensor.nbytes for tensor in self.base + self.added)
+
+    def largest_layer_bytes(self) -> int:
+        """Bytes of the largest decoder layer (or other top-level piece): what streamed verification loads at once."""
+        sizes: dict[str, int] = {}
+        for tensor in self.base + self.added:
+            parts = tensor.name.split(".")
+            key = ".".join(parts[:3]) if len(parts) > 3 and parts[2].isdigit() else ".".join(parts[:2])
+            sizes[key] = sizes.get(key, 0) + tensor.nbytes
+        return max(sizes.values(), default=0)
+
+
+def source_folder(source: ModelSource) -> Path | None:
+    """The local folder holding a safetensors checkpoint of SOURCE (a hub id: its snapshot in the HF cache,
+    downloaded if needed), or None when the source is not a safetensors checkpoint (GGUF, pickle)."""
+    if source.kind == "folder":
+        folder = Path(source.location)
+    elif source.kind == "hub":
+        folder = _hub_snapshot(source)
+    else:
+        return None
+    return folder if checkpoint_files(folder) else None
+
+
+def _hub_snapshot(source: ModelSource) -> Path:
+    from huggingface_hub import snapshot_download
+
+    from .sources import _hub_error
+
+    try:
+        return Path(
+            snapshot_download(
+                source.location, allow_patterns=["*.safetensors", "*.safetensors.index.json", "*.json", "*.model", "*.txt"]
+            )
+        )
+    except Exception as error:  # noqa: BLE001 - reported with the source and a fix
+        raise _hub_error(source, error) from error
+
+
+def _skeleton(config: PreTrainedConfig, dtype: torch.dtype, trust_remote_code: bool, **conversion) -> AttnResForCausalLM:
+    """The converted model with every tensor on the meta device: structure, names, shapes, no memory."""
+    with torch.device("meta"):
+        base = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
+        return convert_model(base, **conversion)
+
+
+def _saved_shapes(model: AttnResForCausalLM) -> dict[str, tuple[int, ...]]:
+    """Names and shapes of the tensors save_pretrained writes for MODEL (tied copies dropped, the checkpoint
+    format's names restored), computed on meta tensors."""
+    from transformers.core_model_loading import revert_weight_conversion
+    from transformers.modeling_utils import remove_tied_weights_from_state_dict
+
+    state = remove_tied_weights_from_state_dict(model.state_dict(), model)
+    state = revert_weight_conversion(model, state)
+    return {name: tuple(tensor.shape) for name, tensor in state.items()}
+
+
+def _added_tensors(model: AttnResForCausalLM, dtype: torch.dtype) -> list[OutputTensor]:
+    """The AttnRes parameters at their conversion values: zero queries, unit key norms."""
+    added = []
+    for name, module in model.named_modules():
+        if isinstance(module, (AttnResQuery, AttnResKeyNorm)):
+            fill = 0.0 if isinstance(module, AttnResQuery) else 1.0
+            added.append(OutputTensor.new(f"{name}.weight", torch.full(tuple(module.weight.shape), fill, dtype=dtype)))
+    return added
+
+
+def _embedding_dtype(model: AttnResForCausalLM, stored: dict[str, StoredTensor]) -> torch.dtype:
+    """The dtype the checkpoint stores the input embedding in: the model's dtype when --dtype is auto."""
+    embedding = model.get_input_embeddings().weight
+    for name, param in model.named_parameters():
+        if param is embedding and name in stored and DTYPES[stored[name].dtype].is_floating_point:
+            return DTYPES[stored[name].dtype]
+    floating = [DTYPES[t.dtype] for t in stored.values() if DTYPES[t.dtype].is_floating_point]
+    return max(set(floating), key=floating.count) if floating else torch.float32
+
+
+def plan_stream(
+    folder: Path,
+    config: PreTrainedConfig,
+    dtype: str = "auto",
+    trust_remote_code: bool = False,
+    **conversion,
+) -> StreamPlan | str:
+    """The streamed conversion of the checkpoint in FOLDER, or the reason it cannot be streamed."""
+    stored = checkpoint_tensors(checkpoint_files(folder) or [])
+    by_name = {tensor.name: tensor for tensor in stored}
+    skeleton = _skeleton(config, torch.float32, trust_remote_code, **conversion)
+    out_dtype = _embedding_dtype(skeleton, by_name) if dtype == "auto" else DTYPE_CHOICES[dtype]
+    added = _added_tensors(skeleton, out_dtype)
+    added_names = {tensor.name for tensor in added}
+    try:
+        expected = {name: shape for name, shape in _saved_shapes(skeleton).items() if name not in added_names}
+    except Exception as error:  # noqa: BLE001 - an unusual checkpoint format: the in-memory path handles it
+        return f"its saved names could not be worked out ({type(error).__name__})"
+    every_param = set(skeleton.state_dict())  # tied copies included: a checkpoint may store them too
+    extra = [name for name in by_name if name not in expected and name not in every_param]
+    missing = [name for name in expected if name not in by_name]
+    if extra or missing:
+        what = f"{len(extra)} tensors the model does not have" if extra else f"{len(missing)} tensors missing"
+        return f"the checkpoint does not hold exactly the model's tensors ({what}, e.g. {(extra or missing)[0]})"
+    for name, tensor in by_name.items():
+        if name in expected and expected[name] != tensor.shape:
+            return f"tensor {name} has shape {list(tensor.shape)} in the checkpoint, {list(expected[name])} in the model"
+    skeleton.config.dtype = out_dtype
+    skeleton.config.text_config.dtype = out_dtype
+    base = [OutputTensor.stored(tensor, None if dtype == "auto" else out_dtype) for tensor in stored]
+    return StreamPlan(skeleton, base, added, folder)
+
+
+def _generation_config(plan: StreamPlan) -> GenerationConfig:
+    """The input's generation_config.json when it has one (as from_pretrained would load it)."""
+    if (plan.source_folder / "generation_config.json").is_file():
+        return GenerationConfig.from_pretrained(plan.source_folder)
+    return GenerationConfig.from_model_config(plan.skeleton.config.text_config)
+
+
+def write_streamed(folder: Path, plan: StreamPlan, max_shard_size: int, advance: Advance = lambda nbytes: None) -> dict[str, str]:
+    """Config, generation config and the self-contained modeling code (as save_pretrained writes them),
+    then the weight shards and, last, the index. Returns the weight map."""
+    model = plan.skeleton
+    custom_object_save(model, folder, config=model.config)  # the shipped code, and auto_map in the config
+    model.config.save_pretrained(folder)
+    _generation_config(plan).save_pretrained(folder)
+    missing = [name for name in SHIPPED_CODE if not (folder / name).is_file()]
+    if missing:
+        raise OutputError(f"internal error: the modeling code {missing} was not copied; the folder would not load")
+    shards = plan_shards(plan.base, max_shard_size) + [plan.added]
+    return write_sharded(folder, shards, advance)
