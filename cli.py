@@ -16,7 +16,17 @@ from typing import Annotated, Literal, Optional, get_args, get_origin
 import typer
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    ProgressColumn,
+    SpinnerColumn,
+    TextColumn,
+    TimeElapsedColumn,
+    TransferSpeedColumn,
+)
+from rich.text import Text
 from rich.table import Table
 
 from attnres_convert.conversion.options import ConvertOptions, DTypeName
@@ -108,13 +118,32 @@ def training_errors(main: bool, interrupted: Callable[[Exception], str] = lambda
         raise typer.Exit(code) from None
 
 
+class _ForBytes(ProgressColumn):
+    """A column shown only on tasks that count bytes (a bar with size and speed); stage lines stay plain."""
+
+    def __init__(self, column: ProgressColumn):
+        super().__init__()
+        self.column = column
+
+    def render(self, task):
+        return self.column.render(task) if task.fields.get("bytes") else Text("")
+
+
 @contextlib.contextmanager
 def stages() -> Iterator:
-    """A Rich progress display with one line per stage of a long job."""
+    """A Rich progress display with one line per stage of a long job; `stage.progress(name, total)` adds a
+    line with a bar over TOTAL bytes, whose context value advances it."""
     quiet_transformers()
+    columns = [BarColumn(), DownloadColumn(), TransferSpeedColumn()]
     with Progress(
-        SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=err_console, transient=False
+        SpinnerColumn(), TextColumn("{task.description}"), *map(_ForBytes, columns), TimeElapsedColumn(),
+        console=err_console, transient=False,
     ) as progress:
+
+        @contextlib.contextmanager
+        def bytes_bar(name: str, total: int) -> Iterator:
+            task = progress.add_task(name, total=total, bytes=True)
+            yield lambda nbytes: progress.advance(task, nbytes)
 
         @contextlib.contextmanager
         def stage(name: str) -> Iterator[None]:
@@ -124,6 +153,7 @@ def stages() -> Iterator:
             finally:
                 progress.update(task, completed=1)
 
+        stage.progress = bytes_bar
         yield stage
 
 
@@ -247,10 +277,12 @@ def convert(
     from attnres_convert import convert as run_convert
 
     with user_errors(), stages() as stage:
-        result = run_convert(source, output, options, stage=stage)
+        result = run_convert(source, output, options, stage=stage, progress=stage.progress)
     console.print(summary_table(result.summary))
     if result.verification is not None:
         console.print(verification_table(result.verification))
+    if result.verification_budget:
+        console.print(f"verification {result.verification_budget}", highlight=False)
     console.print(f"[green]Saved[/] {result.source} as Block AttnRes to [bold]{result.output}[/]")
     if push_to_hub:
         push_saved(result.output, push_to_hub, private=private, token=token)

@@ -189,7 +189,7 @@ def _convert_streamed(
             write_streamed(folder, plan, max_shard_size, advance)
         report = None
         if budget is not None:
-            with stage(f"Verifying against the original ({budget.describe()})"):
+            with stage("Verifying against the original"):
                 report = verify_saved(
                     model_source, folder, budget, opts.dtype, tokenizer, opts.verify_text, opts.trust_remote_code
                 )
@@ -202,7 +202,9 @@ def _convert_streamed(
 
     with stage("Saving"):
         output = atomic_folder(Path(out), write, opts.overwrite)
-    return ConvertResult(model_source.name, output, summary, result["report"])
+    return ConvertResult(
+        model_source.name, output, summary, result["report"], verification_budget=budget.describe() if budget else None
+    )
 
 
 convert.__doc__ += "\n" + textwrap.indent(options_doc(ConvertOptions), "    ")

@@ -26,7 +26,8 @@ STREAMED_NEW_TOKENS = 8
 def parse_size(value: int | str, what: str) -> int:
     """'5GB', '500MB', '1.5GB' or a number of bytes, as save_pretrained's max_shard_size takes them."""
     try:
-        size = value if isinstance(value, int) else parse_size_to_int(str(value).strip().upper())
+        text = str(value).strip().upper()
+        size = value if isinstance(value, int) else int(text) if text.isdigit() else parse_size_to_int(text)
     except ValueError as error:
         raise AttnResError(f"{what} {value!r} is not a size: give a number of bytes or a value like 5GB or 500MB") from error
     if size <= 0:
@@ -43,9 +44,27 @@ def current_rss() -> int:
 
 
 def peak_rss() -> int:
-    """The process's peak resident memory so far, in bytes (what `/usr/bin/time -v` reports)."""
+    """The process's peak resident memory, in bytes: since the last `reset_peak_rss` where Linux allows it
+    (VmHWM), else since the start (ru_maxrss, what `/usr/bin/time -v` reports)."""
+    try:
+        for line in open("/proc/self/status"):
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024
+
+
+def reset_peak_rss() -> bool:
+    """Start a new peak measurement from the current resident memory (Linux: clear_refs 5). False where the
+    system cannot, and then peak_rss still counts from the start of the process."""
+    try:
+        with open("/proc/self/clear_refs", "w") as handle:
+            handle.write("5")
+        return True
+    except OSError:
+        return False
 
 
 def human(size: int) -> str:
@@ -70,13 +89,13 @@ class VerifyBudget:
         return self.weights_in_memory is not None
 
     def describe(self) -> str:
-        origin = "chosen from the free memory" if self.chosen else "--max-memory"
+        origin = "80% of the free memory" if self.chosen else "--max-memory"
         how = (
-            f"streaming the layers beyond {human(self.weights_in_memory)} from the files, {self.tokens} tokens"
+            f"layers beyond {human(self.weights_in_memory)} streamed from the files, {self.tokens} tokens"
             if self.streamed
-            else "the whole model in memory"
+            else "whole model in memory"
         )
-        return f"verification memory budget {human(self.budget)} ({origin}): {how}"
+        return f"memory budget {human(self.budget)} ({origin}): {how}"
 
     def load_kwargs(self, offload_folder: str) -> dict:
         """from_pretrained arguments that keep the loaded model inside the budget."""

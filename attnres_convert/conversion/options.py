@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from ..errors import AttnResError
 from .samples import SAMPLE_TEXT
@@ -50,6 +50,12 @@ class ConvertOptions(BaseModel):
         description="Memory the verification may use, e.g. 16GB; a larger model is streamed layer by layer from its "
         "files (default: 80% of the free memory).",
     )
+
+    @field_validator("max_shard_size", "max_memory", mode="before")
+    @classmethod
+    def _bytes_as_text(cls, value):
+        # The library also takes a number of bytes; the flag is text ("5GB"), parsed where it is used.
+        return str(value) if isinstance(value, int) and not isinstance(value, bool) else value
 
     @classmethod
     def build(cls, options: ConvertOptions | None = None, **overrides) -> ConvertOptions:

@@ -37,7 +37,7 @@ DTYPES: dict[str, torch.dtype] = {
     "BOOL": torch.bool,
 }
 DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
-CHUNK_BYTES = 32 * 2**20  # bytes per read when a tensor changes dtype (and per copy where the kernel cannot)
+CHUNK_BYTES = 16 * 2**20  # bytes per read when a tensor changes dtype (and per copy where the kernel cannot)
 
 
 @dataclass(frozen=True)
@@ -203,16 +203,18 @@ def _copy_range(source: int, target: int, start: int, count: int) -> None:
 def _convert_range(source: int, target: int, tensor: StoredTensor, dtype: torch.dtype) -> None:
     """A stored tensor re-dtyped a chunk of elements at a time (dtype conversion is elementwise)."""
     stored = DTYPES[tensor.dtype]
-    per_chunk = max(1, CHUNK_BYTES // stored.itemsize)
-    buffer = bytearray(per_chunk * stored.itemsize)
+    per_chunk = max(1, min(CHUNK_BYTES // stored.itemsize, tensor.numel))
+    buffer = bytearray(per_chunk * stored.itemsize)  # both buffers reused chunk after chunk
+    converted = torch.empty(per_chunk, dtype=dtype)
     done = 0
     while done < tensor.numel:
         count = min(per_chunk, tensor.numel - done)
         view = memoryview(buffer)[: count * stored.itemsize]
         if os.preadv(source, [view], tensor.start + done * stored.itemsize) != len(view):
             raise SourceError(f"{tensor.file} ended inside tensor {tensor.name} (truncated?); re-download the model.")
-        values = torch.frombuffer(view, dtype=stored, count=count).to(dtype)
-        _write_all(target, values.view(torch.uint8).numpy())
+        chunk = converted[:count]
+        chunk.copy_(torch.frombuffer(view, dtype=stored, count=count))  # the rounding of .to(dtype)
+        _write_all(target, chunk.view(torch.uint8).numpy())
         done += count
 
 

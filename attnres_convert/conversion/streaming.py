@@ -87,14 +87,15 @@ def _skeleton(config: PreTrainedConfig, dtype: torch.dtype, trust_remote_code: b
         return convert_model(base, **conversion)
 
 
-def _saved_shapes(model: AttnResForCausalLM) -> dict[str, tuple[int, ...]]:
-    """Names and shapes of the tensors save_pretrained writes for MODEL (tied copies dropped, the checkpoint
-    format's names restored), computed on meta tensors."""
+def _saved_base_shapes(model: AttnResForCausalLM, added: set[str]) -> dict[str, tuple[int, ...]]:
+    """Names and shapes of the base tensors save_pretrained writes for MODEL (tied copies dropped, the
+    checkpoint format's names restored, e.g. Mixtral's experts one by one), computed on meta tensors. The
+    AttnRes tensors keep the contract's names: transformers' renaming patterns are not meant for them."""
     from transformers.core_model_loading import revert_weight_conversion
     from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
     state = remove_tied_weights_from_state_dict(model.state_dict(), model)
-    state = revert_weight_conversion(model, state)
+    state = revert_weight_conversion(model, {name: tensor for name, tensor in state.items() if name not in added})
     return {name: tuple(tensor.shape) for name, tensor in state.items()}
 
 
@@ -133,7 +134,7 @@ def plan_stream(
     added = _added_tensors(skeleton, out_dtype)
     added_names = {tensor.name for tensor in added}
     try:
-        expected = {name: shape for name, shape in _saved_shapes(skeleton).items() if name not in added_names}
+        expected = _saved_base_shapes(skeleton, added_names)
     except Exception as error:  # noqa: BLE001 - an unusual checkpoint format: the in-memory path handles it
         return f"its saved names could not be worked out ({type(error).__name__})"
     every_param = set(skeleton.state_dict())  # tied copies included: a checkpoint may store them too
