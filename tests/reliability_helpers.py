@@ -102,7 +102,7 @@ def edit_config(folder: Path, **changes) -> Path:
 # ---------------------------------------------------------------- fault injection (run in a child process)
 
 
-def convert_in_child(source: str, out: str, block_size: int, verify: bool, conn) -> None:
+def convert_in_child(source: str, out: str, block_size: int, verify: bool, conn, stream: bool = False) -> None:
     """`attnres_convert.conversion.convert` reporting each stage over CONN as it starts (the parent kills us at chosen
     moments). Runs in a forkserver child: torch and transformers are already imported there."""
     import torch
@@ -117,7 +117,7 @@ def convert_in_child(source: str, out: str, block_size: int, verify: bool, conn)
         yield
 
     conn.send("started")
-    convert(source, out, block_size=block_size, verify=verify, overwrite=True, stage=stage)
+    convert(source, out, block_size=block_size, verify=verify, overwrite=True, stage=stage, stream=stream)
     conn.send("done")
 
 

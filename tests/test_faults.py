@@ -36,8 +36,9 @@ def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("faults")
     source = root / "base"
     tiny_model("llama", vocab_size=32000).save_pretrained(source)
-    convert(str(source), root / "reference-new", block_size=3, verify=False)
-    convert(str(source), root / "reference-old", block_size=2, verify=False)
+    # The in-memory path (load, convert, save_pretrained); test_big_checkpoints kills the streamed one.
+    convert(str(source), root / "reference-new", block_size=3, verify=False, stream=False)
+    convert(str(source), root / "reference-old", block_size=2, verify=False, stream=False)
     return {"root": root, "source": source, "new": snapshot(root / "reference-new"),
             "old_folder": root / "reference-old", "old": snapshot(root / "reference-old")}
 
@@ -122,7 +123,7 @@ def test_sigkill_at_any_moment_keeps_the_previous_output(tmp_path, models, forks
     assert left, "expected temporary folders left by the killed runs"
     from attnres_convert import convert
 
-    convert(str(models["source"]), out, block_size=3, verify=False, overwrite=True)
+    convert(str(models["source"]), out, block_size=3, verify=False, overwrite=True, stream=False)
     assert snapshot(out) == models["new"]
     assert partials(out) == []
 
@@ -201,7 +202,7 @@ def test_without_atomic_exchange_the_swap_still_completes(tmp_path, models, monk
     monkeypatch.setattr(saving, "_exchange", lambda a, b: False)
     out = tmp_path / "out"
     shutil.copytree(models["old_folder"], out)
-    convert(str(models["source"]), out, block_size=3, verify=False, overwrite=True)
+    convert(str(models["source"]), out, block_size=3, verify=False, overwrite=True, stream=False)
     assert snapshot(out) == models["new"] and partials(out) == []
 
 
@@ -261,7 +262,7 @@ def test_disk_full_while_saving(tmp_path, models, monkeypatch, previous):
     from attnres_convert.conversion import saving
     from reliability_helpers import assert_user_error, run_cli
 
-    def disk_full(model, folder, tokenizer=None, extra=None):
+    def disk_full(model, folder, tokenizer=None, extra=None, max_shard_size=None):
         (folder / "model.safetensors").write_bytes(b"\0" * 1000)
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(folder / "model.safetensors"))
 
@@ -269,7 +270,7 @@ def test_disk_full_while_saving(tmp_path, models, monkeypatch, previous):
     out = tmp_path / "out"
     if previous:
         shutil.copytree(models["old_folder"], out)
-    result = run_cli("convert", models["source"], "-o", out, "--overwrite", "--no-verify", "--block-size", "3")
+    result = run_cli("convert", models["source"], "-o", out, "--overwrite", "--no-verify", "--block-size", "3", "--no-stream")
     assert_user_error(result, str(out), "No space left on device", "nothing was written there", "free disk space")
     assert snapshot(out) == (models["old"] if previous else None)
     assert partials(out) == []

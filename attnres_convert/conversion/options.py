@@ -42,6 +42,11 @@ class ConvertOptions(BaseModel):
     )
     overwrite: bool = Field(False, description="Replace an existing output folder.")
     trust_remote_code: bool = Field(False, description="Allow the input model's own code to run.")
+    stream: bool = Field(
+        True,
+        description="Convert a safetensors checkpoint file to file without loading the model; --no-stream loads it "
+        "in memory (GGUF and pickle inputs always are).",
+    )
     max_shard_size: str = Field(
         DEFAULT_MAX_SHARD_SIZE, description="Largest weight file written, e.g. 5GB or 500MB (the hub refuses files over 50GB)."
     )

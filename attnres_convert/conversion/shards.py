@@ -59,6 +59,13 @@ class StoredTensor:
         return count
 
 
+def _corrupt(path: Path, why: str) -> SourceError:
+    return SourceError(
+        f"could not load the weights of {path.parent}: {path.name} ({why}). The file may be truncated or corrupt: "
+        "re-download or re-export it."
+    )
+
+
 def read_header(path: Path) -> list[StoredTensor]:
     """The tensors of one safetensors file, in the order of their data in the file."""
     try:
@@ -69,17 +76,16 @@ def read_header(path: Path) -> list[StoredTensor]:
             header = json.loads(handle.read(length))
         file_size = path.stat().st_size
     except (OSError, ValueError, struct.error) as error:
-        raise SourceError(f"{path} is not a readable safetensors file ({error}); re-download or re-export it.") from error
+        raise _corrupt(path, f"not a readable safetensors file: {error}") from error
     header.pop("__metadata__", None)
     data_start = 8 + length
     tensors = []
     for name, info in header.items():
         begin, end = info["data_offsets"]
-        if info["dtype"] not in DTYPES or data_start + end > file_size:
-            raise SourceError(
-                f"{path}: tensor {name} has dtype {info['dtype']} or lies past the end of the file (truncated?); "
-                "re-download or re-export the model."
-            )
+        if info["dtype"] not in DTYPES:
+            raise _corrupt(path, f"tensor {name} has the unknown dtype {info['dtype']}")
+        if data_start + end > file_size:
+            raise _corrupt(path, f"tensor {name} lies past the end of the file")
         tensors.append(StoredTensor(name, info["dtype"], tuple(info["shape"]), path, data_start + begin, end - begin))
     return sorted(tensors, key=lambda t: t.start)
 

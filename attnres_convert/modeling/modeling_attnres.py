@@ -150,6 +150,21 @@ def _depth_params(layer: nn.Module, names: tuple[str, str]) -> tuple[torch.Tenso
     return _loaded_weight(query), _loaded_weight(key_norm)
 
 
+# Where wrappers keep the module they wrap: activation checkpointing's CheckpointWrapper, FSDP1, DDP-style.
+_WRAPPED = ("_checkpoint_wrapped_module", "_fsdp_wrapped_module", "module")
+
+
+def _decoder_layer(module: nn.Module) -> nn.Module:
+    """The converted decoder layer inside the wrappers that activation checkpointing or FSDP1 put in its place
+    in the model's layer list."""
+    while not isinstance(module, AttnResDecoderLayerMixin):
+        inner = next((module._modules[name] for name in _WRAPPED if name in module._modules), None)
+        if inner is None:
+            break
+        module = inner
+    return module
+
+
 def _all_queries(spec: _LayerSpec, like: torch.Tensor) -> torch.Tensor | None:
     """Every sublayer's folded pseudo-query, [R, D] in execution order, for the score table (inference and
     eager training) or a decoding step, from which each reader then takes its own row; None where the
@@ -157,6 +172,7 @@ def _all_queries(spec: _LayerSpec, like: torch.Tensor) -> torch.Tensor | None:
     operation, not one per sublayer."""
     queries, key_norms = [], []
     for layer in module_at(spec.owner, spec.layers):
+        layer = _decoder_layer(layer)
         for names in layer._attnres_spec.param_names:
             query, key_norm = _depth_params(layer, names)
             if (
