@@ -313,3 +313,20 @@ def test_meta_device_loading_allocates_nothing(tmp_path):
 
     plan = plan_stream(tmp_path / "plain", load_config(resolve_source(str(tmp_path / "plain"))))
     assert {p.device.type for p in plan.skeleton.parameters()} == {"meta"}
+
+
+def test_finetune_output_is_sharded_and_a_bad_size_is_refused_before_training(tmp_path):
+    from attnres_convert.finetune.recipe import RecipeError, parse_recipe
+    from attnres_convert.finetune.training import finetune
+    from finetune_helpers import tiny_model_folder, tiny_recipe, write_corpus
+
+    model, corpus = tiny_model_folder(tmp_path / "tiny"), write_corpus(tmp_path / "corpus")
+    with pytest.raises(RecipeError, match="max_shard_size"):
+        parse_recipe(tiny_recipe(model, corpus, tmp_path / "bad", output={"max_shard_size": "lots"}))
+    recipe = tiny_recipe(model, corpus, tmp_path / "run", train={"steps": 2}, eval={"every": 0}, output={"max_shard_size": "40KB"})
+    result = finetune(parse_recipe(recipe))
+    files = sorted(p.name for p in result.model_dir.glob("*.safetensors"))
+    assert len(files) >= 3 and (result.model_dir / INDEX).is_file()
+    trained = _tensors(result.model_dir)
+    reloaded = load_converted(result.model_dir)
+    assert all(torch.equal(reloaded.get_parameter(name), tensor) for name, tensor in trained.items() if "_res_proj" in name)

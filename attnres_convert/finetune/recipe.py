@@ -21,6 +21,8 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from ..conversion.memory_budget import parse_size
+from ..conversion.options import DEFAULT_MAX_SHARD_SIZE
 from ..errors import AttnResError
 
 SHAKESPEARE_PREFIX = "shakespeare:"
@@ -222,8 +224,20 @@ class OutputSection(_Section):
     dir: str = Field(..., min_length=1, description="Run folder: recipe, metrics, checkpoints/, model/.")
     overwrite: bool = Field(False, description="Replace an existing run folder (otherwise use --resume).")
     save_model: bool = Field(True, description="Write the final model to OUT/model (the A/B benchmark turns it off).")
+    max_shard_size: str = Field(
+        DEFAULT_MAX_SHARD_SIZE, description="Largest weight file of OUT/model, e.g. 5GB (the hub refuses files over 50GB)."
+    )
     push_to_hub: str | None = Field(None, description="Hub repo id to upload OUT/model to at the end (token: HF_TOKEN or `hf auth login`).")
     private: bool = Field(False, description="Create the hub repo as private.")
+
+    @field_validator("max_shard_size")
+    @classmethod
+    def _a_size(cls, value: str) -> str:
+        try:  # refused before training, not at the save after it
+            parse_size(value, "size")
+        except AttnResError as error:
+            raise ValueError(str(error)) from None
+        return value
 
 
 class Recipe(_Section):

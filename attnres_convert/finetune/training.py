@@ -598,7 +598,7 @@ def _save_result(accelerator, model, start: StartingModel, recipe: Recipe, out: 
         if adapter is not None:
             adapter.save_pretrained(folder / "adapter")  # LoRA weights only
             base = adapter.unload()  # the AttnRes model without LoRA layers (its AttnRes params are trained)
-        base.save_pretrained(folder, state_dict=state_dict)
+        base.save_pretrained(folder, state_dict=state_dict, max_shard_size=recipe.output.max_shard_size)
         if start.converted:
             missing = [name for name in SHIPPED_CODE if not (folder / name).is_file()]
             if missing:
