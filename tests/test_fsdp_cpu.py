@@ -134,4 +134,4 @@ def test_fsdp_and_checkpoint_wrappers_match_one_process(tmp_path):
         for name, grad in expected.items():
             # 1e-6 of the gradient's size: the sharded reduction adds in another order than one process.
             error = (torch.tensor(got["grads"][name]) - torch.tensor(grad)).abs().max().item()
-            assert error < 1e-6 * torch.tensor(grad).norm().item(), (variant, name, error)
+            assert error <= 1e-6 * max(1.0, torch.tensor(grad).norm().item()), (variant, name, error)

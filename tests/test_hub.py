@@ -28,7 +28,10 @@ TOKEN = "hf_FakeTokenForTests0123456789abcdefXYZ"
 CONTRACT = {
     "config.json",
     "generation_config.json",
-    "model.safetensors",
+    # `attnres convert` streams a safetensors model: base weights, then the AttnRes parameters' own shard
+    "model-00001-of-00002.safetensors",
+    "model-00002-of-00002.safetensors",
+    "model.safetensors.index.json",
     "README.md",
     "attnres_conversion.json",
     *SHIPPED_CODE,
@@ -165,14 +168,14 @@ def test_convert_without_a_token_fails_before_converting(hub, base_folder, tmp_p
 def test_incomplete_folder_is_refused_before_any_request(hub, converted, tmp_path):
     folder = _copy(converted, tmp_path)
     (folder / "modeling_attnres.py").unlink()
-    weights = folder / "model.safetensors"
+    weights = folder / "model-00001-of-00002.safetensors"
     weights.write_bytes(weights.read_bytes()[:-100])
     (folder / "tokenizer_config.json").write_text("{}")
     (folder / "README.md").write_text("---\nbase_model: [unclosed\n---\n")
     with pytest.raises(HubError) as error:
         push_folder(folder, "alice/x", token=TOKEN)
     message = str(error.value)
-    for expected in ("modeling_attnres.py is missing", "model.safetensors is truncated", "no vocabulary", "front matter"):
+    for expected in ("modeling_attnres.py is missing", "model-00001-of-00002.safetensors is truncated", "no vocabulary", "front matter"):
         assert expected in message
     assert "nothing was uploaded" in message and hub.requests == []
 

@@ -10,6 +10,8 @@ from_pretrained does.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,10 +22,12 @@ from transformers.dynamic_module_utils import custom_object_save
 
 from ..errors import OutputError
 from ..modeling import SHIPPED_CODE
+from ..modeling.architectures import ModelPlan, family_for
 from ..modeling.modeling_attnres import AttnResForCausalLM, AttnResKeyNorm, AttnResQuery
 from .shards import DTYPES, OutputTensor, StoredTensor, checkpoint_files, checkpoint_tensors, plan_shards, write_sharded
 from .sources import DTYPES as DTYPE_CHOICES
 from .sources import ModelSource
+from .discovery import find_plan
 from .surgery import convert_model
 
 Advance = Callable[[int], None]
@@ -80,11 +84,44 @@ def _hub_snapshot(source: ModelSource) -> Path:
         raise _hub_error(source, error) from error
 
 
-def _skeleton(config: PreTrainedConfig, dtype: torch.dtype, trust_remote_code: bool, **conversion) -> AttnResForCausalLM:
+# A miniature of the model for proving its structure: same architecture code, same layer count and layer
+# types, tiny widths. Only keys the config has are changed.
+_MINIATURE = {
+    "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+    "vocab_size": 128, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, "num_experts": 4,
+    "num_local_experts": 4, "num_experts_per_tok": 2, "n_inner": 128,
+}
+
+
+def _miniature(config: PreTrainedConfig) -> PreTrainedConfig:
+    small = copy.deepcopy(config)
+    for key, value in _MINIATURE.items():
+        if key in config.to_dict() or hasattr(type(config), "attribute_map") and key in config.attribute_map:
+            setattr(small, key, value)
+    return small
+
+
+def proven_plan(config: PreTrainedConfig, trust_remote_code: bool = False) -> ModelPlan | str:
+    """The structure plan of CONFIG's model, proven without its weights: the architecture table's plan,
+    once it reproduces (layer by layer, as find_plan proves any model) a miniature of the model with random
+    weights. Else the reason to convert in memory, where the structure is proven on the real weights."""
+    family = family_for(config)
+    try:
+        miniature = AutoModelForCausalLM.from_config(_miniature(config), trust_remote_code=trust_remote_code, dtype=torch.float32)
+        proven, _ = find_plan(miniature)
+    except Exception as error:  # noqa: BLE001 - the in-memory path proves the structure on the model itself
+        return f"its structure could not be proven on a miniature ({type(error).__name__}: {str(error)[:200]})"
+    expected = dataclasses.replace(family.plan(miniature.config), tuple_output=proven.tuple_output)
+    if proven != expected:
+        return "the architecture table's structure does not reproduce a miniature of the model"
+    return dataclasses.replace(family.plan(config), tuple_output=proven.tuple_output)
+
+
+def _skeleton(config: PreTrainedConfig, plan: ModelPlan, dtype: torch.dtype, trust_remote_code: bool, **conversion) -> AttnResForCausalLM:
     """The converted model with every tensor on the meta device: structure, names, shapes, no memory."""
     with torch.device("meta"):
         base = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
-        return convert_model(base, **conversion)
+        return convert_model(base, plan=plan, **conversion)
 
 
 def _saved_base_shapes(model: AttnResForCausalLM, added: set[str]) -> dict[str, tuple[int, ...]]:
@@ -129,7 +166,10 @@ def plan_stream(
     """The streamed conversion of the checkpoint in FOLDER, or the reason it cannot be streamed."""
     stored = checkpoint_tensors(checkpoint_files(folder) or [])
     by_name = {tensor.name: tensor for tensor in stored}
-    skeleton = _skeleton(config, torch.float32, trust_remote_code, **conversion)
+    plan = proven_plan(config, trust_remote_code)
+    if isinstance(plan, str):
+        return plan
+    skeleton = _skeleton(config, plan, torch.float32, trust_remote_code, **conversion)
     out_dtype = _embedding_dtype(skeleton, by_name) if dtype == "auto" else DTYPE_CHOICES[dtype]
     added = _added_tensors(skeleton, out_dtype)
     added_names = {tensor.name for tensor in added}

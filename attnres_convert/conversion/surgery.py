@@ -106,10 +106,13 @@ def convert_model(
     num_blocks: int | None = None,
     full: bool = False,
     source_scaling: str = "count",
+    plan: ModelPlan | None = None,
 ) -> AttnResForCausalLM:
     """Wrap a loaded base causal LM as Block AttnRes. Zero queries: the result reproduces the base.
 
-    The base model object is consumed: its modules now belong to the returned model.
+    The base model object is consumed: its modules now belong to the returned model. PLAN, a structure
+    proven on another instance of the same architecture, is for a model without weights (meta tensors,
+    streaming.py); by default the structure is found and proven on this model.
     """
     if isinstance(base_model, AttnResForCausalLM):
         raise UnsupportedModelError("this model is already an AttnRes model; convert the base model instead")
@@ -121,7 +124,9 @@ def convert_model(
     refusal = config_refusal(config)
     if refusal:
         raise UnsupportedModelError(f"{refusal}.")
-    plan, trace = find_plan(base_model)  # proven layer by layer on this very model, or refused
+    trace = None
+    if plan is None:
+        plan, trace = find_plan(base_model)  # proven layer by layer on this very model, or refused
     size = resolve_block_size(Structure.of_plan(config.model_type, plan), block_size, num_blocks, full)
     # A composite config resets its sub-config's attention implementation: keep the base model's.
     attn_implementation, dtype = config._attn_implementation, config.dtype
@@ -136,7 +141,7 @@ def convert_model(
     model.generation_config = base_model.generation_config
     model.name_or_path = base_model.name_or_path
     model.train(base_model.training)
-    if source_scaling == "count":  # "mean" is meant to differ (models trained from scratch)
+    if trace is not None and source_scaling == "count":  # "mean" is meant to differ (models trained from scratch)
         check_converted(model, trace)
     return model
 
