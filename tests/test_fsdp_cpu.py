@@ -132,6 +132,6 @@ def test_fsdp_and_checkpoint_wrappers_match_one_process(tmp_path):
         assert abs(got["loss"] - loss.item()) < 1e-6, (variant, got["loss"], loss.item())
         assert got["grads"].keys() == expected.keys(), variant
         for name, grad in expected.items():
-            # 1e-6 of the gradient's size: the sharded reduction adds in another order than one process.
+            # 1e-5 of the gradient's size: the sharded reduction adds in another order than one process (fp32).
             error = (torch.tensor(got["grads"][name]) - torch.tensor(grad)).abs().max().item()
-            assert error <= 1e-6 * max(1.0, torch.tensor(grad).norm().item()), (variant, name, error)
+            assert error <= 1e-5 * max(1.0, torch.tensor(grad).norm().item()), (variant, name, error)
