@@ -22,7 +22,7 @@ import pytest
 from reliability_helpers import ONE_THREAD_ENV, ROOT, convert_in_child, forkserver_context, snapshot
 
 
-STAGES = ("Reading config", "Loading model", "Running the original model", "Converting",
+STAGES = ("Reading config", "Loading model", "Running the original model", "Finding and proving the layer structure, converting",
           "Verifying against the original", "Saving")
 
 
