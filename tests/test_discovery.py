@@ -94,3 +94,22 @@ def test_bf16_model_is_proven_at_its_own_precision():
     with torch.no_grad():
         logits = converted(ids).logits.float()
     assert (logits.argmax(-1) == reference.argmax(-1)).float().mean().item() >= 0.95
+
+
+def test_a_folder_converted_before_plans_were_recorded_still_loads(tmp_path):
+    """config.json without `structure`: the shipped code takes the layout from the architecture table."""
+    import json
+
+    from attnres_convert import load_converted, save_converted
+
+    model = convert_model(tiny_model("gpt_neox_parallel"), block_size=3).eval()
+    out = save_converted(model, tmp_path / "converted")
+    config = json.loads((out / "config.json").read_text())
+    assert config["structure"]["kinds"][0][0]["branches"][1]["module"] == "mlp"
+    del config["structure"]
+    (out / "config.json").write_text(json.dumps(config))
+    reloaded = load_converted(out).eval()
+    assert reloaded.config.structure is None
+    ids = token_ids()
+    with torch.no_grad():
+        assert torch.equal(reloaded(ids).logits, model(ids).logits)
