@@ -120,7 +120,7 @@ def convert(
         with stage("Running the original model"):
             ids = sample_input_ids(tokenizer, opts.verify_text, opts.verify_tokens, base.config.vocab_size)
             reference = capture_reference(base, ids, opts.verify_new_tokens)
-    with stage("Finding and proving the layer structure, converting"):
+    with stage("Converting"):  # finds and proves the layer structure, then converts
         try:
             model = convert_model(base, block_size=block_size, num_blocks=num_blocks, full=full)
         except UnsupportedModelError as error:
