@@ -21,8 +21,8 @@ from .card import conversion_card
 from ..modeling.architectures import UnsupportedModelError
 from ..errors import OutputError, VerificationError
 from ..modeling.modeling_attnres import AttnResForCausalLM
-from .memory_budget import parse_size, plan_verification, verify_saved
-from .options import ConvertOptions, options_doc
+from .memory_budget import plan_verification, verify_saved
+from .options import ConvertOptions, options_doc, parse_size
 from .saving import atomic_folder, check_output, save_converted
 from .sources import ModelSource, load_config, load_model, load_tokenizer, resolve_source
 from .streaming import StreamPlan, plan_stream, source_folder, write_streamed

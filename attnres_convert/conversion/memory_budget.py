@@ -13,26 +13,14 @@ import sys
 from dataclasses import dataclass
 
 import psutil
-from huggingface_hub.serialization._base import parse_size_to_int
 
 from ..errors import AttnResError
+from .options import parse_size
 
 DEFAULT_FRACTION = 0.8  # of the memory available now, when no budget is given
 OVERHEAD = 256 * 2**20  # activations of a short forward, the tokenizer, Python objects
 STREAMED_TOKENS = 64  # each forward of a streamed model reads every offloaded layer from disk
 STREAMED_NEW_TOKENS = 8
-
-
-def parse_size(value: int | str, what: str) -> int:
-    """'5GB', '500MB', '1.5GB' or a number of bytes, as save_pretrained's max_shard_size takes them."""
-    try:
-        text = str(value).strip().upper()
-        size = value if isinstance(value, int) else int(text) if text.isdigit() else parse_size_to_int(text)
-    except ValueError as error:
-        raise AttnResError(f"{what} {value!r} is not a size: give a number of bytes or a value like 5GB or 500MB") from error
-    if size <= 0:
-        raise AttnResError(f"{what} {value!r} must be positive")
-    return size
 
 
 def available_memory() -> int:

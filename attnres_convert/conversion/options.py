@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Literal
 
+from huggingface_hub.serialization._base import parse_size_to_int
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from ..errors import AttnResError
@@ -74,6 +75,18 @@ class ConvertOptions(BaseModel):
                 f"{'.'.join(map(str, e['loc']))}: {e['msg']} (got {e['input']!r})" for e in error.errors()
             )
             raise OptionsError(f"invalid convert option: {problems}") from None
+
+
+def parse_size(value: int | str, what: str) -> int:
+    """'5GB', '500MB', '1.5GB' or a number of bytes, as save_pretrained's max_shard_size takes them."""
+    try:
+        text = str(value).strip().upper()
+        size = value if isinstance(value, int) else int(text) if text.isdigit() else parse_size_to_int(text)
+    except ValueError as error:
+        raise AttnResError(f"{what} {value!r} is not a size: give a number of bytes or a value like 5GB or 500MB") from error
+    if size <= 0:
+        raise AttnResError(f"{what} {value!r} must be positive")
+    return size
 
 
 def options_doc(model: type[BaseModel]) -> str:

@@ -4,7 +4,7 @@ torchtune-style `key.path=value` overrides.
 A recipe is validated in two passes, both before anything is written:
 
 1. `parse_recipe` (here) checks types, ranges and combinations: no file system access, and this module
-   imports nothing of the package but its errors;
+   imports nothing of the package but its errors and convert's option declarations;
 2. `preflight.check_recipe` checks what the file system can tell: data files exist and are not empty, the
    model source resolves, `data.seq_len` fits the model's positions when the config is readable offline.
 
@@ -21,8 +21,7 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from ..conversion.memory_budget import parse_size
-from ..conversion.options import DEFAULT_MAX_SHARD_SIZE
+from ..conversion.options import DEFAULT_MAX_SHARD_SIZE, parse_size
 from ..errors import AttnResError
 
 SHAKESPEARE_PREFIX = "shakespeare:"
