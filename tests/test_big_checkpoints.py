@@ -330,3 +330,30 @@ def test_finetune_output_is_sharded_and_a_bad_size_is_refused_before_training(tm
     trained = _tensors(result.model_dir)
     reloaded = load_converted(result.model_dir)
     assert all(torch.equal(reloaded.get_parameter(name), tensor) for name, tensor in trained.items() if "_res_proj" in name)
+
+
+def test_streamed_sharded_folder_loads_without_this_package(tmp_path):
+    """What users of a converted big model run: from_pretrained(trust_remote_code=True) of the sharded folder in
+    a Python where attnres_convert cannot be imported, with device_map="auto" and disk offload; the logits
+    equal the original model's."""
+    from test_save_load import run_isolated
+
+    base = _saved("llama", tmp_path / "plain", max_shard_size="100KB")
+    convert(tmp_path / "plain", tmp_path / "out", max_shard_size=SHARD, verify=False)
+    ids = token_ids()
+    with torch.no_grad():
+        torch.save({"ids": ids, "logits": base.eval()(ids).logits}, tmp_path / "expected.pt")
+    result = run_isolated(
+        f"""
+        import torch
+        from transformers import AutoModelForCausalLM
+        data = torch.load({str(tmp_path / "expected.pt")!r})
+        for kwargs in ({{}}, {{"device_map": "auto", "max_memory": {{"cpu": "200KB"}}, "offload_folder": {str(tmp_path / "off")!r}}}):
+            model = AutoModelForCausalLM.from_pretrained({str(tmp_path / "out")!r}, trust_remote_code=True, **kwargs).eval()
+            with torch.no_grad():
+                logits = model(data["ids"]).logits
+            assert torch.equal(logits, data["logits"]), (kwargs, (logits - data["logits"]).abs().max())
+        print("REMOTE-OK")
+        """
+    )
+    assert "REMOTE-OK" in result.stdout, result.stderr[-3000:]
