@@ -1,6 +1,12 @@
 """What AttnRes costs: converted vs original SmolLM2-135M, fp32, 2 threads, one process, interleaved runs.
 
-    python benchmarks/overhead.py [--repeats 7] [--compile] [--skip-convert] [--out benchmarks/results/overhead-smollm2-cpu.json]
+    python benchmarks/overhead.py [--repeats 7] [--compile] [--skip-train] [--skip-memory] [--skip-convert]
+                                  [--out benchmarks/results/overhead-smollm2-cpu.json]
+
+Both models are loaded as users load them: the original by `from_pretrained` of its folder, the converted
+one by `from_pretrained(..., trust_remote_code=True)` of the folder `attnres convert` wrote (in a child
+process, so this process runs the modeling code saved in that folder). The depth mix runs on the path
+ATTNRES_KERNEL selects for CPU tensors (eager unless set otherwise); the results record it.
 
 Reports ratios converted/original (the ratio of the medians of interleaved runs, and the median of
 the per-round ratios, which a slow phase of the machine moves less) for prefill (512 tokens), decode
@@ -12,7 +18,6 @@ against a plain load + save_pretrained. Nothing here is a pass/fail test: it pri
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
 import statistics
@@ -53,6 +58,16 @@ def prepare_folder(workdir: Path) -> Path:
     return folder
 
 
+def converted_folder(folder: Path, workdir: Path, full: bool = False) -> Path:
+    """`attnres convert` of the original folder, in a child process (as a user converts)."""
+    out = workdir / ("smollm2-full-attnres" if full else "smollm2-attnres")
+    if not (out / "config.json").exists():
+        attnres = str(Path(sys.executable).with_name("attnres"))
+        cmd = [attnres, "convert", str(folder), "-o", str(out), "--no-verify"] + (["--full"] if full else [])
+        subprocess.run(cmd, check=True, capture_output=True)
+    return out
+
+
 def interleaved(fns: dict, repeats: int) -> dict[str, list[float]]:
     """Seconds of each callable per round, alternating them so drift hits all alike, in reversed order
     every other round: a run leaves the allocator and caches in its own state for the next one (measured:
@@ -79,7 +94,7 @@ def compared(metric: str, times: dict[str, list[float]], converted: str = "conve
             "paired_ratio": statistics.median(b / a for a, b in zip(original, other))}
 
 
-def speed(original, converted, full, repeats: int, compiled: bool) -> list[dict]:
+def speed(original, converted, full, repeats: int, compiled: bool, train: bool = True) -> list[dict]:
     generator = torch.Generator().manual_seed(0)
     prompt = torch.randint(100, 40000, (1, 512), generator=generator)
     short = prompt[:, :32]
@@ -110,7 +125,7 @@ def speed(original, converted, full, repeats: int, compiled: bool) -> list[dict]
 
     # Compiled: the plain training step only (compiling a backward takes minutes: measured 62 s for the
     # original, 177 s for the converted model on this machine), and no decode (generate recompiles).
-    for checkpointing in (False,) if compiled else (False, True):
+    for checkpointing in ((False,) if compiled else (False, True)) if train else ():
         def step(model):
             def run():
                 model.zero_grad(set_to_none=True)
@@ -139,10 +154,7 @@ STEP_MEMORY = textwrap.dedent(
     torch.set_num_threads(2)
     from transformers import AutoModelForCausalLM
     from attnres_convert.finetune.optim import enable_checkpointing
-    from attnres_convert.conversion.surgery import convert_model
-    model = AutoModelForCausalLM.from_pretrained({folder!r}, dtype=torch.float32)
-    if {converted}:
-        model = convert_model(model)
+    model = AutoModelForCausalLM.from_pretrained({folder!r}, dtype=torch.float32, trust_remote_code=True)
     model.train()
     if {checkpointing}:
         enable_checkpointing(model)
@@ -165,7 +177,7 @@ STEP_MEMORY = textwrap.dedent(
 )
 
 
-def step_memory(folder: Path) -> list[dict]:
+def step_memory(folder: Path, converted_path: Path) -> list[dict]:
     """Peak resident memory a training step adds (activations, gradients, autograd buffers), measured in a
     fresh child per model: peak reset after a warm-up step, and malloc returning freed blocks to the
     system (fixed mmap threshold), so the peak is the step's own and not what the allocator kept."""
@@ -174,7 +186,8 @@ def step_memory(folder: Path) -> list[dict]:
     for checkpointing in (False, True):
         peaks = {}
         for converted in (False, True):
-            code = STEP_MEMORY.format(root=str(ROOT), folder=str(folder), converted=converted, checkpointing=checkpointing)
+            path = converted_path if converted else folder
+            code = STEP_MEMORY.format(root=str(ROOT), folder=str(path), checkpointing=checkpointing)
             out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
             peaks[converted] = json.loads(out.stdout.strip().splitlines()[-1])["step_peak_bytes"]
         rows.append({"metric": "train step peak memory" + (", grad checkpointing" if checkpointing else ""),
@@ -230,33 +243,42 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="also measure torch.compile'd models")
     parser.add_argument("--skip-convert", action="store_true")
     parser.add_argument("--skip-memory", action="store_true")
+    parser.add_argument("--workdir", type=Path, help="keep the model folders here (reused by later runs)")
+    parser.add_argument("--skip-train", action="store_true", help="no training-step rows (prefill and decode only)")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "overhead-smollm2-cpu.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
     from transformers import AutoModelForCausalLM
 
-    from attnres_convert.conversion.surgery import convert_model
-
-    workdir = Path(tempfile.mkdtemp(prefix="attnres-bench-"))
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="attnres-bench-"))
     folder = prepare_folder(workdir)
+    remote = dict(dtype=torch.float32, trust_remote_code=True)
     original = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    converted = convert_model(copy.deepcopy(original)).eval()
-    full = convert_model(copy.deepcopy(original), full=True).eval()
+    converted = AutoModelForCausalLM.from_pretrained(converted_folder(folder, workdir), **remote).eval()
+    full = AutoModelForCausalLM.from_pretrained(converted_folder(folder, workdir, full=True), **remote).eval()
+    meta = {
+        "torch": torch.__version__, "threads": args.threads, "repeats": args.repeats, "cpu_count": os.cpu_count(),
+        "loaded": "original: from_pretrained(folder); converted: from_pretrained(attnres convert folder, trust_remote_code=True)",
+        "converted_class": f"{type(converted).__module__}.{type(converted).__name__}",
+        "attnres_kernel": os.environ.get("ATTNRES_KERNEL", "auto") + " (CPU tensors: eager unless triton)",
+        "load_average_start": os.getloadavg(),
+    }
 
     def record(rows):  # written after every stage, so a long run that is stopped keeps what it measured
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        meta = {"torch": torch.__version__, "threads": args.threads, "repeats": args.repeats, "cpu_count": os.cpu_count()}
+        meta["load_average_now"] = os.getloadavg()
         args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
 
-    rows = speed(original, converted, full, args.repeats, compiled=False)
+    rows = speed(original, converted, full, args.repeats, compiled=False, train=not args.skip_train)
     record(rows)
     if args.compile:
-        rows += [dict(r, metric=r["metric"] + " [compiled]") for r in speed(original, converted, full, args.repeats, True)]
+        compiled = speed(original, converted, full, args.repeats, True, train=not args.skip_train)
+        rows += [dict(r, metric=r["metric"] + " [compiled]") for r in compiled]
         record(rows)
     del original, converted, full
     if not args.skip_memory:
-        rows += step_memory(folder)
+        rows += step_memory(folder, converted_folder(folder, workdir))
         record(rows)
     if not args.skip_convert:
         rows += convert_cost(folder, workdir, max(1, args.repeats // 3))

@@ -227,3 +227,25 @@ def test_training_gradients_match_autograd_through_the_reference(block_size, sca
     twice = _gradients(model, lambda: model(ids).logits, ids, backwards=2)
     for name in got:
         assert torch.allclose(twice[name], 2 * got[name], rtol=1e-5, atol=1e-7), name
+
+
+@pytest.mark.parametrize("length", [5, 70], ids=["few-tokens", "many-tokens"])
+def test_hidden_states_are_the_originals_and_stay_so(length):
+    """In a float32 model the plain stream lives in the inference buffer (one add updates it and the partial
+    sum): the hidden states handed out must be copies, equal to the original model's bit for bit, and not
+    changed by the layers that run after them."""
+    from attnres_convert.modeling.depth_attention import SourceBuffer
+
+    original = tiny_model("llama")
+    model = convert_model(tiny_model("llama"), block_size=3).eval()
+    ids = token_ids(1, length)
+    states = []
+    hook = model.model.norm.register_forward_pre_hook(lambda module, args: states.append(args[0]))
+    with torch.no_grad():
+        got = model(ids, output_hidden_states=True).hidden_states
+        want = original(ids, output_hidden_states=True).hidden_states
+    hook.remove()
+    assert type(states[0]) is SourceBuffer and states[0].shared_stream
+    assert len(got) == len(want)
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert torch.equal(a, b), f"hidden state {i}"
