@@ -74,7 +74,7 @@ def arm_recipe(data: dict, common: list[str], arm: Arm, seed: int, workdir: Path
 
 
 def finished(recipe: Recipe) -> bool:
-    """A run folder already complete with this very recipe (checked through today's schema)."""
+    """A run folder already complete with this very recipe (checked through the current recipe schema)."""
     out = Path(recipe.output.dir)
     saved = out / "recipe.yaml"
     if not ((out / "final_metrics.json").is_file() and saved.is_file()):
