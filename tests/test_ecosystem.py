@@ -12,7 +12,6 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
 
 from attnres_convert import convert_model, load_converted, save_converted
-from attnres_convert.modeling.modeling_attnres import AttnResQuery
 from tiny_models import tiny_model, token_ids
 
 PROMPT = "To be, or not to be, that is the question:"

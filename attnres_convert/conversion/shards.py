@@ -193,7 +193,7 @@ def _copy_range(source: int, target: int, start: int, count: int) -> None:
         except OSError:  # another filesystem, or not supported here: plain reads below
             break
         if done == 0:
-            raise SourceError(f"unexpected end of file while copying a tensor (file truncated while being read?)")
+            raise SourceError("unexpected end of file while copying a tensor (file truncated while being read?)")
         start, count = start + done, count - done
     if count > 0:
         buffer = bytearray(min(count, CHUNK_BYTES))
