@@ -90,15 +90,17 @@ def _load_section() -> list[str]:
         "from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline",
         "",
         'model = AutoModelForCausalLM.from_pretrained("PATH_OR_REPO", trust_remote_code=True)',
-        'tokenizer = AutoTokenizer.from_pretrained("PATH_OR_REPO")',
+        'tokenizer = AutoTokenizer.from_pretrained("PATH_OR_REPO", trust_remote_code=True)',
         "",
         'generator = pipeline("text-generation", model="PATH_OR_REPO", trust_remote_code=True)',
         'print(generator("To be, or not to be", max_new_tokens=20)[0]["generated_text"])',
         "```",
         "",
-        "`trust_remote_code=True` runs the modeling code shipped in this repo (`modeling_attnres.py` and its "
-        "relative imports: `configuration_attnres.py`, `architectures.py`, `depth_attention.py`); it needs only "
-        "torch and transformers. The model type is `attnres`, so tools that do not know it refuse the repo "
+        "`trust_remote_code=True` runs the modeling code shipped in this repo (the `.py` files next to the "
+        "weights: `modeling_attnres.py` and its relative imports; Triton kernels are used only where Triton is "
+        "installed); it needs only torch and transformers. The tokenizer is a stock one, but `AutoTokenizer` "
+        "reads the config first and, without `trust_remote_code=True`, asks whether to run the custom code. "
+        "The model type is `attnres`, so tools that do not know it refuse the repo "
         "instead of silently dropping the depth-attention weights.",
         "",
     ]
