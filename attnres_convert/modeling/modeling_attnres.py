@@ -43,6 +43,7 @@ from .depth_attention import (
     start_state,
     wants_queries,
 )
+from .weight_names import default_save_conversions, guard_all
 
 
 class AttnResQuery(nn.Module):
@@ -314,6 +315,22 @@ class AttnResPreTrainedModel(PreTrainedModel):
                 "gradient_checkpointing_kwargs={'use_reentrant': False} (transformers' default)."
             )
         super()._set_gradient_checkpointing(enable=enable, gradient_checkpointing_func=gradient_checkpointing_func, **kwargs)
+
+    # transformers renames checkpoint keys by the base model's rules when it loads and saves; the AttnRes tensors'
+    # own names must come through both untouched (weight_names.py). Saving reads the rules from here.
+    @property
+    def _weight_conversions(self):
+        conversions = self.__dict__.get("_attnres_weight_conversions")
+        return guard_all(conversions if conversions is not None else default_save_conversions(self))
+
+    @_weight_conversions.setter
+    def _weight_conversions(self, value):
+        self.__dict__["_attnres_weight_conversions"] = value
+
+    @staticmethod
+    def _load_pretrained_model(model, state_dict, checkpoint_files, load_config, *args, **kwargs):
+        guard_all(getattr(load_config, "weight_mapping", None))  # in place: the loading rules
+        return PreTrainedModel._load_pretrained_model(model, state_dict, checkpoint_files, load_config, *args, **kwargs)
 
     @torch.no_grad()
     def _init_weights(self, module):
