@@ -29,7 +29,7 @@ from rich.progress import (
 from rich.text import Text
 from rich.table import Table
 
-from attnres_convert.conversion.options import ConvertOptions, DTypeName
+from attnres_convert.conversion.options import ConvertOptions, DTypeName, OptionsError
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -250,7 +250,11 @@ def options_from(model: type, parameter: str = "options", panel: str = "Options"
         def wrapper(*args, **kwargs):
             values = {name: kwargs.pop(name) for name in fields}
             values = {name: v.value if isinstance(v, Enum) else v for name, v in values.items()}
-            return command(*args, **kwargs, **{parameter: model(**values)})
+            try:  # a value out of range (--query-rank -1) is a usage error with the field's name, not a traceback
+                options = model.build(**values) if hasattr(model, "build") else model(**values)
+            except OptionsError as error:
+                fail(str(error))
+            return command(*args, **kwargs, **{parameter: options})
 
         wrapper.__signature__ = signature.replace(parameters=kept + added)
         return wrapper

@@ -99,14 +99,19 @@ def sublayer_kinds(model: AttnResForCausalLM) -> list[str]:
 
 
 def queries_are_zero(model: AttnResForCausalLM) -> bool:
-    return all(bool((m.weight == 0).all()) for m in model.modules() if isinstance(m, AttnResQuery))
+    return all(bool((t == 0).all()) for t in _query_tensors(model))
+
+
+def _query_tensors(model: AttnResForCausalLM) -> list[torch.Tensor]:
+    """Every tensor that must be zero for the queries to be zero (with query_rank, the projections' B too)."""
+    return [t for m in model.modules() if isinstance(m, AttnResQuery) for t in m.zero_at_conversion()]
 
 
 @contextlib.contextmanager
 def original_behaviour(model: AttnResForCausalLM) -> Iterator[None]:
     """Temporarily zero the pseudo-queries: with count scaling the model then computes the base model
     exactly (the conversion's guarantee), whatever it has learned."""
-    queries = [m.weight for m in model.modules() if isinstance(m, AttnResQuery)]
+    queries = _query_tensors(model)
     saved = [q.detach().clone() for q in queries]
     try:
         with torch.no_grad():

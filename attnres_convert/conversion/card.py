@@ -115,6 +115,18 @@ def _sources_table(summary) -> str:
     return "\n".join(rows)
 
 
+def _query_lines(summary) -> list[str]:
+    rank = getattr(summary, "query_rank", 0)
+    if not rank:
+        return ["- queries: static, one learned vector per reader (`query_rank` 0)"]
+    return [
+        f"- queries: input-dependent, `query_rank` {rank}: a reader's query is `w + B A x / rms(x)` per token, with x "
+        f"its input in the original model (the residual stream), A [{rank}, d] (`*_res_proj.down`, random) and B "
+        f"[d, {rank}] (`*_res_proj.up`, zero at conversion, so the conversion stays exact). These models run "
+        "the plain PyTorch depth mix: `ATTNRES_KERNEL=triton` is refused.",
+    ]
+
+
 def _conversion_section(summary) -> list[str]:
     counts = summary.sources_per_sublayer
     return [
@@ -129,6 +141,7 @@ def _conversion_section(summary) -> list[str]:
         "- source scaling: `count`: a sublayer reads n x the softmax mix of its n sources, which at zero "
         "pseudo-queries is exactly the residual sum. Every reader of the stream is a norm, so this is the "
         "paper's AttnRes with each norm's eps rescaled by 1/n^2.",
+        *_query_lines(summary),
         "",
         "`yi` is the output of sublayer i (`y0` the embedding), `ya:b` the sum of outputs a..b:",
         "",

@@ -107,7 +107,8 @@ def convert(
     if folder is not None:
         with stage("Planning the streamed conversion"):
             plan = plan_stream(
-                folder, config, opts.dtype, opts.trust_remote_code, block_size=block_size, num_blocks=num_blocks, full=full
+                folder, config, opts.dtype, opts.trust_remote_code,
+                block_size=block_size, num_blocks=num_blocks, full=full, query_rank=opts.query_rank,
             )
         if isinstance(plan, StreamPlan):
             return _convert_streamed(plan, model_source, out, opts, shard_bytes, stage, progress)
@@ -122,7 +123,7 @@ def convert(
             reference = capture_reference(base, ids, opts.verify_new_tokens)
     with stage("Converting"):  # finds and proves the layer structure, then converts
         try:
-            model = convert_model(base, block_size=block_size, num_blocks=num_blocks, full=full)
+            model = convert_model(base, block_size=block_size, num_blocks=num_blocks, full=full, query_rank=opts.query_rank)
         except UnsupportedModelError as error:
             raise UnsupportedModelError(f"cannot convert {model_source.name}: {error} {SEE_COVERAGE}") from error
         del base

@@ -34,6 +34,11 @@ class ConvertOptions(BaseModel):
         None, description="At most this many blocks, S in whole layers (default: 8)."
     )
     full: bool = Field(False, description="Full AttnRes (S = 1).")
+    query_rank: int = Field(
+        0,
+        ge=0,
+        description="Rank r of input-dependent queries, w + B A x per token (B zero: still exact); 0: static queries.",
+    )
     dtype: DTypeName = Field("auto", description="auto keeps the checkpoint's dtype.")
     verify: bool = Field(True, description="Check logits and greedy generation against the original.")
     verify_tokens: int = Field(256, ge=1, description="Tokens of the sample text the check runs on.")

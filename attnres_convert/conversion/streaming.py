@@ -137,12 +137,13 @@ def _saved_base_shapes(model: AttnResForCausalLM, added: set[str]) -> dict[str, 
 
 
 def _added_tensors(model: AttnResForCausalLM, dtype: torch.dtype) -> list[OutputTensor]:
-    """The AttnRes parameters at their conversion values: zero queries, unit key norms."""
+    """The AttnRes parameters at their conversion values: zero queries, unit key norms (and, with query_rank,
+    the input-dependent queries' projections)."""
     added = []
     for name, module in model.named_modules():
         if isinstance(module, (AttnResQuery, AttnResKeyNorm)):
-            fill = 0.0 if isinstance(module, AttnResQuery) else 1.0
-            added.append(OutputTensor.new(f"{name}.weight", torch.full(tuple(module.weight.shape), fill, dtype=dtype)))
+            for param_name, value in module.initial_values().items():
+                added.append(OutputTensor.new(f"{name}.{param_name}", value.to(dtype)))
     return added
 
 

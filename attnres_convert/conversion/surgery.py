@@ -92,6 +92,16 @@ def resolve_block_size(
     return default_block_size(total, structure.sublayers_per_layer, num_blocks)
 
 
+def check_query_rank(query_rank) -> int:
+    """The rank of the input-dependent queries: a whole number >= 0 (0: static queries)."""
+    if isinstance(query_rank, bool) or not isinstance(query_rank, int) or query_rank < 0:
+        raise ValueError(
+            f"query rank {query_rank!r} is not valid: give a whole number >= 0 (0, the default, keeps static queries; "
+            "4 or 8 adds a small input-dependent part to every query)"
+        )
+    return query_rank
+
+
 def _mark_initialized(model: nn.Module) -> None:
     # post_init of the new model must not re-initialise weights that are already trained.
     for tensor in list(model.parameters()) + list(model.buffers()):
@@ -107,12 +117,14 @@ def convert_model(
     full: bool = False,
     source_scaling: str = "count",
     plan: ModelPlan | None = None,
+    query_rank: int = 0,
 ) -> AttnResForCausalLM:
     """Wrap a loaded base causal LM as Block AttnRes. Zero queries: the result reproduces the base.
 
     The base model object is consumed: its modules now belong to the returned model. PLAN, a structure
     proven on another instance of the same architecture, is for a model without weights (meta tensors,
-    streaming.py); by default the structure is found and proven on this model.
+    streaming.py); by default the structure is found and proven on this model. QUERY_RANK > 0 makes the
+    queries input-dependent (AttnResConfig.query_rank), still exact at conversion.
     """
     if isinstance(base_model, AttnResForCausalLM):
         raise UnsupportedModelError("this model is already an AttnRes model; convert the base model instead")
@@ -128,10 +140,11 @@ def convert_model(
     if plan is None:
         plan, trace = find_plan(base_model)  # proven layer by layer on this very model, or refused
     size = resolve_block_size(Structure.of_plan(config.model_type, plan), block_size, num_blocks, full)
+    query_rank = check_query_rank(query_rank)
     # A composite config resets its sub-config's attention implementation: keep the base model's.
     attn_implementation, dtype = config._attn_implementation, config.dtype
     attn_config = AttnResConfig(
-        text_config=config, block_size=size, source_scaling=source_scaling, structure=plan.to_dict()
+        text_config=config, block_size=size, source_scaling=source_scaling, structure=plan.to_dict(), query_rank=query_rank
     )
     attn_config._attn_implementation = attn_implementation
     attn_config.dtype = dtype
@@ -157,6 +170,7 @@ class ConversionSummary:
     output_sources: int
     params_added: int
     params_total: int
+    query_rank: int = 0
 
 
 def summarize(model: AttnResForCausalLM) -> ConversionSummary:
@@ -174,6 +188,7 @@ def summarize(model: AttnResForCausalLM) -> ConversionSummary:
         output_sources=output_num_sources(total, config.block_size),
         params_added=added,
         params_total=sum(p.numel() for p in model.parameters()),
+        query_rank=config.query_rank,
     )
 
 

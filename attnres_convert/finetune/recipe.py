@@ -49,6 +49,12 @@ class ModelSection(_Section):
     block_size: int | None = Field(None, ge=1, description="Sublayers per block S (give at most one of block_size, num_blocks, full).")
     num_blocks: int | None = Field(None, ge=1, description="At most this many blocks, S in whole layers (default 8).")
     full: bool = Field(False, description="Full AttnRes (S = 1).")
+    query_rank: int = Field(
+        0,
+        ge=0,
+        description="Rank r of input-dependent queries, w + B A x per token (B zero at conversion: still exact; "
+        "A and B train with the AttnRes group); 0: static queries. Runs the plain PyTorch depth mix.",
+    )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "float32", description="Weights dtype; keep float32 and use train.mixed_precision for bf16 compute."
     )

@@ -47,6 +47,11 @@ def load_starting_model(recipe: Recipe) -> StartingModel:
                 f"model.block_size: {source.name} is already converted with block size {summary.block_size}; "
                 f"it cannot be trained as {asked}. Drop the block setting, or start from the original model"
             )
+        if spec.query_rank and spec.query_rank != summary.query_rank:
+            raise RecipeError(
+                f"model.query_rank: {source.name} is already converted with query rank {summary.query_rank}; "
+                f"it cannot be trained as {spec.query_rank}. Drop model.query_rank, or start from the original model"
+            )
         return StartingModel(model, tokenizer, source, True, summary)
     if spec.convert:
         # Refuse an impossible block size before loading any weights.
@@ -60,5 +65,5 @@ def load_starting_model(recipe: Recipe) -> StartingModel:
     model = load_model(source, spec.dtype, spec.trust_remote_code)
     if not spec.convert:
         return StartingModel(model, tokenizer, source, False, None)
-    model = convert_model(model, block_size=spec.block_size, num_blocks=spec.num_blocks, full=spec.full)
+    model = convert_model(model, block_size=spec.block_size, num_blocks=spec.num_blocks, full=spec.full, query_rank=spec.query_rank)
     return StartingModel(model, tokenizer, source, True, summarize(model))

@@ -26,6 +26,11 @@ class AttnResConfig(PreTrainedConfig):
             "count": a sublayer reads n * (softmax mix of its n sources), which at zero queries is exactly
             the base model's residual sum (conversion is exact; equivalent to the paper's AttnRes with each
             norm's eps rescaled). "mean": the plain softmax mix, for models trained from scratch.
+        query_rank (`int`):
+            0 (the default): each reader's query is a static learned vector w. r > 0: input-dependent queries,
+            w + B A x / rms(x) per token, with x the reader's input in the base model (the plain residual
+            stream), A [r, d] random and B [d, r] zero at conversion, so the converted model is still exactly
+            the base model. Runs on the plain PyTorch path (no score tables, no Triton kernels).
         base_model_type (`str`): the base model's `model_type`, for people and tools reading config.json.
         structure (`dict`, *optional*):
             The plan the forward executes (architectures.ModelPlan): where the decoder stack, final norm and
@@ -40,6 +45,7 @@ class AttnResConfig(PreTrainedConfig):
     text_config: dict | PreTrainedConfig | None = None
     block_size: int = 8
     source_scaling: str = "count"
+    query_rank: int = 0
     base_model_type: str | None = None
     structure: dict | None = None
     tie_word_embeddings: bool = False
@@ -54,6 +60,8 @@ class AttnResConfig(PreTrainedConfig):
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.source_scaling not in ("count", "mean"):
             raise ValueError(f"source_scaling must be 'count' or 'mean', got {self.source_scaling!r}")
+        if isinstance(self.query_rank, bool) or not isinstance(self.query_rank, int) or self.query_rank < 0:
+            raise ValueError(f"query_rank must be a whole number >= 0 (0: static queries), got {self.query_rank!r}")
         self.base_model_type = self.text_config.model_type
         # The head is tied exactly when the base model's is.
         self.tie_word_embeddings = bool(getattr(self.text_config, "tie_word_embeddings", False))

@@ -250,13 +250,19 @@ def _import_kernels() -> Kernels | ImportError:
     return _KERNELS[0]
 
 
+def kernel_mode() -> str:
+    """ATTNRES_KERNEL: auto, triton or eager."""
+    mode = os.environ.get(KERNEL_ENV, "auto").strip().lower() or "auto"
+    if mode not in ("auto", "triton", "eager"):
+        raise ValueError(f"{KERNEL_ENV}={mode!r} is not a kernel choice: use auto (the default), triton or eager")
+    return mode
+
+
 def kernels_for(like: torch.Tensor) -> Kernels | None:
     """The Triton kernels if selected for tensors like `like`, else None (the eager path)."""
-    mode = os.environ.get(KERNEL_ENV, "auto").strip().lower() or "auto"
+    mode = kernel_mode()
     if mode == "eager":
         return None
-    if mode not in ("auto", "triton"):
-        raise ValueError(f"{KERNEL_ENV}={mode!r} is not a kernel choice: use auto (the default), triton or eager")
     forced = mode == "triton"
     if torch.compiler.is_compiling():
         if forced:
@@ -339,12 +345,28 @@ def wants_queries() -> bool:
 
 
 def start_state(
-    embeddings: torch.Tensor, eps: float, capacity: int | None = None, queries: torch.Tensor | None = None
+    embeddings: torch.Tensor,
+    eps: float,
+    capacity: int | None = None,
+    queries: torch.Tensor | None = None,
+    token_queries: bool = False,
 ) -> BlockState | SourceBuffer | TrainState:
     """The embedding b_0 is always its own source. With a capacity (the most sources any reader has)
     the state is a SourceBuffer without autograd and a TrainState with it; a BlockState under
     torch.compile or without a capacity. `queries`, all the sublayers' folded pseudo-queries [R, D],
-    where given, make the score table (or, for few tokens, the readers' query views)."""
+    where given, make the score table (or, for few tokens, the readers' query views).
+
+    token_queries: the readers' queries depend on their input (a model with query_rank > 0), which the
+    static-query fast paths (score tables, folded query views, the TrainState's hand-written backward, the
+    Triton kernels) do not cover: the state is then the plain-tensor BlockState, differentiated by autograd."""
+    if token_queries:
+        if kernel_mode() == "triton":
+            raise RuntimeError(
+                f"{KERNEL_ENV}=triton: the Triton depth-mix kernels score one static query per reader, and this "
+                f"model's queries depend on each token's input (query_rank > 0), which runs on the eager path. "
+                f"Unset {KERNEL_ENV} (auto) or set it to eager."
+            )
+        capacity = None
     kernels = kernels_for(embeddings) if capacity is not None else None
     if capacity is not None and not torch.is_grad_enabled():
         if kernels is not None:
@@ -484,7 +506,8 @@ def source_scores(keys: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     three times slower. (The source-major inference buffer has each source contiguous: one mv there.)"""
     d = keys.shape[-1]
     flat = keys.reshape(-1, keys.shape[-2], d)
-    return torch.bmm(q.view(1, 1, d).expand(flat.shape[0], 1, d), flat.transpose(1, 2)).view(keys.shape[:-1])
+    q = q.view(1, 1, d).expand(flat.shape[0], 1, d) if q.dim() == 1 else q.view(-1, 1, d)  # [D], or one per token
+    return torch.bmm(q, flat.transpose(1, 2)).view(keys.shape[:-1])
 
 
 def _no_autocast(like: torch.Tensor):
@@ -650,18 +673,23 @@ def depth_mix(
     eps: float,
     scaling: str = "count",
     reader: int | None = None,
+    projection: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """The input of one sublayer (or of the final norm): attention over the state's sources.
 
     query: the pseudo-query w ([1, D] or [D]) and key_norm_weight g ([D]); or, with key_norm_weight None,
     the folded `pseudo_query` already. reader: the sublayer's 0-based index, to read its column of the
     state's score table and its row of the queries stacked for it (folded once per forward, not again here).
+    projection: (A [r, D], B [D, r]) of a reader whose query depends on its input (see `token_queries`);
+    the state is then a BlockState (start_state with token_queries).
 
     With "count" scaling h = n * sum_i alpha_i k_i. Since the sources sum to the stream H, this equals
     H + sum_i (n alpha_i - 1) k_i, which is how it is computed: at zero queries n alpha_i - 1 is 0, so h
     is the base model's own residual stream bit for bit, with its own rounding (in bfloat16 a freshly
     summed mix would round differently from the base model's running sum and drift from it).
     """
+    if projection is not None:
+        return _mix_token_queries(state, query, key_norm_weight, projection, eps, scaling)
     step = getattr(state, "step", None)
     if reader is not None and getattr(state, "queries", None) is not None:  # folded once per forward
         q = state.queries[reader] if step is None else step.queries[reader]
@@ -685,11 +713,44 @@ def depth_mix(
     return mixed
 
 
+def token_queries(
+    stream: torch.Tensor, query: torch.Tensor, key_norm_weight: torch.Tensor, down: torch.Tensor, up: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """Input-dependent queries, folded with the key norm: per token t,
+
+        q_t = (w + B A x_t / rms(x_t)) * g                                  [B*T, D], float32
+
+    x_t is the reader's input in the base model, the plain residual stream (sum of all sources so far);
+    dividing by its rms makes the query independent of the stream's magnitude, which grows with depth.
+    B (`up`) starts at zero, so q_t = w exactly and the converted model stays the base model bit for bit;
+    A (`down`) starts random, so B's gradient is not zero (as in LoRA)."""
+    x = stream.reshape(-1, stream.shape[-1]).float()
+    x = x * inverse_rms(x, eps)[:, None]
+    q = torch.addmm(query.reshape(1, -1).float(), x @ down.float().t(), up.float().t())
+    return q * key_norm_weight.float()
+
+
+def _mix_token_queries(state: BlockState, query, key_norm_weight, projection, eps: float, scaling: str) -> torch.Tensor:
+    """depth_mix with one query per token: plain tensor operations on a BlockState, differentiated by
+    autograd, in float32 whatever the model dtype (autocast off)."""
+    if not isinstance(state, BlockState):
+        raise TypeError("input-dependent queries need the BlockState (start_state with token_queries=True)")
+    blocks, inv_rms, partial, stream = state
+    m, d = blocks.shape[-2], blocks.shape[-1]
+    with _no_autocast(stream):
+        q = token_queries(stream, query, key_norm_weight, *projection, eps)
+        mixed, weights, _, _ = _mix_blocks(blocks.reshape(-1, m, d), inv_rms.reshape(-1, m), partial, stream, q, eps, scaling)
+    if _RECORDERS:
+        _RECORDERS[-1].append(weights.detach().movedim(-1, 0).reshape(-1, *stream.shape[:-1]))
+    return mixed
+
+
 def _mix_blocks(keys, inv_rms, partial, stream, q, eps: float, scaling: str, table=None):
     """depth_mix over completed blocks keys [BT, m, D] with their cached 1 / rms [BT, m], and the partial
-    sum: the traced BlockState path, and the forward of the TrainState's `_DepthMix`. table: the
-    completed blocks' scores [BT, m] where a score table has them. Returns the mix in the stream's shape
-    and dtype, the weights and scores [BT, n], and the partial's 1 / rms ([BT] or None)."""
+    sum: the traced BlockState path, and the forward of the TrainState's `_DepthMix`. q: the folded query
+    [D], or one per token [BT, D] (`token_queries`). table: the completed blocks' scores [BT, m] where a
+    score table has them. Returns the mix in the stream's shape and dtype, the weights and scores [BT, n],
+    and the partial's 1 / rms ([BT] or None)."""
     m, d = keys.shape[-2], keys.shape[-1]
     # Completed blocks: cached statistics, one product. The partial sum is the only source that changed
     # since the last block boundary; its score joins before one softmax over the few sources of a token.
@@ -698,7 +759,8 @@ def _mix_blocks(keys, inv_rms, partial, stream, q, eps: float, scaling: str, tab
     if partial is not None:
         p = partial.reshape(-1, d).float()
         inv_partial = inverse_rms(p, eps)
-        logits = torch.cat([logits, ((p @ q) * inv_partial).unsqueeze(-1)], dim=-1)
+        partial_score = p @ q if q.dim() == 1 else torch.linalg.vecdot(p, q)
+        logits = torch.cat([logits, (partial_score * inv_partial).unsqueeze(-1)], dim=-1)
     weights = torch.softmax(logits, dim=-1)  # float32
     n = weights.shape[-1]
     if scaling == "count":

@@ -11,6 +11,8 @@ and runs the base model's own forward (embeddings, masks, rotary, cache). Only t
 New parameters, per decoder layer: `self_attention_res_proj.weight` [1, d] (pseudo-query, zero init),
 `self_attention_res_norm.weight` [d] (key norm, one init), the same with `mlp_` (absent for a parallel
 residual layer); on the base model module: `output_attn_res_proj.weight`, `output_attn_res_norm.weight`.
+With `query_rank` r > 0 each query module also holds `down` [r, d] (A, random) and `up` [d, r] (B, zero):
+the query becomes input-dependent, w + B A x / rms(x) per token (see `token_queries`).
 
 This file ships next to converted weights and is self-contained: relative imports, torch and
 transformers only. Load with `AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)`.
@@ -47,15 +49,53 @@ from .weight_names import default_save_conversions, guard_all
 
 
 class AttnResQuery(nn.Module):
-    """The pseudo-query w of one reader, stored as [1, d] like a bias-free Linear(d, 1)."""
+    """The pseudo-query w of one reader, stored as [1, d] like a bias-free Linear(d, 1).
 
-    def __init__(self, hidden_size: int, device=None, dtype=None):
+    With rank r > 0 the query also depends on the reader's input x (the base model's residual stream):
+    q = w + B A x / rms(x), a low-rank projection as in LoRA, A = `down` [r, d] kaiming-uniform, B = `up`
+    [d, r] zero. B = 0 keeps q = w exactly at conversion. A is drawn from a generator seeded with the
+    reader's index, so a conversion is reproducible whatever the global random state."""
+
+    def __init__(self, hidden_size: int, rank: int = 0, reader: int = 0, device=None, dtype=None):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(1, hidden_size, device=device, dtype=dtype))
+        self.rank, self.reader = rank, reader
+        if rank:
+            self.down = nn.Parameter(torch.empty(rank, hidden_size, device=device, dtype=dtype))
+            self.up = nn.Parameter(torch.zeros(hidden_size, rank, device=device, dtype=dtype))
 
     def forward(self) -> torch.Tensor:
         # Called (rather than read) only where a hook must run first: big-model offload loads the weight here.
         return self.weight
+
+    def initial_values(self) -> dict[str, torch.Tensor]:
+        """Each parameter's value at conversion (float32, CPU), by parameter name."""
+        hidden = self.weight.shape[-1]
+        values = {"weight": torch.zeros(1, hidden)}
+        if self.rank:
+            # nn.Linear's (and LoRA's A) default: kaiming_uniform_(a=sqrt(5)), i.e. U(-1/sqrt(fan_in), 1/sqrt(fan_in)).
+            bound = 1.0 / hidden**0.5
+            generator = torch.Generator().manual_seed(self.reader)
+            values["down"] = torch.empty(self.rank, hidden).uniform_(-bound, bound, generator=generator)
+            values["up"] = torch.zeros(hidden, self.rank)
+        return values
+
+    def zero_at_conversion(self) -> list[nn.Parameter]:
+        """The tensors that make the query zero, as converted, when they are zero: w, and B with rank > 0."""
+        return [self.weight, self.up] if self.rank else [self.weight]
+
+    def projection(self, like: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(A, B) of an input-dependent query (on the device of `like` where given), or None."""
+        if not self.rank:
+            return None
+        if "_hf_hook" in self.__dict__ and self.down.device.type == "meta":
+            self()  # big-model offload loads the module's weights when it is called
+        if like is None:
+            return self.down, self.up
+        return self.down.to(like.device), self.up.to(like.device)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[-1]}" + (f", rank={self.rank}" if self.rank else "")
 
 
 class AttnResKeyNorm(nn.Module):
@@ -68,6 +108,9 @@ class AttnResKeyNorm(nn.Module):
 
     def forward(self) -> torch.Tensor:
         return self.weight
+
+    def initial_values(self) -> dict[str, torch.Tensor]:
+        return {"weight": torch.ones(self.weight.shape)}
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"
@@ -84,6 +127,7 @@ class _LayerSpec(NamedTuple):
     layers: str  # the attribute path, from the owner, of the decoder layers
     param_names: tuple[tuple[str, str], ...]  # per sublayer: its query and key-norm modules' names
     tuple_output: bool  # return (state,): the base model takes element 0 of what a layer returns
+    query_rank: int  # > 0: input-dependent queries (the plain BlockState path, see start_state)
 
 
 class AttnResDecoderLayerMixin:
@@ -102,15 +146,16 @@ class AttnResDecoderLayerMixin:
         if isinstance(hidden_states, STATE_TYPES):
             state = hidden_states
         else:
-            queries = _all_queries(spec, hidden_states) if wants_queries() else None
-            state = start_state(hidden_states, spec.eps, spec.capacity, queries)
+            queries = _all_queries(spec, hidden_states) if wants_queries() and not spec.query_rank else None
+            state = start_state(hidden_states, spec.eps, spec.capacity, queries, token_queries=spec.query_rank > 0)
         # Readers take their query from the state where it holds them all, folded once per forward.
         folded = getattr(state, "queries", None) is not None
         for sublayer, plan, names in zip(spec.sublayers, spec.plans, spec.param_names):
             if plan.closes_block:
                 state = close_block(state, spec.eps)
             params = (None, None) if folded else _depth_params(self, names)
-            h = depth_mix(state, *params, spec.eps, spec.scaling, reader=plan.index - 1)
+            projection = self._modules[names[0]].projection() if spec.query_rank else None
+            h = depth_mix(state, *params, spec.eps, spec.scaling, reader=plan.index - 1, projection=projection)
             state = add_output(state, run_sublayer(self, sublayer, h, call_kwargs))
         return (state,) if spec.tuple_output else state
 
@@ -198,7 +243,10 @@ class AttnResFinalNormMixin:
             # modules_to_save, FSDP) is the one used.
             query, key_norm = owner.output_attn_res_proj, owner.output_attn_res_norm
             like = hidden_states.stream
-            hidden_states = depth_mix(hidden_states, _placed(query, like), _placed(key_norm, like), eps, scaling)
+            hidden_states = depth_mix(
+                hidden_states, _placed(query, like), _placed(key_norm, like), eps, scaling,
+                projection=query.projection(like) if isinstance(query, AttnResQuery) else None,
+            )
         return super().forward(hidden_states, *args, **kwargs)
 
 
@@ -257,6 +305,7 @@ def attach_depth_attention(causal_lm: nn.Module, config: AttnResConfig, plan: Mo
     reference = base.get_input_embeddings().weight
     factory = {"device": reference.device, "dtype": reference.dtype}
     hidden = text_config.hidden_size
+    rank = config.query_rank
     first = 0
     for index, layer in enumerate(layers):
         sublayers = plan.sublayers(index)
@@ -267,8 +316,8 @@ def attach_depth_attention(causal_lm: nn.Module, config: AttnResConfig, plan: Mo
             argnames = positional_argnames(base_cls)
         else:
             argnames = layer._attnres_spec.argnames
-        for query_name, key_norm_name in param_names:
-            layer.add_module(query_name, AttnResQuery(hidden, **factory))
+        for reader, (query_name, key_norm_name) in enumerate(param_names, first):
+            layer.add_module(query_name, AttnResQuery(hidden, rank, reader, **factory))
             layer.add_module(key_norm_name, AttnResKeyNorm(hidden, eps, **factory))
         layer._attnres_spec = _LayerSpec(
             sublayers,
@@ -281,9 +330,10 @@ def attach_depth_attention(causal_lm: nn.Module, config: AttnResConfig, plan: Mo
             plan.layers,
             param_names,
             plan.tuple_output,
+            rank,
         )
         first += len(sublayers)
-    base.output_attn_res_proj = AttnResQuery(hidden, **factory)
+    base.output_attn_res_proj = AttnResQuery(hidden, rank, plan.num_sublayers, **factory)
     base.output_attn_res_norm = AttnResKeyNorm(hidden, eps, **factory)
     norm = module_at(base, plan.final_norm)
     if not isinstance(norm, AttnResFinalNormMixin):
@@ -334,10 +384,8 @@ class AttnResPreTrainedModel(PreTrainedModel):
 
     @torch.no_grad()
     def _init_weights(self, module):
-        if isinstance(module, AttnResQuery):
-            module.weight.zero_()
-        elif isinstance(module, AttnResKeyNorm):
-            module.weight.fill_(1.0)
+        if isinstance(module, (AttnResQuery, AttnResKeyNorm)):
+            _init_depth_module(module)
         else:
             super()._init_weights(module)
 
@@ -348,10 +396,16 @@ class AttnResPreTrainedModel(PreTrainedModel):
         with torch.no_grad():
             for module in self.modules():
                 if isinstance(module, (AttnResQuery, AttnResKeyNorm)):
-                    weight = module.weight
-                    if getattr(weight, "_is_hf_initialized", False) or weight.device.type == "meta":
-                        continue
-                    weight.fill_(0.0 if isinstance(module, AttnResQuery) else 1.0)
+                    _init_depth_module(module, skip_loaded=True)
+
+
+def _init_depth_module(module: AttnResQuery | AttnResKeyNorm, skip_loaded: bool = False) -> None:
+    """Set a depth-attention module's parameters to their conversion values (skip_loaded: except loaded ones)."""
+    for name, value in module.initial_values().items():
+        param = module._parameters[name]
+        if skip_loaded and (getattr(param, "_is_hf_initialized", False) or param.device.type == "meta"):
+            continue
+        param.copy_(value)
 
 
 class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
