@@ -93,6 +93,7 @@ ORDER = ["copy the files", "attnres convert --no-verify"] * 3 + ["load + save_pr
 def run_step(name: str, source: Path, out: Path) -> dict:
     imports, body = STEPS[name]
     shutil.rmtree(out, ignore_errors=True)
+    os.sync()  # untimed: the previous step's writes reach the disk before this one starts
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
     code = textwrap.dedent(PROBE).format(imports=imports, body=body)
     process = subprocess.run([sys.executable, "-c", code, str(source), str(out)], capture_output=True, text=True, env=env)

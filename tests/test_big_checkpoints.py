@@ -357,3 +357,46 @@ def test_streamed_sharded_folder_loads_without_this_package(tmp_path):
         """
     )
     assert "REMOTE-OK" in result.stdout, result.stderr[-3000:]
+
+
+@pytest.mark.parametrize(
+    ("family", "overrides", "layers"),
+    [
+        ("llama", {"num_hidden_layers": 8}, 2),  # one kind of layer: two of them
+        ("gemma3_text", {"num_hidden_layers": 8}, 6),  # five sliding-window layers, then a global one
+        ("qwen3_moe", {"num_hidden_layers": 6, "mlp_only_layers": [0, 1, 2]}, 4),  # three dense MLPs, then experts
+    ],
+)
+def test_structure_is_proven_on_the_smallest_faithful_miniature(family, overrides, layers):
+    """The streamed path proves the structure on a miniature that keeps every kind of decoder layer of the model
+    (up to the first layer of the last new kind) and no more, with per-layer config entries cut to match."""
+    from attnres_convert.conversion.streaming import _miniature, proven_plan
+    from tiny_models import CONFIGS
+
+    tiny = CONFIGS[family]().to_dict()
+    config = type(CONFIGS[family]())(**{**tiny, **overrides, "layer_types": None})  # layer types for all the layers
+    small = _miniature(config)
+    assert small.num_hidden_layers == layers
+    if getattr(config, "layer_types", None) is not None:
+        assert small.layer_types == config.layer_types[:layers] and set(small.layer_types) == set(config.layer_types)
+    plan = proven_plan(config)
+    assert not isinstance(plan, str), plan
+    assert plan.num_layers == config.num_hidden_layers
+
+
+def test_a_structure_the_miniature_does_not_prove_is_converted_in_memory(tmp_path, monkeypatch):
+    """The proof runs while the base tensors are copied; when it fails, the copy is thrown away (nothing of it
+    reaches the output) and the model is converted in memory, where the structure is proven on its weights."""
+    from attnres_convert.conversion import streaming
+    from attnres_convert.conversion.discovery import StructureError
+
+    def unproven(model):
+        raise StructureError("layer 1 differs by 0.5")
+
+    _saved("llama", tmp_path / "plain")
+    monkeypatch.setattr(streaming, "find_plan", unproven)
+    with pytest.warns(UserWarning, match="not streamed: its structure could not be proven on a miniature.*layer 1 differs"):
+        result = convert(tmp_path / "plain", tmp_path / "out", verify_new_tokens=4)
+    assert result.verification.passed
+    assert sorted(p.name for p in (tmp_path / "out").glob("*.safetensors")) == ["model.safetensors"]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.partial-")]

@@ -25,7 +25,7 @@ from .memory_budget import plan_verification, verify_saved
 from .options import ConvertOptions, options_doc, parse_size
 from .saving import atomic_folder, check_output, save_converted
 from .sources import ModelSource, load_config, load_model, load_tokenizer, resolve_source
-from .streaming import StreamPlan, plan_stream, source_folder, write_streamed
+from .streaming import BackgroundPlan, NotStreamable, base_tensors, largest_layer_bytes, source_folder, write_streamed
 from .surgery import ConversionSummary, convert_model, resolve_block_size, structure_of, summarize
 from .verify import VerificationReport, capture_reference, compare, sample_input_ids
 
@@ -105,14 +105,11 @@ def convert(
     streamable = out is not None and opts.stream and not keep_model and structure is not None
     folder = source_folder(model_source) if streamable else None
     if folder is not None:
-        with stage("Planning the streamed conversion"):
-            plan = plan_stream(
-                folder, config, opts.dtype, opts.trust_remote_code,
-                block_size=block_size, num_blocks=num_blocks, full=full, query_rank=opts.query_rank,
-            )
-        if isinstance(plan, StreamPlan):
-            return _convert_streamed(plan, model_source, out, opts, shard_bytes, stage, progress)
-        warnings.warn(f"{model_source.name} is converted in memory, not streamed: {plan}", stacklevel=2)
+        conversion = dict(block_size=block_size, num_blocks=num_blocks, full=full, query_rank=opts.query_rank)
+        try:
+            return _convert_streamed(folder, config, model_source, out, opts, shard_bytes, stage, progress, conversion)
+        except NotStreamable as why:
+            warnings.warn(f"{model_source.name} is converted in memory, not streamed: {why}", stacklevel=2)
     with stage("Loading model"):
         base = load_model(model_source, opts.dtype, opts.trust_remote_code)
         tokenizer = load_tokenizer(model_source, opts.trust_remote_code)
@@ -166,45 +163,57 @@ def _extra_files(model, summary: ConversionSummary, report: VerificationReport |
 
 
 def _convert_streamed(
-    plan: StreamPlan,
+    folder: Path,
+    config,
     model_source: ModelSource,
     out: str | os.PathLike,
     opts: ConvertOptions,
     max_shard_size: int,
     stage: Stage,
     progress: Progress,
+    conversion: dict,
 ) -> ConvertResult:
     """Write the converted folder from the input's files into a temporary folder, verify that folder against
-    the original within the memory budget, and only then move it into place."""
-    tokenizer = load_tokenizer(model_source, opts.trust_remote_code)
-    summary = summarize(plan.skeleton)
+    the original within the memory budget, and only then move it into place. The structure is proven on a
+    thread while the base tensors are copied (they do not depend on it); NotStreamable when it cannot be
+    streamed, with nothing written."""
+    base = base_tensors(folder, opts.dtype)
     budget = None
-    if opts.verify:
+    if opts.verify:  # refused before any work; the AttnRes tensors are a few vectors per layer, left out here
         budget = plan_verification(
-            plan.total_bytes, plan.largest_layer_bytes(), opts.max_memory, opts.verify_tokens, opts.verify_new_tokens
+            sum(t.nbytes for t in base), largest_layer_bytes(base), opts.max_memory, opts.verify_tokens, opts.verify_new_tokens
         )
+    planning = BackgroundPlan(
+        lambda: load_tokenizer(model_source, opts.trust_remote_code),
+        folder, config, opts.dtype, opts.trust_remote_code, base=base, **conversion,
+    )
     result: dict = {}
 
-    def write(folder: Path) -> None:
-        with progress("Writing shards", plan.total_bytes) as advance:
-            write_streamed(folder, plan, max_shard_size, advance)
+    def write(tmp: Path) -> None:
+        with progress("Writing shards", sum(t.nbytes for t in base)) as advance:
+
+            def copied(nbytes: int) -> None:
+                advance(nbytes)
+                planning.check()  # a structure that cannot stream stops the copy at once
+
+            plan = write_streamed(tmp, base, lambda: planning.result()[0], max_shard_size, copied)
+        tokenizer = planning.result()[1]
         report = None
         if budget is not None:
             with stage("Verifying against the original"):
-                report = verify_saved(
-                    model_source, folder, budget, opts.dtype, tokenizer, opts.verify_text, opts.trust_remote_code
-                )
+                report = verify_saved(model_source, tmp, budget, opts.dtype, tokenizer, opts.verify_text, opts.trust_remote_code)
             _check_verified(report)
         if tokenizer is not None:
-            tokenizer.save_pretrained(folder)
-        for name, text in _extra_files(plan.skeleton, summary, report, model_source).items():
-            (folder / name).write_text(text)
-        result["report"] = report
+            tokenizer.save_pretrained(tmp)
+        result.update(summary=summarize(plan.skeleton), report=report)
+        for name, text in _extra_files(plan.skeleton, result["summary"], report, model_source).items():
+            (tmp / name).write_text(text)
 
     with stage("Saving"):
         output = atomic_folder(Path(out), write, opts.overwrite)
     return ConvertResult(
-        model_source.name, output, summary, result["report"], verification_budget=budget.describe() if budget else None
+        model_source.name, output, result["summary"], result["report"],
+        verification_budget=budget.describe() if budget else None,
     )
 
 

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import struct
+import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +40,7 @@ DTYPES: dict[str, torch.dtype] = {
 }
 DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 CHUNK_BYTES = 16 * 2**20  # bytes per read when a tensor changes dtype (and per copy where the kernel cannot)
+COPY_BYTES = 256 * 2**20  # bytes per kernel copy: the progress bar and the background flush advance this often
 
 
 @dataclass(frozen=True)
@@ -184,17 +187,18 @@ def _write_all(target: int, data) -> None:
         view = view[os.write(target, view):]
 
 
-def _copy_range(source: int, target: int, start: int, count: int) -> None:
+def _copy_range(source: int, target: int, start: int, count: int, advance: Callable[[int], None]) -> None:
     """COUNT bytes of SOURCE from START appended to TARGET: in the kernel where it can (no user-space copy)."""
     copy_range = getattr(os, "copy_file_range", None)
     while count > 0 and copy_range is not None:
         try:
-            done = copy_range(source, target, min(count, 2**30), start)
+            done = copy_range(source, target, min(count, COPY_BYTES), start)
         except OSError:  # another filesystem, or not supported here: plain reads below
             break
         if done == 0:
             raise SourceError("unexpected end of file while copying a tensor (file truncated while being read?)")
         start, count = start + done, count - done
+        advance(done)
     if count > 0:
         buffer = bytearray(min(count, CHUNK_BYTES))
         while count > 0:
@@ -204,9 +208,10 @@ def _copy_range(source: int, target: int, start: int, count: int) -> None:
                 raise SourceError("unexpected end of file while copying a tensor (file truncated while being read?)")
             _write_all(target, view[:read])
             start, count = start + read, count - read
+            advance(read)
 
 
-def _convert_range(source: int, target: int, tensor: StoredTensor, dtype: torch.dtype) -> None:
+def _convert_range(source: int, target: int, tensor: StoredTensor, dtype: torch.dtype, advance: Callable[[int], None]) -> None:
     """A stored tensor re-dtyped a chunk of elements at a time (dtype conversion is elementwise)."""
     stored = DTYPES[tensor.dtype]
     per_chunk = max(1, min(CHUNK_BYTES // stored.itemsize, tensor.numel))
@@ -221,7 +226,38 @@ def _convert_range(source: int, target: int, tensor: StoredTensor, dtype: torch.
         chunk = converted[:count]
         chunk.copy_(torch.frombuffer(view, dtype=stored, count=count))  # the rounding of .to(dtype)
         _write_all(target, chunk.view(torch.uint8).numpy())
+        advance(chunk.nbytes)
         done += count
+
+
+class _Writeback:
+    """Flushes a file being written to disk on a thread, while the copy goes on. The folder is fsynced before
+    it is published; flushing as the bytes arrive overlaps that disk write with the copy instead of waiting
+    for all of it at the end."""
+
+    def __init__(self, path: Path):
+        self.path, self.pending = path, queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._run, name="attnres-writeback", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while self.pending.get():
+            try:
+                fd = os.open(self.path, os.O_RDONLY)
+                try:
+                    getattr(os, "fdatasync", os.fsync)(fd)  # macOS has no fdatasync
+                finally:
+                    os.close(fd)
+            except OSError:
+                pass  # an error here shows again in the fsync before publishing, which reports it
+
+    def kick(self) -> None:
+        if self.pending.empty():
+            self.pending.put(True)
+
+    def close(self) -> None:
+        self.pending.put(False)
+        self.thread.join()
 
 
 class _ShardWriter:
@@ -229,10 +265,19 @@ class _ShardWriter:
     so there is no user-space buffer to fall out of order; runs of tensors that lie back to back in one
     input file, with their dtype kept, become a single copy."""
 
-    def __init__(self, target: int, advance: Callable[[int], None]):
-        self.target, self.advance = target, advance
+    def __init__(self, target: int, path: Path, advance: Callable[[int], None]):
+        self.target, self.report = target, advance
         self.inputs: dict[Path, int] = {}
         self.run: list[int] = []  # fd, start, count of the pending contiguous copy
+        self.writeback = _Writeback(path)
+        self.unflushed = 0
+
+    def advance(self, nbytes: int) -> None:
+        self.unflushed += nbytes
+        if self.unflushed >= COPY_BYTES:
+            self.writeback.kick()
+            self.unflushed = 0
+        self.report(nbytes)
 
     def input(self, path: Path) -> int:
         if path not in self.inputs:
@@ -242,8 +287,7 @@ class _ShardWriter:
     def flush(self) -> None:
         if self.run:
             fd, start, count = self.run
-            _copy_range(fd, self.target, start, count)
-            self.advance(count)
+            _copy_range(fd, self.target, start, count, self.advance)
             self.run = []
 
     def add(self, tensor: OutputTensor) -> None:
@@ -256,8 +300,7 @@ class _ShardWriter:
         fd = self.input(stored.file)
         if stored.dtype != tensor.dtype:
             self.flush()
-            _convert_range(fd, self.target, stored, DTYPES[tensor.dtype])
-            self.advance(tensor.nbytes)
+            _convert_range(fd, self.target, stored, DTYPES[tensor.dtype], self.advance)
         elif self.run and self.run[0] == fd and self.run[1] + self.run[2] == stored.start:
             self.run[2] += stored.nbytes
         else:
@@ -265,6 +308,7 @@ class _ShardWriter:
             self.run = [fd, stored.start, stored.nbytes]
 
     def close(self) -> None:
+        self.writeback.close()
         for fd in self.inputs.values():
             os.close(fd)
 
@@ -272,7 +316,7 @@ class _ShardWriter:
 def write_shard(path: Path, tensors: list[OutputTensor], advance: Callable[[int], None] = lambda nbytes: None) -> None:
     """One safetensors file: the header, then each tensor's bytes, streamed."""
     target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
-    writer = _ShardWriter(target, advance)
+    writer = _ShardWriter(target, path, advance)
     try:
         _write_all(target, _header_bytes(tensors))
         for tensor in tensors:
@@ -301,14 +345,25 @@ def write_sharded(
     folder: Path,
     shards: list[list[OutputTensor]],
     advance: Callable[[int], None] = lambda nbytes: None,
+    last: Callable[[], list[OutputTensor]] | None = None,
 ) -> dict[str, str]:
-    """Write SHARDS as model-0000i-of-0000N.safetensors and the index; returns the weight map."""
-    names = shard_names(len(shards))
-    weight_map = {}
-    for name, tensors in zip(names, shards):
+    """Write SHARDS as model-0000i-of-0000N.safetensors and the index; returns the weight map. LAST, when
+    given, is called once SHARDS are written and returns one more shard, the last: tensors known only after
+    work that ran while the others were copied."""
+    names = shard_names(len(shards) + (last is not None))
+    weight_map: dict[str, str] = {}
+    written: list[OutputTensor] = []
+
+    def write(name: str, tensors: list[OutputTensor]) -> None:
         write_shard(folder / name, tensors, advance)
         weight_map.update({tensor.name: name for tensor in tensors})
-    total_size = sum(tensor.nbytes for tensors in shards for tensor in tensors)
-    total_parameters = sum(tensor.nbytes // DTYPES[tensor.dtype].itemsize for tensors in shards for tensor in tensors)
+        written.extend(tensors)
+
+    for name, tensors in zip(names, shards):
+        write(name, tensors)
+    if last is not None:
+        write(names[-1], last())
+    total_size = sum(tensor.nbytes for tensor in written)
+    total_parameters = sum(tensor.nbytes // DTYPES[tensor.dtype].itemsize for tensor in written)
     write_index(folder, weight_map, total_size, total_parameters)
     return weight_map

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,13 +49,17 @@ class StreamPlan:
         return sum(tensor.nbytes for tensor in self.base + self.added)
 
     def largest_layer_bytes(self) -> int:
-        """Bytes of the largest decoder layer (or other top-level piece): what streamed verification loads at once."""
-        sizes: dict[str, int] = {}
-        for tensor in self.base + self.added:
-            parts = tensor.name.split(".")
-            key = ".".join(parts[:3]) if len(parts) > 3 and parts[2].isdigit() else ".".join(parts[:2])
-            sizes[key] = sizes.get(key, 0) + tensor.nbytes
-        return max(sizes.values(), default=0)
+        return largest_layer_bytes(self.base + self.added)
+
+
+def largest_layer_bytes(tensors: list[OutputTensor]) -> int:
+    """Bytes of the largest decoder layer (or other top-level piece): what streamed verification loads at once."""
+    sizes: dict[str, int] = {}
+    for tensor in tensors:
+        parts = tensor.name.split(".")
+        key = ".".join(parts[:3]) if len(parts) > 3 and parts[2].isdigit() else ".".join(parts[:2])
+        sizes[key] = sizes.get(key, 0) + tensor.nbytes
+    return max(sizes.values(), default=0)
 
 
 def source_folder(source: ModelSource) -> Path | None:
@@ -84,20 +89,65 @@ def _hub_snapshot(source: ModelSource) -> Path:
         raise _hub_error(source, error) from error
 
 
-# A miniature of the model for proving its structure: same architecture code, same layer count and layer
-# types, tiny widths. Only keys the config has are changed.
+# A miniature of the model for proving its structure: same architecture code and layer types, tiny widths.
+# Only keys the config has are changed.
 _MINIATURE = {
     "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
     "vocab_size": 128, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, "num_experts": 4,
     "num_local_experts": 4, "num_experts_per_tok": 2, "n_inner": 128,
 }
+MINIATURE_MIN_LAYERS = 2  # a repeated layer kind is proven on two layers: the first layer is not the general case
 
 
-def _miniature(config: PreTrainedConfig) -> PreTrainedConfig:
+def _narrow(config: PreTrainedConfig) -> PreTrainedConfig:
     small = copy.deepcopy(config)
     for key, value in _MINIATURE.items():
         if key in config.to_dict() or hasattr(type(config), "attribute_map") and key in config.attribute_map:
             setattr(small, key, value)
+    return small
+
+
+def _per_layer_settings(config: PreTrainedConfig) -> dict[str, list]:
+    """Config entries that hold one value per decoder layer (layer_types, no_rope_layers...)."""
+    count = config.num_hidden_layers
+    return {key: value for key, value in vars(config).items() if isinstance(value, (list, tuple)) and len(value) == count and count > 1}
+
+
+_PLAIN = (bool, int, float, str, type(None))
+
+
+def _layer_signature(layer: torch.nn.Module) -> tuple:
+    """What can make one decoder layer compute unlike another of the same model: its module tree (names,
+    classes, parameter and buffer shapes) and the plain settings its modules hold (a sliding window, RoPE on
+    or off, dense or mixture-of-experts MLP...), its index aside."""
+    parts = []
+    for name, module in layer.named_modules():
+        settings = sorted(
+            (key, value) for key, value in vars(module).items()
+            if not key.startswith("_") and key != "training" and "idx" not in key and isinstance(value, _PLAIN)
+        )
+        tensors = [(key, tuple(t.shape)) for key, t in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]]
+        parts.append((name, type(module).__name__, tuple(settings), tuple(tensors)))
+    return tuple(parts)
+
+
+def _miniature(config: PreTrainedConfig, trust_remote_code: bool = False) -> PreTrainedConfig:
+    """The smallest faithful miniature of CONFIG's model: tiny widths, and the first decoder layers up to the
+    last that starts a kind of layer not seen before (at least two). Layer kinds are told apart on the
+    narrow model with every layer, built on the meta device; per-layer config entries are cut to match."""
+    small = _narrow(config)
+    per_layer = _per_layer_settings(small)
+    with torch.device("meta"):
+        full = AutoModelForCausalLM.from_config(small, trust_remote_code=trust_remote_code)
+    layers = next(module for _, module in full.named_modules() if isinstance(module, torch.nn.ModuleList) and len(module) == small.num_hidden_layers)
+    first_of_kind: dict[tuple, int] = {}
+    for index, layer in enumerate(layers):
+        kind = (_layer_signature(layer), tuple(repr(values[index]) for values in per_layer.values()))
+        first_of_kind.setdefault(kind, index)
+    count = min(small.num_hidden_layers, max(MINIATURE_MIN_LAYERS, max(first_of_kind.values()) + 1))
+    for key, values in per_layer.items():
+        setattr(small, key, type(values)(values[:count]))
+    small.num_hidden_layers = count
     return small
 
 
@@ -107,7 +157,7 @@ def proven_plan(config: PreTrainedConfig, trust_remote_code: bool = False) -> Mo
     weights. Else the reason to convert in memory, where the structure is proven on the real weights."""
     family = family_for(config)
     try:
-        miniature = AutoModelForCausalLM.from_config(_miniature(config), trust_remote_code=trust_remote_code, dtype=torch.float32)
+        miniature = AutoModelForCausalLM.from_config(_miniature(config, trust_remote_code), trust_remote_code=trust_remote_code, dtype=torch.float32)
         proven, _ = find_plan(miniature)
     except Exception as error:  # noqa: BLE001 - the in-memory path proves the structure on the model itself
         return f"its structure could not be proven on a miniature ({type(error).__name__}: {str(error)[:200]})"
@@ -157,16 +207,25 @@ def _embedding_dtype(model: AttnResForCausalLM, stored: dict[str, StoredTensor])
     return max(set(floating), key=floating.count) if floating else torch.float32
 
 
+def base_tensors(folder: Path, dtype: str = "auto") -> list[OutputTensor]:
+    """The input's tensors as the converted folder stores them (file by file, in data order), known from the
+    safetensors headers alone: what can be copied before the converted model's structure is proven."""
+    out_dtype = None if dtype == "auto" else DTYPE_CHOICES[dtype]
+    return [OutputTensor.stored(tensor, out_dtype) for tensor in checkpoint_tensors(checkpoint_files(folder) or [])]
+
+
 def plan_stream(
     folder: Path,
     config: PreTrainedConfig,
     dtype: str = "auto",
     trust_remote_code: bool = False,
+    base: list[OutputTensor] | None = None,
     **conversion,
 ) -> StreamPlan | str:
-    """The streamed conversion of the checkpoint in FOLDER, or the reason it cannot be streamed."""
-    stored = checkpoint_tensors(checkpoint_files(folder) or [])
-    by_name = {tensor.name: tensor for tensor in stored}
+    """The streamed conversion of the checkpoint in FOLDER (whose base_tensors BASE may give), or the reason
+    it cannot be streamed."""
+    base = base_tensors(folder, dtype) if base is None else base
+    by_name = {tensor.name: tensor.source for tensor in base}
     plan = proven_plan(config, trust_remote_code)
     if isinstance(plan, str):
         return plan
@@ -189,8 +248,50 @@ def plan_stream(
             return f"tensor {name} has shape {list(tensor.shape)} in the checkpoint, {list(expected[name])} in the model"
     skeleton.config.dtype = out_dtype
     skeleton.config.text_config.dtype = out_dtype
-    base = [OutputTensor.stored(tensor, None if dtype == "auto" else out_dtype) for tensor in stored]
     return StreamPlan(skeleton, base, added, folder)
+
+
+class NotStreamable(Exception):
+    """The checkpoint cannot be streamed (the message says why): convert it in memory instead."""
+
+
+class BackgroundPlan:
+    """plan_stream (and the tokenizer) on a thread, started before the base tensors are copied: the structure
+    proof and the meta model cost about a second, which the copy hides. Nothing is published before result()
+    returns, so a conversion is still accepted only once its structure is proven."""
+
+    def __init__(self, load_tokenizer: Callable[[], object], *plan_args, **plan_kwargs):
+        self._done = threading.Event()
+        self._outcome: tuple = ()
+        self._thread = threading.Thread(
+            target=self._run, args=(load_tokenizer, plan_args, plan_kwargs), name="attnres-plan", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, load_tokenizer, plan_args, plan_kwargs) -> None:
+        try:
+            self._outcome = (plan_stream(*plan_args, **plan_kwargs), load_tokenizer(), None)
+        except BaseException as error:  # noqa: BLE001 - raised again in the caller's thread by result()
+            self._outcome = (None, None, error)
+        finally:
+            self._done.set()
+
+    def check(self) -> None:
+        """Raise NotStreamable at once if the plan has failed, so a copy that would be thrown away stops early."""
+        if self._done.is_set():
+            plan, _, error = self._outcome
+            if error is not None or isinstance(plan, str):
+                self.result()
+
+    def result(self) -> tuple[StreamPlan, object]:
+        """The proven plan and the tokenizer, waiting for them; NotStreamable when the plan failed."""
+        self._done.wait()
+        plan, tokenizer, error = self._outcome
+        if error is not None:
+            raise error
+        if isinstance(plan, str):
+            raise NotStreamable(plan)
+        return plan, tokenizer
 
 
 def _generation_config(plan: StreamPlan) -> GenerationConfig:
@@ -200,9 +301,8 @@ def _generation_config(plan: StreamPlan) -> GenerationConfig:
     return GenerationConfig.from_model_config(plan.skeleton.config.text_config)
 
 
-def write_streamed(folder: Path, plan: StreamPlan, max_shard_size: int, advance: Advance = lambda nbytes: None) -> dict[str, str]:
-    """Config, generation config and the self-contained modeling code (as save_pretrained writes them),
-    then the weight shards and, last, the index. Returns the weight map."""
+def _write_metadata(folder: Path, plan: StreamPlan) -> None:
+    """Config, generation config and the self-contained modeling code, as save_pretrained writes them."""
     model = plan.skeleton
     custom_object_save(model, folder, config=model.config)  # the shipped code, and auto_map in the config
     model.config.save_pretrained(folder)
@@ -210,5 +310,23 @@ def write_streamed(folder: Path, plan: StreamPlan, max_shard_size: int, advance:
     missing = [name for name in SHIPPED_CODE if not (folder / name).is_file()]
     if missing:
         raise OutputError(f"internal error: the modeling code {missing} was not copied; the folder would not load")
-    shards = plan_shards(plan.base, max_shard_size) + [plan.added]
-    return write_sharded(folder, shards, advance)
+
+
+def write_streamed(
+    folder: Path,
+    base: list[OutputTensor],
+    planning: Callable[[], StreamPlan],
+    max_shard_size: int,
+    advance: Advance = lambda nbytes: None,
+) -> StreamPlan:
+    """The base tensors' shards first (while PLANNING, e.g. BackgroundPlan's result, may still be proving the
+    structure), then the AttnRes shard, the config and code, and, last, the index. Returns the plan."""
+    done: list[StreamPlan] = []
+
+    def attnres_shard() -> list[OutputTensor]:
+        done.append(planning())
+        _write_metadata(folder, done[0])
+        return done[0].added
+
+    write_sharded(folder, plan_shards(base, max_shard_size), advance, last=attnres_shard)
+    return done[0]
