@@ -119,6 +119,19 @@ def test_trained_projections_save_and_load_without_this_package(tmp_path):
     assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-2000:]
 
 
+def test_projections_keep_their_names_through_the_base_models_renaming_rules(tmp_path):
+    """Mixtral's checkpoint rules rename `.mlp.` when saving: `mlp_res_proj.down` must come back as it was."""
+    model = convert_model(tiny_model("mixtral"), query_rank=RANK).eval()
+    with torch.no_grad():
+        for query in _projections(model):
+            query.up.normal_(0.0, 0.3)
+        expected = model(token_ids()).logits
+    out = save_converted(model, tmp_path / "converted")
+    assert "model.layers.0.mlp_res_proj.down" in _folder_tensors(out)
+    with torch.no_grad():
+        assert torch.equal(load_converted(out).eval()(token_ids()).logits, expected)
+
+
 def test_streamed_and_in_memory_conversions_write_the_same_projections(tmp_path):
     """A is drawn from a generator seeded by the reader's index: a conversion is reproducible, streamed or not."""
     tiny_model("llama").save_pretrained(tmp_path / "plain")

@@ -20,7 +20,8 @@ import re
 
 # The AttnRes tensors' own names, relative to the module that holds them (architectures.py names the sublayers
 # `self_attention`, `mlp`, `mlp_2`...; the output aggregation is `output_attn`).
-ATTNRES_TENSOR = re.compile(r"(?:^|\.)((?:(?:self_attention|mlp)(?:_\d+)?|output_attn)_res_(?:proj|norm)\.weight)$")
+# With query_rank > 0 a query module also holds `down` and `up` (the input-dependent part).
+ATTNRES_TENSOR = re.compile(r"(?:^|\.)((?:(?:self_attention|mlp)(?:_\d+)?|output_attn)_res_(?:proj\.(?:weight|down|up)|norm\.weight))$")
 
 
 class _NameGuard:
