@@ -38,7 +38,7 @@ def load_any(model: str | os.PathLike | None, dtype: str = "auto", trust_remote_
         if dtype not in DTYPES:
             raise SourceError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
         try:
-            loaded = load_converted(folder, dtype=DTYPES[dtype])
+            loaded = load_converted(folder, trust_remote_code, dtype=DTYPES[dtype])
         except Exception as error:  # noqa: BLE001 - a corrupt folder is the user's to fix
             raise SourceError(f"could not load the AttnRes folder {model}: {first_line(error)}") from error
         return LoadedModel(loaded.eval(), _folder_tokenizer(folder), str(model), True)

@@ -27,6 +27,7 @@ from ..modeling import SHIPPED_CODE
 from ..modeling.configuration_attnres import AttnResConfig
 from ..errors import OutputError, SourceError
 from ..modeling.modeling_attnres import AttnResForCausalLM
+from ..modeling.remote_code import GENERATED
 from .options import DEFAULT_MAX_SHARD_SIZE
 
 
@@ -339,9 +340,27 @@ def is_converted_folder(path: str | os.PathLike) -> bool:
         return False
 
 
-def load_converted(path: str | os.PathLike, **kwargs) -> AttnResForCausalLM:
-    """Load a converted folder with this package's classes (no remote code needed)."""
+def load_converted(path: str | os.PathLike, trust_remote_code: bool = False, **kwargs) -> AttnResForCausalLM:
+    """Load a converted folder with this package's classes (no remote code needed, unless the base model has its
+    own code: that ships in the folder and runs only with TRUST_REMOTE_CODE)."""
     if not is_converted_folder(path):
         raise SourceError(f"{path} is not an AttnRes model folder (no config.json with model_type 'attnres').")
     register_auto_classes()
+    _register_base_code(Path(path), trust_remote_code)
     return AttnResForCausalLM.from_pretrained(path, **kwargs)
+
+
+def _register_base_code(folder: Path, trust_remote_code: bool) -> None:
+    """Import the base model's own code shipped in FOLDER (its base_code.py registers it), as
+    from_pretrained(trust_remote_code=True) would."""
+    from transformers.dynamic_module_utils import get_class_from_dynamic_module, get_relative_imports
+
+    generated = folder / GENERATED
+    if not generated.is_file() or not get_relative_imports(generated):
+        return  # a base model transformers ships
+    if not trust_remote_code:
+        raise SourceError(
+            f"{folder} holds a model whose base has its own code (shipped in the folder, see {GENERATED}). attnres "
+            "runs such code only when asked: rerun with --trust-remote-code if you trust that code."
+        )
+    get_class_from_dynamic_module(f"{generated.stem}.BASE_CLASSES", str(folder))

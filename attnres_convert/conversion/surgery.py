@@ -13,7 +13,9 @@ from transformers import PreTrainedModel
 from ..modeling.architectures import FAMILIES, ModelPlan, UnsupportedModelError, config_refusal, family_for
 from ..modeling.configuration_attnres import AttnResConfig
 from ..modeling.depth_attention import default_block_size, output_num_sources, plan_sublayers, source_ranges
+from ..modeling import SHIPPED_CODE
 from ..modeling.modeling_attnres import AttnResForCausalLM, AttnResKeyNorm, AttnResQuery
+from ..modeling.remote_code import GENERATED, base_code_files
 from .discovery import check_converted, find_plan
 from .saving import register_auto_classes
 
@@ -136,6 +138,7 @@ def convert_model(
     refusal = config_refusal(config)
     if refusal:
         raise UnsupportedModelError(f"{refusal}.")
+    _check_base_code_names(base_model)
     trace = None
     if plan is None:
         plan, trace = find_plan(base_model)  # proven layer by layer on this very model, or refused
@@ -157,6 +160,17 @@ def convert_model(
     if trace is not None and source_scaling == "count":  # "mean" is meant to differ (models trained from scratch)
         check_converted(model, trace)
     return model
+
+
+def _check_base_code_names(base_model: PreTrainedModel) -> None:
+    """A base model's own code is shipped beside the converted model's (remote_code.py): no file may share a name."""
+    files = base_code_files(type(base_model.config), type(base_model))
+    clashes = sorted(set(files) & {*SHIPPED_CODE, GENERATED})
+    if clashes:
+        raise UnsupportedModelError(
+            f"the model's own code has files named like the converted model's code ({', '.join(clashes)}), and both "
+            "must ship in one folder: rename them in the model's folder (and its config.json auto_map), then convert again"
+        )
 
 
 @dataclass

@@ -35,7 +35,7 @@ def load_starting_model(recipe: Recipe) -> StartingModel:
     if source.kind == "folder" and is_converted_folder(source.location):
         dtype = DTYPES[spec.dtype]
         try:
-            model = load_converted(source.location, dtype=dtype)
+            model = load_converted(source.location, spec.trust_remote_code, dtype=dtype)
         except SourceError:
             raise
         except Exception as error:  # noqa: BLE001

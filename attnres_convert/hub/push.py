@@ -18,6 +18,7 @@ from pathlib import Path
 from ..conversion.hub_access import hub_endpoint, hub_reachable
 from ..errors import AttnResError, first_line, scrub
 from ..modeling import SHIPPED_CODE
+from ..modeling.remote_code import GENERATED
 
 TOKENIZER_VOCABS = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
 # Weight files a new push replaces: stale shards of an earlier push must not survive next to a new index.
@@ -137,6 +138,10 @@ def _config_problems(folder: Path) -> tuple[list[str], str | None]:
             problems.append(f"config.json has no auto_map entry for {auto}: the model would not load with trust_remote_code")
     # An auto_map entry is "module.Class", or "repo--module.Class" once it points into a hub repo.
     code = set(SHIPPED_CODE) | {f"{str(ref).split('--')[-1].split('.')[0]}.py" for ref in auto_map.values()}
+    if (folder / GENERATED).is_file():  # a base model's own code, imported by base_code.py
+        from transformers.dynamic_module_utils import get_relative_imports
+
+        code |= {f"{name}.py" for name in get_relative_imports(folder / GENERATED)}
     problems += [f"shipped code {name} is missing" for name in sorted(code) if not (folder / name).is_file()]
     return problems, "attnres"
 

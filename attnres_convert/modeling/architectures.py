@@ -312,11 +312,6 @@ CONFIG_REFUSALS: tuple[tuple[str, str, object, str], ...] = (
 def config_refusal(config) -> str | None:
     """Why this config cannot be converted, where the config alone says so; None otherwise."""
     model_type = getattr(config, "model_type", None)
-    if not type(config).__module__.startswith("transformers."):
-        return (
-            f"{model_type} is defined by the model's own code ({type(config).__module__}), not by transformers: "
-            "a converted folder would need that code next to its own to load, which is not supported yet"
-        )
     for refused_type, attr, bad, why in CONFIG_REFUSALS:
         if model_type == refused_type and getattr(config, attr, None) == bad:
             return f"{model_type} with {attr}={bad!r} cannot be converted: {why}"

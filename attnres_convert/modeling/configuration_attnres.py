@@ -5,13 +5,16 @@ generation and caches see the base architecture); this config adds the depth-att
 Its `model_type` is its own, so a tool that does not know AttnRes refuses the folder instead of
 silently loading it as the base model without the new weights.
 
-This file ships next to converted weights: it imports transformers only.
+This file ships next to converted weights: it imports transformers and its siblings only (base_code.py: a base
+model's own code, where it has some).
 """
 
 from __future__ import annotations
 
 from transformers import AutoConfig, PreTrainedConfig
 from transformers.configuration_utils import SubConfigSpec
+
+from .base_code import BASE_CLASSES  # noqa: F401 - registers a base model's own code shipped in the folder
 
 
 class AttnResConfig(PreTrainedConfig):

@@ -45,6 +45,7 @@ from .depth_attention import (
     start_state,
     wants_queries,
 )
+from .remote_code import ship_base_code
 from .weight_names import default_save_conversions, guard_all
 
 
@@ -382,6 +383,13 @@ class AttnResPreTrainedModel(PreTrainedModel):
         guard_all(getattr(load_config, "weight_mapping", None))  # in place: the loading rules
         return PreTrainedModel._load_pretrained_model(model, state_dict, checkpoint_files, load_config, *args, **kwargs)
 
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        super().save_pretrained(save_directory, *args, **kwargs)
+        if kwargs.get("is_main_process", True) and hasattr(self, "_attnres_base_class"):
+            # A base model with its own code (auto_map): that code goes along, imported by base_code.py.
+            text_config = self.config.text_config
+            ship_base_code(type(text_config), self._attnres_base_class, text_config.model_type, save_directory)
+
     @torch.no_grad()
     def _init_weights(self, module):
         if isinstance(module, (AttnResQuery, AttnResKeyNorm)):
@@ -415,6 +423,7 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
         if base_model is None:
             base_model = MODEL_FOR_CAUSAL_LM_MAPPING[type(config.text_config)](config.text_config)
         self._attnres_plan = plan
+        self._attnres_base_class = type(base_model)  # its own code, if any, is saved with the model
         self.base_model_prefix = plan.base_model
         self._tied_weights_keys = getattr(type(base_model), "_tied_weights_keys", None)
         for name, child in base_model.named_children():

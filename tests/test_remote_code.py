@@ -1,0 +1,129 @@
+"""A model with its own code (`auto_map`, a model type transformers does not ship): `attnres convert FOLDER
+--trust-remote-code` finds and proves its structure, converts it exactly, and ships its code next to the converted
+model's, so the folder loads with trust_remote_code=True where neither the original folder nor attnres exists."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+from typer.testing import CliRunner
+
+from attnres_convert import load_converted
+from attnres_convert.cli import app
+from attnres_convert.errors import SourceError
+from test_save_load import BLOCK_IMPORT
+
+FIXTURE = Path(__file__).parent / "remote_code_model"
+AUTO_MAP = {
+    "AutoConfig": "configuration_tiny_prenorm.TinyPreNormConfig",
+    "AutoModelForCausalLM": "modeling_tiny_prenorm.TinyPreNormForCausalLM",
+}
+runner = CliRunner()
+
+
+def own_code_folder(folder: Path) -> Path:
+    """A tiny random checkpoint of the fixture model, as a repository with its own code holds it."""
+    folder.mkdir(parents=True)
+    for path in FIXTURE.glob("*.py"):
+        shutil.copyfile(path, folder / path.name)
+    config = {"model_type": "tiny_prenorm", "architectures": ["TinyPreNormForCausalLM"], "auto_map": AUTO_MAP}
+    (folder / "config.json").write_text(json.dumps(config))
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder, trust_remote_code=True), trust_remote_code=True)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # larger than the default init, so that an inexact conversion shows in the logits
+        for param in model.parameters():
+            scale = 0.15 if param.dim() >= 2 else 0.05
+            param.add_(torch.randn(param.shape, generator=generator) * scale)
+    model.save_pretrained(folder)
+    return folder
+
+
+def _greedy(model, ids, use_cache=True):
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False, use_cache=use_cache,
+                         pad_token_id=0)
+    return out[:, ids.shape[1]:]
+
+
+def test_convert_without_trust_remote_code_says_to_pass_it(tmp_path):
+    source = own_code_folder(tmp_path / "tiny-own-code")
+    result = runner.invoke(app, ["convert", str(source), "-o", str(tmp_path / "out")])
+    assert result.exit_code != 0
+    assert "--trust-remote-code" in " ".join(result.output.split())
+    assert not (tmp_path / "out").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny-own-code"]
+
+
+def test_own_code_model_converts_exactly_and_loads_without_its_folder_or_attnres(tmp_path):
+    source = own_code_folder(tmp_path / "tiny-own-code")
+    out = tmp_path / "converted"
+    result = runner.invoke(app, ["convert", str(source), "-o", str(out), "--trust-remote-code", "--block-size", "3"])
+    assert result.exit_code == 0, result.output
+    assert "PASS" in result.output and "identical" in result.output
+    for name in ("configuration_tiny_prenorm.py", "modeling_tiny_prenorm.py", "base_code.py", "modeling_attnres.py"):
+        assert (out / name).is_file(), name
+    assert "from .modeling_tiny_prenorm import TinyPreNormForCausalLM" in (out / "base_code.py").read_text()
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "attnres" and config["base_model_type"] == "tiny_prenorm"
+    # Discovery found the fixture's own names (no table entry has them).
+    kinds = config["structure"]["kinds"][0]
+    assert [b["norm"] for s in kinds for b in s["branches"]] == ["attn_norm", "ffn_norm"]
+    assert config["structure"]["layers"] == "blocks" and config["structure"]["final_norm"] == "final_norm"
+
+    original = AutoModelForCausalLM.from_pretrained(source, trust_remote_code=True).eval()
+    with pytest.raises(SourceError, match="--trust-remote-code"):
+        load_converted(out)
+    converted = load_converted(out, trust_remote_code=True).eval()
+    with torch.no_grad():  # non-zero queries: the reload below must get these very tensors, not fresh zeros
+        for name, param in converted.named_parameters():
+            if "_res_" in name:
+                param.add_(0.1)
+    ids = torch.randint(3, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = original(ids).logits
+        got = load_converted(out, trust_remote_code=True).eval()(ids).logits
+    assert (got - want).abs().max().item() <= 1e-5
+    assert torch.equal(_greedy(load_converted(out, trust_remote_code=True).eval(), ids), _greedy(original, ids))
+
+    trained = tmp_path / "trained"
+    converted.save_pretrained(trained)  # the user's own save: the base code goes along again
+    with torch.no_grad():
+        expected = converted(ids).logits
+        expected_tokens = _greedy(converted, ids)
+    torch.save({"ids": ids, "logits": expected, "tokens": expected_tokens, "original": want}, tmp_path / "expected.pt")
+    shutil.move(source, tmp_path / "moved-away")  # the original folder is gone
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    code = BLOCK_IMPORT + textwrap.dedent(
+        f"""
+        import torch
+        from transformers import AutoModelForCausalLM
+        data = torch.load({str(tmp_path / "expected.pt")!r})
+        for folder in ({str(out)!r}, {str(trained)!r}):
+            model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
+            assert type(model.model).__name__ == "TinyPreNormModel", type(model.model)
+            with torch.no_grad():
+                logits = model(data["ids"]).logits
+            if folder == {str(out)!r}:  # as converted: zero queries, the original's logits
+                assert (logits - data["original"]).abs().max() <= 1e-5
+            else:
+                assert torch.equal(logits, data["logits"]), (logits - data["logits"]).abs().max()
+                tokens = model.generate(data["ids"], attention_mask=torch.ones_like(data["ids"]), max_new_tokens=6,
+                                        do_sample=False, pad_token_id=0)[:, data["ids"].shape[1]:]
+                assert torch.equal(tokens, data["tokens"])
+        print("REMOTE-OK")
+        """
+    )
+    env = dict(os.environ, HF_MODULES_CACHE=str(tmp_path / "fresh-modules-cache"))  # nothing copied from the source
+    env.pop("PYTHONPATH", None)
+    result = subprocess.run([sys.executable, "-c", code], cwd=elsewhere, env=env, capture_output=True, text=True,
+                            timeout=300, stdin=subprocess.DEVNULL)
+    assert "REMOTE-OK" in result.stdout, result.stderr[-3000:]
+    assert not any("tiny-own-code" in p.name for p in (tmp_path / "fresh-modules-cache").rglob("*"))
