@@ -1,7 +1,7 @@
 """The coverage walk: every causal-LM model type of transformers, built tiny, converted and checked (logits
-within 1e-4, greedy generation with the KV cache identical, cached = uncached), or refused with a reason.
-Converted model types can only grow (tests/coverage_floor.json), and docs/architectures.md shows the table
-this code produces."""
+within 1e-4, greedy generation with the KV cache identical, cached = uncached, left-padded batch within 1e-4), or
+refused with a reason. Converted model types can only grow (tests/coverage_floor.json), and docs/architectures.md
+shows the table this code produces."""
 
 import json
 from pathlib import Path

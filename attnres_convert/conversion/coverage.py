@@ -2,10 +2,11 @@
 
 For every model type of transformers' causal-LM mapping (and a few non-default config variants), build a
 tiny random model (hidden 64, 2 layers, small vocabulary), convert it with `convert_model` (structure
-discovery and the per-layer proof) and check the result against the original: logits within 1e-4 and
-greedy generation with the KV cache identical (cached and uncached). Each row is one of
+discovery and the per-layer proof) and check the result against the original: logits within 1e-4, greedy
+generation with the KV cache identical (cached and uncached), logits within 1e-4 on a left-padded batch. Each
+row is one of
 
-* converted: the conversion is exact;
+* converted: the conversion is exact (also on a left-padded batch, where the original takes one);
 * refused:   the conversion refuses, with its reason (also when the whole-model check fails);
 * not built: transformers could not build a tiny model from the generic shrink of the default config.
 
@@ -32,6 +33,7 @@ STATUSES = ("converted", "refused", "not built")
 MAX_PARAMETERS = 8_000_000  # a tiny config that still has more did not shrink: not worth building
 LOGIT_TOLERANCE = 1e-4
 PROMPT_TOKENS = 8
+LEFT_PADDING = 3
 NEW_TOKENS = 4
 
 # Overrides applied where the default config has the attribute (through its attribute_map too).
@@ -156,6 +158,31 @@ def _greedy(model, ids: torch.Tensor, use_cache: bool) -> list[int]:
     return out[0, ids.shape[1]:].tolist()
 
 
+def _left_padded(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A batch of the prompt and of its last tokens left-padded to the same length: ids, mask, positions (as
+    generate() computes them)."""
+    short = PROMPT_TOKENS - LEFT_PADDING
+    batch = torch.cat([ids, torch.cat([torch.zeros(1, LEFT_PADDING, dtype=ids.dtype), ids[:, -short:]], 1)])
+    mask = torch.ones_like(batch)
+    mask[1, :LEFT_PADDING] = 0
+    return batch, mask, (mask.cumsum(-1) - 1).clamp(min=0)
+
+
+def _padded_logits(model, padded, strict: bool = False) -> torch.Tensor | None:
+    """Logits at the real (not padding) positions of the left-padded batch; None where the model does not run on
+    it (or gives non-finite logits there) and not STRICT."""
+    batch, mask, positions = padded
+    try:
+        with torch.no_grad():
+            logits = model(batch, attention_mask=mask, position_ids=positions).logits.float()
+    except Exception:
+        if strict:
+            raise
+        return None
+    real = logits[mask.bool()]
+    return real if strict or torch.isfinite(real).all() else None
+
+
 def _structure_text(model) -> str:
     plan = model._attnres_plan
     kinds = [" | ".join(s.describe() for s in kind) for kind in plan.kinds]
@@ -202,6 +229,8 @@ def check_model_type(model_type: str, variant: str = "", overrides: dict | None 
                 expected = _greedy(model, ids, True)
         except Exception as error:  # noqa: BLE001
             return row("not built", "the original model does not run: " + _first_line(error), name)
+        padded = _left_padded(ids)
+        padded_reference = _padded_logits(model, padded)  # None where the original itself takes no padding
         try:
             try:  # an odd block size: blocks that end inside a decoder layer
                 converted = convert_model(model, block_size=3)
@@ -221,6 +250,13 @@ def check_model_type(model_type: str, variant: str = "", overrides: dict | None 
             return row("refused", f"whole-model check: max |delta logit| {delta:.1e} > {LOGIT_TOLERANCE:.0e}", name)
         if cached != expected or uncached != cached:
             return row("refused", "whole-model check: greedy generation with the KV cache differs", name)
+        if padded_reference is not None:
+            try:
+                padded_delta = (_padded_logits(converted, padded, strict=True) - padded_reference).abs().max().item()
+            except Exception as error:  # noqa: BLE001
+                return row("refused", "the converted model does not run on a left-padded batch: " + _first_line(error), name)
+            if not padded_delta <= LOGIT_TOLERANCE:
+                return row("refused", f"whole-model check, left-padded batch: max |delta logit| {padded_delta:.1e}", name)
         return row("converted", _structure_text(converted), name)
 
 

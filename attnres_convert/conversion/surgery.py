@@ -144,12 +144,16 @@ def convert_model(
         plan, trace = find_plan(base_model)  # proven layer by layer on this very model, or refused
     size = resolve_block_size(Structure.of_plan(config.model_type, plan), block_size, num_blocks, full)
     query_rank = check_query_rank(query_rank)
-    # A composite config resets its sub-config's attention implementation: keep the base model's.
+    # A composite config resets its sub-config's attention and MoE-experts implementations: keep the base model's
+    # (another experts kernel rounds differently in half precision, and a reload would pick the base model's).
     attn_implementation, dtype = config._attn_implementation, config.dtype
+    experts_implementation = getattr(config, "_experts_implementation", None)
     attn_config = AttnResConfig(
         text_config=config, block_size=size, source_scaling=source_scaling, structure=plan.to_dict(), query_rank=query_rank
     )
     attn_config._attn_implementation = attn_implementation
+    if experts_implementation is not None:
+        attn_config.text_config._experts_implementation = experts_implementation
     attn_config.dtype = dtype
     _mark_initialized(base_model)
     register_auto_classes()  # so that model.save_pretrained writes a folder that loads anywhere
