@@ -19,13 +19,13 @@ import torch
 
 from .card import conversion_card
 from ..modeling.architectures import UnsupportedModelError
-from ..errors import OutputError, VerificationError
+from ..errors import AttnResError, OutputError, VerificationError
 from ..modeling.modeling_attnres import AttnResForCausalLM
-from .memory_budget import plan_verification, verify_saved
+from .memory_budget import human, plan_verification, verify_saved
 from .options import ConvertOptions, options_doc, parse_size
 from .saving import atomic_folder, check_output, save_converted
 from .sources import ModelSource, load_config, load_model, load_tokenizer, resolve_source
-from .streaming import BackgroundPlan, NotStreamable, base_tensors, largest_layer_bytes, source_folder, write_streamed
+from .streaming import BackgroundPlan, NotStreamable, largest_layer_bytes, stream_input, write_streamed
 from .surgery import ConversionSummary, convert_model, resolve_block_size, structure_of, summarize
 from .verify import VerificationReport, capture_reference, compare, sample_input_ids
 
@@ -103,11 +103,13 @@ def convert(
         if structure is not None:  # else the structure is found, and block sizes checked, on the loaded model
             resolve_block_size(structure, block_size, num_blocks, full)  # refuse before loading weights
     streamable = out is not None and opts.stream and not keep_model and structure is not None
-    folder = source_folder(model_source) if streamable else None
-    if folder is not None:
+    if streamable:
         conversion = dict(block_size=block_size, num_blocks=num_blocks, full=full, query_rank=opts.query_rank)
         try:
-            return _convert_streamed(folder, config, model_source, out, opts, shard_bytes, stage, progress, conversion)
+            with stage("Reading the tensor list"):
+                streamed = stream_input(model_source, config, opts.dtype, opts.trust_remote_code)
+            if streamed is not None:
+                return _convert_streamed(*streamed, config, model_source, out, opts, shard_bytes, stage, progress, conversion)
         except NotStreamable as why:
             warnings.warn(f"{model_source.name} is converted in memory, not streamed: {why}", stacklevel=2)
     with stage("Loading model"):
@@ -164,6 +166,7 @@ def _extra_files(model, summary: ConversionSummary, report: VerificationReport |
 
 def _convert_streamed(
     folder: Path,
+    base: list,
     config,
     model_source: ModelSource,
     out: str | os.PathLike,
@@ -177,12 +180,18 @@ def _convert_streamed(
     the original within the memory budget, and only then move it into place. The structure is proven on a
     thread while the base tensors are copied (they do not depend on it); NotStreamable when it cannot be
     streamed, with nothing written."""
-    base = base_tensors(folder, opts.dtype)
     budget = None
     if opts.verify:  # refused before any work; the AttnRes tensors are a few vectors per layer, left out here
         budget = plan_verification(
             sum(t.nbytes for t in base), largest_layer_bytes(base), opts.max_memory, opts.verify_tokens, opts.verify_new_tokens
         )
+        if budget.streamed and model_source.gguf_file:
+            raise AttnResError(
+                f"verifying the conversion of {model_source.name} loads the GGUF whole, dequantised "
+                f"({human(sum(t.nbytes for t in base))}): transformers cannot leave a GGUF model's layers on disk, and "
+                f"{budget.describe()}. Give --max-memory {human(2 * sum(t.nbytes for t in base)).replace(' ', '')} "
+                "or more, or skip the check with --no-verify."
+            )
     planning = BackgroundPlan(
         lambda: load_tokenizer(model_source, opts.trust_remote_code),
         folder, config, opts.dtype, opts.trust_remote_code, base=base, **conversion,

@@ -124,13 +124,15 @@ def checkpoint_tensors(files: Iterable[Path]) -> list[StoredTensor]:
 
 @dataclass(frozen=True)
 class OutputTensor:
-    """A tensor to write: copied (or re-dtyped) from a stored tensor, or given in memory (a small new one)."""
+    """A tensor to write: copied (or re-dtyped) from a stored tensor, given in memory (a small new one), or
+    computed when its turn comes to be written (LOAD: a GGUF tensor dequantised), then dropped."""
 
     name: str
     dtype: str
     shape: tuple[int, ...]
     source: StoredTensor | None = None
     value: torch.Tensor | None = None
+    load: Callable[[], torch.Tensor] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -294,7 +296,13 @@ class _ShardWriter:
         stored = tensor.source
         if stored is None:
             self.flush()
-            _write_all(self.target, tensor.value.cpu().reshape(-1).view(torch.uint8).numpy())
+            value = tensor.value if tensor.value is not None else tensor.load()
+            if tuple(value.shape) != tensor.shape or value.dtype != DTYPES[tensor.dtype]:
+                raise SourceError(
+                    f"tensor {tensor.name} came out as {value.dtype} {list(value.shape)}, not the {tensor.dtype} "
+                    f"{list(tensor.shape)} the shard's header announced: convert with --no-stream and report it."
+                )
+            _write_all(self.target, value.cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
             self.advance(tensor.nbytes)
             return
         fd = self.input(stored.file)

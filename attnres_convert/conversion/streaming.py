@@ -62,6 +62,17 @@ def largest_layer_bytes(tensors: list[OutputTensor]) -> int:
     return max(sizes.values(), default=0)
 
 
+def stream_input(source: ModelSource, config: PreTrainedConfig, dtype: str, trust_remote_code: bool) -> tuple[Path, list[OutputTensor]] | None:
+    """The folder of a streamable SOURCE and its tensors as the converted folder writes them (safetensors:
+    copied; GGUF: dequantised one by one); None for a pickle checkpoint. NotStreamable says why a GGUF is not."""
+    if source.gguf_file:
+        from .gguf_stream import gguf_base_tensors
+
+        return Path(source.location), gguf_base_tensors(Path(source.location) / source.gguf_file, config, dtype, trust_remote_code)
+    folder = source_folder(source)
+    return None if folder is None else (folder, base_tensors(folder, dtype))
+
+
 def source_folder(source: ModelSource) -> Path | None:
     """The local folder holding a safetensors checkpoint of SOURCE (a hub id: its snapshot in the HF cache,
     downloaded if needed), or None when the source is not a safetensors checkpoint (GGUF, pickle)."""
@@ -197,13 +208,13 @@ def _added_tensors(model: AttnResForCausalLM, dtype: torch.dtype) -> list[Output
     return added
 
 
-def _embedding_dtype(model: AttnResForCausalLM, stored: dict[str, StoredTensor]) -> torch.dtype:
-    """The dtype the checkpoint stores the input embedding in: the model's dtype when --dtype is auto."""
+def _embedding_dtype(model: AttnResForCausalLM, written: dict[str, OutputTensor]) -> torch.dtype:
+    """The dtype the input embedding is written in: the model's dtype when --dtype is auto."""
     embedding = model.get_input_embeddings().weight
     for name, param in model.named_parameters():
-        if param is embedding and name in stored and DTYPES[stored[name].dtype].is_floating_point:
-            return DTYPES[stored[name].dtype]
-    floating = [DTYPES[t.dtype] for t in stored.values() if DTYPES[t.dtype].is_floating_point]
+        if param is embedding and name in written and DTYPES[written[name].dtype].is_floating_point:
+            return DTYPES[written[name].dtype]
+    floating = [DTYPES[t.dtype] for t in written.values() if DTYPES[t.dtype].is_floating_point]
     return max(set(floating), key=floating.count) if floating else torch.float32
 
 
@@ -222,10 +233,10 @@ def plan_stream(
     base: list[OutputTensor] | None = None,
     **conversion,
 ) -> StreamPlan | str:
-    """The streamed conversion of the checkpoint in FOLDER (whose base_tensors BASE may give), or the reason
-    it cannot be streamed."""
+    """The streamed conversion of the checkpoint in FOLDER, whose tensors BASE gives (default: its safetensors
+    files' base_tensors), or the reason it cannot be streamed."""
     base = base_tensors(folder, dtype) if base is None else base
-    by_name = {tensor.name: tensor.source for tensor in base}
+    by_name = {tensor.name: tensor for tensor in base}
     plan = proven_plan(config, trust_remote_code)
     if isinstance(plan, str):
         return plan
@@ -305,6 +316,7 @@ def _write_metadata(folder: Path, plan: StreamPlan) -> None:
     """Config, generation config and the self-contained modeling code, as save_pretrained writes them."""
     model = plan.skeleton
     custom_object_save(model, folder, config=model.config)  # the shipped code, and auto_map in the config
+    model.config.architectures = [type(model).__name__]  # as save_pretrained records it
     model.config.save_pretrained(folder)
     _generation_config(plan).save_pretrained(folder)
     missing = [name for name in SHIPPED_CODE if not (folder / name).is_file()]

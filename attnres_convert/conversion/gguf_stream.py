@@ -1,0 +1,132 @@
+"""GGUF inputs converted tensor by tensor: each tensor dequantised when its turn comes to be written, then dropped.
+
+transformers loads a GGUF of the older architectures (Llama, Mistral, Qwen2, Gemma...) with
+`load_gguf_checkpoint`: every tensor dequantised by `gguf.quants.dequantize`, passed through the
+architecture's tensor processor (Llama's q/k reverse permutation, Gemma's norm offset...) and renamed with
+`get_gguf_hf_weights_map`. This module runs those same functions of transformers, one tensor at a time, so
+the streamed folder holds bit for bit what a load + save would. A GGUF that transformers converts some other
+way (its newer weight-conversion pipeline, experts merged across tensors) raises NotStreamable, and `convert`
+goes through memory instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import mmap
+from pathlib import Path
+
+import numpy as np
+import torch
+from transformers import AutoModelForCausalLM, PreTrainedConfig
+
+from .shards import DTYPE_NAMES, OutputTensor
+from .sources import DTYPES as DTYPE_CHOICES
+from .streaming import NotStreamable
+
+ROWS_BYTES = 4 * 2**20  # dequantise this many output bytes at a time: the dequantiser's temporaries stay small
+
+
+def _dequantize(data: np.ndarray, qtype) -> np.ndarray:
+    """gguf's dequantize, a band of rows at a time into one output array: rows are quantised independently,
+    so the values are those of a single call, without its several tensor-sized temporaries."""
+    from gguf import dequantize
+
+    if data.ndim < 2 or data.shape[0] < 2:
+        return dequantize(data, qtype)
+    first = dequantize(data[:1], qtype)
+    out = np.empty((data.shape[0], *first.shape[1:]), dtype=first.dtype)
+    per_band = max(1, ROWS_BYTES // max(1, first.nbytes))
+    for start in range(0, data.shape[0], per_band):
+        out[start : start + per_band] = dequantize(data[start : start + per_band], qtype)
+    return out
+
+
+def _release(data: np.ndarray, start: int) -> None:
+    """Unmap the file pages a tensor was read from (at byte START of the file): they stay in the page cache, but
+    no longer count in this process's resident memory, which so holds one tensor at a time however large the
+    GGUF."""
+    mapping = getattr(data, "_mmap", None)
+    if mapping is None or not hasattr(mapping, "madvise") or not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    aligned = start - start % mmap.PAGESIZE
+    with contextlib.suppress(OSError, ValueError):
+        mapping.madvise(mmap.MADV_DONTNEED, aligned, start + data.nbytes - aligned)
+
+
+def _file_tensors(path: Path) -> tuple[str, list[tuple[str, np.ndarray, object, int]]]:
+    """The GGUF's architecture and, in file order, each tensor's name, bytes (shaped as gguf's reader shapes
+    them: rows of blocks), type and offset in the file. Read with transformers' GGUF header reader, which skips the vocabulary
+    (gguf's GGUFReader parses every token string: seconds per read)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from transformers.integrations.gguf.reader import GgufHeader, load_gguf_state_dict
+
+    try:
+        header = GgufHeader.from_file(str(path))
+    except ValueError as error:  # a tensor type this reader does not know
+        raise NotStreamable(str(error)) from error
+    tensors = []
+    for info, lazy in zip(header.tensors, load_gguf_state_dict(header).values()):
+        qtype = GGMLQuantizationType(info.ggml_type)
+        block, block_bytes = GGML_QUANT_SIZES[qtype]
+        data = lazy.data.reshape(*info.shape[:-1], info.shape[-1] // block * block_bytes)
+        tensors.append((info.name, data, qtype, header.data_start + info.offset))
+    return header.architecture, tensors
+
+
+@contextlib.contextmanager
+def _one_name_map():
+    """get_gguf_hf_weights_map rebuilds gguf's tensor name map for every module it recurses into (seconds for
+    a model of a few hundred modules); the map depends only on the architecture and layer count, so it is
+    built once while the call runs."""
+    import gguf
+
+    build = gguf.get_tensor_name_map
+    gguf.get_tensor_name_map = functools.lru_cache(maxsize=4)(build)
+    try:
+        yield
+    finally:
+        gguf.get_tensor_name_map = build
+
+
+def gguf_base_tensors(path: Path, config: PreTrainedConfig, dtype: str = "auto", trust_remote_code: bool = False) -> list[OutputTensor]:
+    """The GGUF's tensors under their transformers names, in file order, each computed when written: float32
+    (the in-memory path's dtype for a GGUF) or DTYPE. NotStreamable when transformers would not load the file
+    tensor by tensor."""
+    from transformers.integrations.gguf.utils import is_gguf_arch_supported
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
+
+    architecture, file_tensors = _file_tensors(path)
+    if is_gguf_arch_supported(architecture):
+        raise NotStreamable(f"transformers converts GGUF architecture {architecture!r} with its weight-conversion pipeline")
+    # transformers hands the processor the config it parsed from the file; the config built from that parse
+    # holds the same values (the head counts Llama's q/k permutation needs...).
+    processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=config.to_dict())
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    with _one_name_map():
+        names = get_gguf_hf_weights_map(model, processor)
+    shapes = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+    out_dtype = torch.float32 if dtype == "auto" else DTYPE_CHOICES[dtype]
+
+    def loader(gguf_name: str, data: np.ndarray, qtype, start: int):
+        def load() -> torch.Tensor:
+            weights = _dequantize(data, qtype)
+            _release(data, start)
+            diverted: dict = {"tensors": {}}
+            result = processor.process(weights=weights, name=gguf_name, tensor_key_mapping=names, parsed_parameters=diverted)
+            if result.name != gguf_name or diverted["tensors"]:
+                raise NotStreamable(f"transformers' GGUF loader rearranges tensor {gguf_name} across tensors")
+            # A plain float tensor comes back as a view of the read-only file mapping: copied, as transformers does.
+            return torch.from_numpy(np.require(result.weights, requirements=("C_CONTIGUOUS", "WRITEABLE"))).to(out_dtype)
+
+        return load
+
+    base = []
+    for gguf_name, data, qtype, start in file_tensors:
+        if gguf_name not in names:
+            continue  # transformers drops it too (rope_freqs...); a tensor it merges into others leaves its
+            # target missing, which the plan's check of the names turns into the in-memory path
+        name = names[gguf_name]
+        base.append(OutputTensor(name, DTYPE_NAMES[out_dtype], shapes[name], load=loader(gguf_name, data, qtype, start)))
+    return base
