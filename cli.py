@@ -182,6 +182,8 @@ def summary_table(summary) -> Table:
     counts = summary.sources_per_sublayer
     table.add_row("sources per sublayer", f"{min(counts)}..{max(counts)} (output: {summary.output_sources})")
     table.add_row("output aggregation reads", describe_sources(summary.num_sublayers, summary.block_size)[-1])
+    if summary.query_rank:
+        table.add_row("queries", f"input-dependent, rank {summary.query_rank}")
     table.add_row("parameters added", f"{summary.params_added:,} ({summary.params_added / summary.params_total:.4%})")
     return table
 

@@ -135,11 +135,13 @@ def test_projections_keep_their_names_through_the_base_models_renaming_rules(tmp
 def test_streamed_and_in_memory_conversions_write_the_same_projections(tmp_path):
     """A is drawn from a generator seeded by the reader's index: a conversion is reproducible, streamed or not."""
     tiny_model("llama").save_pretrained(tmp_path / "plain")
-    streamed = convert(tmp_path / "plain", tmp_path / "streamed", query_rank=RANK, verify_tokens=32, verify_new_tokens=4)
+    streamed = CliRunner().invoke(app, ["convert", str(tmp_path / "plain"), "-o", str(tmp_path / "streamed"), "--query-rank",
+                                        str(RANK), "--verify-tokens", "32", "--verify-new-tokens", "4"])
+    assert streamed.exit_code == 0, streamed.output
+    assert "input-dependent, rank 4" in streamed.output and "PASS" in streamed.output
     in_memory = convert(tmp_path / "plain", tmp_path / "memory", query_rank=RANK, stream=False, verify_tokens=32,
                         verify_new_tokens=4)
-    assert streamed.verification.passed and streamed.verification.max_abs_logit_diff == 0.0
-    assert in_memory.verification.passed
+    assert in_memory.verification.passed and in_memory.verification.max_abs_logit_diff == 0.0
     a, b = _folder_tensors(tmp_path / "streamed"), _folder_tensors(tmp_path / "memory")
     assert a.keys() == b.keys() and any(name.endswith(".down") for name in a)
     assert all(torch.equal(a[name], b[name]) for name in a)
@@ -193,6 +195,7 @@ def test_negative_or_fractional_ranks_are_refused(tmp_path):
     result = CliRunner().invoke(app, ["convert", "-o", str(tmp_path / "cli"), "--query-rank", "-1"])
     assert result.exit_code == 2 and "query_rank" in result.output, result.output
     assert not (tmp_path / "out").exists() and not (tmp_path / "cli").exists()
+    assert "--query-rank" in CliRunner().invoke(app, ["convert", "--help"]).output
     with pytest.raises(RecipeError, match=r"model\.query_rank: must be >= 0"):
         parse_recipe({"model": {"query_rank": -1}})
 

@@ -328,6 +328,7 @@ class FinetuneRecipe:
         self.report.say(
             f"{'AttnRes' if start.converted else 'original (baseline, not converted)'} model: {self.counts.describe()}"
             + (f"; block size {start.summary.block_size}, {start.summary.num_blocks} blocks" if start.summary else "")
+            + (f", input-dependent queries of rank {start.summary.query_rank}" if start.summary and start.summary.query_rank else "")
         )
         self.world = accelerator.num_processes
         self.global_batch = self.world * recipe.train.grad_accum * recipe.train.micro_batch
