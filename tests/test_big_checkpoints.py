@@ -400,3 +400,39 @@ def test_a_structure_the_miniature_does_not_prove_is_converted_in_memory(tmp_pat
     assert result.verification.passed
     assert sorted(p.name for p in (tmp_path / "out").glob("*.safetensors")) == ["model.safetensors"]
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.partial-")]
+
+
+HUB_CACHE_CONVERT = textwrap.dedent(
+    """
+    import sys, warnings
+    warnings.filterwarnings("error", message=".*not streamed")  # the in-memory path would fail this run
+    from attnres_convert import convert
+    convert("tiny-org/tiny-llama", sys.argv[1], max_shard_size=40_000, verify_new_tokens=4)
+    """
+)
+
+
+def test_hub_id_streams_from_the_hf_cache(tmp_path):
+    """A hub id whose snapshot is in the HF cache (offline): streamed from the cached files, with the folder's output."""
+    _saved("llama", tmp_path / "plain")
+    revision = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hf-cache" / "models--tiny-org--tiny-llama"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(revision)
+    (repo / "snapshots").mkdir()
+    (tmp_path / "plain").rename(repo / "snapshots" / revision)
+    env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hf-cache"), "HF_HOME": str(tmp_path / "hf-home"), "HF_HUB_OFFLINE": "1",
+           "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
+    run = subprocess.run([sys.executable, "-c", HUB_CACHE_CONVERT, str(tmp_path / "from-hub")], capture_output=True, text=True,
+                         env=env, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    convert(repo / "snapshots" / revision, tmp_path / "from-folder", max_shard_size=40_000, verify=False)
+    hub, folder = tmp_path / "from-hub", tmp_path / "from-folder"
+    files = sorted(p.name for p in folder.glob("*.safetensors"))
+    assert len(files) >= 4 and sorted(p.name for p in hub.glob("*.safetensors")) == files  # the streamed layout
+    assert (hub / INDEX).read_text() == (folder / INDEX).read_text()
+    assert all((hub / f).read_bytes() == (folder / f).read_bytes() for f in files)
+    configs = [json.loads((out / "config.json").read_text()) for out in (hub, folder)]
+    assert configs[0]["text_config"].pop("_name_or_path") == "tiny-org/tiny-llama"  # the base model's name, as loaded
+    configs[1]["text_config"].pop("_name_or_path")
+    assert configs[0] == configs[1]
