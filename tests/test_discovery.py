@@ -24,7 +24,7 @@ def test_granite_multipliers_are_part_of_the_plan_and_the_llama_pattern_is_refus
     model = tiny_model("granite")
     where = discovery.locate(model)
     trace = discovery.trace_model(model, where)
-    llama_like = LLAMA.plan(model.config)
+    llama_like = LLAMA.plan(model.config, model)
     failure = discovery.prove(model, llama_like, trace)
     assert failure is not None and failure.layer == 0 and failure.sublayer == 1  # where the stream first departs
     assert failure.relative > 1e-2
@@ -40,7 +40,7 @@ def test_glm4_sandwich_norms_belong_to_their_sublayers():
     assert attention.branches[0].post == ("post_self_attn_layernorm",)
     assert mlp.branches[0].post == ("post_mlp_layernorm",)
     trace = discovery.trace_model(model, discovery.locate(model))
-    assert discovery.prove(model, LLAMA.plan(model.config), trace) is not None
+    assert discovery.prove(model, LLAMA.plan(model.config, model), trace) is not None
 
 
 def test_parallel_branches_and_their_norms():

@@ -33,9 +33,13 @@ from ..modeling.architectures import (
     ModelPlan,
     Sublayer,
     UnsupportedModelError,
+    Where,
     config_refusal,
     family_for,
+    is_norm,
+    locate,
     module_at,
+    norm_eps,
 )
 from ..modeling.depth_attention import add_output, close_block, depth_mix, start_state
 from ..modeling.modeling_attnres import positional_argnames, run_sublayer
@@ -44,29 +48,11 @@ RELATIVE_TOLERANCE = 1e-6  # fp32: bit-equal, or this close where the base forwa
 HALF_RELATIVE_TOLERANCE = 1e-2  # bf16 / fp16: a reordered add rounds at the format's precision (2^-8)
 LOGIT_TOLERANCE = 1e-4  # fp32, the whole converted model on the probe tokens
 PROBE_TOKENS = 6
-EPS_ATTRIBUTES = ("eps", "variance_epsilon", "epsilon", "layer_norm_eps", "rms_norm_eps", "norm_eps")
 CONFIG_EPS_KEYS = ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_epsilon", "norm_eps", "rms_norm_epsilon")
 
 
 class StructureError(UnsupportedModelError):
     """No candidate structure reproduces the model's decoder layers; the message names where and by how much."""
-
-
-def is_norm(module: nn.Module) -> bool:
-    """A normalisation module: LayerNorm / RMSNorm by type, or a class named *Norm* whose parameters are
-    all per-channel vectors (weight, bias)."""
-    if isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
-        return True
-    name = type(module).__name__.lower()
-    return "norm" in name and all(p.dim() == 1 for p in module.parameters(recurse=False))
-
-
-def norm_eps(module: nn.Module) -> float | None:
-    for attr in EPS_ATTRIBUTES:
-        value = getattr(module, attr, None)
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-    return None
 
 
 def first_tensor(value):
@@ -75,51 +61,6 @@ def first_tensor(value):
     if isinstance(value, (tuple, list)) and value and isinstance(value[0], torch.Tensor):
         return value[0]
     return getattr(value, "last_hidden_state", None)
-
-
-# --- where things are ------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Location:
-    base_model: str
-    layers: str  # relative to the base model
-    lm_head: str
-
-
-def _child_name(parent: nn.Module, child: nn.Module) -> str | None:
-    for name, module in parent.named_children():
-        if module is child:
-            return name
-    return None
-
-
-def locate(model: nn.Module) -> Location:
-    """The base model, its decoder stack (the ModuleList of num_hidden_layers layers) and the LM head."""
-    head = model.get_output_embeddings()
-    lm_head = _child_name(model, head) if head is not None else None
-    if lm_head is None:
-        raise UnsupportedModelError(f"{type(model).__name__} has no LM head among its direct modules")
-    prefix = getattr(model, "base_model_prefix", "")
-    base = getattr(model, prefix, None) if prefix else None
-    if not isinstance(base, nn.Module) or base is model:
-        others = [name for name, child in model.named_children() if name != lm_head and any(True for _ in child.parameters())]
-        if len(others) != 1:
-            raise UnsupportedModelError(f"{type(model).__name__}: cannot tell which module is the base model ({others})")
-        prefix, base = others[0], getattr(model, others[0])
-    config = model.config
-    want = getattr(config, "num_hidden_layers", None)
-    stacks = [
-        (name, module)
-        for name, module in base.named_modules()
-        if isinstance(module, nn.ModuleList) and len(module) > 0 and (want is None or len(module) == want)
-    ]
-    if not stacks:
-        raise UnsupportedModelError(
-            f"{type(model).__name__}: found no list of {want} decoder layers in {type(base).__name__}"
-        )
-    name, _ = max(stacks, key=lambda item: sum(p.numel() for p in item[1].parameters()))
-    return Location(prefix, name, lm_head)
 
 
 # --- the real call arguments of every layer --------------------------------------------------------
@@ -165,7 +106,7 @@ def probe_ids(model: nn.Module, tokens: int = PROBE_TOKENS) -> torch.Tensor:
 
 
 @torch.no_grad()
-def trace_model(model: nn.Module, where: Location) -> ModelTrace:
+def trace_model(model: nn.Module, where: Where) -> ModelTrace:
     """One forward on a few tokens (with a cache, as generation runs it), recording each layer's call
     arguments, which module reads the last layer's output, the logits and the base model's last hidden state."""
     base = module_at(model, where.base_model)
@@ -514,7 +455,7 @@ def prove(model: nn.Module, plan: ModelPlan, trace: ModelTrace) -> LayerFailure 
 # --- the head --------------------------------------------------------------------------------------
 
 
-def _head_transform(model: nn.Module, where: Location, trace: ModelTrace) -> dict:
+def _head_transform(model: nn.Module, where: Where, trace: ModelTrace) -> dict:
     """The scalars the causal LM applies to lm_head's output (Cohere's logit_scale, Granite's
     logits_scaling, Gemma 2's soft cap), checked against the model's own logits."""
     with torch.no_grad():
@@ -571,7 +512,7 @@ def _eps(layer: nn.Module, sublayers: tuple[Sublayer, ...], config) -> float:
     return 1e-6
 
 
-def discovered_plan(model: nn.Module, where: Location, trace: ModelTrace, head: dict) -> ModelPlan:
+def discovered_plan(model: nn.Module, where: Where, trace: ModelTrace, head: dict) -> ModelPlan:
     base = module_at(model, where.base_model)
     layers = module_at(base, where.layers)
     per_layer = []
@@ -606,7 +547,7 @@ def find_plan(model: nn.Module) -> tuple[ModelPlan, ModelTrace]:
         return _find_plan(model, where)
 
 
-def _find_plan(model: nn.Module, where: Location) -> tuple[ModelPlan, ModelTrace]:
+def _find_plan(model: nn.Module, where: Where) -> tuple[ModelPlan, ModelTrace]:
     config = model.config
     trace = trace_model(model, where)
     if trace.final_norm is None:
@@ -625,14 +566,17 @@ def _find_plan(model: nn.Module, where: Location) -> tuple[ModelPlan, ModelTrace
     )
 
 
-def _candidates(model: nn.Module, where: Location, trace: ModelTrace, head: dict, failures: list[str]):
+def _candidates(model: nn.Module, where: Where, trace: ModelTrace, head: dict, failures: list[str]):
     """The architecture table's layout where it has one, then the discovered one (found only if needed)."""
     try:
         family = family_for(model.config)
     except UnsupportedModelError:
         family = None
     if family is not None:
-        yield dataclasses.replace(family.plan(model.config), tuple_output=trace.tuple_output)
+        try:
+            yield dataclasses.replace(family.plan(model.config, model), tuple_output=trace.tuple_output)
+        except UnsupportedModelError as error:
+            failures.append(str(error))
     try:
         yield discovered_plan(model, where, trace, head)
     except UnsupportedModelError as error:

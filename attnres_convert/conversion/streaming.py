@@ -170,12 +170,13 @@ def proven_plan(config: PreTrainedConfig, trust_remote_code: bool = False) -> Mo
     try:
         miniature = AutoModelForCausalLM.from_config(_miniature(config, trust_remote_code), trust_remote_code=trust_remote_code, dtype=torch.float32)
         proven, _ = find_plan(miniature)
+        expected = dataclasses.replace(family.plan(miniature.config, miniature), tuple_output=proven.tuple_output)
     except Exception as error:  # noqa: BLE001 - the in-memory path proves the structure on the model itself
         return f"its structure could not be proven on a miniature ({type(error).__name__}: {str(error)[:200]})"
-    expected = dataclasses.replace(family.plan(miniature.config), tuple_output=proven.tuple_output)
     if proven != expected:
         return "the architecture table's structure does not reproduce a miniature of the model"
-    return dataclasses.replace(family.plan(config), tuple_output=proven.tuple_output)
+    # The table's layers are all alike: the full model's plan is the miniature's, with all its layers.
+    return dataclasses.replace(expected, layer_kinds=(0,) * int(config.num_hidden_layers))
 
 
 def _skeleton(config: PreTrainedConfig, plan: ModelPlan, dtype: torch.dtype, trust_remote_code: bool, **conversion) -> AttnResForCausalLM:

@@ -49,7 +49,8 @@ def structure_of(config) -> Structure | None:
         raise UnsupportedModelError(f"{refusal}.")
     if not any(config.model_type in family.model_types for family in FAMILIES):
         return None
-    return Structure.of_plan(config.model_type, family_for(config).plan(config))
+    per_layer, layers = len(family_for(config).sublayers(config)), int(config.num_hidden_layers)
+    return Structure(config.model_type, layers, per_layer, per_layer * layers)
 
 
 def structure_of_model(model: PreTrainedModel) -> Structure:

@@ -9,16 +9,27 @@ the branch.
 A `ModelPlan` says where the decoder stack, final norm and head are and which sublayers every decoder
 layer has (layers of one model may differ). Conversion finds it from the model itself and proves it
 layer by layer (attnres_convert/conversion/discovery.py), then records it in the converted config
-(`structure`), so the shipped forward needs nothing else. The `FAMILIES` table below gives the plan of
-configs converted before plans were recorded, and a first candidate for the model types it lists.
+(`structure`), so the shipped forward needs nothing else.
 
-This file ships next to converted weights: it imports nothing outside the standard library.
+The `FAMILIES` table below holds only what the module tree does not say: which norm and which module form each
+sublayer, by attribute name, and the config flag that makes a layer parallel. Where the decoder stack, final
+norm and head are, and the norms' eps, come from the model itself (`locate`, `norm_eps`; the meta device
+will do). The table gives the sublayer count from the config alone (block sizes are checked before weights
+load), the first candidate for the model types it lists, and the plan of configs converted before plans
+were recorded.
+
+This file ships next to converted weights: it imports torch and the standard library only.
 """
 
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+
+from torch import nn
+
+# Where norm classes keep their eps.
+EPS_ATTRIBUTES = ("eps", "variance_epsilon", "epsilon", "layer_norm_eps", "rms_norm_eps", "norm_eps")
 
 
 class UnsupportedModelError(ValueError):
@@ -140,39 +151,99 @@ def module_at(root, path: str):
 
 
 @dataclass(frozen=True)
+class Where:
+    """Where a causal LM keeps its parts (attribute paths): found from the module tree itself (`locate`)."""
+
+    base_model: str
+    layers: str  # relative to the base model
+    lm_head: str
+    final_norm: str | None = None  # relative to the base model; None where the module tree alone does not tell
+
+
+def _child_name(parent, child) -> str | None:
+    return next((name for name, module in parent.named_children() if module is child), None)
+
+
+def is_norm(module) -> bool:
+    """A normalisation module: LayerNorm / RMSNorm by type, or a class named *Norm* whose parameters are all
+    per-channel vectors (weight, bias)."""
+    if isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
+        return True
+    name = type(module).__name__.lower()
+    return "norm" in name and all(p.dim() == 1 for p in module.parameters(recurse=False))
+
+
+def norm_eps(module) -> float | None:
+    """A norm's own eps (whatever attribute its class keeps it in)."""
+    for attr in EPS_ATTRIBUTES:
+        value = getattr(module, attr, None)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    return None
+
+
+def locate(model) -> Where:
+    """The base model, its decoder stack (the ModuleList of num_hidden_layers layers with the most parameters),
+    the LM head, and the final norm where the base model has exactly one norm outside its layers. From the
+    module tree alone: works on the meta device, before any weights are loaded."""
+    head = model.get_output_embeddings()
+    lm_head = _child_name(model, head) if head is not None else None
+    if lm_head is None:
+        raise UnsupportedModelError(f"{type(model).__name__} has no LM head among its direct modules")
+    prefix = getattr(model, "base_model_prefix", "")
+    base = getattr(model, prefix, None) if prefix else None
+    if not isinstance(base, nn.Module) or base is model:
+        others = [name for name, child in model.named_children() if name != lm_head and any(True for _ in child.parameters())]
+        if len(others) != 1:
+            raise UnsupportedModelError(f"{type(model).__name__}: cannot tell which module is the base model ({others})")
+        prefix, base = others[0], getattr(model, others[0])
+    want = getattr(model.config, "num_hidden_layers", None)
+    stacks = [
+        (name, module)
+        for name, module in base.named_modules()
+        if isinstance(module, nn.ModuleList) and len(module) > 0 and (want is None or len(module) == want)
+    ]
+    if not stacks:
+        raise UnsupportedModelError(f"{type(model).__name__}: found no list of {want} decoder layers in {type(base).__name__}")
+    layers, stack = max(stacks, key=lambda item: sum(p.numel() for p in item[1].parameters()))
+    inside = {id(module) for module in stack.modules()}
+    norms = [name for name, module in base.named_modules() if name and id(module) not in inside and is_norm(module)]
+    return Where(prefix, layers, lm_head, norms[0] if len(norms) == 1 else None)
+
+
+@dataclass(frozen=True)
 class Family:
+    """What the module tree does not say: which norm and module form each sublayer, by attribute name."""
+
     name: str
     model_types: tuple[str, ...]
-    base_model: str = "model"  # attribute of the *ForCausalLM holding the decoder stack
-    lm_head: str = "lm_head"
-    layers: str = "layers"  # attribute of the base model: the decoder layers
-    final_norm: str = "norm"
-    eps_attrs: tuple[str, ...] = ("rms_norm_eps",)
-    sequential: tuple[Sublayer, ...] = ()
-    parallel: tuple[Sublayer, ...] = ()  # used when `parallel_flag` is true in the config
-    parallel_flag: str | None = None
-    always_parallel: bool = False
+    sequential: tuple[Sublayer, ...]
+    parallel_flag: str | bool = False  # a config flag (or True: always) that runs the branches in parallel
     notes: str = ""
 
     def sublayers(self, config) -> tuple[Sublayer, ...]:
-        if self.always_parallel or (self.parallel_flag and getattr(config, self.parallel_flag, False)):
-            return self.parallel
+        """The sequential sublayers, or, parallel, one sublayer with all their branches read from one input."""
+        flag = self.parallel_flag
+        if flag is True or (isinstance(flag, str) and getattr(config, flag, False)):
+            return (Sublayer("self_attention", tuple(b for sublayer in self.sequential for b in sublayer.branches)),)
         return self.sequential
 
-    def plan(self, config) -> ModelPlan:
+    def plan(self, config, model) -> ModelPlan:
+        """The plan for MODEL (a causal LM of this family, possibly on the meta device): the table's sublayers,
+        the places and the norms' eps from the model itself."""
+        where = locate(model)
+        if where.final_norm is None:
+            raise UnsupportedModelError(f"{self.name}: cannot tell the final norm of {type(model).__name__} from its modules")
+        first = self.sublayers(config)[0].branches[0].norm
+        eps = norm_eps(module_at(module_at(module_at(model, where.base_model), where.layers)[0], first))
+        if eps is None:
+            raise UnsupportedModelError(f"{self.name}: the norm `{first}` keeps no eps attribute")
         softcap = getattr(config, "final_logit_softcapping", None)
         return ModelPlan.uniform(
-            int(config.num_hidden_layers), self.sublayers(config), self.eps(config), base_model=self.base_model,
-            layers=self.layers, final_norm=self.final_norm, lm_head=self.lm_head,
+            int(config.num_hidden_layers), self.sublayers(config), eps, base_model=where.base_model,
+            layers=where.layers, final_norm=where.final_norm, lm_head=where.lm_head,
             logit_softcap=float(softcap) if softcap else None,
         )
-
-    def eps(self, config) -> float:
-        for attr in self.eps_attrs:
-            value = getattr(config, attr, None)
-            if value is not None:
-                return float(value)
-        raise UnsupportedModelError(f"{self.name}: config has none of {self.eps_attrs} (the norm eps)")
 
 
 def _attn(norm, module="self_attn", post=()):
@@ -217,31 +288,15 @@ FAMILIES: tuple[Family, ...] = (
     Family(
         "gpt2",
         ("gpt2",),
-        base_model="transformer",
-        layers="h",
-        final_norm="ln_f",
-        eps_attrs=("layer_norm_epsilon",),
         sequential=_sequential(_attn("ln_1", "attn"), _mlp("ln_2")),
         notes="GPT-2: LayerNorm, learned positions (added before layer 0)",
     ),
     Family(
         "gpt_neox",
         ("gpt_neox",),
-        base_model="gpt_neox",
-        final_norm="final_layer_norm",
-        eps_attrs=("layer_norm_eps",),
         sequential=_sequential(
             _attn("input_layernorm", "attention", post=("post_attention_dropout",)),
             _mlp("post_attention_layernorm", post=("post_mlp_dropout",)),
-        ),
-        parallel=(
-            Sublayer(
-                "self_attention",
-                (
-                    _attn("input_layernorm", "attention", post=("post_attention_dropout",)),
-                    _mlp("post_attention_layernorm", post=("post_mlp_dropout",)),
-                ),
-            ),
         ),
         parallel_flag="use_parallel_residual",
         notes="GPT-NeoX / Pythia: parallel residual is one sublayer with two branches",
@@ -249,15 +304,8 @@ FAMILIES: tuple[Family, ...] = (
     Family(
         "phi",
         ("phi",),
-        final_norm="final_layernorm",
-        eps_attrs=("layer_norm_eps",),
-        parallel=(
-            Sublayer(
-                "self_attention",
-                (_attn("input_layernorm", post=("resid_dropout",)), _mlp("input_layernorm", post=("resid_dropout",))),
-            ),
-        ),
-        always_parallel=True,
+        sequential=_sequential(_attn("input_layernorm", post=("resid_dropout",)), _mlp("input_layernorm", post=("resid_dropout",))),
+        parallel_flag=True,
         notes="Phi-1/1.5/2: parallel attention and MLP on one shared LayerNorm",
     ),
 )
@@ -338,9 +386,9 @@ def family_for(config) -> Family:
     raise UnsupportedModelError(f"model type {model_type!r} has no entry in the architecture table")
 
 
-def plan_for(text_config, structure: dict | None = None) -> ModelPlan:
+def plan_for(text_config, structure: dict | None, base_model) -> ModelPlan:
     """The plan recorded in a converted config, or for a config converted before plans were recorded, the
-    table's."""
+    table's, placed on BASE_MODEL (the base causal LM)."""
     if structure:
         return ModelPlan.from_dict(structure)
-    return family_for(text_config).plan(text_config)
+    return family_for(text_config).plan(text_config, base_model)

@@ -419,9 +419,9 @@ def _init_depth_module(module: AttnResQuery | AttnResKeyNorm, skip_loaded: bool 
 class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
     def __init__(self, config: AttnResConfig, base_model: PreTrainedModel | None = None):
         super().__init__(config)
-        plan = plan_for(config.text_config, config.structure)
         if base_model is None:
             base_model = MODEL_FOR_CAUSAL_LM_MAPPING[type(config.text_config)](config.text_config)
+        plan = plan_for(config.text_config, config.structure, base_model)
         self._attnres_plan = plan
         self._attnres_base_class = type(base_model)  # its own code, if any, is saved with the model
         self.base_model_prefix = plan.base_model
