@@ -1,12 +1,14 @@
 """Converting a big checkpoint: peak memory and time of `attnres convert` against copying the files and
 against a plain load + save_pretrained, on a random-weight Llama of 1.2B parameters (bf16, 2.4 GB in
-shards of 1 GB).
+shards of 1 GB); and the embedded SmolLM2-135M GGUF converted streamed against in memory.
 
-    python benchmarks/big_checkpoint.py [--workdir DIR] [--keep] [--out benchmarks/results/big-checkpoint.json]
+    python benchmarks/big_checkpoint.py [--workdir DIR] [--keep] [--steps A,B] [--out benchmarks/results/big-checkpoint.json]
 
 Every measured step runs in a fresh process that reports its own peak resident memory (VmHWM) and wall
-time. The input files are in the page cache for every step (each step reads them; none is dropped), so the
-times compare work, not cold disk reads. Nothing here is a pass/fail test: it prints and records numbers.
+time, its imports done before the clock starts (their time is recorded apart). The input files are in the
+page cache for every step (each step reads them; none is dropped), and each step starts after an untimed
+sync, so that no step pays for the previous one's writes: the times compare work, not cold disk reads.
+Nothing here is a pass/fail test: it prints and records numbers.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -59,12 +62,14 @@ print(json.dumps({"parameters": sum(t.numel() for t in state.values())}))
 # Each step: sys.argv = [-, SOURCE, OUT]; prints one JSON line with its own peak RSS and time.
 PROBE = """
 import json, sys, time
+began = time.perf_counter()
 from attnres_convert.conversion.memory_budget import current_rss, peak_rss, reset_peak_rss
 {imports}
 reset_peak_rss()
 start_rss, start = current_rss(), time.perf_counter()
 {body}
-print(json.dumps({{"seconds": time.perf_counter() - start, "peak_rss": peak_rss(), "start_rss": start_rss, **extra}}))
+print(json.dumps({{"seconds": time.perf_counter() - start, "import_seconds": start - began, "peak_rss": peak_rss(),
+                  "start_rss": start_rss, **extra}}))
 """
 
 STEPS = {
@@ -85,9 +90,19 @@ STEPS = {
         "r = convert(sys.argv[1], sys.argv[2], max_memory='1.5GB')\n"
         "extra = {'verification': r.verification.to_dict(), 'budget': r.verification_budget}",
     ),
+    # The embedded SmolLM2-135M GGUF (Q4_1, 0.1 GB; 0.54 GB dequantised to float32): streamed against in memory.
+    "GGUF: attnres convert --no-verify": (
+        "from attnres_convert import convert\nimport attnres_convert.conversion.convert, attnres_convert.conversion.gguf_stream",
+        "convert(None, sys.argv[2], verify=False)\nextra = {}",
+    ),
+    "GGUF: attnres convert --no-verify --no-stream": (
+        "from attnres_convert import convert\nimport attnres_convert.conversion.convert, attnres_convert.conversion.gguf_stream",
+        "convert(None, sys.argv[2], verify=False, stream=False)\nextra = {}",
+    ),
 }
 # Copy and streamed conversion alternate (the disk's speed drifts on a shared machine); the slow steps run once.
 ORDER = ["copy the files", "attnres convert --no-verify"] * 3 + ["load + save_pretrained", "attnres convert --max-memory 1.5GB"]
+ORDER += ["GGUF: attnres convert --no-verify", "GGUF: attnres convert --no-verify --no-stream"]
 
 
 def run_step(name: str, source: Path, out: Path) -> dict:
@@ -115,12 +130,14 @@ def summarize(runs: list[dict], input_files: int, model_bytes: int) -> dict:
     streamed conversion's time is a fixed part (config, the structure proven on a miniature, the meta model)
     plus the copy of the bytes, so it is extrapolated as (convert - copy) + size x (copy per GB)."""
     median = {}
-    for name in dict.fromkeys(run["step"] for run in runs):
+    for name in [step for step in dict.fromkeys(ORDER) if any(run["step"] == step for run in runs)]:
         mine = sorted((run for run in runs if run["step"] == name), key=lambda run: run["seconds"])
         median[name] = mine[len(mine) // 2]
     copy = median["copy the files"]["seconds"]
     summary = {
-        name: {"seconds": run["seconds"], "x_copy": run["seconds"] / copy, "peak_rss_gb": run["peak_rss"] / 1e9,
+        name: {"seconds": run["seconds"], "x_copy": None if name.startswith("GGUF") else run["seconds"] / copy,
+               "peak_rss_gb": run["peak_rss"] / 1e9,
+               "peak_rss_growth_gb": (run["peak_rss"] - run["start_rss"]) / 1e9, "import_seconds": run.get("import_seconds"),
                "files": len([f for f in run["output_files"] if f.endswith(".safetensors")]),
                "runs": sum(r["step"] == name for r in runs)}
         for name, run in median.items()
@@ -137,7 +154,8 @@ def summarize(runs: list[dict], input_files: int, model_bytes: int) -> dict:
         "command": "python benchmarks/big_checkpoint.py",
         "model": {"config": CONFIG, "input_files": input_files, "bytes": model_bytes},
         "cpu_count": os.cpu_count(),
-        "note": "shared 2-core machine with other jobs running (load averages recorded per step); median run per step",
+        "note": "shared 2-core machine with other jobs running (load averages recorded per step); median run per step; "
+                "every step starts after os.sync() (untimed), its time excludes its imports (import_seconds)",
         "summary": summary,
         "extrapolation_no_verify": {
             "fixed_seconds": fixed, "copy_seconds_per_gb": per_gb,
@@ -153,6 +171,8 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--keep", action="store_true", help="keep the random model for another run")
     parser.add_argument("--resummarize", action="store_true", help="recompute the summary of --out from its runs")
+    parser.add_argument("--steps", default=None,
+                        help="run only these steps (comma-separated step names); the other steps keep their runs from --out")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "big-checkpoint.json")
     args = parser.parse_args()
     if args.resummarize:
@@ -171,12 +191,14 @@ def main() -> None:
             raise SystemExit(made.stderr[-3000:])
     files = sorted(source.glob("*.safetensors"))
     model_bytes = sum(p.stat().st_size for p in files)
-    runs = []
-    for name in ORDER:
+    steps = ORDER if args.steps is None else [name for name in ORDER if name in args.steps.split(",")]
+    runs = [] if args.steps is None else [r for r in json.loads(args.out.read_text())["runs"] if r["step"] not in steps]
+    for name in steps:
         print(f"{name} ...", flush=True)
         before = load_average()
         result = run_step(name, source, workdir / "out")
-        result.update(step=name, load_average_before=before)
+        result.update(step=name, load_average_before=before, load_average_after=load_average(),
+                      measured=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
         runs.append(result)
         print(f"  {result['seconds']:.1f} s, peak RSS {result['peak_rss'] / 1e9:.2f} GB", flush=True)
     record = summarize(runs, len(files), model_bytes)
