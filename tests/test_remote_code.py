@@ -127,3 +127,16 @@ def test_own_code_model_converts_exactly_and_loads_without_its_folder_or_attnres
                             timeout=300, stdin=subprocess.DEVNULL)
     assert "REMOTE-OK" in result.stdout, result.stderr[-3000:]
     assert not any("tiny-own-code" in p.name for p in (tmp_path / "fresh-modules-cache").rglob("*"))
+
+
+def test_own_code_that_claims_a_transformers_model_type_is_refused(tmp_path):
+    """A converted folder registers the base code under its model type; one transformers ships cannot be
+    registered over, so the folder would silently build transformers' implementation instead."""
+    from attnres_convert.conversion.surgery import convert_model
+    from attnres_convert.modeling.architectures import UnsupportedModelError
+
+    source = own_code_folder(tmp_path / "tiny-own-code")
+    model = AutoModelForCausalLM.from_pretrained(source, trust_remote_code=True)
+    model.config.model_type = "llama"  # as a repository whose own code reuses a transformers model type
+    with pytest.raises(UnsupportedModelError, match="transformers also ships.*without --trust-remote-code"):
+        convert_model(model)

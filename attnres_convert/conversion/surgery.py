@@ -139,7 +139,7 @@ def convert_model(
     refusal = config_refusal(config)
     if refusal:
         raise UnsupportedModelError(f"{refusal}.")
-    _check_base_code_names(base_model)
+    _check_base_code(base_model)
     trace = None
     if plan is None:
         plan, trace = find_plan(base_model)  # proven layer by layer on this very model, or refused
@@ -167,9 +167,20 @@ def convert_model(
     return model
 
 
-def _check_base_code_names(base_model: PreTrainedModel) -> None:
-    """A base model's own code is shipped beside the converted model's (remote_code.py): no file may share a name."""
+def _check_base_code(base_model: PreTrainedModel) -> None:
+    """A base model's own code is shipped beside the converted model's (remote_code.py) and registered under its
+    model type: no file may share a name with ours, and the type must not be one transformers ships (the folder
+    would then build transformers' implementation, not the model's own)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
     files = base_code_files(type(base_model.config), type(base_model))
+    model_type = base_model.config.model_type
+    if files and model_type in CONFIG_MAPPING_NAMES:
+        raise UnsupportedModelError(
+            f"the model's own code (auto_map) declares model_type {model_type!r}, which transformers also ships: a "
+            "converted folder cannot load that code instead of transformers' own. Convert without "
+            "--trust-remote-code to use transformers' implementation of the model type"
+        )
     clashes = sorted(set(files) & {*SHIPPED_CODE, GENERATED})
     if clashes:
         raise UnsupportedModelError(
