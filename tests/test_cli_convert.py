@@ -35,6 +35,20 @@ def test_convert_writes_a_verified_folder(tiny_folder, tmp_path):
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.partial")]
 
 
+def test_verification_fits_a_short_learned_position_table(tmp_path):
+    """GPT-2 with 64 positions cannot run the default 256 + 32 tokens (its position table ends at 64): the
+    check shortens itself to the context window instead of crashing, and records what it ran."""
+    folder, out = tmp_path / "gpt2-64", tmp_path / "out"
+    tiny_model("gpt2", n_positions=64).save_pretrained(folder)
+    result = runner.invoke(app, ["convert", str(folder), "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    verification = json.loads((out / "attnres_conversion.json").read_text())["verification"]
+    assert (verification["tokens"], verification["new_tokens"]) == (48, 16)
+    assert verification["passed"] and verification["greedy_identical"]
+    inspect = runner.invoke(app, ["inspect", str(out), "--max-tokens", "500"])
+    assert inspect.exit_code == 0, inspect.output
+
+
 def test_full_and_num_blocks(tiny_folder, tmp_path):
     result = runner.invoke(app, ["convert", str(tiny_folder), "-o", str(tmp_path / "full"), "--full", "--no-verify"])
     assert result.exit_code == 0, result.output

@@ -270,7 +270,7 @@ def inspect_source(
     from ..conversion.loading import load_any
     from ..conversion.samples import SAMPLE_TEXT
     from ..conversion.surgery import convert_model
-    from ..conversion.verify import sample_input_ids
+    from ..conversion.verify import fit_to_context, sample_input_ids
 
     loaded = load_any(model, dtype, trust_remote_code)
     network = loaded.model
@@ -278,7 +278,8 @@ def inspect_source(
         network = convert_model(network).eval()
     if max_tokens < 2:
         raise SourceError(f"--max-tokens must be at least 2, got {max_tokens}")
-    ids = sample_input_ids(loaded.tokenizer, text or SAMPLE_TEXT, max_tokens, network.config.text_config.vocab_size)
+    tokens, _ = fit_to_context(network.config.text_config, max_tokens, 0)
+    ids = sample_input_ids(loaded.tokenizer, text or SAMPLE_TEXT, tokens, network.config.text_config.vocab_size)
     inspection = inspect_model(network, ids, loaded.name, profiles=bool(plot) if profiles is None else profiles)
     if loaded.tokenizer is None:
         inspection.notes.append("the model has no tokenizer: measured on fixed pseudo-random token ids")

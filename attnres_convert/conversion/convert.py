@@ -27,7 +27,7 @@ from .saving import atomic_folder, check_output, save_converted
 from .sources import ModelSource, load_config, load_model, load_tokenizer, resolve_source
 from .streaming import BackgroundPlan, NotStreamable, largest_layer_bytes, stream_input, write_streamed
 from .surgery import ConversionSummary, convert_model, resolve_block_size, structure_of, summarize
-from .verify import VerificationReport, capture_reference, compare, sample_input_ids
+from .verify import VerificationReport, capture_reference, compare, fit_to_context, sample_input_ids
 
 Stage = Callable[[str], contextlib.AbstractContextManager]
 SEE_COVERAGE = "`attnres architectures` lists the model types that convert, and why the others do not."
@@ -118,8 +118,9 @@ def convert(
     reference = None
     if opts.verify:
         with stage("Running the original model"):
-            ids = sample_input_ids(tokenizer, opts.verify_text, opts.verify_tokens, base.config.vocab_size)
-            reference = capture_reference(base, ids, opts.verify_new_tokens)
+            tokens, new_tokens = fit_to_context(base.config, opts.verify_tokens, opts.verify_new_tokens)
+            ids = sample_input_ids(tokenizer, opts.verify_text, tokens, base.config.vocab_size)
+            reference = capture_reference(base, ids, new_tokens)
     with stage("Converting"):  # finds and proves the layer structure, then converts
         try:
             model = convert_model(base, block_size=block_size, num_blocks=num_blocks, full=full, query_rank=opts.query_rank)

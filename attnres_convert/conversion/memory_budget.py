@@ -124,13 +124,14 @@ def verify_saved(source, folder, budget: VerifyBudget, dtype: str, tokenizer, te
 
     from ..modeling.modeling_attnres import AttnResForCausalLM
     from .sources import DTYPES, load_model
-    from .verify import capture_reference, compare, sample_input_ids
+    from .verify import capture_reference, compare, fit_to_context, sample_input_ids
 
     offload = Path(tempfile.mkdtemp(prefix=".attnres-offload-", dir=Path(folder).parent))
     try:
         original = load_model(source, dtype, trust_remote_code, **budget.load_kwargs(str(offload / "original")))
-        ids = sample_input_ids(tokenizer, text, budget.tokens, original.config.vocab_size)
-        reference = capture_reference(original, ids, budget.new_tokens)
+        tokens, new_tokens = fit_to_context(original.config, budget.tokens, budget.new_tokens)
+        ids = sample_input_ids(tokenizer, text, tokens, original.config.vocab_size)
+        reference = capture_reference(original, ids, new_tokens)
         del original
         gc.collect()
         converted = AttnResForCausalLM.from_pretrained(

@@ -111,6 +111,21 @@ def compare(reference: Reference, model) -> VerificationReport:
     )
 
 
+# Where configs keep the longest sequence a model can run (learned position tables end there).
+_CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
+
+
+def fit_to_context(config, tokens: int, new_tokens: int) -> tuple[int, int]:
+    """Shorten the verification (prompt, then generated tokens) to the model's context window: a model with a
+    learned position table cannot run past it, and the check must not fail for that reason."""
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    limit = next((v for key in _CONTEXT_KEYS if isinstance(v := getattr(config, key, None), int) and v > 0), None)
+    if limit is None or tokens + new_tokens <= limit:
+        return tokens, new_tokens
+    new_tokens = min(new_tokens, limit // 4)
+    return min(tokens, limit - new_tokens), new_tokens
+
+
 def sample_input_ids(tokenizer, text: str, max_tokens: int = 256, vocab_size: int | None = None) -> torch.Tensor:
     """Token ids of `text` (the built-in sample by default), or a fixed pseudo-random sequence when
     the model has no tokenizer."""
