@@ -196,14 +196,14 @@ def _new_sibling(out: Path, kind: str = "") -> Path:
     return out.parent / f"{partial_prefix(out)}{_host_tag()}-{os.getpid()}-{kind}{secrets.token_hex(4)}"
 
 
-def _make_dir(path_for: Callable[[], Path]) -> Path:
+def _make_dir(path: Path, path_for: Callable[[], Path]) -> Path:
+    """Create PATH (or, if it exists, a fresh name from PATH_FOR)."""
     for _ in range(100):
-        path = path_for()
         try:
             os.mkdir(path, 0o700)
             return path
         except FileExistsError:
-            continue
+            path = path_for()
     raise FileExistsError(f"could not create a temporary folder like {path}")
 
 
@@ -224,7 +224,7 @@ def atomic_folder(out: Path, write: Callable[[Path], None], overwrite: bool = Fa
     # knows what to remove.
     tmp, old = _new_sibling(out), None
     try:
-        tmp = _make_dir(lambda: _new_sibling(out))
+        tmp = _make_dir(tmp, lambda: _new_sibling(out))  # its first try is the name chosen above
         write(tmp)
         _apply_umask(tmp)
         fsync_tree(tmp)
