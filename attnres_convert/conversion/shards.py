@@ -331,8 +331,10 @@ def write_shard(path: Path, tensors: list[OutputTensor], advance: Callable[[int]
             writer.add(tensor)
         writer.flush()
     finally:
-        writer.close()
-        os.close(target)
+        try:
+            writer.close()
+        finally:
+            os.close(target)
 
 
 def write_index(folder: Path, weight_map: dict[str, str], total_size: int, total_parameters: int) -> Path:

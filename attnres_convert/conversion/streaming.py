@@ -282,7 +282,8 @@ class BackgroundPlan:
 
     def _run(self, load_tokenizer, plan_args, plan_kwargs) -> None:
         try:
-            self._outcome = (plan_stream(*plan_args, **plan_kwargs), load_tokenizer(), None)
+            plan = plan_stream(*plan_args, **plan_kwargs)
+            self._outcome = (plan, None if isinstance(plan, str) else load_tokenizer(), None)
         except BaseException as error:  # noqa: BLE001 - raised again in the caller's thread by result()
             self._outcome = (None, None, error)
         finally:
