@@ -200,10 +200,14 @@ def _convert_streamed(
     result: dict = {}
 
     def write(tmp: Path) -> None:
-        with progress("Writing shards", sum(t.nbytes for t in base)) as advance:
+        total, done = sum(t.nbytes for t in base), 0  # the bar counts the base tensors, not the small AttnRes shard
+        with progress("Writing shards", total) as advance:
 
             def copied(nbytes: int) -> None:
-                advance(nbytes)
+                nonlocal done
+                step = min(nbytes, total - done)
+                done += step
+                advance(step)
                 planning.check()  # a structure that cannot stream stops the copy at once
 
             plan = write_streamed(tmp, base, lambda: planning.result()[0], max_shard_size, copied)
