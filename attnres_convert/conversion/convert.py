@@ -19,9 +19,9 @@ import torch
 
 from .card import conversion_card
 from ..modeling.architectures import UnsupportedModelError
-from ..errors import AttnResError, OutputError, VerificationError
+from ..errors import OutputError, VerificationError
 from ..modeling.modeling_attnres import AttnResForCausalLM
-from .memory_budget import human, plan_verification, verify_saved
+from .memory_budget import plan_verification, verify_saved
 from .options import ConvertOptions, options_doc, parse_size
 from .saving import atomic_folder, check_output, save_converted
 from .sources import ModelSource, load_config, load_model, load_tokenizer, resolve_source
@@ -186,13 +186,6 @@ def _convert_streamed(
         budget = plan_verification(
             sum(t.nbytes for t in base), largest_layer_bytes(base), opts.max_memory, opts.verify_tokens, opts.verify_new_tokens
         )
-        if budget.streamed and model_source.gguf_file:
-            raise AttnResError(
-                f"verifying the conversion of {model_source.name} loads the GGUF whole, dequantised "
-                f"({human(sum(t.nbytes for t in base))}): transformers cannot leave a GGUF model's layers on disk, and "
-                f"{budget.describe()}. Give --max-memory {human(2 * sum(t.nbytes for t in base)).replace(' ', '')} "
-                "or more, or skip the check with --no-verify."
-            )
     planning = BackgroundPlan(
         lambda: load_tokenizer(model_source, opts.trust_remote_code),
         folder, config, opts.dtype, opts.trust_remote_code, base=base, **conversion,

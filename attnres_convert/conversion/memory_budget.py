@@ -128,7 +128,10 @@ def verify_saved(source, folder, budget: VerifyBudget, dtype: str, tokenizer, te
 
     offload = Path(tempfile.mkdtemp(prefix=".attnres-offload-", dir=Path(folder).parent))
     try:
-        original = load_model(source, dtype, trust_remote_code, **budget.load_kwargs(str(offload / "original")))
+        if budget.streamed and getattr(source, "gguf_file", None):
+            original = _dequantised_original(folder, dtype, budget.load_kwargs(str(offload / "original")))
+        else:
+            original = load_model(source, dtype, trust_remote_code, **budget.load_kwargs(str(offload / "original")))
         tokens, new_tokens = fit_to_context(original.config, budget.tokens, budget.new_tokens)
         ids = sample_input_ids(tokenizer, text, tokens, original.config.vocab_size)
         reference = capture_reference(original, ids, new_tokens)
@@ -143,3 +146,27 @@ def verify_saved(source, folder, budget: VerifyBudget, dtype: str, tokenizer, te
         return report
     finally:
         shutil.rmtree(offload, ignore_errors=True)
+
+
+def _dequantised_original(folder, dtype: str, load_kwargs: dict):
+    """The original model of a streamed GGUF conversion, loaded within a budget it does not fit in whole.
+
+    transformers loads a GGUF only whole (it cannot leave a GGUF model's layers on disk). The converted folder
+    holds the same base tensors, dequantised by transformers' own GGUF name map and tensor processors under the
+    base model's names, in safetensors shards that Accelerate can read layer by layer; so the base model's own
+    class is loaded from them, with the base config. Its forward is the original's; the AttnRes tensors are
+    left out."""
+    from transformers import AutoModelForCausalLM
+
+    from ..modeling.configuration_attnres import AttnResConfig
+    from .sources import DTYPES
+
+    from transformers.utils import logging
+
+    base_config = AttnResConfig.from_pretrained(folder).text_config
+    verbosity = logging.get_verbosity()
+    logging.set_verbosity_error()  # its load report would list every AttnRes tensor as unexpected
+    try:
+        return AutoModelForCausalLM.from_pretrained(folder, config=base_config, dtype=DTYPES[dtype], **load_kwargs).eval()
+    finally:
+        logging.set_verbosity(verbosity)
