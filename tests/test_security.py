@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from reliability_helpers import ONE_THREAD_ENV, ROOT, assert_user_error, leftovers, run_attnres, run_cli, save_tiny
+from reliability_helpers import ONE_THREAD_ENV, ROOT, assert_user_error, run_attnres, run_cli, save_tiny
 
 
 PACKAGE = ROOT / "attnres_convert"

@@ -25,7 +25,7 @@ from ..errors import OutputError
 from ..modeling import SHIPPED_CODE
 from ..modeling.architectures import ModelPlan, family_for
 from ..modeling.modeling_attnres import AttnResForCausalLM, AttnResKeyNorm, AttnResQuery
-from .shards import DTYPES, OutputTensor, StoredTensor, checkpoint_files, checkpoint_tensors, plan_shards, write_sharded
+from .shards import DTYPES, OutputTensor, checkpoint_files, checkpoint_tensors, plan_shards, write_sharded
 from .sources import DTYPES as DTYPE_CHOICES
 from .sources import ModelSource
 from .discovery import find_plan
