@@ -111,3 +111,13 @@ def test_a_gguf_larger_than_the_budget_is_verified_from_its_dequantised_shards(s
     assert record["passed"] and record["max_abs_logit_diff"] == 0.0 and record["greedy_identical"]
     assert record["tokens"] == memory_budget.STREAMED_TOKENS
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # the offload folders are gone
+
+
+def test_a_gguf_converted_in_memory_saves_no_quantisation_config(smollm2_path, tmp_path):
+    """transformers marks a GGUF model as quantised although its weights are dequantised on load; the saved
+    folder holds plain float32 weights, and its config must not claim otherwise."""
+    from attnres_convert import convert
+
+    convert(smollm2_path, tmp_path / "out", verify=False, stream=False)
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert "quantization_config" not in config and "quantization_config" not in config["text_config"]

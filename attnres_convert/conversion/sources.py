@@ -225,6 +225,10 @@ def load_model(source: ModelSource, dtype: str = "auto", trust_remote_code: bool
             f"could not load the weights of {source.name}: {first_line(error)}. The file may be truncated or corrupt: "
             "re-download or re-export it."
         ) from error
+    if source.gguf_file:  # dequantised on load: plain weights, so no trace of a quantisation may be saved
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
     return model.eval()
 
 
