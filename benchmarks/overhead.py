@@ -42,19 +42,14 @@ console = Console()
 
 def prepare_folder(workdir: Path) -> Path:
     """SmolLM2 dequantised once to a plain HF folder, so loads in the benchmark are fast and equal."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from attnres_convert.conversion.samples import default_model_path
+    from attnres_convert.conversion.sources import load_model, load_tokenizer, resolve_source
 
     folder = workdir / "smollm2-hf"
     if not (folder / "config.json").exists():
-        gguf = default_model_path()
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-        model.hf_quantizer = None  # dequantised on load: plain float32 weights that save normally
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
-        model.save_pretrained(folder)
-        AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(folder)
+        source = resolve_source(str(default_model_path()))  # dequantised on load: plain float32 weights
+        load_model(source, "float32").save_pretrained(folder)
+        load_tokenizer(source).save_pretrained(folder)
     return folder
 
 

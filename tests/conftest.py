@@ -52,11 +52,10 @@ def smollm2_path():
 def smollm2_folder(smollm2_path, tmp_path_factory):
     """The embedded SmolLM2 dequantised once per test session and saved as a plain HF folder
     (safetensors + tokenizer): later loads take a second instead of dequantising the GGUF again."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from attnres_convert.conversion.sources import load_model, load_tokenizer, resolve_source
 
     folder = tmp_path_factory.mktemp("smollm2-hf")
-    model = AutoModelForCausalLM.from_pretrained(smollm2_path.parent, gguf_file=smollm2_path.name)
-    model.hf_quantizer = None  # the GGUF tensors are dequantised on load: plain float32 weights
-    model.save_pretrained(folder)
-    AutoTokenizer.from_pretrained(smollm2_path.parent, gguf_file=smollm2_path.name).save_pretrained(folder)
+    source = resolve_source(str(smollm2_path))  # dequantised on load: plain float32 weights
+    load_model(source).save_pretrained(folder)
+    load_tokenizer(source).save_pretrained(folder)
     return folder
