@@ -243,7 +243,8 @@ def test_no_unsafe_deserialisation_anywhere_in_the_package():
 # What the code saved next to converted weights may import: torch, transformers, its own files (relative
 # imports) and pure-computation parts of the standard library.
 ALLOWED_STDLIB = {"__future__", "typing", "dataclasses", "collections", "contextlib", "inspect", "math", "enum",
-                  "functools", "itertools", "abc", "numbers", "copy", "types", "operator", "warnings", "os", "re"}
+                  "functools", "itertools", "abc", "numbers", "copy", "types", "operator", "warnings", "os", "re",
+                  "threading"}  # threading: get_ident, to keep a decoding loop's buffer per thread
 # The one file-writing part: when a model built from a base model's own code is saved, save_pretrained copies
 # that code into the folder it writes (as transformers' own custom_object_save does). Nothing else may.
 SAVE_TIME_WRITERS = {"remote_code.py": {"shutil", "pathlib", "write_text"}}

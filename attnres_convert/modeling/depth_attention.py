@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
@@ -350,6 +351,7 @@ def start_state(
     capacity: int | None = None,
     queries: torch.Tensor | None = None,
     token_queries: bool = False,
+    reuse: dict | None = None,
 ) -> BlockState | SourceBuffer | TrainState:
     """The embedding b_0 is always its own source. With a capacity (the most sources any reader has)
     the state is a SourceBuffer without autograd and a TrainState with it; a BlockState under
@@ -358,7 +360,10 @@ def start_state(
 
     token_queries: the readers' queries depend on their input (a model with query_rank > 0), which the
     static-query fast paths (score tables, folded query views, the TrainState's hand-written backward, the
-    Triton kernels) do not cover: the state is then the plain-tensor BlockState, differentiated by autograd."""
+    Triton kernels) do not cover: the state is then the plain-tensor BlockState, differentiated by autograd.
+
+    reuse: a dict owned by the model, where a few-token forward keeps its buffer and views for the next one of the
+    same shape and queries (a decoding loop), per thread; see `_step_buffer`."""
     if token_queries:
         if kernel_mode() == "triton":
             raise RuntimeError(
@@ -376,8 +381,7 @@ def start_state(
         new = embeddings.new_zeros if shared else embeddings.new_empty  # zeros: partial sums start by adding
         if _few_tokens(embeddings):
             d = embeddings.shape[-1]
-            padded = new(*embeddings.shape[:-1], rows, d + 1, dtype=torch.float32)
-            step = StepViews.of(padded, eps, queries, shared)
+            padded, step = _step_buffer(embeddings, rows, eps, queries, shared, reuse)
             step.slots[0].copy_(embeddings)
             if shared:
                 stream = step.slots[capacity]
@@ -407,6 +411,30 @@ def start_state(
         return close_block(TrainState(cache, (), embeddings, embeddings, queries, kernels), eps)
     first = embeddings.float().unsqueeze(-2)
     return BlockState(first, inverse_rms(first, eps), None, embeddings)
+
+
+def _step_buffer(embeddings: torch.Tensor, rows: int, eps: float, queries, shared: bool, reuse: dict | None):
+    """The token-major buffer [B, T, rows, D + 1] of a few-token forward and its StepViews: the previous
+    forward's where it had the same shape and queries (making them is ~70 operations and views, which a
+    decoding step pays for: 0.4 ms of a SmolLM2 decoding step under cProfile). Kept per thread, so concurrent
+    forwards never share one; a forward hands out no view of it (`current_stream` copies), so reusing it
+    in the next is safe. The partial-sum slots are zeroed again (outputs are added to them)."""
+    d = embeddings.shape[-1]
+    new = embeddings.new_zeros if shared else embeddings.new_empty
+    if reuse is None or torch.compiler.is_compiling():  # a traced forward allocates its own
+        padded = new(*embeddings.shape[:-1], rows, d + 1, dtype=torch.float32)
+        return padded, StepViews.of(padded, eps, queries, shared)
+    key, thread = (tuple(embeddings.shape), embeddings.device, rows, shared, eps), threading.get_ident()
+    kept = reuse.get(thread)
+    if kept is not None and kept[0] == key and kept[1] is queries:
+        padded, step = kept[2], kept[3]
+        if shared:
+            padded[..., :d].zero_()
+        return padded, step
+    padded = new(*embeddings.shape[:-1], rows, d + 1, dtype=torch.float32)
+    step = StepViews.of(padded, eps, queries, shared)
+    reuse[thread] = (key, queries, padded, step)
+    return padded, step
 
 
 def _kernel_buffer(embeddings: torch.Tensor, eps: float, capacity: int, queries, kernels: Kernels) -> SourceBuffer:
@@ -782,11 +810,8 @@ def _mix_buffer(state: SourceBuffer, q: torch.Tensor, eps: float, scaling: str, 
         return _mix_kernels(state, q, eps, scaling, reader)
     n = state.count + int(state.has_partial)
     step = state.step
-    if step is not None:  # token-major: one product scores a token's n sources, one mixes them
-        weights = torch.softmax(_few_token_logits(step, n, q), dim=-1)
-        if _RECORDERS:
-            _RECORDERS[-1].append(weights.movedim(-1, 0).clone())
-        return _fused_mix(state.stream, weights, step.flat[n], scaling, step.inverse[n])
+    if step is not None:
+        return step_mix(step, n, q, state.stream, scaling)
     # Source-major: scores [n, B, T], from the table where there is one (phase 2: only the partial sum
     # is scored here), else one product over the n contiguous sources.
     m, d = state.count, state.sources.shape[-1]
@@ -804,6 +829,16 @@ def _mix_buffer(state: SourceBuffer, q: torch.Tensor, eps: float, scaling: str, 
     if _RECORDERS:
         _RECORDERS[-1].append(weights.clone())
     return _chained_mix(state.stream, weights, state.sources, scaling)
+
+
+def step_mix(step: StepViews, n: int, q: torch.Tensor, stream: torch.Tensor, scaling: str) -> torch.Tensor:
+    """depth_mix of a reader of n sources in a few-token forward (token-major: one product scores a token's
+    n sources, one mixes them). The model's decoding loop calls it directly (see AttnResDecoderLayerMixin),
+    since such a step pays for every Python call as well as every operation."""
+    weights = torch.softmax(_few_token_logits(step, n, q), dim=-1)
+    if _RECORDERS:
+        _RECORDERS[-1].append(weights.movedim(-1, 0).clone())
+    return _fused_mix(stream, weights, step.flat[n], scaling, step.inverse[n])
 
 
 def _mix_kernels(state: SourceBuffer, q: torch.Tensor, eps: float, scaling: str, reader: int | None) -> torch.Tensor:

@@ -1,0 +1,86 @@
+"""A forward without autograd keeps the folded queries, and a few-token forward its buffer, for the next
+forward (a decoding loop pays for making them). What it keeps must never be stale: a query changed in
+place or replaced, another batch shape, another thread."""
+
+import threading
+
+import torch
+
+from attnres_convert.conversion.surgery import convert_model
+from tiny_models import tiny_model, token_ids
+
+
+def _converted(seed: int = 0):
+    """A tiny converted Llama with non-zero queries, as after fine-tuning (at zero queries every query
+    gives the same mix, and a stale one would go unnoticed)."""
+    model = convert_model(tiny_model("llama"), block_size=3).eval()
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("_res_proj.weight"):
+                param.copy_(torch.randn(param.shape, generator=generator))
+    return model
+
+
+def _fresh_logits(model, ids) -> torch.Tensor:
+    """The logits of a model that has kept nothing: a new conversion with the same weights."""
+    fresh = convert_model(tiny_model("llama"), block_size=3).eval()
+    fresh.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        return fresh(ids).logits
+
+
+def _queries(model) -> list[torch.nn.Parameter]:
+    return [p for name, p in model.named_parameters() if name.endswith("_res_proj.weight")]
+
+
+def test_a_query_changed_in_place_is_read_again():
+    model, ids = _converted(), token_ids(batch=1, length=5)
+    with torch.no_grad():
+        before = model(ids).logits
+        for param in _queries(model):
+            param.mul_(-2.0)  # what an optimizer step does: the same tensor, a new version
+        after = model(ids).logits
+    assert (after - before).abs().max() > 1e-3, "changing every query should change the logits"
+    torch.testing.assert_close(after, _fresh_logits(model, ids), rtol=0, atol=0)
+
+
+def test_a_replaced_query_tensor_is_read():
+    model, ids = _converted(), token_ids(batch=1, length=5)
+    with torch.no_grad():
+        before = model(ids).logits
+        for param in _queries(model):
+            param.data = torch.flip(param.data, dims=[-1]).clone()
+        after = model(ids).logits
+    assert (after - before).abs().max() > 1e-3
+    torch.testing.assert_close(after, _fresh_logits(model, ids), rtol=0, atol=0)
+
+
+def test_forwards_of_other_shapes_in_turn_match_a_fresh_model():
+    model = _converted()
+    shapes = [(1, 1), (1, 1), (2, 1), (2, 1), (1, 1), (2, 7), (2, 7)]  # kept for the same shape, made anew for another
+    inputs = [token_ids(batch=b, length=t, seed=seed) for seed, (b, t) in enumerate(shapes)]
+    with torch.no_grad():
+        for ids in inputs:  # a kept buffer's partial sums are zeroed: nothing is carried over
+            torch.testing.assert_close(model(ids).logits, _fresh_logits(model, ids), rtol=0, atol=0)
+
+
+def test_concurrent_threads_never_share_a_buffer():
+    model = _converted()
+    inputs = [token_ids(batch=1, length=3, seed=seed) for seed in (5, 6)]
+    expected = [_fresh_logits(model, ids) for ids in inputs]
+    failures: list[str] = []
+
+    def decode(index: int) -> None:
+        with torch.no_grad():
+            for _ in range(30):
+                logits = model(inputs[index]).logits
+                if not torch.equal(logits, expected[index]):
+                    failures.append(f"thread {index}: max |delta| {(logits - expected[index]).abs().max():.2e}")
+
+    threads = [threading.Thread(target=decode, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not failures, failures
