@@ -170,3 +170,26 @@ def test_a_failing_arm_is_named_and_the_finished_ones_are_kept(setup, tmp_path):
         run_ab(setup["recipe"], ["train.warmup_steps=0"], sweep=[broken], plain=False, output=tmp_path / "ab")
     assert not (tmp_path / "ab").exists()
     assert (tmp_path / "ab-runs" / "baseline" / "seed-0" / "final_metrics.json").is_file()
+
+
+def test_depth_gate_ramps_the_mix_in(setup, tmp_path):
+    """train.depth_gate_steps: at step 1 the gate is 0, so every reader reads the plain stream and the AttnRes
+    parameters get no gradient at all; it rises to 1 and the run differs from one without it. The gate is a
+    training schedule: a length that would end the run with a partial gate is refused."""
+    from attnres_convert.finetune.training import finetune
+
+    def records(out, **train):
+        sections = dict(train={"trainable": "lora", "steps": 4, "lr": 3e-2, "warmup_steps": 0, **train}, lora={"r": 4},
+                        eval={"every": 0, "max_sequences": 4})
+        result = finetune(parse_recipe(tiny_recipe(setup["model"], setup["corpus"], out, **sections)))
+        return [r for r in result.records if r["kind"] == "train"]
+
+    plain, ramped = records(tmp_path / "plain"), records(tmp_path / "gated", depth_gate_steps=2)
+    assert "depth_gate" not in plain[0]
+    assert [r["depth_gate"] for r in ramped] == [0.0, 0.5, 1.0, 1.0]
+    assert ramped[0]["attnres_grad_norm"] == 0.0 and plain[0]["attnres_grad_norm"] > 0
+    assert ramped[1]["attnres_grad_norm"] > 0
+    assert ramped[0]["loss"] == pytest.approx(plain[0]["loss"], rel=1e-6)  # exact at conversion either way
+    assert ramped[-1]["loss"] != pytest.approx(plain[-1]["loss"], rel=1e-4)
+    with pytest.raises(RecipeError, match=r"depth_gate_steps \(4\) must be smaller than steps \(4\)"):
+        records(tmp_path / "bad", depth_gate_steps=4)

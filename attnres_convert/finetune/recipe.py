@@ -165,6 +165,11 @@ class TrainSection(_Section):
         "predictions near the original's (for a fresh conversion the starting model is the original, exactly). Costs a "
         "frozen copy of the model and one more forward pass per micro-batch; metrics.jsonl records `kl`."
     )
+    depth_gate_steps: int = Field(
+        0, ge=0, description="Let the depth mix in gradually: each sublayer reads stream + g (mix - stream), with g rising "
+        "linearly from 0 to 1 over this many steps (a scheduled gate, as in reskip's retrofit); 0: off. The saved model is "
+        "plain AttnRes (g = 1). No effect without AttnRes (the A/B baseline)."
+    )
     mixed_precision: Literal["no", "bf16", "fp16"] = Field("no", description="Accelerate's mixed precision for the compute.")
     gradient_checkpointing: bool = Field(
         False, description="Recompute activations in the backward pass (non-reentrant) to save memory."
@@ -176,6 +181,11 @@ class TrainSection(_Section):
     def _warmup_fits(self):
         if self.warmup_steps >= self.steps:
             raise ValueError(f"warmup_steps ({self.warmup_steps}) must be smaller than steps ({self.steps})")
+        if self.depth_gate_steps >= self.steps:
+            raise ValueError(
+                f"depth_gate_steps ({self.depth_gate_steps}) must be smaller than steps ({self.steps}), so that the model "
+                "trains and is saved with the whole depth mix (gate 1)"
+            )
         for beta in self.betas:
             if not 0 <= beta < 1:
                 raise ValueError(f"betas must be in [0, 1), got {list(self.betas)}")

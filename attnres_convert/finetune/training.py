@@ -44,6 +44,7 @@ from .checkpoints import (
 )
 from .data import Corpus, SequenceOrder, Sequences, build_corpus, local_micro_batches, token_loss, token_loss_and_kl
 from ..errors import AttnResError
+from ..modeling.modeling_attnres import set_depth_gate
 from .metrics import METRICS, MetricsLog, loss_history, perplexity, read_metrics
 from .optim import (
     apply_lora,
@@ -390,12 +391,14 @@ class FinetuneRecipe:
                     )
                 if recipe.checkpoint.every and state.step % recipe.checkpoint.every == 0 and state.step < recipe.train.steps:
                     self.checkpoint()
+        self._set_gate()  # past depth_gate_steps: the whole mix, as saved
 
     def train_step(self) -> StepStats:
         """One optimizer step over the global batch. The loss is the mean over every next-token prediction of
         all micro-batches and processes."""
         accelerator, recipe, state, model = self.accelerator, self.recipe, self.state, self.model
         began = time.perf_counter()
+        self._set_gate()
         micro = local_micro_batches(
             self.order, state.step, recipe.train.micro_batch, recipe.train.grad_accum, accelerator.process_index, self.world
         )
@@ -485,6 +488,7 @@ class FinetuneRecipe:
                     "grad_norm": stats.grad_norm,
                     "attnres_grad_norm": stats.attnres_grad_norm,
                     **({"kl": stats.kl} if stats.kl is not None else {}),
+                    **({"depth_gate": self._gate_at(state.step - 1)} if recipe.train.depth_gate_steps else {}),
                     "tokens": state.tokens,
                     "tokens_per_s": speed,
                     "epoch": self.order.epoch_of(state.position),
@@ -492,8 +496,20 @@ class FinetuneRecipe:
             )
         self.report.step(state.step, stats.loss, lr, speed)
 
+    def _gate_at(self, step: int) -> float | None:
+        """train.depth_gate_steps: the depth gate of the step after `step` steps (0 first, 1 from depth_gate_steps
+        on); None when off."""
+        ramp = self.recipe.train.depth_gate_steps
+        return min(1.0, step / ramp) if ramp else None
+
+    def _set_gate(self) -> None:
+        gate = self._gate_at(self.state.step)
+        if gate is not None:
+            set_depth_gate(self.model, gate)
+
     def evaluate(self) -> float:
         """Held-out loss now, written to metrics.jsonl."""
+        self._set_gate()  # the model as it is at this step
         loss, count = evaluate(self.model, self.corpus.eval, self.accelerator, self.eval_batch)
         step = self.state.step
         self.metrics.write({"kind": "eval", "step": step, "loss": loss, "perplexity": perplexity(loss), "predictions": count})

@@ -131,7 +131,9 @@ class _LayerSpec(NamedTuple):
     param_names: tuple[tuple[str, str], ...]  # per sublayer: its query and key-norm modules' names
     tuple_output: bool  # return (state,): the base model takes element 0 of what a layer returns
     query_rank: int  # > 0: input-dependent queries (the plain BlockState path, see start_state)
-    reuse: dict  # one per model: what a forward without autograd keeps for the next (see `_all_queries`, start_state)
+    # One per model, shared by its layers and final norm: what a forward without autograd keeps for the next
+    # (see `_all_queries`, start_state), and the training-time depth gate (see `set_depth_gate`).
+    runtime: dict
 
 
 class AttnResDecoderLayerMixin:
@@ -152,11 +154,12 @@ class AttnResDecoderLayerMixin:
         else:
             queries = _all_queries(spec, hidden_states) if wants_queries() and not spec.query_rank else None
             state = start_state(
-                hidden_states, spec.eps, spec.capacity, queries, token_queries=spec.query_rank > 0, reuse=spec.reuse
+                hidden_states, spec.eps, spec.capacity, queries, token_queries=spec.query_rank > 0, reuse=spec.runtime
             )
         # Readers take their query from the state where it holds them all, folded once per forward.
         folded = getattr(state, "queries", None) is not None
-        if folded and isinstance(state, SourceBuffer) and state.step is not None and state.shared_stream:
+        gate = spec.runtime.get("gate", 1.0)
+        if gate == 1.0 and folded and isinstance(state, SourceBuffer) and state.step is not None and state.shared_stream:
             state = _decoding_step(self, spec, state, call_kwargs)
             return (state,) if spec.tuple_output else state
         for sublayer, plan, names in zip(spec.sublayers, spec.plans, spec.param_names):
@@ -165,6 +168,8 @@ class AttnResDecoderLayerMixin:
             params = (None, None) if folded else _depth_params(self, names)
             projection = self._modules[names[0]].projection() if spec.query_rank else None
             h = depth_mix(state, *params, spec.eps, spec.scaling, reader=plan.index - 1, projection=projection)
+            if gate != 1.0:
+                h = gated(state, h, gate)
             state = add_output(state, run_sublayer(self, sublayer, h, call_kwargs))
         return (state,) if spec.tuple_output else state
 
@@ -239,7 +244,7 @@ def _all_queries(spec: _LayerSpec, like: torch.Tensor) -> torch.Tensor | None:
     """Every sublayer's folded pseudo-query, [R, D] in execution order, for the score table (inference and
     eager training) or a decoding step, from which each reader then takes its own row; None where the
     parameters are not whole tensors on one device (sharded or spread over devices). Folded in one
-    operation, not one per sublayer; without autograd, kept in `spec.reuse` for the next forward while no
+    operation, not one per sublayer; without autograd, kept in `spec.runtime` for the next forward while no
     parameter changed (a decoding step pays for the stacking: 0.7 ms of a SmolLM2 decoding step under cProfile)."""
     queries, key_norms = [], []
     for layer in module_at(spec.owner, spec.layers):
@@ -259,9 +264,9 @@ def _all_queries(spec: _LayerSpec, like: torch.Tensor) -> torch.Tensor | None:
         return pseudo_query(torch.stack(queries), torch.stack(key_norms))
     # An in-place update (an optimizer step, load_state_dict) bumps a tensor's version; a new tensor has a new address.
     key = tuple((t.data_ptr(), t._version) for t in queries + key_norms)
-    kept = spec.reuse.get("queries")
+    kept = spec.runtime.get("queries")
     if kept is None or kept[0] != key:
-        kept = spec.reuse["queries"] = (key, pseudo_query(torch.stack(queries), torch.stack(key_norms)))
+        kept = spec.runtime["queries"] = (key, pseudo_query(torch.stack(queries), torch.stack(key_norms)))
     return kept[1]
 
 
@@ -270,16 +275,40 @@ class AttnResFinalNormMixin:
 
     def forward(self, hidden_states, *args, **kwargs):
         if isinstance(hidden_states, STATE_TYPES):
-            owner, eps, scaling = self._attnres_output
+            owner, eps, scaling, runtime = self._attnres_output
             # Looked up on the owner at every call, so a wrapper put in their place (PEFT's
             # modules_to_save, FSDP) is the one used.
             query, key_norm = owner.output_attn_res_proj, owner.output_attn_res_norm
-            like = hidden_states.stream
+            state, like = hidden_states, hidden_states.stream
             hidden_states = depth_mix(
-                hidden_states, _placed(query, like), _placed(key_norm, like), eps, scaling,
+                state, _placed(query, like), _placed(key_norm, like), eps, scaling,
                 projection=query.projection(like) if isinstance(query, AttnResQuery) else None,
             )
+            gate = runtime.get("gate", 1.0)
+            if gate != 1.0:
+                hidden_states = gated(state, hidden_states, gate)
         return super().forward(hidden_states, *args, **kwargs)
+
+
+def gated(state, mix: torch.Tensor, gate: float) -> torch.Tensor:
+    """stream + gate * (mix - stream): a reader's input with its depth mix let in by `gate`, in one operation.
+    At gate 0 it is the plain residual stream exactly (0 times a finite difference adds nothing)."""
+    return torch.lerp(current_stream(state), mix, gate)
+
+
+def set_depth_gate(model: nn.Module, gate: float) -> bool:
+    """Let every reader of a converted model (PEFT- or Accelerate-wrapped included) read
+    stream + gate * (mix - stream) instead of its depth mix: 1 (the default) is AttnRes, 0 the base model's
+    plain residual stream, whatever the queries. A training-time schedule (recipe `train.depth_gate_steps`)
+    that lets the learned mix in gradually; it is not saved, and a loaded model reads the mix (gate 1).
+    Returns False where the model has no AttnRes layers (nothing to gate)."""
+    if not 0.0 <= gate <= 1.0:
+        raise ValueError(f"the depth gate must be in [0, 1], got {gate}")
+    layer = next((m for m in model.modules() if isinstance(m, AttnResDecoderLayerMixin)), None)
+    if layer is None:
+        return False
+    layer._attnres_spec.runtime["gate"] = float(gate)
+    return True
 
 
 def _loaded_weight(module: nn.Module) -> torch.Tensor:
@@ -338,7 +367,7 @@ def attach_depth_attention(causal_lm: nn.Module, config: AttnResConfig, plan: Mo
     factory = {"device": reference.device, "dtype": reference.dtype}
     hidden = text_config.hidden_size
     rank = config.query_rank
-    reuse = {}
+    runtime = {}
     first = 0
     for index, layer in enumerate(layers):
         sublayers = plan.sublayers(index)
@@ -364,7 +393,7 @@ def attach_depth_attention(causal_lm: nn.Module, config: AttnResConfig, plan: Mo
             param_names,
             plan.tuple_output,
             rank,
-            reuse,
+            runtime,
         )
         first += len(sublayers)
     base.output_attn_res_proj = AttnResQuery(hidden, rank, plan.num_sublayers, **factory)
@@ -374,7 +403,7 @@ def attach_depth_attention(causal_lm: nn.Module, config: AttnResConfig, plan: Mo
         norm.__class__ = _attnres_class(AttnResFinalNormMixin, type(norm))
     # A plain (unregistered) reference to the owner: the parameters belong to the base model module,
     # where the checkpoint contract puts them; the norm only reads them.
-    norm._attnres_output = (base, eps, config.source_scaling)
+    norm._attnres_output = (base, eps, config.source_scaling, runtime)
 
 
 class AttnResPreTrainedModel(PreTrainedModel):
