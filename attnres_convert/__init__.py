@@ -17,6 +17,7 @@ _EXPORTS = {
     "supported_model_types": ".modeling.architectures",
     "AttnResConfig": ".modeling.configuration_attnres",
     "AttnResForCausalLM": ".modeling.modeling_attnres",
+    "set_depth_gate": ".modeling.modeling_attnres",
     "ConvertOptions": ".conversion.options",
     "OptionsError": ".conversion.options",
     "ConvertResult": ".conversion.convert",
