@@ -29,7 +29,11 @@ class OptionsError(AttnResError):
 class ConvertOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    block_size: int | None = Field(None, description="Sublayers per block (S).")
+    # block_size, num_blocks, full, query_rank and trust_remote_code are also a fine-tuning recipe's `model.*`
+    # settings, which take these declarations (finetune.recipe.ModelSection).
+    block_size: int | None = Field(
+        None, description="Sublayers per block S (give at most one of block_size, num_blocks, full)."
+    )
     num_blocks: int | None = Field(
         None, description="At most this many blocks, S in whole layers (default: 8)."
     )
@@ -37,7 +41,8 @@ class ConvertOptions(BaseModel):
     query_rank: int = Field(
         0,
         ge=0,
-        description="Rank r of input-dependent queries, w + B A x per token (B zero: still exact); 0: static queries.",
+        description="Rank r of input-dependent queries, w + B A x per token (B zero at conversion: still exact; A and B "
+        "train with the AttnRes parameters); 0: static queries. Runs the plain PyTorch depth mix.",
     )
     dtype: DTypeName = Field("auto", description="auto keeps the checkpoint's dtype.")
     verify: bool = Field(True, description="Check logits and greedy generation against the original.")
@@ -47,7 +52,7 @@ class ConvertOptions(BaseModel):
         SAMPLE_TEXT, description="Text the check runs on (default: a built-in sample).", json_schema_extra={"cli": False}
     )
     overwrite: bool = Field(False, description="Replace an existing output folder.")
-    trust_remote_code: bool = Field(False, description="Allow the input model's own code to run.")
+    trust_remote_code: bool = Field(False, description="Allow the source model's own code (auto_map) to run.")
     stream: bool = Field(
         True,
         description="Convert a safetensors checkpoint file to file without loading the model; --no-stream loads it "

@@ -21,7 +21,7 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from ..conversion.options import DEFAULT_MAX_SHARD_SIZE, parse_size
+from ..conversion.options import DEFAULT_MAX_SHARD_SIZE, ConvertOptions, DTypeName, parse_size
 from ..errors import AttnResError
 
 SHAKESPEARE_PREFIX = "shakespeare:"
@@ -37,6 +37,9 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+_CONVERT_OPTIONS = ConvertOptions.model_fields
+
+
 class ModelSection(_Section):
     """The model to start from and how it is converted."""
 
@@ -46,19 +49,14 @@ class ModelSection(_Section):
         "null/'default' for the embedded SmolLM2-135M-Instruct.",
     )
     convert: bool = Field(True, description="false: train the original model with the same recipe (the baseline).")
-    block_size: int | None = Field(None, ge=1, description="Sublayers per block S (give at most one of block_size, num_blocks, full).")
-    num_blocks: int | None = Field(None, ge=1, description="At most this many blocks, S in whole layers (default 8).")
-    full: bool = Field(False, description="Full AttnRes (S = 1).")
-    query_rank: int = Field(
-        0,
-        ge=0,
-        description="Rank r of input-dependent queries, w + B A x per token (B zero at conversion: still exact; "
-        "A and B train with the AttnRes group); 0: static queries. Runs the plain PyTorch depth mix.",
-    )
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "float32", description="Weights dtype; keep float32 and use train.mixed_precision for bf16 compute."
-    )
-    trust_remote_code: bool = Field(False, description="Allow the source model's own code (auto_map) to run.")
+    # The conversion settings are `attnres convert`'s own options, declared once (conversion.options).
+    block_size: int | None = _CONVERT_OPTIONS["block_size"]
+    num_blocks: int | None = _CONVERT_OPTIONS["num_blocks"]
+    full: bool = _CONVERT_OPTIONS["full"]
+    query_rank: int = _CONVERT_OPTIONS["query_rank"]
+    # Not convert's default (auto): training keeps float32 weights, bf16 compute is train.mixed_precision.
+    dtype: DTypeName = Field("float32", description="Weights dtype; keep float32 and use train.mixed_precision for bf16 compute.")
+    trust_remote_code: bool = _CONVERT_OPTIONS["trust_remote_code"]
 
     @model_validator(mode="after")
     def _one_block_setting(self):
