@@ -65,6 +65,16 @@ def test_forwards_of_other_shapes_in_turn_match_a_fresh_model():
             torch.testing.assert_close(model(ids).logits, _fresh_logits(model, ids), rtol=0, atol=0)
 
 
+def test_inference_mode_and_no_grad_forwards_in_turn():
+    """A buffer made under torch.inference_mode is an inference tensor, which a forward outside it may not
+    write in place: each mode keeps its own."""
+    model, ids = _converted(), token_ids(batch=1, length=1)
+    expected = _fresh_logits(model, ids)
+    for mode in (torch.inference_mode, torch.no_grad, torch.inference_mode, torch.no_grad):
+        with mode():
+            torch.testing.assert_close(model(ids).logits, expected, rtol=0, atol=0)
+
+
 def test_concurrent_threads_never_share_a_buffer():
     model = _converted()
     inputs = [token_ids(batch=1, length=3, seed=seed) for seed in (5, 6)]

@@ -424,7 +424,9 @@ def _step_buffer(embeddings: torch.Tensor, rows: int, eps: float, queries, share
     if reuse is None or torch.compiler.is_compiling():  # a traced forward allocates its own
         padded = new(*embeddings.shape[:-1], rows, d + 1, dtype=torch.float32)
         return padded, StepViews.of(padded, eps, queries, shared)
-    key, thread = (tuple(embeddings.shape), embeddings.device, rows, shared, eps), threading.get_ident()
+    # Under inference_mode the buffer is an inference tensor, which a later forward outside it may not write.
+    inference = torch.is_inference_mode_enabled()
+    key, thread = (tuple(embeddings.shape), embeddings.device, rows, shared, eps, inference), threading.get_ident()
     kept = reuse.get(thread)
     if kept is not None and kept[0] == key and kept[1] is queries:
         padded, step = kept[2], kept[3]

@@ -263,7 +263,7 @@ def _all_queries(spec: _LayerSpec, like: torch.Tensor) -> torch.Tensor | None:
     if torch.is_grad_enabled() or torch.compiler.is_compiling():
         return pseudo_query(torch.stack(queries), torch.stack(key_norms))
     # An in-place update (an optimizer step, load_state_dict) bumps a tensor's version; a new tensor has a new address.
-    key = tuple((t.data_ptr(), t._version) for t in queries + key_norms)
+    key = (torch.is_inference_mode_enabled(),) + tuple((t.data_ptr(), t._version) for t in queries + key_norms)
     kept = spec.runtime.get("queries")
     if kept is None or kept[0] != key:
         kept = spec.runtime["queries"] = (key, pseudo_query(torch.stack(queries), torch.stack(key_norms)))
