@@ -1,7 +1,7 @@
-"""What AttnRes costs: converted vs original SmolLM2-135M, fp32, 2 threads, one process, interleaved runs.
+"""What AttnRes costs: converted vs original SmolLM2-135M, fp32, 2 threads, both models in one process, interleaved runs.
 
-    python benchmarks/overhead.py [--repeats 7] [--compile] [--skip-train] [--skip-memory] [--skip-convert]
-                                  [--out benchmarks/results/overhead-smollm2-cpu.json]
+    python benchmarks/overhead.py [--repeats 7] [--processes 3] [--compile] [--skip-train] [--skip-memory]
+                                  [--skip-convert] [--mapped] [--out benchmarks/results/overhead-smollm2-cpu.json]
 
 Both models are loaded as users load them: the original by `from_pretrained` of its folder, the converted
 one by `from_pretrained(..., trust_remote_code=True)` of the folder `attnres convert` wrote (in a child
@@ -12,7 +12,9 @@ Reports ratios converted/original (the ratio of the medians of interleaved runs,
 the per-round ratios, which a slow phase of the machine moves less) for prefill (512 tokens), decode
 (64 new tokens with the KV cache), one training step (forward + backward, 4 x 256 tokens, with and
 without gradient checkpointing, plus its peak memory), Full AttnRes prefill, and `attnres convert`
-against a plain load + save_pretrained. Nothing here is a pass/fail test: it prints and records numbers.
+against a plain load + save_pretrained. The speed rows are measured in --processes fresh processes (each
+holding both models) and combined by medians, each process's ratio kept. Nothing here is a pass/fail test:
+it prints and records numbers.
 """
 
 from __future__ import annotations
@@ -154,6 +156,28 @@ def speed(original, converted, full, repeats: int, compiled: bool, train: bool =
     return rows
 
 
+def speed_in_processes(args, workdir: Path) -> list[dict]:
+    """The speed rows measured in fresh processes, one after another, each loading both models and
+    interleaving them: where a process's weights and buffers land in memory moves its ratios (measured:
+    the same code's decode ratio 1.04 in one process and 1.09 in the next), so one process is one sample.
+    Per row: the median over the processes of each estimate, and every process's ratio."""
+    runs = []
+    for index in range(args.processes):
+        out = workdir / f"speed-{index}.json"
+        cmd = [sys.executable, __file__, "--speed-only", "--out", str(out), "--workdir", str(workdir),
+               "--repeats", str(args.repeats), "--threads", str(args.threads)]
+        cmd += [flag for flag, on in (("--mapped", args.mapped), ("--skip-train", args.skip_train), ("--compile", args.compile)) if on]
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+        runs.append(json.loads(out.read_text())["rows"])
+    rows = []
+    for samples in zip(*runs):
+        row = {"metric": samples[0]["metric"], "process_ratios": [r["ratio"] for r in samples]}
+        for key in ("original_s", "converted_s", "ratio", "paired_ratio"):
+            row[key] = statistics.median(r[key] for r in samples)
+        rows.append(row)
+    return rows
+
+
 STEP_MEMORY = textwrap.dedent(
     """
     import ctypes, gc, json, sys, torch
@@ -253,6 +277,8 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, help="keep the model folders here (reused by later runs)")
     parser.add_argument("--mapped", action="store_true", help="time the weights as from_pretrained maps them (page-cache dependent)")
     parser.add_argument("--skip-train", action="store_true", help="no training-step rows (prefill and decode only)")
+    parser.add_argument("--processes", type=int, default=3, help="measure the speed rows in this many fresh processes")
+    parser.add_argument("--speed-only", action="store_true", help=argparse.SUPPRESS)  # one of those processes
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "overhead-smollm2-cpu.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -261,16 +287,12 @@ def main() -> None:
 
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="attnres-bench-"))
     folder = prepare_folder(workdir)
-    remote = dict(dtype=torch.float32, trust_remote_code=True)
-    load = (lambda m: m) if args.mapped else resident
-    original = load(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval())
-    converted = load(AutoModelForCausalLM.from_pretrained(converted_folder(folder, workdir), **remote).eval())
-    full = load(AutoModelForCausalLM.from_pretrained(converted_folder(folder, workdir, full=True), **remote).eval())
+    converted_path, full_path = converted_folder(folder, workdir), converted_folder(folder, workdir, full=True)
     meta = {
         "torch": torch.__version__, "threads": args.threads, "repeats": args.repeats, "cpu_count": os.cpu_count(),
         "loaded": "original: from_pretrained(folder); converted: from_pretrained(attnres convert folder, trust_remote_code=True)",
         "weights": "mapped by from_pretrained" if args.mapped else "copied into process memory after from_pretrained (see resident)",
-        "converted_class": f"{type(converted).__module__}.{type(converted).__name__}",
+        "processes": 1 if args.speed_only else args.processes,
         "attnres_kernel": os.environ.get("ATTNRES_KERNEL", "auto") + " (CPU tensors: eager unless triton)",
         "load_average_start": os.getloadavg(),
     }
@@ -280,13 +302,25 @@ def main() -> None:
         meta["load_average_now"] = os.getloadavg()
         args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
 
-    rows = speed(original, converted, full, args.repeats, compiled=False, train=not args.skip_train)
-    record(rows)
-    if args.compile:
-        compiled = speed(original, converted, full, args.repeats, True, train=not args.skip_train)
-        rows += [dict(r, metric=r["metric"] + " [compiled]") for r in compiled]
+    if args.speed_only or args.processes == 1:
+        remote = dict(dtype=torch.float32, trust_remote_code=True)
+        load = (lambda m: m) if args.mapped else resident
+        original = load(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval())
+        converted = load(AutoModelForCausalLM.from_pretrained(converted_path, **remote).eval())
+        full = load(AutoModelForCausalLM.from_pretrained(full_path, **remote).eval())
+        meta["converted_class"] = f"{type(converted).__module__}.{type(converted).__name__}"
+        rows = speed(original, converted, full, args.repeats, compiled=False, train=not args.skip_train)
         record(rows)
-    del original, converted, full
+        if args.compile:
+            compiled = speed(original, converted, full, args.repeats, True, train=not args.skip_train)
+            rows += [dict(r, metric=r["metric"] + " [compiled]") for r in compiled]
+            record(rows)
+        del original, converted, full
+        if args.speed_only:
+            return
+    else:
+        rows = speed_in_processes(args, workdir)
+        record(rows)
     if not args.skip_memory:
         rows += step_memory(folder, converted_folder(folder, workdir))
         record(rows)
@@ -295,13 +329,14 @@ def main() -> None:
         record(rows)
 
     table = Table(title=f"AttnRes overhead, SmolLM2-135M fp32, {args.threads} threads (medians, interleaved)")
-    for column in ("metric", "original", "converted", "converted / original", "per-round ratio"):
+    for column in ("metric", "original", "converted", "converted / original", "per-round ratio", "processes"):
         table.add_column(column, justify="right" if column != "metric" else "left")
     for r in rows:
         unit = r.get("unit", "s")
         fmt = "{:.1f} MiB" if unit == "MiB" else "{:.3f} s"
         paired = f"{r['paired_ratio']:.3f}" if "paired_ratio" in r else ""
-        table.add_row(r["metric"], fmt.format(r["original_s"]), fmt.format(r["converted_s"]), f"{r['ratio']:.3f}", paired)
+        spread = f"{min(r['process_ratios']):.3f}-{max(r['process_ratios']):.3f}" if "process_ratios" in r else ""
+        table.add_row(r["metric"], fmt.format(r["original_s"]), fmt.format(r["converted_s"]), f"{r['ratio']:.3f}", paired, spread)
     console.print(table)
     console.print(f"written to {args.out}")
 
