@@ -142,16 +142,21 @@ def test_attnres_gradients_never_scale_the_base_update(setup, tmp_path):
     assert all(torch.allclose(clipped[name], baseline[name], rtol=1e-4, atol=1e-9) for name in lora)
 
 
+def _lora_train_records(setup, out, **train) -> list[dict]:
+    """The train records of a short LoRA run of the tiny model (no evaluation), with `train` overrides."""
+    from attnres_convert.finetune.training import finetune
+
+    sections = dict(train={"trainable": "lora", "lr": 3e-2, "warmup_steps": 0, **train}, lora={"r": 4},
+                    eval={"every": 0, "max_sequences": 4})
+    result = finetune(parse_recipe(tiny_recipe(setup["model"], setup["corpus"], out, **sections)))
+    return [r for r in result.records if r["kind"] == "train"]
+
+
 def test_kl_term_to_the_starting_model(setup, tmp_path):
     """train.kl_weight: KL(original || model) joins the loss. At step 1 the converted model is the original
     (KL 0 up to float rounding); afterwards the KL is recorded and the term changes the run."""
-    from attnres_convert.finetune.training import finetune
-
     def records(out, **train):
-        sections = dict(train={"trainable": "lora", "steps": 3, "lr": 3e-2, "warmup_steps": 0, **train}, lora={"r": 4},
-                        eval={"every": 0, "max_sequences": 4})
-        result = finetune(parse_recipe(tiny_recipe(setup["model"], setup["corpus"], out, **sections)))
-        return [r for r in result.records if r["kind"] == "train"]
+        return _lora_train_records(setup, out, steps=3, **train)
 
     plain, anchored = records(tmp_path / "plain"), records(tmp_path / "kl", kl_weight=1.0)
     assert "kl" not in plain[0]
@@ -176,13 +181,8 @@ def test_depth_gate_ramps_the_mix_in(setup, tmp_path):
     """train.depth_gate_steps: at step 1 the gate is 0, so every reader reads the plain stream and the AttnRes
     parameters get no gradient at all; it rises to 1 and the run differs from one without it. The gate is a
     training schedule: a length that would end the run with a partial gate is refused."""
-    from attnres_convert.finetune.training import finetune
-
     def records(out, **train):
-        sections = dict(train={"trainable": "lora", "steps": 4, "lr": 3e-2, "warmup_steps": 0, **train}, lora={"r": 4},
-                        eval={"every": 0, "max_sequences": 4})
-        result = finetune(parse_recipe(tiny_recipe(setup["model"], setup["corpus"], out, **sections)))
-        return [r for r in result.records if r["kind"] == "train"]
+        return _lora_train_records(setup, out, steps=4, **train)
 
     plain, ramped = records(tmp_path / "plain"), records(tmp_path / "gated", depth_gate_steps=2)
     assert "depth_gate" not in plain[0]
