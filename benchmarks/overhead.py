@@ -156,11 +156,12 @@ def speed(original, converted, full, repeats: int, compiled: bool, train: bool =
     return rows
 
 
-def speed_in_processes(args, workdir: Path) -> list[dict]:
+def speed_in_processes(args, workdir: Path) -> tuple[list[dict], dict]:
     """The speed rows measured in fresh processes, one after another, each loading both models and
     interleaving them: where a process's weights and buffers land in memory moves its ratios (measured:
     the same code's decode ratio 1.04 in one process and 1.09 in the next), so one process is one sample.
-    Per row: the median over the processes of each estimate, and every process's ratio."""
+    Per row: the median over the processes of each estimate, and every process's ratio. Also returns the
+    last process's meta (what it loaded)."""
     runs = []
     for index in range(args.processes):
         out = workdir / f"speed-{index}.json"
@@ -168,14 +169,15 @@ def speed_in_processes(args, workdir: Path) -> list[dict]:
                "--repeats", str(args.repeats), "--threads", str(args.threads)]
         cmd += [flag for flag, on in (("--mapped", args.mapped), ("--skip-train", args.skip_train), ("--compile", args.compile)) if on]
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-        runs.append(json.loads(out.read_text())["rows"])
+        measured = json.loads(out.read_text())
+        runs.append(measured["rows"])
     rows = []
     for samples in zip(*runs):
         row = {"metric": samples[0]["metric"], "process_ratios": [r["ratio"] for r in samples]}
         for key in ("original_s", "converted_s", "ratio", "paired_ratio"):
             row[key] = statistics.median(r[key] for r in samples)
         rows.append(row)
-    return rows
+    return rows, measured["meta"]
 
 
 STEP_MEMORY = textwrap.dedent(
@@ -319,7 +321,8 @@ def main() -> None:
         if args.speed_only:
             return
     else:
-        rows = speed_in_processes(args, workdir)
+        rows, child = speed_in_processes(args, workdir)
+        meta["converted_class"] = child["converted_class"]
         record(rows)
     if not args.skip_memory:
         rows += step_memory(folder, converted_folder(folder, workdir))

@@ -157,11 +157,10 @@ def _dequantised_original(folder, dtype: str, load_kwargs: dict):
     class is loaded from them, with the base config. Its forward is the original's; the AttnRes tensors are
     left out."""
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging
 
     from ..modeling.configuration_attnres import AttnResConfig
     from .sources import DTYPES
-
-    from transformers.utils import logging
 
     base_config = AttnResConfig.from_pretrained(folder).text_config
     verbosity = logging.get_verbosity()
