@@ -161,5 +161,5 @@ def test_selection(monkeypatch):
     monkeypatch.setenv("ATTNRES_KERNEL", "auto")
     assert depth_attention.kernels_for(x) is None  # auto without triton: eager, no error
     monkeypatch.setenv("ATTNRES_KERNEL", "fast")
-    with pytest.raises(ValueError, match="'fast' is not a kernel choice: use auto .*, triton or eager"):
+    with pytest.raises(ValueError, match="'fast' is not a kernel choice: use auto .*, triton, cpu or eager"):
         depth_attention.kernels_for(x)

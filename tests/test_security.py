@@ -244,10 +244,15 @@ def test_no_unsafe_deserialisation_anywhere_in_the_package():
 # imports) and pure-computation parts of the standard library.
 ALLOWED_STDLIB = {"__future__", "typing", "dataclasses", "collections", "contextlib", "inspect", "math", "enum",
                   "functools", "itertools", "abc", "numbers", "copy", "types", "operator", "warnings", "os", "re",
-                  "threading"}  # threading: get_ident, to keep a decoding loop's buffer per thread
+                  "threading",  # threading: get_ident, to keep a decoding loop's buffer per thread
+                  "hashlib", "logging", "time"}  # the CPU kernels' build: its cache name, its message, its duration
 # The one file-writing part: when a model built from a base model's own code is saved, save_pretrained copies
 # that code into the folder it writes (as transformers' own custom_object_save does). Nothing else may.
 SAVE_TIME_WRITERS = {"remote_code.py": {"shutil", "pathlib", "write_text"}}
+# The one native-code part: with ATTNRES_KERNEL=cpu (never by default), the C++ kernels are compiled from the
+# source text in that same file by torch's cpp_extension, into torch's extension cache
+# (test_cpu_kernel_build_compiles_only_its_own_source checks what it builds).
+NATIVE_BUILDERS = {"depth_kernels_cpu.py": {"cpp_extension"}}
 # triton: the fused kernels, imported only where it is installed.
 ALLOWED_THIRD_PARTY = {"torch", "transformers", "triton"}
 FORBIDDEN_CALLS = {"open", "eval", "exec", "compile", "__import__", "breakpoint", "input"}
@@ -290,7 +295,7 @@ def test_shipped_code_only_defines_the_model(tmp_path):
                         problems.append(f"{where}: relative import of {node.module}, not shipped")
             else:
                 modules = []
-            writer = SAVE_TIME_WRITERS.get(path.name, set())
+            writer = SAVE_TIME_WRITERS.get(path.name, set()) | NATIVE_BUILDERS.get(path.name, set())
             for module in modules:
                 imports.setdefault(path.name, set()).add(module)
                 top = module.split(".")[0]
@@ -369,3 +374,26 @@ def test_resume_refuses_a_tampered_checkpoint(tmp_path):
     result = run_cli("finetune", recipe, "--resume")
     assert_user_error(result, "--resume", pickles[-1].name, "exec", "could run code")
     assert not sentinel.exists(), "resuming ran the checkpoint's code"
+
+
+def test_cpu_kernel_build_compiles_only_its_own_source(monkeypatch):
+    """The shipped CPU kernels build exactly the C++ text of their own file, and only where ATTNRES_KERNEL=cpu
+    selects them: auto (the default) and eager never reach the compiler."""
+    import torch
+    import torch.utils.cpp_extension
+
+    from attnres_convert.modeling import depth_attention, depth_kernels_cpu
+
+    calls = []
+    monkeypatch.setattr(torch.utils.cpp_extension, "load_inline", lambda *args, **kwargs: calls.append((args, kwargs)) or "built")
+    monkeypatch.setattr(depth_kernels_cpu, "_BUILT", [])
+    x = torch.zeros(1, 1, 8)
+    for mode in ("auto", "eager", ""):
+        monkeypatch.setenv("ATTNRES_KERNEL", mode)
+        assert depth_attention.cpu_kernels_for(x) is None
+    assert calls == []
+    monkeypatch.setenv("ATTNRES_KERNEL", "cpu")
+    assert depth_attention.cpu_kernels_for(x) == "built"
+    (name,), kwargs = calls[0]
+    assert name.startswith("attnres_depth_cpu_") and kwargs["cpp_sources"] == [depth_kernels_cpu.SOURCE]
+    assert set(kwargs) == {"cpp_sources", "extra_cflags", "extra_ldflags"}  # no CUDA sources, no extra includes

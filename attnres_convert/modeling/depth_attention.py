@@ -78,6 +78,8 @@ class SourceBuffer(NamedTuple):
                  once per reader); a reader adds only its partial sum's score (phase 2).
     step:        for a forward of few tokens (a decoding step), the constants and views its readers
                  use, made once per forward (see StepViews); None otherwise.
+    native:      the compiled C++ kernels for CPU (see `cpu_kernels_for`), or None: readers then run
+                 `step_mix` / `buffer_mix` of depth_kernels_cpu.py instead of their eager operations.
     kernels:     the Triton kernels (see `kernels_for`), or None for the eager path. With kernels the
                  buffer is source-major for any number of tokens, [K, BT, D] (inv_rms [K, BT], scores
                  [K, BT, R]), and an output is applied by the next kernel (see `_Update`).
@@ -99,6 +101,7 @@ class SourceBuffer(NamedTuple):
     kernels: Kernels | None = None
     update: _Update | None = None
     shared_stream: bool = False
+    native: object | None = None
 
 
 class StepViews(NamedTuple):
@@ -225,7 +228,9 @@ STATE_TYPES = (BlockState, SourceBuffer, TrainState)
 # ---------------------------------------------------------------------------------------------
 # Kernel selection. ATTNRES_KERNEL=auto (default): the Triton kernels (depth_kernels.py) for CUDA
 # tensors when triton is importable, the eager path otherwise; triton: the kernels or an error, never
-# a silent fallback (CPU tensors run under Triton's interpreter, TRITON_INTERPRET=1); eager: never.
+# a silent fallback (CPU tensors run under Triton's interpreter, TRITON_INTERPRET=1); cpu: the C++
+# kernels (depth_kernels_cpu.py, compiled on first use) for float32 inference on CPU, or an error;
+# eager: never. Neither auto nor eager compiles anything.
 # ---------------------------------------------------------------------------------------------
 
 KERNEL_ENV = "ATTNRES_KERNEL"
@@ -252,17 +257,19 @@ def _import_kernels() -> Kernels | ImportError:
 
 
 def kernel_mode() -> str:
-    """ATTNRES_KERNEL: auto, triton or eager."""
+    """ATTNRES_KERNEL: auto, triton, cpu or eager."""
     mode = os.environ.get(KERNEL_ENV, "auto").strip().lower() or "auto"
-    if mode not in ("auto", "triton", "eager"):
-        raise ValueError(f"{KERNEL_ENV}={mode!r} is not a kernel choice: use auto (the default), triton or eager")
+    if mode not in ("auto", "triton", "cpu", "eager"):
+        raise ValueError(
+            f"{KERNEL_ENV}={mode!r} is not a kernel choice: use auto (the default), triton, cpu or eager"
+        )
     return mode
 
 
 def kernels_for(like: torch.Tensor) -> Kernels | None:
     """The Triton kernels if selected for tensors like `like`, else None (the eager path)."""
     mode = kernel_mode()
-    if mode == "eager":
+    if mode in ("eager", "cpu"):
         return None
     forced = mode == "triton"
     if torch.compiler.is_compiling():
@@ -289,6 +296,27 @@ def kernels_for(like: torch.Tensor) -> Kernels | None:
             f"CPU in Triton's interpreter (slow, for tests) set TRITON_INTERPRET=1 before Python starts."
         )
     return kernels
+
+
+def cpu_kernels_for(like: torch.Tensor):
+    """The compiled C++ kernels where ATTNRES_KERNEL=cpu selects them, for a forward without autograd of
+    tensors like `like` (CPU, float32); None where it does not. Raises where it selects them and they cannot
+    run: never a silent fallback."""
+    if kernel_mode() != "cpu":
+        return None
+    if torch.compiler.is_compiling():
+        raise RuntimeError(
+            f"{KERNEL_ENV}=cpu: the C++ depth-mix kernels do not run under torch.compile, which fuses the eager "
+            f"depth mix itself; unset {KERNEL_ENV} (auto) or set it to eager."
+        )
+    if like.device.type != "cpu" or like.dtype != torch.float32:
+        raise RuntimeError(
+            f"{KERNEL_ENV}=cpu runs float32 models on CPU; this forward is {like.dtype} on {like.device.type}. "
+            f"Load the model with dtype=torch.float32 on CPU, or unset {KERNEL_ENV} (auto: Triton on CUDA)."
+        )
+    from .depth_kernels_cpu import build
+
+    return build()
 
 
 class _Update:
@@ -365,9 +393,10 @@ def start_state(
     reuse: a dict owned by the model, where a few-token forward keeps its buffer and views for the next one of the
     same shape and queries (a decoding loop), per thread; see `_step_buffer`."""
     if token_queries:
-        if kernel_mode() == "triton":
+        mode = kernel_mode()
+        if mode in ("triton", "cpu"):
             raise RuntimeError(
-                f"{KERNEL_ENV}=triton: the Triton depth-mix kernels score one static query per reader, and this "
+                f"{KERNEL_ENV}={mode}: the depth-mix kernels score one static query per reader, and this "
                 f"model's queries depend on each token's input (query_rank > 0), which runs on the eager path. "
                 f"Unset {KERNEL_ENV} (auto) or set it to eager."
             )
@@ -376,6 +405,7 @@ def start_state(
     if capacity is not None and not torch.is_grad_enabled():
         if kernels is not None:
             return _kernel_buffer(embeddings, eps, capacity, queries, kernels)
+        native = cpu_kernels_for(embeddings)
         shared = embeddings.dtype == torch.float32
         rows, stream = capacity + int(shared), embeddings
         new = embeddings.new_zeros if shared else embeddings.new_empty  # zeros: partial sums start by adding
@@ -387,7 +417,8 @@ def start_state(
                 stream = step.slots[capacity]
                 stream.copy_(embeddings)
             return SourceBuffer(
-                padded[..., :d], padded.new_empty(0), 1, False, stream, queries=queries, step=step, shared_stream=shared
+                padded[..., :d], padded.new_empty(0), 1, False, stream, queries=queries, step=step,
+                shared_stream=shared, native=native,
             )
         sources = new(rows, *embeddings.shape, dtype=torch.float32)
         sources[0] = embeddings
@@ -396,7 +427,7 @@ def start_state(
             stream.copy_(embeddings)
         inv_rms = sources.new_empty(sources.shape[:-1])
         inv_rms[0] = inverse_rms(sources[0], eps)
-        state = SourceBuffer(sources, inv_rms, 1, False, stream, shared_stream=shared)
+        state = SourceBuffer(sources, inv_rms, 1, False, stream, shared_stream=shared, native=native)
         if queries is not None:
             state = state._replace(queries=queries, scores=sources.new_empty(*sources.shape[:-1], queries.shape[0]))
             _score_source(state, 0)
@@ -813,10 +844,18 @@ def _mix_buffer(state: SourceBuffer, q: torch.Tensor, eps: float, scaling: str, 
     n = state.count + int(state.has_partial)
     step = state.step
     if step is not None:
-        return step_mix(step, n, q, state.stream, scaling)
+        return step_mix(step, n, q, state.stream, scaling, state.native)
+    m, d = state.count, state.sources.shape[-1]
+    if state.native is not None and not _RECORDERS:
+        from .depth_kernels_cpu import buffer_mix
+
+        table = state.scores[..., reader] if state.scores is not None and reader is not None else None
+        return buffer_mix(
+            state.native, state.sources, m, state.has_partial, q, state.stream, eps, scaling == "count",
+            table=table, inv_rms=state.inv_rms if table is None else None,
+        )
     # Source-major: scores [n, B, T], from the table where there is one (phase 2: only the partial sum
     # is scored here), else one product over the n contiguous sources.
-    m, d = state.count, state.sources.shape[-1]
     if state.scores is not None and reader is not None:
         logits = state.scores[:m, ..., reader]
         if state.has_partial:
@@ -833,10 +872,15 @@ def _mix_buffer(state: SourceBuffer, q: torch.Tensor, eps: float, scaling: str, 
     return _chained_mix(state.stream, weights, state.sources, scaling)
 
 
-def step_mix(step: StepViews, n: int, q: torch.Tensor, stream: torch.Tensor, scaling: str) -> torch.Tensor:
+def step_mix(step: StepViews, n: int, q: torch.Tensor, stream: torch.Tensor, scaling: str, native=None) -> torch.Tensor:
     """depth_mix of a reader of n sources in a few-token forward (token-major: one product scores a token's
-    n sources, one mixes them). The model's decoding loop calls it directly (see AttnResDecoderLayerMixin),
-    since such a step pays for every Python call as well as every operation."""
+    n sources, one mixes them; with `native`, the C++ kernels, one call). The model's decoding loop calls it
+    directly (see AttnResDecoderLayerMixin), since such a step pays for every Python call as well as every
+    operation."""
+    if native is not None and not _RECORDERS:  # a recorder needs the weights, which the kernel keeps to itself
+        from .depth_kernels_cpu import NONE
+
+        return native.step_mix(step.padded[n], n, q, stream, scaling == "count", NONE, 0)
     weights = torch.softmax(_few_token_logits(step, n, q), dim=-1)
     if _RECORDERS:
         _RECORDERS[-1].append(weights.movedim(-1, 0).clone())
@@ -909,6 +953,11 @@ def _fused_mix(stream: torch.Tensor, weights: torch.Tensor, flat: torch.Tensor, 
 
 # Active recorders of depth-attention weights (a plain list, not a ContextVar: torch.compile traces it).
 _RECORDERS: list[list[torch.Tensor]] = []
+
+
+def recording() -> bool:
+    """Whether a `record_depth_weights` block is active (the compiled kernels do not hand out weights)."""
+    return bool(_RECORDERS)
 
 
 @contextlib.contextmanager

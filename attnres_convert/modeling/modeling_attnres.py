@@ -43,10 +43,12 @@ from .depth_attention import (
     output_num_sources,
     plan_sublayers,
     pseudo_query,
+    recording,
     start_state,
     step_mix,
     wants_queries,
 )
+from .depth_kernels_cpu import NONE
 from .remote_code import ship_base_code
 from .weight_names import default_save_conversions, guard_all
 
@@ -178,14 +180,25 @@ def _decoding_step(layer: nn.Module, spec: _LayerSpec, state: SourceBuffer, call
     """The layer's sublayers in a few-token forward of a float32 model: what close_block, depth_mix and
     add_output do there, inlined: such a step pays for every Python call and branch as well as every
     operation. Measured in one process against the general path, together with the buffer and queries a
-    decoding loop keeps (`_all_queries`, start_state): 0.75 ms less per SmolLM2 token of about 38 ms."""
+    decoding loop keeps (`_all_queries`, start_state): 0.75 ms less per SmolLM2 token of about 38 ms.
+    With the C++ kernels (ATTNRES_KERNEL=cpu) a reader is one call, which also makes the residual adds of
+    the output before it (one operation less per sublayer); the layer's last output is added here."""
     step, count, partial = state.step, state.count, state.has_partial
+    native = state.native if not recording() else None
+    added, slot = NONE, 0
     for sublayer, plan in zip(spec.sublayers, spec.plans):
         if plan.closes_block and partial:
             count, partial = count + 1, False
-        h = step_mix(step, count + partial, step.queries[plan.index - 1], state.stream, spec.scaling)
-        step.pairs[count].add_(run_sublayer(layer, sublayer, h, call_kwargs))  # the partial sum and the stream
+        n, q = count + partial, step.queries[plan.index - 1]
+        if native is not None:
+            h = native.step_mix(step.padded[n], n, q, state.stream, spec.scaling == "count", added, slot)
+            added, slot = run_sublayer(layer, sublayer, h, call_kwargs), count
+        else:
+            h = step_mix(step, n, q, state.stream, spec.scaling)
+            step.pairs[count].add_(run_sublayer(layer, sublayer, h, call_kwargs))  # the partial sum and the stream
         partial = True
+    if native is not None:
+        step.pairs[slot].add_(added)
     return state._replace(count=count, has_partial=partial)
 
 
