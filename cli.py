@@ -99,8 +99,9 @@ def quiet_transformers() -> None:
 def training_errors(main: bool, interrupted: Callable[[Exception], str] = lambda error: escape(str(error))) -> Iterator[None]:
     """Errors of a training command, raised in every process of a launch; only the main process prints.
 
-    Interrupted (a checkpoint was saved): exit 128 + signal, like an interrupted shell job, with
-    INTERRUPTED(error) as the message. A failed training check: exit 1; other user errors: exit 2.
+    Interrupted (a checkpoint was saved, or a run replacing an earlier one was discarded): exit 128 + signal,
+    like an interrupted shell job, with INTERRUPTED(error) as the message. A failed training check: exit 1;
+    other user errors: exit 2.
     """
     from attnres_convert import AttnResError, BlockSizeError, UnsupportedModelError
     from attnres_convert.finetune.training import TrainingError, TrainingInterrupted

@@ -193,3 +193,38 @@ def test_depth_gate_ramps_the_mix_in(setup, tmp_path):
     assert ramped[-1]["loss"] != pytest.approx(plain[-1]["loss"], rel=1e-4)
     with pytest.raises(RecipeError, match=r"depth_gate_steps \(4\) must be smaller than steps \(4\)"):
         records(tmp_path / "bad", depth_gate_steps=4)
+
+
+def test_an_arm_run_again_replaces_its_earlier_folder_only_once_finished(setup, tmp_path, monkeypatch):
+    """The arms run with output.overwrite: an arm trained again over its earlier run folder writes beside it (the
+    live table follows it there) and replaces it only when finished; an A/B that fails keeps the earlier runs."""
+    from attnres_convert.finetune import ab
+
+    out, runs = tmp_path / "ab", tmp_path / "ab-runs"
+    arm = runs / "baseline" / "seed-0"
+    run_ab(setup["recipe"], ["train.steps=2"], output=out)
+    (arm / "marker.txt").write_text("the earlier run")
+    earlier = (arm / "final_metrics.json").read_text()
+    train_step, seen = FinetuneRecipe.train_step, []
+
+    def fail_at_step_2(self):
+        if self.state.step == 1:
+            live = ab._live_folder(arm)
+            seen.append((live, ab._progress_of(live)))
+            raise RuntimeError("CUDA out of memory (simulated)")
+        return train_step(self)
+
+    monkeypatch.setattr(FinetuneRecipe, "train_step", fail_at_step_2)
+    with pytest.raises(RuntimeError, match="simulated"):
+        run_ab(setup["recipe"], ["train.steps=3"], output=out, overwrite=True)
+    assert (arm / "marker.txt").is_file() and (arm / "final_metrics.json").read_text() == earlier
+    [(live, (step, loss, done))] = seen
+    assert live.parent == arm.parent and live.name.startswith(".seed-0.partial-")  # the run in progress, not the earlier one
+    assert step == 1 and loss is not None and not done
+    assert not [p for p in arm.parent.iterdir() if p.name.startswith(".")]
+
+    monkeypatch.setattr(FinetuneRecipe, "train_step", train_step)
+    again = run_ab(setup["recipe"], ["train.steps=3"], output=out, overwrite=True)
+    assert not (arm / "marker.txt").exists() and json.loads((arm / "final_metrics.json").read_text())["steps"] == 3
+    assert again.report["steps"] == 3 and [step for step, _ in again.report["arms"][0]["eval"]] == [0, 2, 3]
+    assert ab._live_folder(arm) == arm and not [p for p in arm.parent.iterdir() if p.name.startswith(".")]

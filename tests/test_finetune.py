@@ -279,6 +279,30 @@ def test_two_processes_match_one_with_the_same_global_batch(setup, tmp_path):
     assert sorted(p.name for p in (tmp_path / "two").iterdir()) == sorted(p.name for p in (tmp_path / "one").iterdir())
 
 
+def test_two_processes_replace_an_earlier_run(setup, tmp_path):
+    """output.overwrite under `accelerate launch` (2 CPU processes): the main process picks the staging folder
+    and every process writes its part of each checkpoint there; the finished run replaces the earlier one."""
+    out = tmp_path / "run"
+    out.mkdir()
+    for name in ("recipe.yaml", "metrics.jsonl", "marker.txt"):
+        (out / name).write_text("an earlier run")
+    sections = dict(train={"trainable": "lora", "steps": 3, "grad_accum": 1, "micro_batch": 2}, lora={"r": 4},
+                    eval={"every": 0, "max_sequences": 4}, checkpoint={"every": 2}, output={"overwrite": True})
+    recipe = write_recipe(tmp_path / "recipe.yaml", tiny_recipe(setup["model"], setup["corpus"], out, **sections))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    launched = subprocess.run(
+        [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+         "--mixed_precision", "no", "--dynamo_backend", "no", str(ROOT / "cli.py"), "finetune", str(recipe)],
+        capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path,
+    )
+    assert launched.returncode == 0, launched.stdout[-3000:] + launched.stderr[-3000:]
+    assert not (out / "marker.txt").exists() and json.loads((out / "final_metrics.json").read_text())["processes"] == 2
+    checkpoint = out / "checkpoints" / "step-0000002"
+    assert sorted(p.name for p in checkpoint.glob("random_states_*")) == ["random_states_0.pkl", "random_states_1.pkl"]
+    assert (out / "model" / "model.safetensors").is_file()
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
 def test_result_loads_with_trust_remote_code_without_the_package(setup, tmp_path):
     result = run(setup, tmp_path / "run", train={"steps": 2}, eval={"every": 0, "max_sequences": 2})
     ids = [[5, 17, 33, 40, 2, 9, 60]]
@@ -321,3 +345,95 @@ def test_a_converted_folder_continues_its_learned_routing(setup, tmp_path):
     assert second.metrics["converted"] and math.isclose(second.metrics["eval_loss_start"], first.metrics["eval_loss"], rel_tol=1e-6)
     with pytest.raises(RecipeError, match=r"model\.block_size: .* is already converted with block size 4; it cannot be trained as 2"):
         run(setup, tmp_path / "third", **{**sections, "model": {**sections["model"], "block_size": 2}})
+
+
+# --- output.overwrite: the earlier run is kept until the new one has finished ---------------------
+
+
+def _earlier_run(setup, out: Path, **sections) -> str:
+    """A finished run in OUT, with a marker file only it has; returns its final_metrics.json."""
+    run(setup, out, train={"steps": 2}, eval={"every": 0, "max_sequences": 4}, **sections)
+    (out / "marker.txt").write_text("the earlier run")
+    return (out / "final_metrics.json").read_text()
+
+
+def _hidden_siblings(out: Path) -> list[str]:
+    return sorted(p.name for p in out.parent.iterdir() if p.name.startswith("."))
+
+
+def test_overwrite_keeps_the_earlier_run_until_the_new_one_has_finished(setup, tmp_path, monkeypatch):
+    """A run with output.overwrite=true that fails part-way (here: out of memory at step 2) leaves the earlier
+    run exactly as it was and no partial folder; one that finishes replaces it with a complete run folder."""
+    from attnres_convert.finetune.training import FinetuneRecipe
+
+    out = tmp_path / "run"
+    earlier = _earlier_run(setup, out)
+    train_step, seen = FinetuneRecipe.train_step, []
+
+    def out_of_memory_at_step_2(self):
+        if self.state.step == 1:
+            staged = {name: sorted(p.name for p in (tmp_path / name).iterdir()) for name in _hidden_siblings(out)}
+            seen.append(((out / "marker.txt").is_file(), staged))
+            raise RuntimeError("CUDA out of memory (simulated)")
+        return train_step(self)
+
+    monkeypatch.setattr(FinetuneRecipe, "train_step", out_of_memory_at_step_2)
+    sections = dict(train={"steps": 3}, eval={"every": 0, "max_sequences": 4}, checkpoint={"every": 1}, output={"overwrite": True})
+    with pytest.raises(RuntimeError, match="simulated"):
+        run(setup, out, **sections)
+    assert (out / "marker.txt").read_text() == "the earlier run" and (out / "final_metrics.json").read_text() == earlier
+    assert load_converted(out / "model") is not None
+    assert _hidden_siblings(out) == []
+    # Meanwhile, it was training in a hidden folder beside the earlier run, which was still there.
+    [(kept_meanwhile, staged)] = seen
+    assert kept_meanwhile and len(staged) == 1 and next(iter(staged)).startswith(".run.partial-"), staged
+    assert list(staged.values()) == [["checkpoints", "metrics.jsonl", "recipe.yaml"]]
+
+    monkeypatch.setattr(FinetuneRecipe, "train_step", train_step)
+    result = run(setup, out, **sections)
+    assert result.output == out and result.model_dir == out / "model"
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoints", "final_metrics.json", "loss_curve.png", "metrics.jsonl", "model", "recipe.yaml"]
+    assert json.loads((out / "final_metrics.json").read_text())["steps"] == 3 == result.metrics["steps"]
+    assert [p.name for p in list_checkpoints(out)] == ["step-0000001", "step-0000002"]  # keep_last 2; none at the last step
+    assert [r["step"] for r in result.records if r["kind"] == "train"] == [1, 2, 3]
+    assert load_converted(result.model_dir) is not None
+    assert _hidden_siblings(out) == []
+
+
+def test_overwrite_interrupted_or_diverging_keeps_the_earlier_run(setup, tmp_path):
+    """Ctrl-C (here stop_at_step) or a non-finite loss in a run replacing an earlier one: the earlier run is
+    kept and the message says so; no checkpoint to resume, no partial folder left."""
+    out = tmp_path / "run"
+    earlier = _earlier_run(setup, out)
+    sections = dict(train={"steps": 4}, eval={"every": 0, "max_sequences": 4}, checkpoint={"every": 1}, output={"overwrite": True})
+    recipe = parse_recipe(tiny_recipe(setup["model"], setup["corpus"], out, **sections))
+    with pytest.raises(TrainingInterrupted, match=r"stopped by stop_at_step after step 2; the earlier run in .* is unchanged") as stopped:
+        finetune(recipe, stop_at_step=2)
+    assert stopped.value.checkpoint is None and "--resume" not in str(stopped.value)
+    assert (out / "marker.txt").is_file() and (out / "final_metrics.json").read_text() == earlier
+    assert _hidden_siblings(out) == []
+    with pytest.raises(RecipeError, match="is complete"):  # the earlier run: nothing to resume
+        finetune(recipe, resume=True)
+
+    diverging = parse_recipe(tiny_recipe(setup["model"], setup["corpus"], out, output={"overwrite": True},
+                                         train={"trainable": "full", "lr": 1e6, "attnres_lr": 1e6, "max_grad_norm": None,
+                                                "warmup_steps": 0, "schedule": "constant", "steps": 10},
+                                         checkpoint={"every": 1}, eval={"every": 0, "max_sequences": 2}))
+    with pytest.raises(NonFiniteLossError, match=r"training stopped at step 2: .* No model was saved; the earlier run in .* is unchanged"):
+        finetune(diverging)
+    assert (out / "marker.txt").is_file() and (out / "final_metrics.json").read_text() == earlier
+    assert _hidden_siblings(out) == []
+
+
+def test_resume_with_overwrite_continues_in_place(setup, tmp_path):
+    """--resume with output.overwrite=true continues the interrupted run in its folder (nothing staged)."""
+    out = tmp_path / "run"
+    sections = dict(train={"steps": 4}, eval={"every": 0, "max_sequences": 4}, checkpoint={"every": 1}, output={"overwrite": True})
+    recipe = parse_recipe(tiny_recipe(setup["model"], setup["corpus"], out, **sections))
+    with pytest.raises(TrainingInterrupted, match="checkpoint saved"):  # a first run: nothing to replace
+        finetune(recipe, stop_at_step=2)
+    (out / "marker.txt").write_text("this run's folder")
+    resumed = finetune(recipe, resume=True)
+    assert resumed.metrics["steps"] == 4 and (out / "marker.txt").is_file()
+    assert [r["step"] for r in resumed.records if r["kind"] == "train"] == [1, 2, 3, 4]
+    assert _hidden_siblings(out) == []

@@ -210,3 +210,66 @@ def test_non_finite_loss_stops_naming_the_step(tmp_path, setup):
     assert not list(out.rglob("model.safetensors")) or all(
         all(torch.isfinite(t).all() for t in load_file(p).values()) for p in out.rglob("model.safetensors")
     )
+
+
+# --- output.overwrite: a run replacing an earlier one --------------------------------------------
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _staged(out: Path) -> list[Path]:
+    return [p for p in out.parent.iterdir() if p.name.startswith(f".{out.name}.partial-")]
+
+
+def _earlier_run(setup, out: Path) -> dict[str, bytes]:
+    """A copy of the finished reference run at OUT, with a marker file; returns every file's bytes."""
+    shutil.copytree(setup["root"] / "reference", out)
+    (out / "marker.txt").write_text("the earlier run")
+    return _files(out)
+
+
+def test_sigkill_of_a_run_replacing_an_earlier_one_keeps_it(tmp_path, setup, reference):
+    """output.overwrite=true killed mid-run: the earlier run folder is byte for byte as it was; the next run
+    removes the killed run's hidden folder and, once finished, replaces the earlier run."""
+    context = forkserver_context()
+    out = tmp_path / "run"
+    before = _earlier_run(setup, out)
+    recipe = _recipe(tmp_path / "recipe.yaml", setup, out, output={"overwrite": True})
+    killed = _kill_when(context, recipe, False, lambda: any(_last_logged_step(p) >= 5 for p in _staged(out)))
+    assert killed, "the run finished before the kill"
+    assert _files(out) == before
+    assert len(_staged(out)) == 1  # the killed run's folder: hidden, never taken for the run
+
+    result = run_cli("finetune", recipe)
+    assert result.exit_code == 0, result.output
+    assert _staged(out) == [] and not (out / "marker.txt").exists()
+    assert _train_losses(out) == pytest.approx(reference, rel=1e-5, abs=1e-6)
+    assert (out / "model" / "model.safetensors").is_file() and (out / "final_metrics.json").is_file()
+
+
+def test_sigint_of_a_run_replacing_an_earlier_one_keeps_it(tmp_path, setup, reference):
+    """Ctrl-C on the installed command during an output.overwrite run: exit code 130, a message saying the
+    earlier run is unchanged (no --resume: nothing of the new run is kept), no traceback, no hidden folder."""
+    out = tmp_path / "run"
+    before = _earlier_run(setup, out)
+    recipe = _recipe(tmp_path / "recipe.yaml", setup, out, output={"overwrite": True})
+    process = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from attnres_convert.cli import main; sys.exit(main())", "finetune", str(recipe)],
+        cwd=ROOT, env={**os.environ, **ONE_THREAD_ENV}, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and process.poll() is None and not any(_last_logged_step(p) >= 2 for p in _staged(out)):
+        time.sleep(0.001)
+    process.send_signal(signal.SIGINT)
+    stdout, stderr = process.communicate(timeout=120)
+    if process.returncode == 0:
+        pytest.skip("the run finished before the signal arrived")
+    assert process.returncode == 128 + signal.SIGINT, stderr
+    assert "Traceback" not in stderr, stderr
+    message = squash(stderr)
+    assert squash("interrupted:") in message and squash(f"the earlier run in {out} is unchanged") in message, stderr
+    assert "--resume" not in message, stderr
+    assert _files(out) == before and _staged(out) == []

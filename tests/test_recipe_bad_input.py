@@ -179,3 +179,20 @@ def test_output_dir_below_a_file(tmp_path, setup):
     recipe, _ = _recipe(tmp_path, setup, output={"dir": str(blocker / "run")})
     _both(recipe, blocker / "run", "output.dir", "is a file, not a folder")
     assert blocker.read_text() == "a file"
+
+
+def test_overwrite_of_a_run_in_a_read_only_folder(tmp_path, setup):
+    """output.overwrite writes the new run beside the earlier one and renames it into place once finished:
+    refused before anything is loaded where that folder cannot be written, the earlier run untouched."""
+    out = tmp_path / "locked" / "run"
+    out.mkdir(parents=True)
+    (out / "recipe.yaml").write_text("{}")
+    (out / "metrics.jsonl").write_text("")
+    with read_only_folder(tmp_path / "locked") as locked:
+        if not locked:
+            pytest.skip("cannot make a folder read-only here")
+        recipe, _ = _recipe(tmp_path, setup, output={"dir": str(out), "overwrite": True})
+        result = run_cli("finetune", recipe)
+        assert_user_error(result, "output.dir", f"cannot replace the run in {out}", "not writable", "choose an output.dir in a folder you can write to")
+        assert sorted(os.listdir(tmp_path / "locked")) == ["run"]
+    assert sorted(os.listdir(out)) == ["metrics.jsonl", "recipe.yaml"]

@@ -196,11 +196,11 @@ def _new_sibling(out: Path, kind: str = "") -> Path:
     return out.parent / f"{partial_prefix(out)}{_host_tag()}-{os.getpid()}-{kind}{secrets.token_hex(4)}"
 
 
-def _make_dir(path: Path, path_for: Callable[[], Path]) -> Path:
+def _make_dir(path: Path, path_for: Callable[[], Path], mode: int = 0o700) -> Path:
     """Create PATH (or, if it exists, a fresh name from PATH_FOR)."""
     for _ in range(100):
         try:
-            os.mkdir(path, 0o700)
+            os.mkdir(path, mode)
             return path
         except FileExistsError:
             path = path_for()
@@ -220,14 +220,38 @@ def atomic_folder(out: Path, write: Callable[[Path], None], overwrite: bool = Fa
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as error:
         raise OutputError(f"cannot write {out} ({error.strerror or error}). Choose an output path you can write to.") from error
-    # The names are chosen before the folders exist, so an interrupt arriving just after a mkdir still
+    # The name is chosen before the folder exists, so an interrupt arriving just after the mkdir still
     # knows what to remove.
-    tmp, old = _new_sibling(out), None
+    tmp = _new_sibling(out)
     try:
         tmp = _make_dir(tmp, lambda: _new_sibling(out))  # its first try is the name chosen above
         write(tmp)
         _apply_umask(tmp)
         fsync_tree(tmp)
+        publish_folder(tmp, out)
+    except BaseException as error:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(error, OSError):
+            raise OutputError(
+                f"writing {out} failed ({error.strerror or error}: {error.filename or ''}); nothing was written "
+                "there. Check free disk space and permissions, then rerun."
+            ) from error
+        raise
+    return out
+
+
+def new_partial_folder(out: Path, mode: int = 0o700) -> Path:
+    """Create and return a fresh temporary folder beside OUT, named like atomic_folder's (hidden, never taken
+    for the output, removed by a later clean_stale_partials once its process is gone)."""
+    return _make_dir(_new_sibling(out), lambda: _new_sibling(out), mode)
+
+
+def publish_folder(tmp: Path, out: Path) -> None:
+    """Move the complete folder TMP (beside OUT) to OUT. An existing OUT is swapped for it in one atomic
+    rename where the filesystem can, then removed; elsewhere it is moved aside first and put back if an
+    interrupt arrives between the two renames (after a kill, clean_stale_partials puts it back)."""
+    old = None
+    try:
         if out.exists():
             if _exchange(tmp, out):
                 shutil.rmtree(tmp, ignore_errors=True)  # tmp now holds the previous output
@@ -239,17 +263,10 @@ def atomic_folder(out: Path, write: Callable[[Path], None], overwrite: bool = Fa
         else:
             os.replace(tmp, out)
         _fsync_dir(out.parent)
-    except BaseException as error:
-        shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
         if old is not None and old.exists() and not out.exists():
             os.replace(old, out)  # interrupted between the two renames: the previous output goes back
-        if isinstance(error, OSError):
-            raise OutputError(
-                f"writing {out} failed ({error.strerror or error}: {error.filename or ''}); nothing was written "
-                "there. Check free disk space and permissions, then rerun."
-            ) from error
         raise
-    return out
 
 
 def current_umask() -> int:

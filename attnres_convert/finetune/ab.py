@@ -166,6 +166,20 @@ def arm_report(arm: Arm, runs: list[RunSummary], baseline: list[RunSummary] | No
 # --- the live table -------------------------------------------------------------------------------
 
 
+def _live_folder(folder: Path) -> Path:
+    """Where the run of FOLDER is being written: an arm run again over an earlier run folder (the arms run
+    with output.overwrite) writes into a hidden folder beside it until it has finished."""
+    from ..conversion.saving import partial_prefix
+
+    staged = []
+    for path in folder.parent.glob(f"{partial_prefix(folder)}*"):
+        try:
+            staged.append((path.joinpath(METRICS).stat().st_mtime, path))
+        except OSError:  # not a run folder, or swapped in or removed meanwhile
+            pass
+    return max(staged)[1] if staged else folder
+
+
 def _progress_of(folder: Path) -> tuple[int | None, float | None, bool]:
     """(last step, last held-out loss, finished) of a run folder being written, without disturbing it."""
     path = folder / METRICS
@@ -191,18 +205,19 @@ def live_table(arms: list[Arm], seeds: list[int], workdir: Path, steps: int, tit
         table.add_column(column, justify="left" if column in ("arm", "state") else "right")
     base_loss: dict[int, dict[int, float]] = {}
     for seed in seeds:
-        path = workdir / folder_name(arms[0], seed) / METRICS
-        if path.is_file():
+        path = _live_folder(workdir / folder_name(arms[0], seed)) / METRICS
+        with contextlib.suppress(OSError):  # swapped in meanwhile: the next refresh reads it
             base_loss[seed] = {r["step"]: r["loss"] for r in read_metrics(path) if r.get("kind") == "eval"}
     for arm in arms:
         for seed in seeds:
-            folder = workdir / folder_name(arm, seed)
+            folder = _live_folder(workdir / folder_name(arm, seed))
             step, loss, done = _progress_of(folder)
             delta = ""
             if loss is not None and not arm.is_baseline:
-                evals = [r for r in read_metrics(folder / METRICS) if r.get("kind") == "eval"]
-                reference = base_loss.get(seed, {}).get(evals[-1]["step"])
-                delta = f"{loss - reference:+.4f}" if reference is not None else ""
+                with contextlib.suppress(OSError):  # a staged run swapped in meanwhile
+                    evals = [r for r in read_metrics(folder / METRICS) if r.get("kind") == "eval"]
+                    reference = base_loss.get(seed, {}).get(evals[-1]["step"])
+                    delta = f"{loss - reference:+.4f}" if reference is not None else ""
             state = "[green]done[/]" if done else ("running" if step is not None else "[dim]waiting[/]")
             table.add_row(arm.name, str(seed), f"{step}/{steps}" if step is not None else "", f"{loss:.4f}" if loss else "", delta, state)
     return table

@@ -3,6 +3,7 @@ written (data files, the model source and its positions, the hub settings, the r
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from ..conversion.saving import is_converted_folder, write_problem
@@ -89,5 +90,8 @@ def check_recipe(recipe: Recipe, resume: bool = False, check_output: bool = True
                 f"output.dir: {out} already holds a run; pass --resume to continue it, "
                 "output.overwrite=true to replace it, or choose another folder"
             )
+        elif not resume and (unwritable := write_problem(Path(os.path.realpath(out)).parent)) is not None:
+            # The new run is written beside the earlier one and renamed into its place once finished.
+            problems.append(f"output.dir: cannot replace the run in {out}: {unwritable}; choose an output.dir in a folder you can write to")
     if problems:
         raise RecipeError("\n".join(problems))

@@ -235,7 +235,7 @@ class OutputSection(_Section):
     """The run folder and where the result goes."""
 
     dir: str = Field(..., min_length=1, description="Run folder: recipe, metrics, checkpoints/, model/.")
-    overwrite: bool = Field(False, description="Replace an existing run folder (otherwise use --resume).")
+    overwrite: bool = Field(False, description="Replace an earlier run folder, kept until the new run has finished (otherwise use --resume).")
     save_model: bool = Field(True, description="Write the final model to OUT/model (the A/B benchmark turns it off).")
     max_shard_size: str = Field(
         DEFAULT_MAX_SHARD_SIZE, description="Largest weight file of OUT/model, e.g. 5GB (the hub refuses files over 50GB)."

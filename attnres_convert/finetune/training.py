@@ -12,6 +12,10 @@ Run folder (output.dir):
     final_metrics.json   at the end
     model/               the trained model (converted format; LoRA merged unless lora.merge=false)
 
+A run that replaces an earlier one (output.overwrite) is written into a hidden folder beside it and swapped
+in only once finished: until then, and for good if the run fails or is interrupted, the earlier run stays
+as it was.
+
 The loss of a step is the mean over every next-token prediction of the global batch (all micro-batches
 and processes), so N processes x grad_accum G give the same update as 1 process x grad_accum N*G.
 """
@@ -76,9 +80,10 @@ class NonFiniteLossError(TrainingError):
 
 
 class TrainingInterrupted(AttnResError):
-    """SIGINT/SIGTERM (or `stop_at_step`): a checkpoint was saved; `--resume` continues."""
+    """SIGINT/SIGTERM (or `stop_at_step`): a checkpoint was saved; `--resume` continues. A run that was to
+    replace an earlier one is discarded instead (checkpoint None): the earlier run is kept."""
 
-    def __init__(self, message: str, checkpoint: Path, signum: int = signal.SIGINT):
+    def __init__(self, message: str, checkpoint: Path | None, signum: int = signal.SIGINT):
         super().__init__(message)
         self.checkpoint, self.signum = checkpoint, int(signum)
 
@@ -222,11 +227,39 @@ class _Reporter:
             self.say(text)
 
 
-def prepare_output(recipe: Recipe, out: Path, resuming: bool) -> None:
-    if not resuming and recipe.output.overwrite and out.exists() and is_run_folder(out):
-        shutil.rmtree(out)  # check_recipe made sure it is an earlier run, not some other folder
-    out.mkdir(parents=True, exist_ok=True)
-    (out / RECIPE_FILE).write_text(recipe.to_yaml())
+def replaces_run(recipe: Recipe, out: Path, resuming: bool) -> bool:
+    """A new run over an earlier one (check_recipe made sure OUT is an earlier run, not some other folder)."""
+    return not resuming and recipe.output.overwrite and out.exists() and is_run_folder(out)
+
+
+def stage_run(out: Path) -> Path:
+    """The folder a run replacing OUT writes into: beside OUT (where it can be renamed into place), hidden,
+    named so that a later run removes it if this one is killed. Deleting OUT first would lose the earlier
+    run whenever the new one fails."""
+    from ..conversion.saving import clean_stale_partials, new_partial_folder
+
+    target = Path(os.path.realpath(out))  # a symbolic link keeps pointing at the run
+    clean_stale_partials(target)
+    try:
+        return new_partial_folder(target, mode=0o777)  # the umask applies, as to any run folder
+    except OSError as error:
+        raise RecipeError(
+            f"output.dir: cannot write the new run beside {out} ({error.strerror or error}); "
+            "choose an output.dir in a folder you can write to"
+        ) from error
+
+
+def publish_run(staging: Path, out: Path) -> None:
+    """Swap the finished run in STAGING for the earlier one at OUT, which is then removed."""
+    from ..conversion.saving import fsync_tree, publish_folder
+
+    fsync_tree(staging)  # metrics, final metrics, loss curve: never published as empty files
+    publish_folder(staging, Path(os.path.realpath(out)))
+
+
+def prepare_output(recipe: Recipe, folder: Path) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / RECIPE_FILE).write_text(recipe.to_yaml())
 
 
 @dataclass
@@ -251,11 +284,15 @@ class FinetuneRecipe:
     `setup` refuses what it can before anything is loaded or written, then builds the model, data,
     optimizer and run folder (resuming from the last checkpoint if asked); `train` repeats `train_step`,
     with `evaluate` and `checkpoint` on the recipe's schedule; `save` writes the result. Every process
-    runs every method; only the main process writes."""
+    runs every method; only the main process writes.
+
+    A run replacing an earlier one writes into `folder`, a staging folder beside `out`, which `save` swaps
+    in at the end; `run` removes it if anything fails (after `setup` alone: call `discard`)."""
 
     def __init__(self, recipe: Recipe, *, resume: bool = False, console=None, stop_at_step: int | None = None, token: str | None = None):
         self.recipe, self.resume, self.stop_at_step, self.token = recipe, resume, stop_at_step, token
         self.out = Path(recipe.output.dir).expanduser()
+        self.folder = self.out  # where the run is written: a staging folder while it replaces an earlier run
         self.accelerator = _accelerator(recipe)
         self.main = self.accelerator.is_main_process
         self.report = _Reporter(console, self.main)
@@ -264,10 +301,27 @@ class FinetuneRecipe:
     def run(self) -> FinetuneResult:
         """Raises RecipeError (bad recipe, nothing written), NonFiniteLossError (stopped, last good checkpoint
         kept, no model saved) or TrainingInterrupted (signal or `stop_at_step`: a checkpoint was saved,
-        `resume=True` continues exactly where it stopped)."""
-        self.setup()
-        self.train()
-        return self.save()
+        `resume=True` continues exactly where it stopped). A run replacing an earlier one keeps no checkpoint
+        on any failure: it is discarded and the earlier run stays as it was."""
+        try:
+            self.setup()
+            self.train()
+            return self.save()
+        except BaseException:
+            self.discard()
+            raise
+
+    @property
+    def staged(self) -> bool:
+        return self.folder != self.out
+
+    def discard(self) -> None:
+        """Remove an unfinished run that was to replace an earlier one: the earlier run stays as it was."""
+        if self.staged and self.main:
+            shutil.rmtree(self.folder, ignore_errors=True)
+
+    def _kept(self) -> str:
+        return f"the earlier run in {self.out} is unchanged (output.overwrite replaces it only with a finished run)"
 
     # --- setup ------------------------------------------------------------------------------------
 
@@ -355,10 +409,19 @@ class FinetuneRecipe:
     def _open_run_folder(self) -> None:
         """The run folder (main process only), and the checkpoint's state when resuming."""
         accelerator, out = self.accelerator, self.out
-        self.metrics = MetricsLog(out / METRICS, self.main)
+        staging = None
+        if self.main and replaces_run(self.recipe, out, resuming=self.checkpoint_path is not None):
+            staging = str(stage_run(out))
+            self.report.say(f"output.overwrite: the new run is written to {staging} and replaces {out} once finished")
+        if accelerator.num_processes > 1:  # every process saves its part of each checkpoint there
+            from accelerate.utils import broadcast_object_list
+
+            staging = broadcast_object_list([staging])[0]
+        self.folder = folder = Path(staging) if staging else out
+        self.metrics = MetricsLog(folder / METRICS, self.main)
         if self.main:
-            prepare_output(self.recipe, out, resuming=self.checkpoint_path is not None)
-            remove_partial_checkpoints(out)  # left by a run killed while saving; never resumed from
+            prepare_output(self.recipe, folder)
+            remove_partial_checkpoints(folder)  # left by a run killed while saving; never resumed from
             if self.checkpoint_path is None:
                 self.metrics.reset()
         accelerator.wait_for_everyone()
@@ -381,17 +444,27 @@ class FinetuneRecipe:
                 if recipe.eval.every and state.step % recipe.eval.every == 0 and state.step < recipe.train.steps:
                     self.evaluate()
                 if stats.stopping:
-                    path = self.checkpoint()
-                    why = self._stop.requested or "stop_at_step"
-                    raise TrainingInterrupted(
-                        f"stopped by {why} after step {state.step}; checkpoint saved to {path}. "
-                        "Run the same command with --resume to continue.",
-                        path,
-                        getattr(signal, self._stop.requested or "SIGINT"),
-                    )
+                    raise self._interrupted()
                 if recipe.checkpoint.every and state.step % recipe.checkpoint.every == 0 and state.step < recipe.train.steps:
                     self.checkpoint()
         self._set_gate()  # past depth_gate_steps: the whole mix, as saved
+
+    def _interrupted(self) -> TrainingInterrupted:
+        why, step = self._stop.requested or "stop_at_step", self.state.step
+        signum = getattr(signal, self._stop.requested or "SIGINT")
+        if self.staged:  # no checkpoint: the unfinished run is discarded, nothing could resume it
+            return TrainingInterrupted(
+                f"stopped by {why} after step {step}; {self._kept()}, and this unfinished run was removed. "
+                "Run the same command again to start it over.",
+                None,
+                signum,
+            )
+        path = self.checkpoint()
+        return TrainingInterrupted(
+            f"stopped by {why} after step {step}; checkpoint saved to {path}. Run the same command with --resume to continue.",
+            path,
+            signum,
+        )
 
     def train_step(self) -> StepStats:
         """One optimizer step over the global batch. The loss is the mean over every next-token prediction of
@@ -463,14 +536,20 @@ class FinetuneRecipe:
         if math.isfinite(loss) and not bad_norm:
             return
         self.optimizer.zero_grad(set_to_none=True)
-        last = latest_checkpoint(self.out)
         what = f"the loss is {loss}" if not math.isfinite(loss) else f"the gradient norm is {grad_norm} (AttnRes: {attnres_grad_norm})"
+        fix = (
+            "Lower train.lr / train.attnres_lr, set train.max_grad_norm, or use train.mixed_precision=bf16 "
+            "instead of fp16, and run again (output.overwrite=true or a new output.dir)"
+        )
+        if self.staged:  # its checkpoints go with it
+            raise NonFiniteLossError(
+                f"training stopped at step {self.state.step + 1}: {what} (non-finite). No model was saved; {self._kept()}. {fix}."
+            )
+        last = latest_checkpoint(self.folder)
         raise NonFiniteLossError(
             f"training stopped at step {self.state.step + 1}: {what} (non-finite). No model was saved; "
             + (f"the last good checkpoint is {last} (step {int(last.name.split('-')[1])}). " if last else "no checkpoint was written before it. ")
-            + "Lower train.lr / train.attnres_lr, set train.max_grad_norm, or use train.mixed_precision=bf16 "
-            "instead of fp16, and run again (output.overwrite=true or a new output.dir): resuming the same "
-            "recipe would meet the same step again."
+            + f"{fix}: resuming the same recipe would meet the same step again."
         )
 
     def _log(self, stats: StepStats) -> None:
@@ -517,7 +596,7 @@ class FinetuneRecipe:
         return loss
 
     def checkpoint(self) -> Path:
-        path = save_checkpoint(self.accelerator, self.out, self.state, self.recipe.checkpoint.keep_last)
+        path = save_checkpoint(self.accelerator, self.folder, self.state, self.recipe.checkpoint.keep_last)
         self.report.print(f"step {self.state.step}: checkpoint {path}")
         return path
 
@@ -526,10 +605,16 @@ class FinetuneRecipe:
     def save(self) -> FinetuneResult:
         """Final evaluation, metrics, loss curve, the model folder, and the push if the recipe asks."""
         final_loss = self.evaluate()
-        records = read_metrics(self.out / METRICS) if self.main else []
+        records = read_metrics(self.folder / METRICS) if self.main else []
         final = _final_metrics(records, self.state, self.counts, self.start, self.recipe, final_loss, self.world)
-        model_dir = _save_result(self.accelerator, self.model, self.start, self.recipe, self.out, final, records, self.corpus)
+        model_dir = _save_result(self.accelerator, self.model, self.start, self.recipe, self.folder, final, records, self.corpus)
         self.accelerator.wait_for_everyone()
+        if self.staged:  # finished and complete: it replaces the earlier run now
+            if self.main:
+                publish_run(self.folder, self.out)
+            self.accelerator.wait_for_everyone()
+            self.folder = self.out
+            model_dir = self.out / MODEL_DIR if model_dir is not None else None
         pushed = None
         if model_dir is not None and self.recipe.output.push_to_hub:
             from ..hub.push import push_folder
