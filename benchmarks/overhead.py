@@ -1,12 +1,15 @@
 """What AttnRes costs: converted vs original SmolLM2-135M, fp32, 2 threads, both models in one process, interleaved runs.
 
-    python benchmarks/overhead.py [--repeats 7] [--processes 3] [--compile] [--skip-train] [--skip-memory]
-                                  [--skip-convert] [--mapped] [--out benchmarks/results/overhead-smollm2-cpu.json]
+    python benchmarks/overhead.py [--repeats 7] [--processes 3] [--cpu-kernels] [--compile] [--skip-train]
+                                  [--skip-memory] [--skip-convert] [--mapped]
+                                  [--out benchmarks/results/overhead-smollm2-cpu.json]
 
 Both models are loaded as users load them: the original by `from_pretrained` of its folder, the converted
 one by `from_pretrained(..., trust_remote_code=True)` of the folder `attnres convert` wrote (in a child
 process, so this process runs the modeling code saved in that folder). The depth mix runs on the path
-ATTNRES_KERNEL selects for CPU tensors (eager unless set otherwise); the results record it.
+ATTNRES_KERNEL selects for CPU tensors (eager unless set otherwise); the results record it. --cpu-kernels
+adds the prefill and decode rows of the same converted models with ATTNRES_KERNEL=cpu (the C++ kernels
+shipped in the folder), interleaved in the same rounds: eager and compiled readers side by side.
 
 Reports ratios converted/original (the ratio of the medians of interleaved runs, and the median of
 the per-round ratios, which a slow phase of the machine moves less) for prefill (512 tokens), decode
@@ -103,7 +106,19 @@ def compared(metric: str, times: dict[str, list[float]], converted: str = "conve
             "paired_ratio": statistics.median(b / a for a, b in zip(original, other))}
 
 
-def speed(original, converted, full, repeats: int, compiled: bool, train: bool = True) -> list[dict]:
+def with_kernel(mode: str, fn):
+    """fn run with ATTNRES_KERNEL=mode (the model reads it at every forward)."""
+    def run():
+        before = os.environ.get("ATTNRES_KERNEL")
+        os.environ["ATTNRES_KERNEL"] = mode
+        try:
+            return fn()
+        finally:
+            os.environ.pop("ATTNRES_KERNEL") if before is None else os.environ.__setitem__("ATTNRES_KERNEL", before)
+    return run
+
+
+def speed(original, converted, full, repeats: int, compiled: bool, train: bool = True, cpu_kernels: bool = False) -> list[dict]:
     generator = torch.Generator().manual_seed(0)
     prompt = torch.randint(100, 40000, (1, 512), generator=generator)
     short = prompt[:, :32]
@@ -119,9 +134,16 @@ def speed(original, converted, full, repeats: int, compiled: bool, train: bool =
                 return model(prompt, use_cache=False)
         return run
 
-    t = interleaved({name: prefill(m) for name, m in models.items()}, repeats)
+    runs = {name: prefill(m) for name, m in models.items()}
+    kernels = cpu_kernels and not compiled
+    if kernels:
+        runs.update({f"{name} [cpu kernels]": with_kernel("cpu", prefill(models[name])) for name in ("converted", "full")})
+    t = interleaved(runs, repeats)
     rows.append(compared("prefill 512 tokens", t))
     rows.append(compared("prefill 512 tokens, Full AttnRes (S=1)", t, "full"))
+    if kernels:
+        rows.append(compared("prefill 512 tokens [cpu kernels]", t, "converted [cpu kernels]"))
+        rows.append(compared("prefill 512 tokens, Full AttnRes (S=1) [cpu kernels]", t, "full [cpu kernels]"))
 
     def decode(model):
         kwargs = dict(max_new_tokens=64, min_new_tokens=64, do_sample=False, pad_token_id=0)
@@ -129,8 +151,13 @@ def speed(original, converted, full, repeats: int, compiled: bool, train: bool =
         return lambda: base.generate(short, **kwargs)
 
     if not compiled:
-        t = interleaved({name: decode(models[name]) for name in ("original", "converted")}, repeats)
+        runs = {name: decode(models[name]) for name in ("original", "converted")}
+        if kernels:
+            runs["converted [cpu kernels]"] = with_kernel("cpu", decode(models["converted"]))
+        t = interleaved(runs, repeats)
         rows.append(compared("decode 64 tokens (KV cache)", t))
+        if kernels:
+            rows.append(compared("decode 64 tokens (KV cache) [cpu kernels]", t, "converted [cpu kernels]"))
 
     # Compiled: the plain training step only (compiling a backward takes minutes: measured 62 s for the
     # original, 177 s for the converted model on this machine), and no decode (generate recompiles).
@@ -167,7 +194,8 @@ def speed_in_processes(args, workdir: Path) -> tuple[list[dict], dict]:
         out = workdir / f"speed-{index}.json"
         cmd = [sys.executable, __file__, "--speed-only", "--out", str(out), "--workdir", str(workdir),
                "--repeats", str(args.repeats), "--threads", str(args.threads)]
-        cmd += [flag for flag, on in (("--mapped", args.mapped), ("--skip-train", args.skip_train), ("--compile", args.compile)) if on]
+        cmd += [flag for flag, on in (("--mapped", args.mapped), ("--skip-train", args.skip_train), ("--compile", args.compile),
+                                      ("--cpu-kernels", args.cpu_kernels)) if on]
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
         measured = json.loads(out.read_text())
         runs.append(measured["rows"])
@@ -279,6 +307,8 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, help="keep the model folders here (reused by later runs)")
     parser.add_argument("--mapped", action="store_true", help="time the weights as from_pretrained maps them (page-cache dependent)")
     parser.add_argument("--skip-train", action="store_true", help="no training-step rows (prefill and decode only)")
+    parser.add_argument("--cpu-kernels", action="store_true",
+                        help="also the prefill and decode rows with ATTNRES_KERNEL=cpu (compiles the C++ kernels once)")
     parser.add_argument("--processes", type=int, default=3, help="measure the speed rows in this many fresh processes")
     parser.add_argument("--speed-only", action="store_true", help=argparse.SUPPRESS)  # one of those processes
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "overhead-smollm2-cpu.json")
@@ -295,7 +325,8 @@ def main() -> None:
         "loaded": "original: from_pretrained(folder); converted: from_pretrained(attnres convert folder, trust_remote_code=True)",
         "weights": "mapped by from_pretrained" if args.mapped else "copied into process memory after from_pretrained (see resident)",
         "processes": 1 if args.speed_only else args.processes,
-        "attnres_kernel": os.environ.get("ATTNRES_KERNEL", "auto") + " (CPU tensors: eager unless triton)",
+        "attnres_kernel": os.environ.get("ATTNRES_KERNEL", "auto") + " (CPU tensors: eager unless triton or cpu;"
+                          " rows marked [cpu kernels]: cpu)",
         "load_average_start": os.getloadavg(),
     }
 
@@ -311,7 +342,8 @@ def main() -> None:
         converted = load(AutoModelForCausalLM.from_pretrained(converted_path, **remote).eval())
         full = load(AutoModelForCausalLM.from_pretrained(full_path, **remote).eval())
         meta["converted_class"] = f"{type(converted).__module__}.{type(converted).__name__}"
-        rows = speed(original, converted, full, args.repeats, compiled=False, train=not args.skip_train)
+        rows = speed(original, converted, full, args.repeats, compiled=False, train=not args.skip_train,
+                     cpu_kernels=args.cpu_kernels)
         record(rows)
         if args.compile:
             compiled = speed(original, converted, full, args.repeats, True, train=not args.skip_train)

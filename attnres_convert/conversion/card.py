@@ -98,7 +98,8 @@ def _load_section() -> list[str]:
         "",
         "`trust_remote_code=True` runs the modeling code shipped in this repo (the `.py` files next to the "
         "weights: `modeling_attnres.py` and its relative imports; Triton kernels are used only where Triton is "
-        "installed); it needs only torch and transformers. The tokenizer is a stock one, but `AutoTokenizer` "
+        "installed, and C++ kernels for CPU are compiled only where `ATTNRES_KERNEL=cpu` asks for them); it needs "
+        "only torch and transformers. The tokenizer is a stock one, but `AutoTokenizer` "
         "reads the config first and, without `trust_remote_code=True`, asks whether to run the custom code. "
         "The model type is `attnres`, so tools that do not know it refuse the repo "
         "instead of silently dropping the depth-attention weights.",
@@ -123,7 +124,7 @@ def _query_lines(summary) -> list[str]:
         f"- queries: input-dependent, `query_rank` {rank}: a reader's query is `w + B A x / rms(x)` per token, with x "
         f"its input in the original model (the residual stream), A [{rank}, d] (`*_res_proj.down`, random) and B "
         f"[d, {rank}] (`*_res_proj.up`, zero at conversion, so the conversion stays exact). These models run "
-        "the plain PyTorch depth mix: `ATTNRES_KERNEL=triton` is refused.",
+        "the plain PyTorch depth mix: `ATTNRES_KERNEL=triton` and `cpu` are refused.",
     ]
 
 
