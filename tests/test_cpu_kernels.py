@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import copy
 import shutil
+import sysconfig
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +21,8 @@ from tiny_models import tiny_model, token_ids
 
 if shutil.which("c++") is None and shutil.which("g++") is None:
     pytest.skip("no C++ compiler (c++ or g++) to build the CPU kernels with", allow_module_level=True)
+if not (Path(sysconfig.get_paths()["include"]) / "Python.h").is_file():
+    pytest.skip("no Python headers (Python.h, python3-dev) to build the CPU kernels against", allow_module_level=True)
 
 LAYERS = 3  # six sublayers: S = 4 leaves a partial block, S = 1 is Full AttnRes
 FEW, MANY = 5, 40  # x 2 sequences: 10 tokens take the step path, 80 the source-major one (> SMALL_STEP_TOKENS)
@@ -119,8 +123,6 @@ def test_recorded_weights_and_training_take_the_eager_path(monkeypatch):
 
 
 def test_converted_folder_ships_the_cpu_kernels(tmp_path):
-    from pathlib import Path
-
     from transformers import AutoModelForCausalLM
 
     model = _model(4)
