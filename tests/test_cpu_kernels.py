@@ -157,3 +157,15 @@ def test_selection_errors(monkeypatch):
     monkeypatch.setattr("torch.utils.cpp_extension.load_inline", broken)
     with torch.no_grad(), pytest.raises(RuntimeError, match=r"building the C\+\+ .*command not found.*unset ATTNRES_KERNEL"):
         _model(4)(ids)
+
+
+def test_decoding_under_cpu_autocast_is_the_original_at_zero_queries():
+    """Under bfloat16 autocast a float32 model's sublayers return bfloat16 outputs; the kernels' residual adds
+    take them as the original's own adds do: at zero queries, its tokens and logits bit for bit."""
+    ids = token_ids(2, 6)
+    kwargs = dict(max_new_tokens=4, do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    original, zero = tiny_model("llama", num_hidden_layers=LAYERS), _model(4, random_queries=False)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got, want = zero.generate(ids, **kwargs), original.generate(ids, **kwargs)
+    assert torch.equal(got.sequences, want.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(got.logits, want.logits))

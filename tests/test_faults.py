@@ -210,10 +210,11 @@ def test_without_atomic_exchange_the_swap_still_completes(tmp_path, models, monk
 
 
 def _run_and_signal(out: Path, source: Path, sig: int) -> tuple[subprocess.CompletedProcess, bool]:
-    """`attnres convert SOURCE -o OUT --overwrite --no-verify`, sent SIG as soon as its temporary folder appears."""
+    """`attnres convert SOURCE -o OUT --overwrite --no-verify --no-stream` (the in-memory path, as the reference
+    outputs were written), sent SIG as soon as its temporary folder appears."""
     process = subprocess.Popen(
         [sys.executable, "-c", "import sys; from attnres_convert.cli import main; sys.exit(main())", "convert", str(source), "-o",
-         str(out), "--overwrite", "--no-verify", "--block-size", "3"],
+         str(out), "--overwrite", "--no-verify", "--block-size", "3", "--no-stream"],
         cwd=ROOT, env={**os.environ, **ONE_THREAD_ENV}, stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL,
     )

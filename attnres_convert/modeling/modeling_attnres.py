@@ -193,6 +193,8 @@ def _decoding_step(layer: nn.Module, spec: _LayerSpec, state: SourceBuffer, call
         if native is not None:
             h = native.step_mix(step.padded[n], n, q, state.stream, spec.scaling == "count", added, slot)
             added, slot = run_sublayer(layer, sublayer, h, call_kwargs), count
+            if added.dtype != torch.float32:  # under autocast; the eager add upcasts it just the same
+                added = added.float()
         else:
             h = step_mix(step, n, q, state.stream, spec.scaling)
             step.pairs[count].add_(run_sublayer(layer, sublayer, h, call_kwargs))  # the partial sum and the stream
