@@ -221,7 +221,9 @@ def _build():
     from torch.utils.cpp_extension import load_inline
 
     flags = _flags()
-    digest = hashlib.sha1("\0".join([SOURCE, torch.__version__, *flags]).encode()).hexdigest()[:12]
+    # The torch install is in the name too: a build is made against its headers, and two environments sharing one
+    # cache would otherwise rebuild it in turn.
+    digest = hashlib.sha1("\0".join([SOURCE, torch.__version__, torch.__file__, *flags]).encode()).hexdigest()[:12]
     logger.info("AttnRes: loading the C++ depth-mix kernels (compiled on their first use on a machine)")
     start = time.perf_counter()
     try:
