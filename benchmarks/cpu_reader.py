@@ -5,7 +5,8 @@
 SmolLM2-135M's shapes (d = 576, 61 readers' score table), float32, 2 threads, random sources:
 
 * prefill: a reader of 512 tokens with 4 completed sources and its partial sum, on the source-major
-  buffer with the score table (eager `_mix_buffer` against `buffer_mix`);
+  buffer with the score table (eager `_mix_buffer` against `buffer_mix`); and the last sublayer's
+  reader of Full AttnRes (S = 1): 60 completed sources and the partial sum;
 * decoding: a reader of one token with 5 sources on the token-major step buffer (eager `step_mix`
   against the kernel's `step_mix`).
 
@@ -51,7 +52,7 @@ def timed(fns: dict, repeats: int) -> dict[str, float]:
 
 def prefill_reader(kernels, repeats: int, tokens: int = 512, completed: int = 4) -> dict:
     generator = torch.Generator().manual_seed(0)
-    capacity = 9
+    capacity = completed + 5
     sources = torch.randn(capacity, 1, tokens, D, generator=generator)
     queries = 0.05 * torch.randn(READERS, D, generator=generator)
     inv_rms, scores = torch.empty(capacity, 1, tokens), torch.empty(capacity, 1, tokens, READERS)
@@ -92,7 +93,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     kernels = depth_kernels_cpu.build()
-    rows = [prefill_reader(kernels, args.repeats), decoding_reader(kernels, args.repeats)]
+    rows = [prefill_reader(kernels, args.repeats), prefill_reader(kernels, max(10, args.repeats // 10), completed=60),
+            decoding_reader(kernels, args.repeats)]
     for row in rows:
         print(f"{row['metric']}: eager {row['eager'] * 1e6:.1f} us, C++ {row['cpu'] * 1e6:.1f} us, ratio {row['ratio']:.2f}")
     meta = {"torch": torch.__version__, "threads": args.threads, "repeats": args.repeats,

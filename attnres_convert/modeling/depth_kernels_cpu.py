@@ -38,7 +38,6 @@ SOURCE = r"""
 namespace {
 
 constexpr int64_t kMaxSources = 1024;  // Full AttnRes on 500 layers
-constexpr int64_t kChunk = 32;  // the mix accumulates a chunk of D in registers over all sources
 
 // Coefficients in place of the scores l[0..n): n alpha_i - 1 (count scaling) or alpha_i.
 inline void coefficients(float* l, int64_t n, bool count) {
@@ -51,24 +50,22 @@ inline void coefficients(float* l, int64_t n, bool count) {
   for (int64_t i = 0; i < n; ++i) l[i] = count ? (l[i] * fn - total) / total : l[i] / total;
 }
 
-// out = H + sum_i c_i k_i (count scaling) or sum_i c_i k_i, each source read once.
+// out = H + sum_i c_i k_i (count scaling) or sum_i c_i k_i, one source after the other: each is read once, in
+// order, while the output row stays in L1 (measured on 512 tokens: as fast as accumulating chunks of D in
+// registers over all sources at 5 sources, 1.5x faster at the 61 of Full AttnRes, where that reads 61 rows at once).
 inline void weighted_sum(float* __restrict out, const float* __restrict h, const float* const* keys, const float* c,
                          int64_t n, int64_t d, bool count) {
-  int64_t j0 = 0;
-  for (; j0 + kChunk <= d; j0 += kChunk) {
-    float acc[kChunk];
-    for (int64_t j = 0; j < kChunk; ++j) acc[j] = count ? h[j0 + j] : 0.f;
-    for (int64_t i = 0; i < n; ++i) {
-      const float* __restrict k = keys[i] + j0;
-      const float ci = c[i];
-      for (int64_t j = 0; j < kChunk; ++j) acc[j] += ci * k[j];
-    }
-    for (int64_t j = 0; j < kChunk; ++j) out[j0 + j] = acc[j];
+  const float* __restrict k = keys[0];
+  const float c0 = c[0];
+  if (count) {
+    for (int64_t j = 0; j < d; ++j) out[j] = h[j] + c0 * k[j];
+  } else {
+    for (int64_t j = 0; j < d; ++j) out[j] = c0 * k[j];
   }
-  for (int64_t j = j0; j < d; ++j) {
-    float acc = count ? h[j] : 0.f;
-    for (int64_t i = 0; i < n; ++i) acc += c[i] * keys[i][j];
-    out[j] = acc;
+  for (int64_t i = 1; i < n; ++i) {
+    const float* __restrict ki = keys[i];
+    const float ci = c[i];
+    for (int64_t j = 0; j < d; ++j) out[j] += ci * ki[j];
   }
 }
 
