@@ -114,7 +114,10 @@ def with_kernel(mode: str, fn):
         try:
             return fn()
         finally:
-            os.environ.pop("ATTNRES_KERNEL") if before is None else os.environ.__setitem__("ATTNRES_KERNEL", before)
+            if before is None:
+                os.environ.pop("ATTNRES_KERNEL")
+            else:
+                os.environ["ATTNRES_KERNEL"] = before
     return run
 
 
