@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.utils.cpp_extension
 
 from attnres_convert import convert_model, save_converted
 from attnres_convert.modeling import depth_attention, depth_kernels_cpu
@@ -21,6 +22,8 @@ from tiny_models import tiny_model, token_ids
 
 if shutil.which("c++") is None and shutil.which("g++") is None:
     pytest.skip("no C++ compiler (c++ or g++) to build the CPU kernels with", allow_module_level=True)
+if not torch.utils.cpp_extension.is_ninja_available():
+    pytest.skip("no ninja on the PATH, which torch's C++ extension builds need", allow_module_level=True)
 if not (Path(sysconfig.get_paths()["include"]) / "Python.h").is_file():
     pytest.skip("no Python headers (Python.h, python3-dev) to build the CPU kernels against", allow_module_level=True)
 

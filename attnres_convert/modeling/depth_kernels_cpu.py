@@ -15,8 +15,8 @@ all scores are equal: at zero queries h is the stream H bit for bit, as on the e
 for a float32 model are what these read.
 
 The source is compiled by torch.utils.cpp_extension on the first call in a process that selected it, once
-per machine (cached under TORCH_EXTENSIONS_DIR, about 25 s on 2 cores); it needs a C++ compiler and the
-Python headers. This file ships next to converted weights: it imports torch and the standard library only.
+per machine (cached under TORCH_EXTENSIONS_DIR, about 25 s on 2 cores); it needs a C++ compiler, ninja and
+the Python headers. This file ships next to converted weights: it imports torch and the standard library only.
 """
 
 from __future__ import annotations
@@ -230,8 +230,8 @@ def _build():
     except Exception as error:  # noqa: BLE001 - compiler missing, headers missing, ...: all mean the same to a user
         return RuntimeError(
             f"ATTNRES_KERNEL=cpu: building the C++ depth-mix kernels failed ({type(error).__name__}: "
-            f"{str(error).strip()[-500:]}). They need a C++ compiler (g++ or clang++) and the Python headers "
-            f"(python3-dev); install them, or unset ATTNRES_KERNEL to run the eager path."
+            f"{str(error).strip()[-500:]}). They need a C++ compiler (g++ or clang++), ninja on the PATH and the "
+            f"Python headers (python3-dev); install them, or unset ATTNRES_KERNEL to run the eager path."
         )
     seconds = time.perf_counter() - start
     if seconds > 5:
