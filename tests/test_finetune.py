@@ -253,19 +253,25 @@ def test_non_finite_loss_stops_and_saves_no_model(setup, tmp_path):
     assert all(torch.isfinite(t).all() for t in good.values())
 
 
+def _finetune_in_two_processes(recipe: Path, cwd: Path) -> subprocess.CompletedProcess:
+    """`attnres finetune RECIPE` under `accelerate launch` with 2 CPU processes (gloo DDP); it must succeed."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    launched = subprocess.run(
+        [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+         "--mixed_precision", "no", "--dynamo_backend", "no", str(ROOT / "cli.py"), "finetune", str(recipe)],
+        capture_output=True, text=True, env=env, timeout=300, cwd=cwd,
+    )
+    assert launched.returncode == 0, launched.stdout[-3000:] + launched.stderr[-3000:]
+    return launched
+
+
 def test_two_processes_match_one_with_the_same_global_batch(setup, tmp_path):
     """`accelerate launch` with 2 CPU processes (gloo DDP): same losses as 1 process with twice the gradient
     accumulation, and only the main process writes the run folder."""
     sections = dict(train={"trainable": "lora", "steps": 4, "grad_accum": 1, "micro_batch": 2}, lora={"r": 4},
                     eval={"every": 2, "max_sequences": 5}, checkpoint={"every": 2})
     recipe = write_recipe(tmp_path / "recipe.yaml", tiny_recipe(setup["model"], setup["corpus"], tmp_path / "two", **sections))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    launched = subprocess.run(
-        [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-         "--mixed_precision", "no", "--dynamo_backend", "no", str(ROOT / "cli.py"), "finetune", str(recipe)],
-        capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path,
-    )
-    assert launched.returncode == 0, launched.stdout[-3000:] + launched.stderr[-3000:]
+    launched = _finetune_in_two_processes(recipe, tmp_path)
     assert "Fine-tuned 4 steps, 512 tokens (2 process(es))" in " ".join(launched.stdout.split())
     assert launched.stdout.count("held-out loss") == 1  # one summary table, from the main process
 
@@ -289,13 +295,7 @@ def test_two_processes_replace_an_earlier_run(setup, tmp_path):
     sections = dict(train={"trainable": "lora", "steps": 3, "grad_accum": 1, "micro_batch": 2}, lora={"r": 4},
                     eval={"every": 0, "max_sequences": 4}, checkpoint={"every": 2}, output={"overwrite": True})
     recipe = write_recipe(tmp_path / "recipe.yaml", tiny_recipe(setup["model"], setup["corpus"], out, **sections))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    launched = subprocess.run(
-        [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-         "--mixed_precision", "no", "--dynamo_backend", "no", str(ROOT / "cli.py"), "finetune", str(recipe)],
-        capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path,
-    )
-    assert launched.returncode == 0, launched.stdout[-3000:] + launched.stderr[-3000:]
+    launched = _finetune_in_two_processes(recipe, tmp_path)
     assert not (out / "marker.txt").exists() and json.loads((out / "final_metrics.json").read_text())["processes"] == 2
     checkpoint = out / "checkpoints" / "step-0000002"
     assert sorted(p.name for p in checkpoint.glob("random_states_*")) == ["random_states_0.pkl", "random_states_1.pkl"]

@@ -24,6 +24,9 @@ from typing import NamedTuple
 import torch
 from torch.autograd.function import once_differentiable
 
+# Imports torch only; compiles nothing until `build` is called (ATTNRES_KERNEL=cpu).
+from .depth_kernels_cpu import NONE, buffer_mix, build
+
 class BlockState(NamedTuple):
     """What the residual stream carries between sublayers, instead of one tensor: the plain-tensor form,
     traced under torch.compile (eager forwards use SourceBuffer without autograd, TrainState with it).
@@ -314,8 +317,6 @@ def cpu_kernels_for(like: torch.Tensor):
             f"{KERNEL_ENV}=cpu runs float32 models on CPU; this forward is {like.dtype} on {like.device.type}. "
             f"Load the model with dtype=torch.float32 on CPU, or unset {KERNEL_ENV} (auto: Triton on CUDA)."
         )
-    from .depth_kernels_cpu import build
-
     return build()
 
 
@@ -451,22 +452,22 @@ def _step_buffer(embeddings: torch.Tensor, rows: int, eps: float, queries, share
     forwards never share one; a forward hands out no view of it (`current_stream` copies), so reusing it
     in the next is safe. The partial-sum slots are zeroed again (outputs are added to them)."""
     d = embeddings.shape[-1]
+    keep = reuse is not None and not torch.compiler.is_compiling()  # a traced forward allocates its own
+    if keep:
+        # Under inference_mode the buffer is an inference tensor, which a later forward outside it may not write.
+        inference = torch.is_inference_mode_enabled()
+        key, thread = (tuple(embeddings.shape), embeddings.device, rows, shared, eps, inference), threading.get_ident()
+        kept = reuse.get(thread)
+        if kept is not None and kept[0] == key and kept[1] is queries:
+            padded, step = kept[2], kept[3]
+            if shared:
+                padded[..., :d].zero_()
+            return padded, step
     new = embeddings.new_zeros if shared else embeddings.new_empty
-    if reuse is None or torch.compiler.is_compiling():  # a traced forward allocates its own
-        padded = new(*embeddings.shape[:-1], rows, d + 1, dtype=torch.float32)
-        return padded, StepViews.of(padded, eps, queries, shared)
-    # Under inference_mode the buffer is an inference tensor, which a later forward outside it may not write.
-    inference = torch.is_inference_mode_enabled()
-    key, thread = (tuple(embeddings.shape), embeddings.device, rows, shared, eps, inference), threading.get_ident()
-    kept = reuse.get(thread)
-    if kept is not None and kept[0] == key and kept[1] is queries:
-        padded, step = kept[2], kept[3]
-        if shared:
-            padded[..., :d].zero_()
-        return padded, step
     padded = new(*embeddings.shape[:-1], rows, d + 1, dtype=torch.float32)
     step = StepViews.of(padded, eps, queries, shared)
-    reuse[thread] = (key, queries, padded, step)
+    if keep:
+        reuse[thread] = (key, queries, padded, step)
     return padded, step
 
 
@@ -847,8 +848,6 @@ def _mix_buffer(state: SourceBuffer, q: torch.Tensor, eps: float, scaling: str, 
         return step_mix(step, n, q, state.stream, scaling, state.native)
     m, d = state.count, state.sources.shape[-1]
     if state.native is not None and not _RECORDERS:
-        from .depth_kernels_cpu import buffer_mix
-
         table = state.scores[..., reader] if state.scores is not None and reader is not None else None
         return buffer_mix(
             state.native, state.sources, m, state.has_partial, q, state.stream, eps, scaling == "count",
@@ -878,8 +877,6 @@ def step_mix(step: StepViews, n: int, q: torch.Tensor, stream: torch.Tensor, sca
     directly (see AttnResDecoderLayerMixin), since such a step pays for every Python call as well as every
     operation."""
     if native is not None and not _RECORDERS:  # a recorder needs the weights, which the kernel keeps to itself
-        from .depth_kernels_cpu import NONE
-
         return native.step_mix(step.padded[n], n, q, stream, scaling == "count", NONE, 0)
     weights = torch.softmax(_few_token_logits(step, n, q), dim=-1)
     if _RECORDERS:
