@@ -172,3 +172,26 @@ def test_decoding_under_cpu_autocast_is_the_original_at_zero_queries():
         got, want = zero.generate(ids, **kwargs), original.generate(ids, **kwargs)
     assert torch.equal(got.sequences, want.sequences)
     assert all(torch.equal(a, b) for a, b in zip(got.logits, want.logits))
+
+
+@pytest.mark.parametrize("tokens", [FEW, MANY], ids=["step", "prefill"])
+def test_hidden_states_and_depth_gate_see_every_residual_add(tokens, monkeypatch):
+    """The kernels make an output's residual adds inside the next reader's call (a layer's last one in the next
+    layer's). Whatever reads the stream in between gets them made first: `output_hidden_states` (the original's
+    hidden states bit for bit at zero queries, eager's with random queries) and a depth gate below 1."""
+    from attnres_convert.modeling.modeling_attnres import set_depth_gate
+
+    ids = token_ids(2, tokens)
+    original, zero, model = tiny_model("llama", num_hidden_layers=LAYERS), _model(3, random_queries=False), _model(3)
+    with torch.no_grad():
+        got, want = zero(ids, output_hidden_states=True), original(ids, output_hidden_states=True)
+        assert len(got.hidden_states) == len(want.hidden_states) == LAYERS + 1
+        assert all(torch.equal(a, b) for a, b in zip(got.hidden_states, want.hidden_states))
+        got = model(ids, output_hidden_states=True).hidden_states
+        eager = _eager(monkeypatch, lambda: model(ids, output_hidden_states=True).hidden_states)
+        assert max((a - b).abs().max().item() for a, b in zip(got, eager)) <= 1e-4
+        set_depth_gate(model, 0.5)
+        got, state = _final_state(model, lambda: model(ids).logits)
+        assert state.native is not None
+        eager = _eager(monkeypatch, lambda: model(ids).logits)
+        assert (got - eager).abs().max().item() <= 1e-4

@@ -94,3 +94,22 @@ def test_concurrent_threads_never_share_a_buffer():
     for thread in threads:
         thread.join()
     assert not failures, failures
+
+
+def test_a_replaced_query_module_or_parameter_object_is_read():
+    """What a module swap does (PEFT or a user putting new modules or parameters in place): the kept queries
+    are checked against the modules and parameters the model holds now, the output aggregation's too."""
+    from attnres_convert.modeling.modeling_attnres import AttnResQuery
+
+    model, ids = _converted(), token_ids(batch=1, length=5)
+    layer, base = model.model.layers[1], model.model
+    with torch.no_grad():
+        before = model(ids).logits
+        swapped = AttnResQuery(layer.mlp_res_proj.weight.shape[-1], reader=layer.mlp_res_proj.reader)
+        swapped.weight.copy_(-3.0 * layer.mlp_res_proj.weight)
+        layer.mlp_res_proj = swapped
+        after_module = model(ids).logits
+        base.output_attn_res_proj.weight = torch.nn.Parameter(torch.flip(base.output_attn_res_proj.weight, dims=[-1]))
+        after_parameter = model(ids).logits
+    assert (after_module - before).abs().max() > 1e-3 and (after_parameter - after_module).abs().max() > 1e-3
+    torch.testing.assert_close(after_parameter, _fresh_logits(model, ids), rtol=0, atol=0)

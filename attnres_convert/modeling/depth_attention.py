@@ -82,11 +82,12 @@ class SourceBuffer(NamedTuple):
     step:        for a forward of few tokens (a decoding step), the constants and views its readers
                  use, made once per forward (see StepViews); None otherwise.
     native:      the compiled C++ kernels for CPU (see `cpu_kernels_for`), or None: readers then run
-                 `step_mix` / `buffer_mix` of depth_kernels_cpu.py instead of their eager operations.
+                 `step_mix` / `buffer_mix` of depth_kernels_cpu.py instead of their eager operations, and an
+                 output joins the partial sum and the stream inside the next reader's call (see `update`).
     kernels:     the Triton kernels (see `kernels_for`), or None for the eager path. With kernels the
                  buffer is source-major for any number of tokens, [K, BT, D] (inv_rms [K, BT], scores
                  [K, BT, R]), and an output is applied by the next kernel (see `_Update`).
-    update:      with kernels, the last output, until a kernel (or `current_stream`) applies it.
+    update:      with kernels (Triton or C++), the last output, until a kernel (or `current_stream`) applies it.
     shared_stream: the stream is the buffer's last slot (a float32 model: the buffer's dtype is the
                  stream's), so an output joins the partial sum and the stream in one in-place add over a
                  view of both slots (the partial slots start at zero). One operation less per sublayer, which
@@ -269,9 +270,10 @@ def kernel_mode() -> str:
     return mode
 
 
-def kernels_for(like: torch.Tensor) -> Kernels | None:
-    """The Triton kernels if selected for tensors like `like`, else None (the eager path)."""
-    mode = kernel_mode()
+def kernels_for(like: torch.Tensor, mode: str | None = None) -> Kernels | None:
+    """The Triton kernels if selected (by `mode`, ATTNRES_KERNEL by default) for tensors like `like`, else None
+    (the eager path)."""
+    mode = mode or kernel_mode()
     if mode in ("eager", "cpu"):
         return None
     forced = mode == "triton"
@@ -301,11 +303,11 @@ def kernels_for(like: torch.Tensor) -> Kernels | None:
     return kernels
 
 
-def cpu_kernels_for(like: torch.Tensor):
-    """The compiled C++ kernels where ATTNRES_KERNEL=cpu selects them, for a forward without autograd of
-    tensors like `like` (CPU, float32); None where it does not. Raises where it selects them and they cannot
-    run: never a silent fallback."""
-    if kernel_mode() != "cpu":
+def cpu_kernels_for(like: torch.Tensor, mode: str | None = None):
+    """The compiled C++ kernels where ATTNRES_KERNEL=cpu (or `mode`) selects them, for a forward without
+    autograd of tensors like `like` (CPU, float32); None where it does not. Raises where it selects them and they
+    cannot run: never a silent fallback."""
+    if (mode or kernel_mode()) != "cpu":
         return None
     if torch.compiler.is_compiling():
         raise RuntimeError(
@@ -324,12 +326,16 @@ class _Update:
     """With kernels, an output joins the partial sum and the stream inside the next kernel (the next
     reader's mix, or the block's close), not in operations of its own. This holds it until then:
     exactly one of them applies it (`take`); `apply` does it eagerly for anyone who reads the stream
-    before (the output_hidden_states hooks)."""
+    before (the output_hidden_states hooks).
 
-    __slots__ = ("new", "init", "previous", "stream", "slot", "done")
+    Triton writes the new stream out of place (`previous` + new into `stream`); the C++ kernels add in place
+    (`previous` None: `stream` is the buffer's stream row, `index` the partial sum's slot)."""
 
-    def __init__(self, new, init: bool, previous, stream, slot):
+    __slots__ = ("new", "init", "previous", "stream", "slot", "index", "done")
+
+    def __init__(self, new, init: bool, previous, stream, slot, index: int = 0):
         self.new, self.init, self.previous, self.stream, self.slot = new, init, previous, stream, slot
+        self.index = index
         self.done = False
 
     def take(self) -> _Update | None:
@@ -342,7 +348,10 @@ class _Update:
         if self.take() is not None:
             new = self.new.reshape(self.slot.shape)
             self.slot.copy_(new) if self.init else self.slot.add_(new)
-            torch.add(self.previous, self.new, out=self.stream)
+            if self.previous is None:
+                self.stream.add_(new)
+            else:
+                torch.add(self.previous, self.new, out=self.stream)
 
 
 def current_stream(state) -> torch.Tensor:
@@ -393,8 +402,8 @@ def start_state(
 
     reuse: a dict owned by the model, where a few-token forward keeps its buffer and views for the next one of the
     same shape and queries (a decoding loop), per thread; see `_step_buffer`."""
+    mode = kernel_mode()  # read once: a decoding step pays for every lookup
     if token_queries:
-        mode = kernel_mode()
         if mode in ("triton", "cpu"):
             raise RuntimeError(
                 f"{KERNEL_ENV}={mode}: the depth-mix kernels score one static query per reader, and this "
@@ -402,14 +411,15 @@ def start_state(
                 f"Unset {KERNEL_ENV} (auto) or set it to eager."
             )
         capacity = None
-    kernels = kernels_for(embeddings) if capacity is not None else None
+    kernels = kernels_for(embeddings, mode) if capacity is not None else None
     if capacity is not None and not torch.is_grad_enabled():
         if kernels is not None:
             return _kernel_buffer(embeddings, eps, capacity, queries, kernels)
-        native = cpu_kernels_for(embeddings)
+        native = None if _RECORDERS else cpu_kernels_for(embeddings, mode)  # a recorder needs the eager path's weights
         shared = embeddings.dtype == torch.float32
         rows, stream = capacity + int(shared), embeddings
-        new = embeddings.new_zeros if shared else embeddings.new_empty  # zeros: partial sums start by adding
+        # Zeros where partial sums start by adding (an eager shared stream); the C++ kernels write a block's first output.
+        new = embeddings.new_zeros if shared and native is None else embeddings.new_empty
         if _few_tokens(embeddings):
             d = embeddings.shape[-1]
             padded, step = _step_buffer(embeddings, rows, eps, queries, shared, reuse)
@@ -499,6 +509,8 @@ def close_block(state, eps: float):
         if not state.has_partial:
             return state
         if state.step is None:
+            if state.update is not None:  # the C++ kernels' pending output (a decoding step's later reader adds it)
+                state.update.apply()
             state.inv_rms[state.count] = inverse_rms(state.sources[state.count], eps)
             if state.scores is not None:
                 _score_source(state, state.count)
@@ -522,6 +534,8 @@ def add_output(state, output: torch.Tensor):
         stream = torch.empty(state.stream.shape, dtype=dtype, device=state.stream.device)
         update = _Update(output, not state.has_partial, state.stream, stream, state.sources[state.count])
         return state._replace(has_partial=True, stream=stream, update=update)
+    if isinstance(state, SourceBuffer) and state.native is not None:
+        return state._replace(has_partial=True, update=native_update(state, output))
     if isinstance(state, SourceBuffer) and state.shared_stream:
         count = state.count
         if state.step is not None:
@@ -539,6 +553,18 @@ def add_output(state, output: torch.Tensor):
         return state._replace(has_partial=True, stream=state.stream + output)
     partial = output if state.partial is None else state.partial + output
     return state._replace(partial=partial, stream=state.stream + output)
+
+
+def native_update(state: SourceBuffer, output: torch.Tensor, slot: int | None = None) -> _Update:
+    """An output for the C++ kernels to add to the partial sum in `slot` (the current one by default) and the
+    stream inside the next reader's call. Its output is float32 (under autocast the eager add upcasts it the same)."""
+    if state.update is not None:
+        state.update.apply()  # not taken by a reader (nothing read the mix in between): applied here
+    slot = state.count if slot is None else slot
+    view = state.sources[slot] if state.step is None else state.step.slots[slot]
+    init = state.step is None and not state.has_partial  # a decoding step's buffer starts at zero
+    new = output if output.dtype == torch.float32 else output.float()
+    return _Update(new, init, None, state.stream, view, slot)
 
 
 def pseudo_query(query: torch.Tensor, key_norm_weight: torch.Tensor) -> torch.Tensor:
@@ -845,13 +871,15 @@ def _mix_buffer(state: SourceBuffer, q: torch.Tensor, eps: float, scaling: str, 
     n = state.count + int(state.has_partial)
     step = state.step
     if step is not None:
-        return step_mix(step, n, q, state.stream, scaling, state.native)
+        return step_mix(step, n, q, state.stream, scaling, state.native, state.update)
     m, d = state.count, state.sources.shape[-1]
-    if state.native is not None and not _RECORDERS:
+    if state.native is not None:
         table = state.scores[..., reader] if state.scores is not None and reader is not None else None
+        update = state.update.take() if state.update is not None else None
         return buffer_mix(
             state.native, state.sources, m, state.has_partial, q, state.stream, eps, scaling == "count",
             table=table, inv_rms=state.inv_rms if table is None else None,
+            added=None if update is None else update.new, init=update is not None and update.init,
         )
     # Source-major: scores [n, B, T], from the table where there is one (phase 2: only the partial sum
     # is scored here), else one product over the n contiguous sources.
@@ -871,13 +899,17 @@ def _mix_buffer(state: SourceBuffer, q: torch.Tensor, eps: float, scaling: str, 
     return _chained_mix(state.stream, weights, state.sources, scaling)
 
 
-def step_mix(step: StepViews, n: int, q: torch.Tensor, stream: torch.Tensor, scaling: str, native=None) -> torch.Tensor:
+def step_mix(
+    step: StepViews, n: int, q: torch.Tensor, stream: torch.Tensor, scaling: str, native=None, update: _Update | None = None
+) -> torch.Tensor:
     """depth_mix of a reader of n sources in a few-token forward (token-major: one product scores a token's
-    n sources, one mixes them; with `native`, the C++ kernels, one call). The model's decoding loop calls it
-    directly (see AttnResDecoderLayerMixin), since such a step pays for every Python call as well as every
-    operation."""
-    if native is not None and not _RECORDERS:  # a recorder needs the weights, which the kernel keeps to itself
-        return native.step_mix(step.padded[n], n, q, stream, scaling == "count", NONE, 0)
+    n sources, one mixes them; with `native`, the C++ kernels, one call, which first adds the pending output
+    `update`). The model's decoding loop calls it directly (see AttnResDecoderLayerMixin), since such a step pays
+    for every Python call as well as every operation."""
+    if native is not None:
+        update = update.take() if update is not None else None
+        added, slot = (NONE, 0) if update is None else (update.new, update.index)
+        return native.step_mix(step.padded[n], n, q, stream, scaling == "count", added, slot)
     weights = torch.softmax(_few_token_logits(step, n, q), dim=-1)
     if _RECORDERS:
         _RECORDERS[-1].append(weights.movedim(-1, 0).clone())
@@ -950,11 +982,6 @@ def _fused_mix(stream: torch.Tensor, weights: torch.Tensor, flat: torch.Tensor, 
 
 # Active recorders of depth-attention weights (a plain list, not a ContextVar: torch.compile traces it).
 _RECORDERS: list[list[torch.Tensor]] = []
-
-
-def recording() -> bool:
-    """Whether a `record_depth_weights` block is active (the compiled kernels do not hand out weights)."""
-    return bool(_RECORDERS)
 
 
 @contextlib.contextmanager

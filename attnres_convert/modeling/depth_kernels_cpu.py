@@ -132,16 +132,25 @@ at::Tensor step_mix(const at::Tensor& padded, int64_t n, const at::Tensor& q, co
 // A many-token forward's reader on the source-major buffer: sources [K, BT, D] (m completed, then the
 // partial sum when has_partial); their scores from table [K, BT] (this reader's column of the score table,
 // any strides) or, when table is empty, q . k * inv_rms [K, BT]; stream [BT, D].
+// With `added` [BT, D] (the previous sublayer's output, not empty), first the residual adds of that output into
+// the partial sum (sources[m], written instead when `init`: the first output of a block) and the stream, as the
+// eager path makes them, in the same pass over each token's rows.
 at::Tensor buffer_mix(const at::Tensor& sources, int64_t m, bool has_partial, const at::Tensor& q,
                       const at::Tensor& stream, double eps, bool count, const at::Tensor& table,
-                      const at::Tensor& inv_rms) {
+                      const at::Tensor& inv_rms, const at::Tensor& added, bool init) {
   check_float(sources, "sources"); check_float(q, "q"); check_float(stream, "stream");
   const bool use_table = table.defined() && table.numel() > 0;
+  const bool add = added.numel() > 0;
   const int64_t n = m + (has_partial ? 1 : 0);
   TORCH_CHECK(sources.dim() == 3 && stream.dim() == 2 && n >= 1 && n <= sources.size(0) && n <= kMaxSources,
               "buffer_mix: bad shapes");
   const int64_t BT = sources.size(1), d = sources.size(2);
   TORCH_CHECK(stream.size(0) == BT && stream.size(1) == d && q.numel() == d, "buffer_mix: stream and query do not match");
+  if (add) {
+    check_float(added, "added");
+    TORCH_CHECK(has_partial && added.dim() == 2 && added.size(0) == BT && added.size(1) == d,
+                "buffer_mix: the added output must be [BT, D] and go to a partial sum");
+  }
   const at::Tensor& stats = use_table ? table : inv_rms;
   TORCH_CHECK(m == 0 || (stats.dim() == 2 && stats.size(1) == BT && stats.scalar_type() == at::kFloat),
               "buffer_mix: scores or inverse rms [K, BT] needed");
@@ -152,11 +161,24 @@ at::Tensor buffer_mix(const at::Tensor& sources, int64_t m, bool has_partial, co
   const int64_t sk = sources.stride(0), st = sources.stride(1), hs = stream.stride(0);
   const int64_t ak = m > 0 ? stats.stride(0) : 0, at_ = m > 0 ? stats.stride(1) : 0;
   const float feps = static_cast<float>(eps), fd = static_cast<float>(d);
+  const float* Y = add ? added.data_ptr<float>() : nullptr;
+  const int64_t ys = add ? added.stride(0) : 0;
   at::parallel_for(0, BT, 16, [&](int64_t begin, int64_t end) {
     float c[kMaxSources];
     const float* keys[kMaxSources];
     for (int64_t t = begin; t < end; ++t) {
       for (int64_t i = 0; i < n; ++i) keys[i] = S + i * sk + t * st;
+      if (add) {
+        // The partial sum and the stream are different rows of one buffer.
+        float* part = const_cast<float*>(keys[m]);
+        float* h = const_cast<float*>(H) + t * hs;
+        const float* y = Y + t * ys;
+        if (init) {
+          for (int64_t j = 0; j < d; ++j) { part[j] = y[j]; h[j] += y[j]; }
+        } else {
+          for (int64_t j = 0; j < d; ++j) { part[j] += y[j]; h[j] += y[j]; }
+        }
+      }
       for (int64_t i = 0; i < m; ++i) {
         const float s = stat[i * ak + t * at_];
         if (use_table) {
@@ -253,16 +275,20 @@ def buffer_mix(
     count: bool,
     table: torch.Tensor | None = None,
     inv_rms: torch.Tensor | None = None,
+    added: torch.Tensor | None = None,
+    init: bool = False,
 ) -> torch.Tensor:
     """A many-token reader with the `build()` kernels: sources [K, B, T, D] source-major, stream [B, T, D];
-    table [K, B, T] (this reader's scores of the completed sources) or inv_rms [K, B, T]. Returns the mix
-    [B, T, D]. (A few-token reader calls `kernels.step_mix(padded, n, q, stream, count, added, slot)` directly, with
-    `NONE` for no added output.)"""
+    table [K, B, T] (this reader's scores of the completed sources) or inv_rms [K, B, T]; added [B, T, D], the
+    previous output, which first joins the partial sum (slot m; `init`: becomes it) and the stream. Returns the
+    mix [B, T, D]. (A few-token reader calls `kernels.step_mix(padded, n, q, stream, count, added, slot)`
+    directly, with `NONE` for no added output.)"""
     d = sources.shape[-1]
     flat = kernels.buffer_mix(
         sources.reshape(sources.shape[0], -1, d), m, has_partial, q, stream.reshape(-1, d), eps, count,
         NONE if table is None else table.reshape(table.shape[0], -1),
         NONE if inv_rms is None else inv_rms.reshape(inv_rms.shape[0], -1),
+        NONE if added is None else added.reshape(-1, d), init,
     )
     return flat.view(stream.shape)
 

@@ -40,10 +40,10 @@ from .depth_attention import (
     close_block,
     current_stream,
     depth_mix,
+    native_update,
     output_num_sources,
     plan_sublayers,
     pseudo_query,
-    recording,
     start_state,
     step_mix,
     wants_queries,
@@ -182,26 +182,29 @@ def _decoding_step(layer: nn.Module, spec: _LayerSpec, state: SourceBuffer, call
     operation. Measured in one process against the general path, together with the buffer and queries a
     decoding loop keeps (`_all_queries`, start_state): 0.75 ms less per SmolLM2 token of about 38 ms.
     With the C++ kernels (ATTNRES_KERNEL=cpu) a reader is one call, which also makes the residual adds of
-    the output before it (one operation less per sublayer); the layer's last output is added here."""
-    step, count, partial = state.step, state.count, state.has_partial
-    native = state.native if not recording() else None
-    added, slot = NONE, 0
+    the output before it (one operation less per sublayer); the layer's last output is left to the next
+    layer's first reader (or the final norm's), as the state's pending `update`."""
+    step, count, partial, native = state.step, state.count, state.has_partial, state.native
+    if native is None:
+        for sublayer, plan in zip(spec.sublayers, spec.plans):
+            if plan.closes_block and partial:
+                count, partial = count + 1, False
+            h = step_mix(step, count + partial, step.queries[plan.index - 1], state.stream, spec.scaling)
+            step.pairs[count].add_(run_sublayer(layer, sublayer, h, call_kwargs))  # the partial sum and the stream
+            partial = True
+        return state._replace(count=count, has_partial=partial)
+    update = state.update.take() if state.update is not None else None
+    added, slot = (NONE, 0) if update is None else (update.new, update.index)
+    count_scaling = spec.scaling == "count"
     for sublayer, plan in zip(spec.sublayers, spec.plans):
         if plan.closes_block and partial:
             count, partial = count + 1, False
-        n, q = count + partial, step.queries[plan.index - 1]
-        if native is not None:
-            h = native.step_mix(step.padded[n], n, q, state.stream, spec.scaling == "count", added, slot)
-            added, slot = run_sublayer(layer, sublayer, h, call_kwargs), count
-            if added.dtype != torch.float32:  # under autocast; the eager add upcasts it just the same
-                added = added.float()
-        else:
-            h = step_mix(step, n, q, state.stream, spec.scaling)
-            step.pairs[count].add_(run_sublayer(layer, sublayer, h, call_kwargs))  # the partial sum and the stream
-        partial = True
-    if native is not None:
-        step.pairs[slot].add_(added)
-    return state._replace(count=count, has_partial=partial)
+        n = count + partial
+        h = native.step_mix(step.padded[n], n, step.queries[plan.index - 1], state.stream, count_scaling, added, slot)
+        added, slot, partial = run_sublayer(layer, sublayer, h, call_kwargs), count, True
+        if added.dtype != torch.float32:  # under autocast; the eager add upcasts it just the same
+            added = added.float()
+    return state._replace(count=count, has_partial=partial, update=native_update(state, added, slot))
 
 
 def run_sublayer(layer: nn.Module, sublayer: Sublayer, h: torch.Tensor, call_kwargs: dict) -> torch.Tensor:
@@ -255,34 +258,76 @@ def _decoder_layer(module: nn.Module) -> nn.Module:
     return module
 
 
+OUTPUT_NAMES = ("output_attn_res_proj", "output_attn_res_norm")  # on the base model
+_VERSION = torch.Tensor._version.__get__  # a tensor's version counter (bumped by every in-place update)
+
+
 def _all_queries(spec: _LayerSpec, like: torch.Tensor) -> torch.Tensor | None:
-    """Every sublayer's folded pseudo-query, [R, D] in execution order, for the score table (inference and
-    eager training) or a decoding step, from which each reader then takes its own row; None where the
-    parameters are not whole tensors on one device (sharded or spread over devices). Folded in one
-    operation, not one per sublayer; without autograd, kept in `spec.runtime` for the next forward while no
-    parameter changed (a decoding step pays for the stacking: 0.7 ms of a SmolLM2 decoding step under cProfile)."""
-    queries, key_norms = [], []
-    for layer in module_at(spec.owner, spec.layers):
-        layer = _decoder_layer(layer)
-        for names in layer._attnres_spec.param_names:
-            query, key_norm = _depth_params(layer, names)
-            if (
-                type(query) is not nn.Parameter  # a tensor subclass: FSDP2's sharded DTensor
-                or query.numel() != like.shape[-1]  # FSDP1's flattened shard
-                or key_norm.numel() != like.shape[-1]
-                or query.device != like.device
-            ):
-                return None
-            queries.append(query)
-            key_norms.append(key_norm)
-    if torch.is_grad_enabled() or torch.compiler.is_compiling():
-        return pseudo_query(torch.stack(queries), torch.stack(key_norms))
-    # An in-place update (an optimizer step, load_state_dict) bumps a tensor's version; a new tensor has a new address.
-    key = (torch.is_inference_mode_enabled(),) + tuple((t.data_ptr(), t._version) for t in queries + key_norms)
-    kept = spec.runtime.get("queries")
-    if kept is None or kept[0] != key:
-        kept = spec.runtime["queries"] = (key, pseudo_query(torch.stack(queries), torch.stack(key_norms)))
-    return kept[1]
+    """Every sublayer's folded pseudo-query in execution order, then the output aggregation's: [R + 1, D], for
+    the score table (inference and eager training) or a decoding step, from which each reader takes its own
+    row (the final norm the last); None where the parameters are not whole tensors on one device (sharded or
+    spread over devices). Folded in one operation, not one per reader; without autograd, kept in
+    `spec.runtime` for the next forward while no parameter changed (a decoding step pays for finding them:
+    measured inside a SmolLM2 decoding step, 0.34 ms of a 35 ms token, and checking the kept ones 0.18 ms)."""
+    keep = not (torch.is_grad_enabled() or torch.compiler.is_compiling())
+    if keep:
+        kept = spec.runtime.get("queries")
+        # Under inference_mode the folded queries are an inference tensor, which a forward outside it may not save.
+        if kept is not None and kept[0] == torch.is_inference_mode_enabled() and _unchanged(kept[1]):
+            return kept[2]
+    found = _query_parameters(spec, like)
+    if found is None:
+        return None
+    queries, key_norms, watched = found
+    folded = pseudo_query(torch.stack(queries), torch.stack(key_norms))
+    if keep and watched is not None:
+        spec.runtime["queries"] = (torch.is_inference_mode_enabled(), watched, folded)
+    return folded
+
+
+def _query_parameters(spec: _LayerSpec, like: torch.Tensor):
+    """(queries, key norms, what to watch): every sublayer's query and key-norm weights, then the output
+    aggregation's, found through the wrappers the layers may have; None where they are not whole tensors on
+    `like`'s device. What to watch is what `_unchanged` checks: the layer list's entries, each depth module in
+    its parent, each weight in its module, and each weight's storage and version (an in-place update such as an
+    optimizer step or load_state_dict bumps a tensor's version); None (nothing kept) where a depth module is a
+    wrapper (PEFT's modules_to_save), whose active weight only the lookup itself finds."""
+    queries, key_norms, members, weights, plain = [], [], [], [], True
+    layers = module_at(spec.owner, spec.layers)
+    members += [(layers._modules, name, layer) for name, layer in layers._modules.items()]
+    readers = [(layer, names) for layer in map(_decoder_layer, layers) for names in layer._attnres_spec.param_names]
+    for layer, names in readers + [(spec.owner, OUTPUT_NAMES)]:
+        query, key_norm = _depth_params(layer, names)
+        if (
+            type(query) is not nn.Parameter  # a tensor subclass: FSDP2's sharded DTensor
+            or query.numel() != like.shape[-1]  # FSDP1's flattened shard
+            or key_norm.numel() != like.shape[-1]
+            or query.device != like.device
+        ):
+            return None
+        queries.append(query)
+        key_norms.append(key_norm)
+        for name, weight in zip(names, (query, key_norm)):
+            module = layer._modules[name]
+            plain = plain and module._parameters.get("weight") is weight
+            members += [(layer._modules, name, module), (module._parameters, "weight", weight)]
+            weights.append(weight)
+    if not plain:
+        return queries, key_norms, None
+    parents, keys, children = zip(*members)  # the children are kept too: a live object's id is never reused
+    pointers, versions = tuple(map(torch.Tensor.data_ptr, weights)), tuple(map(_VERSION, weights))
+    return queries, key_norms, (parents, keys, tuple(map(id, children)), children, tuple(weights), pointers, versions)
+
+
+def _unchanged(watched) -> bool:
+    # map over C functions with tuple comparison: no bytecode per entry (a decoding step checks ~400 of them, and
+    # inside the model each is a cache miss: 0.22 ms per SmolLM2 token as a Python loop).
+    parents, keys, child_ids, _, weights, pointers, versions = watched
+    return (
+        tuple(map(id, map(dict.get, parents, keys))) == child_ids  # ids, not ==: a tensor's == is elementwise
+        and tuple(map(_VERSION, weights)) == versions
+        and tuple(map(torch.Tensor.data_ptr, weights)) == pointers
+    )
 
 
 class AttnResFinalNormMixin:
@@ -293,12 +338,15 @@ class AttnResFinalNormMixin:
             owner, eps, scaling, runtime = self._attnres_output
             # Looked up on the owner at every call, so a wrapper put in their place (PEFT's
             # modules_to_save, FSDP) is the one used.
-            query, key_norm = owner.output_attn_res_proj, owner.output_attn_res_norm
             state, like = hidden_states, hidden_states.stream
-            hidden_states = depth_mix(
-                state, _placed(query, like), _placed(key_norm, like), eps, scaling,
-                projection=query.projection(like) if isinstance(query, AttnResQuery) else None,
-            )
+            if getattr(state, "queries", None) is not None:  # folded with the sublayers' (see `_all_queries`)
+                hidden_states = depth_mix(state, None, None, eps, scaling, reader=-1)
+            else:
+                query, key_norm = owner.output_attn_res_proj, owner.output_attn_res_norm
+                hidden_states = depth_mix(
+                    state, _placed(query, like), _placed(key_norm, like), eps, scaling,
+                    projection=query.projection(like) if isinstance(query, AttnResQuery) else None,
+                )
             gate = runtime.get("gate", 1.0)
             if gate != 1.0:
                 hidden_states = gated(state, hidden_states, gate)
@@ -411,8 +459,8 @@ def attach_depth_attention(causal_lm: nn.Module, config: AttnResConfig, plan: Mo
             runtime,
         )
         first += len(sublayers)
-    base.output_attn_res_proj = AttnResQuery(hidden, rank, plan.num_sublayers, **factory)
-    base.output_attn_res_norm = AttnResKeyNorm(hidden, eps, **factory)
+    setattr(base, OUTPUT_NAMES[0], AttnResQuery(hidden, rank, plan.num_sublayers, **factory))
+    setattr(base, OUTPUT_NAMES[1], AttnResKeyNorm(hidden, eps, **factory))
     norm = module_at(base, plan.final_norm)
     if not isinstance(norm, AttnResFinalNormMixin):
         norm.__class__ = _attnres_class(AttnResFinalNormMixin, type(norm))
