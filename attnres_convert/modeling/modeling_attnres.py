@@ -39,8 +39,8 @@ from .depth_attention import (
     add_output,
     close_block,
     current_stream,
+    _Update,
     depth_mix,
-    native_update,
     output_num_sources,
     plan_sublayers,
     pseudo_query,
@@ -204,16 +204,21 @@ def _decoding_step(layer: nn.Module, spec: _LayerSpec, state: SourceBuffer, call
         added, slot, partial = run_sublayer(layer, sublayer, h, call_kwargs), count, True
         if added.dtype != torch.float32:  # under autocast; the eager add upcasts it just the same
             added = added.float()
-    return state._replace(count=count, has_partial=partial, update=native_update(state, added, slot))
+    # native_update's pending output, made in place: the one taken above is done and `added` is float32 already.
+    pending = _Update(added, False, None, state.stream, step.slots[slot], slot)
+    return state._replace(count=count, has_partial=partial, update=pending)
 
 
 def run_sublayer(layer: nn.Module, sublayer: Sublayer, h: torch.Tensor, call_kwargs: dict) -> torch.Tensor:
     """What one sublayer adds to the residual stream read as `h`: the sum of its branches'
     `scale * post(module(norm(h)))`. The conversion's per-layer proof runs this same function."""
-    total = None
+    total, children = None, layer._modules
     for branch in sublayer.branches:
-        x = module_at(layer, branch.norm)(h)
-        module = module_at(layer, branch.module)
+        # A plain child name is looked up in place (a decoding step pays for every call), a dotted path by module_at.
+        norm, module = children.get(branch.norm), children.get(branch.module)
+        norm = module_at(layer, branch.norm) if norm is None else norm
+        module = module_at(layer, branch.module) if module is None else module
+        x = norm(h)
         y = module(x, **call_kwargs) if branch.attention else module(x)
         if isinstance(y, tuple):  # attention returns (output, weights); some MoE blocks (output, router)
             y = y[0]
