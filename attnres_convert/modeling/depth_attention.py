@@ -90,7 +90,8 @@ class SourceBuffer(NamedTuple):
     update:      with kernels (Triton or C++), the last output, until a kernel (or `current_stream`) applies it.
     shared_stream: the stream is the buffer's last slot (a float32 model: the buffer's dtype is the
                  stream's), so an output joins the partial sum and the stream in one in-place add over a
-                 view of both slots (the partial slots start at zero). One operation less per sublayer, which
+                 view of both slots (the partial slots start at zero; with the C++ kernels a prefill's are
+                 written by a block's first output instead, inside a kernel). One operation less per sublayer, which
                  a decoding step pays for; `current_stream` hands out copies.
     """
 

@@ -36,10 +36,10 @@ from .depth_attention import (
     STATE_TYPES,
     SourceBuffer,
     SublayerPlan,
+    _Update,
     add_output,
     close_block,
     current_stream,
-    _Update,
     depth_mix,
     output_num_sources,
     plan_sublayers,
@@ -280,7 +280,7 @@ def _all_queries(spec: _LayerSpec, like: torch.Tensor) -> torch.Tensor | None:
         # Under inference_mode the folded queries are an inference tensor, which a forward outside it may not save.
         if kept is not None and kept[0] == torch.is_inference_mode_enabled() and _unchanged(kept[1]):
             return kept[2]
-    found = _query_parameters(spec, like)
+    found = _query_parameters(spec, like, watch=keep)
     if found is None:
         return None
     queries, key_norms, watched = found
@@ -290,13 +290,13 @@ def _all_queries(spec: _LayerSpec, like: torch.Tensor) -> torch.Tensor | None:
     return folded
 
 
-def _query_parameters(spec: _LayerSpec, like: torch.Tensor):
+def _query_parameters(spec: _LayerSpec, like: torch.Tensor, watch: bool = True):
     """(queries, key norms, what to watch): every sublayer's query and key-norm weights, then the output
     aggregation's, found through the wrappers the layers may have; None where they are not whole tensors on
     `like`'s device. What to watch is what `_unchanged` checks: the layer list's entries, each depth module in
     its parent, each weight in its module, and each weight's storage and version (an in-place update such as an
     optimizer step or load_state_dict bumps a tensor's version); None (nothing kept) where a depth module is a
-    wrapper (PEFT's modules_to_save), whose active weight only the lookup itself finds."""
+    wrapper (PEFT's modules_to_save), whose active weight only the lookup itself finds, or where `watch` is False."""
     queries, key_norms, members, weights, plain = [], [], [], [], True
     layers = module_at(spec.owner, spec.layers)
     members += [(layers._modules, name, layer) for name, layer in layers._modules.items()]
@@ -317,7 +317,7 @@ def _query_parameters(spec: _LayerSpec, like: torch.Tensor):
             plain = plain and module._parameters.get("weight") is weight
             members += [(layer._modules, name, module), (module._parameters, "weight", weight)]
             weights.append(weight)
-    if not plain:
+    if not (plain and watch):
         return queries, key_norms, None
     parents, keys, children = zip(*members)  # the children are kept too: a live object's id is never reused
     pointers, versions = tuple(map(torch.Tensor.data_ptr, weights)), tuple(map(_VERSION, weights))
