@@ -9,8 +9,7 @@ The converted model is loaded as users load it (`from_pretrained(..., trust_remo
 wrapped with timers in that loaded module: `start_state`, `_all_queries` (the folded queries, or the kept
 ones' check), the readers' `depth_mix`, `add_output`, `close_block`, and, for a decoding step, whose layers run
 their readers inline, `_decoding_step` minus the sublayers it runs. The timers cost a little themselves, so the parts are an upper bound; what they show is
-the split. The reference rows are a plain `torch.add` over the bytes a prefill reader moves and over 100 MB:
-the memory bandwidth a reader's mix is bound by.
+the split. The reference rows are a plain `torch.add` over the bytes a prefill reader moves and over 100 MB.
 """
 
 from __future__ import annotations
@@ -75,9 +74,9 @@ def measure(original, converted, totals: dict, run, repeats: int) -> dict:
 
 
 def bandwidth_reference() -> list[dict]:
-    """A plain add (two reads, one write) over the bytes a prefill reader of 5 sources moves (512 tokens x 576
-    floats, 10 rows per token: ~12 MB, which can stay in the cache) and over 100 MB (which cannot: inside the
-    model the sublayers' weights evict the sources between readers)."""
+    """A plain add (two reads, one write) over the bytes a prefill reader of 5 sources moves with its residual
+    adds (512 tokens x 576 floats, 10 rows per token: ~12 MB) and over 100 MB, warm: the rate a reader's traffic
+    could run at."""
     rows = []
     for total in (512 * 576 * 10 * 4, 100 * 2**20):
         n = total // 12
