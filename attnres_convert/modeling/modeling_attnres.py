@@ -36,11 +36,11 @@ from .depth_attention import (
     STATE_TYPES,
     SourceBuffer,
     SublayerPlan,
-    _Update,
     add_output,
     close_block,
     current_stream,
     depth_mix,
+    native_update,
     output_num_sources,
     plan_sublayers,
     pseudo_query,
@@ -204,9 +204,7 @@ def _decoding_step(layer: nn.Module, spec: _LayerSpec, state: SourceBuffer, call
         added, slot, partial = run_sublayer(layer, sublayer, h, call_kwargs), count, True
         if added.dtype != torch.float32:  # under autocast; the eager add upcasts it just the same
             added = added.float()
-    # native_update's pending output, made in place: the one taken above is done and `added` is float32 already.
-    pending = _Update(added, False, None, state.stream, step.slots[slot], slot)
-    return state._replace(count=count, has_partial=partial, update=pending)
+    return state._replace(count=count, has_partial=partial, update=native_update(state, added, slot))
 
 
 def run_sublayer(layer: nn.Module, sublayer: Sublayer, h: torch.Tensor, call_kwargs: dict) -> torch.Tensor:
