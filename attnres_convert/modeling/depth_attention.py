@@ -25,7 +25,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 # Imports torch only; compiles nothing until `build` is called (ATTNRES_KERNEL=cpu).
-from .depth_kernels_cpu import NONE, buffer_mix, build
+from .depth_kernels_cpu import NO_NORM, NONE, buffer_mix, build
 
 class BlockState(NamedTuple):
     """What the residual stream carries between sublayers, instead of one tensor: the plain-tensor form,
@@ -493,8 +493,9 @@ def _kernel_buffer(embeddings: torch.Tensor, eps: float, capacity: int, queries,
     return SourceBuffer(sources, inv_rms, 1, False, embeddings, queries, scores, kernels=kernels)
 
 
-def close_block(state, eps: float):
-    """At a block boundary the partial sum becomes a completed block (the only copy of the blocks)."""
+def close_block(state, eps: float, first: int = 0):
+    """At a block boundary the partial sum becomes a completed block (the only copy of the blocks). `first`: the
+    first reader after the boundary; a score table gets the new source's scores for it and the readers after."""
     if isinstance(state, SourceBuffer) and state.kernels is not None:
         if not state.has_partial:
             return state
@@ -510,11 +511,19 @@ def close_block(state, eps: float):
         if not state.has_partial:
             return state
         if state.step is None:
-            if state.update is not None:  # the C++ kernels' pending output (a decoding step's later reader adds it)
-                state.update.apply()
-            state.inv_rms[state.count] = inverse_rms(state.sources[state.count], eps)
+            count = state.count
+            if state.native is not None:  # the pending output's adds and the new source's 1 / rms, in one pass
+                update = state.update.take() if state.update is not None else None
+                d = state.sources.shape[-1]
+                state.native.close_source(
+                    state.sources[count].view(-1, d), state.stream.view(-1, d),
+                    NONE if update is None else update.new.reshape(-1, d), update is not None and update.init,
+                    state.inv_rms[count].view(-1), eps,
+                )
+            else:
+                state.inv_rms[count] = inverse_rms(state.sources[count], eps)
             if state.scores is not None:
-                _score_source(state, state.count)
+                _score_source(state, count, first)
         return state._replace(count=state.count + 1, has_partial=False)
     if state.partial is None:
         return state
@@ -581,10 +590,13 @@ def table_scores(keys: torch.Tensor, queries: torch.Tensor, inv_rms: torch.Tenso
     return torch.mm(keys, queries.t()).mul_(inv_rms[:, None])
 
 
-def _score_source(state: SourceBuffer, slot: int) -> None:
-    key = state.sources[slot]
-    scores = table_scores(key.reshape(-1, key.shape[-1]), state.queries, state.inv_rms[slot].reshape(-1))
-    state.scores[slot] = scores.view(*key.shape[:-1], -1)
+def _score_source(state: SourceBuffer, slot: int, first: int = 0) -> None:
+    """Phase 1 for a completed source: its scores by readers `first`.. (the ones after it; earlier columns stay
+    unwritten and unread), written into the table's strided rows by the scaling product itself."""
+    key, table = state.sources[slot], state.scores[slot]
+    d, readers = key.shape[-1], table.shape[-1]
+    scores = torch.mm(key.reshape(-1, d), state.queries[first:].t())
+    torch.mul(scores, state.inv_rms[slot].reshape(-1, 1), out=table.view(-1, readers)[:, first:])
 
 
 def source_scores(keys: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -763,6 +775,7 @@ def depth_mix(
     scaling: str = "count",
     reader: int | None = None,
     projection: tuple[torch.Tensor, torch.Tensor] | None = None,
+    norm: tuple = (),
 ) -> torch.Tensor:
     """The input of one sublayer (or of the final norm): attention over the state's sources.
 
@@ -771,6 +784,8 @@ def depth_mix(
     state's score table and its row of the queries stacked for it (folded once per forward, not again here).
     projection: (A [r, D], B [D, r]) of a reader whose query depends on its input (see `token_queries`);
     the state is then a BlockState (start_state with token_queries).
+    norm: the sublayer's norm as `fused_norm` gives it, for a state with the C++ kernels (`state.native`): the
+    result is then that norm of the mix, made in the same pass.
 
     With "count" scaling h = n * sum_i alpha_i k_i. Since the sources sum to the stream H, this equals
     H + sum_i (n alpha_i - 1) k_i, which is how it is computed: at zero queries n alpha_i - 1 is 0, so h
@@ -787,7 +802,7 @@ def depth_mix(
         if step is not None:
             q = pad_query(q * step.root_d)  # see _few_token_logits
     if isinstance(state, SourceBuffer):
-        return _mix_buffer(state, q, eps, scaling, reader)
+        return _mix_buffer(state, q, eps, scaling, reader, norm)
     if isinstance(state, TrainState):
         column = None if state.queries is None else reader
         mixed, weights = _DepthMix.apply(
@@ -865,14 +880,14 @@ def _mix_blocks(keys, inv_rms, partial, stream, q, eps: float, scaling: str, tab
     return mixed.view(stream.shape).to(stream.dtype), weights, logits, inv_partial
 
 
-def _mix_buffer(state: SourceBuffer, q: torch.Tensor, eps: float, scaling: str, reader: int | None) -> torch.Tensor:
-    """depth_mix on a SourceBuffer."""
+def _mix_buffer(state: SourceBuffer, q: torch.Tensor, eps: float, scaling: str, reader: int | None, norm: tuple = ()) -> torch.Tensor:
+    """depth_mix on a SourceBuffer (`norm` with the C++ kernels only)."""
     if state.kernels is not None:
         return _mix_kernels(state, q, eps, scaling, reader)
     n = state.count + int(state.has_partial)
     step = state.step
     if step is not None:
-        return step_mix(step, n, q, state.stream, scaling, state.native, state.update)
+        return step_mix(step, n, q, state.stream, scaling, state.native, state.update, norm)
     m, d = state.count, state.sources.shape[-1]
     if state.native is not None:
         table = state.scores[..., reader] if state.scores is not None and reader is not None else None
@@ -880,7 +895,7 @@ def _mix_buffer(state: SourceBuffer, q: torch.Tensor, eps: float, scaling: str, 
         return buffer_mix(
             state.native, state.sources, m, state.has_partial, q, state.stream, eps, scaling == "count",
             table=table, inv_rms=state.inv_rms if table is None else None,
-            added=None if update is None else update.new, init=update is not None and update.init,
+            added=None if update is None else update.new, init=update is not None and update.init, norm=norm,
         )
     # Source-major: scores [n, B, T], from the table where there is one (phase 2: only the partial sum
     # is scored here), else one product over the n contiguous sources.
@@ -901,16 +916,23 @@ def _mix_buffer(state: SourceBuffer, q: torch.Tensor, eps: float, scaling: str, 
 
 
 def step_mix(
-    step: StepViews, n: int, q: torch.Tensor, stream: torch.Tensor, scaling: str, native=None, update: _Update | None = None
+    step: StepViews,
+    n: int,
+    q: torch.Tensor,
+    stream: torch.Tensor,
+    scaling: str,
+    native=None,
+    update: _Update | None = None,
+    norm: tuple = (),
 ) -> torch.Tensor:
     """depth_mix of a reader of n sources in a few-token forward (token-major: one product scores a token's
     n sources, one mixes them; with `native`, the C++ kernels, one call, which first adds the pending output
     `update`). The model's decoding loop calls it directly (see AttnResDecoderLayerMixin), since such a step pays
-    for every Python call as well as every operation."""
+    for every Python call as well as every operation. `norm`: as depth_mix's."""
     if native is not None:
         update = update.take() if update is not None else None
         added, slot = (NONE, 0) if update is None else (update.new, update.index)
-        return native.step_mix(step.padded[n], n, q, stream, scaling == "count", added, slot)
+        return native.step_mix(step.padded[n], n, q, stream, scaling == "count", added, slot, *(norm or NO_NORM))
     weights = torch.softmax(_few_token_logits(step, n, q), dim=-1)
     if _RECORDERS:
         _RECORDERS[-1].append(weights.movedim(-1, 0).clone())

@@ -77,9 +77,82 @@ inline void dot_and_square(const float* __restrict x, const float* __restrict q,
   square = b;
 }
 
+inline int64_t ceil_log2(int64_t x) {
+  if (x <= 2) return 1;
+  int64_t bits = 0;
+  for (uint64_t v = static_cast<uint64_t>(x - 1); v; v >>= 1) ++bits;
+  return bits;
+}
+
+// sum_j x_j^2 over a contiguous row, added in the order torch's CPU sum adds them (aten/src/ATen/native/cpu/
+// SumKernel.cpp: vectorized_inner_sum over row_sum over multi_row_sum, a 4-level cascade of 4 accumulators of
+// L-lane vectors, then the tail, then the lanes), so a fused RMSNorm gives the bits the norm module gives.
+// Rows under 2^15 elements only (torch splits longer single rows between threads). `fused_norm` checks the
+// result against the module before any forward uses it, and picks L.
+template <int L>
+float square_sum(const float* x, int64_t d) {
+  const int64_t vectors = d / L, rows = vectors / 4;
+  float acc[4][4][L] = {};
+  const int64_t power = std::max<int64_t>(4, ceil_log2(rows) / 4), step = int64_t(1) << power, mask = step - 1;
+  auto add_row = [&](int64_t i) {
+    for (int k = 0; k < 4; ++k) {
+      const float* v = x + (4 * i + k) * L;
+      for (int l = 0; l < L; ++l) acc[0][k][l] += v[l] * v[l];
+    }
+  };
+  int64_t i = 0;
+  while (i + step <= rows) {
+    for (int64_t j = 0; j < step; ++j, ++i) add_row(i);
+    for (int j = 1; j < 4; ++j) {
+      for (int k = 0; k < 4; ++k)
+        for (int l = 0; l < L; ++l) { acc[j][k][l] += acc[j - 1][k][l]; acc[j - 1][k][l] = 0.f; }
+      if ((i & (mask << (j * power))) != 0) break;
+    }
+  }
+  for (; i < rows; ++i) add_row(i);
+  for (int j = 1; j < 4; ++j)
+    for (int k = 0; k < 4; ++k)
+      for (int l = 0; l < L; ++l) acc[0][k][l] += acc[j][k][l];
+  for (int64_t v = rows * 4; v < vectors; ++v)
+    for (int l = 0; l < L; ++l) acc[0][0][l] += x[v * L + l] * x[v * L + l];
+  for (int k = 1; k < 4; ++k)
+    for (int l = 0; l < L; ++l) acc[0][0][l] += acc[0][k][l];
+  float total = 0.f;
+  for (int64_t j = vectors * L; j < d; ++j) total += x[j] * x[j];
+  for (int l = 0; l < L; ++l) total += acc[0][0][l];
+  return total;
+}
+
+// A norm module's RMSNorm, fused: weight * (x * rsqrt(mean(x^2) + eps)), rounded as its operations round.
+struct Norm {
+  const float* weight = nullptr;
+  float eps = 0.f;
+  int64_t lanes = 8;
+};
+
+inline void normalize(float* x, int64_t d, const Norm& norm) {
+  const float s = norm.lanes == 16 ? square_sum<16>(x, d) : norm.lanes == 4 ? square_sum<4>(x, d) : square_sum<8>(x, d);
+  const float inv = 1.f / std::sqrt(s / static_cast<float>(d) + norm.eps);
+  const float* __restrict w = norm.weight;
+  for (int64_t j = 0; j < d; ++j) x[j] = w[j] * (x[j] * inv);
+}
+
 void check_float(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat, name, " must be a float32 CPU tensor");
   TORCH_CHECK(t.stride(-1) == 1, name, " must have unit stride in its last dimension");
+}
+
+// An empty weight: no norm. Otherwise a float32 [D] weight, its eps and the lanes of torch's sum (see square_sum).
+Norm norm_of(const at::Tensor& weight, double eps, int64_t lanes, int64_t d) {
+  Norm norm;
+  if (weight.numel() == 0) return norm;
+  check_float(weight, "norm weight");
+  TORCH_CHECK(weight.numel() == d && weight.is_contiguous(), "norm weight must be a contiguous [D]");
+  TORCH_CHECK(lanes == 4 || lanes == 8 || lanes == 16, "lanes must be 4, 8 or 16");
+  norm.weight = weight.data_ptr<float>();
+  norm.eps = static_cast<float>(eps);
+  norm.lanes = lanes;
+  return norm;
 }
 
 }  // namespace
@@ -88,8 +161,10 @@ void check_float(const at::Tensor& t, const char* name) {
 // constant sqrt(D eps); q [D + 1] the folded query times sqrt(D) with a 0 for the constant; stream [B, T, D].
 // With `added` [B, T, D] (the previous sublayer's output, not empty), first the residual adds of that
 // output, as the eager path makes them: padded[:, :, slot] += added and stream += added.
+// With a norm weight (not empty), the sublayer's RMSNorm of the mix is returned instead of the mix.
 at::Tensor step_mix(const at::Tensor& padded, int64_t n, const at::Tensor& q, const at::Tensor& stream, bool count,
-                    const at::Tensor& added, int64_t slot) {
+                    const at::Tensor& added, int64_t slot, const at::Tensor& norm_weight, double norm_eps,
+                    int64_t lanes) {
   check_float(padded, "padded"); check_float(q, "q"); check_float(stream, "stream");
   const bool add = added.numel() > 0;
   if (add) {
@@ -101,6 +176,7 @@ at::Tensor step_mix(const at::Tensor& padded, int64_t n, const at::Tensor& q, co
   const int64_t B = padded.size(0), T = padded.size(1), d1 = padded.size(3), d = d1 - 1;
   TORCH_CHECK(stream.size(0) == B && stream.size(1) == T && stream.size(2) == d && q.numel() == d1,
               "step_mix: stream and query do not match the sources");
+  const Norm norm = norm_of(norm_weight, norm_eps, lanes, d);
   auto out = at::empty({B, T, d}, stream.options());
   const float* P = padded.data_ptr<float>(); const float* Q = q.data_ptr<float>();
   float* H = stream.data_ptr<float>(); float* O = out.data_ptr<float>();
@@ -123,7 +199,9 @@ at::Tensor step_mix(const at::Tensor& padded, int64_t n, const at::Tensor& q, co
         c[i] = dot / std::sqrt(square);
       }
       coefficients(c, n, count);
-      weighted_sum(O + (b * T + t) * d, H + b * stream.stride(0) + t * stream.stride(1), keys, c, n, d, count);
+      float* o = O + (b * T + t) * d;
+      weighted_sum(o, H + b * stream.stride(0) + t * stream.stride(1), keys, c, n, d, count);
+      if (norm.weight) normalize(o, d, norm);
     }
   }
   return out;
@@ -134,10 +212,11 @@ at::Tensor step_mix(const at::Tensor& padded, int64_t n, const at::Tensor& q, co
 // any strides) or, when table is empty, q . k * inv_rms [K, BT]; stream [BT, D].
 // With `added` [BT, D] (the previous sublayer's output, not empty), first the residual adds of that output into
 // the partial sum (sources[m], written instead when `init`: the first output of a block) and the stream, as the
-// eager path makes them, in the same pass over each token's rows.
+// eager path makes them, in the same pass over each token's rows. With a norm weight, as step_mix.
 at::Tensor buffer_mix(const at::Tensor& sources, int64_t m, bool has_partial, const at::Tensor& q,
                       const at::Tensor& stream, double eps, bool count, const at::Tensor& table,
-                      const at::Tensor& inv_rms, const at::Tensor& added, bool init) {
+                      const at::Tensor& inv_rms, const at::Tensor& added, bool init, const at::Tensor& norm_weight,
+                      double norm_eps, int64_t lanes) {
   check_float(sources, "sources"); check_float(q, "q"); check_float(stream, "stream");
   const bool use_table = table.defined() && table.numel() > 0;
   const bool add = added.numel() > 0;
@@ -154,6 +233,7 @@ at::Tensor buffer_mix(const at::Tensor& sources, int64_t m, bool has_partial, co
   const at::Tensor& stats = use_table ? table : inv_rms;
   TORCH_CHECK(m == 0 || (stats.dim() == 2 && stats.size(1) == BT && stats.scalar_type() == at::kFloat),
               "buffer_mix: scores or inverse rms [K, BT] needed");
+  const Norm norm = norm_of(norm_weight, norm_eps, lanes, d);
   auto out = at::empty({BT, d}, stream.options());
   const float* S = sources.data_ptr<float>(); const float* Q = q.data_ptr<float>();
   const float* H = stream.data_ptr<float>(); float* O = out.data_ptr<float>();
@@ -196,14 +276,67 @@ at::Tensor buffer_mix(const at::Tensor& sources, int64_t m, bool has_partial, co
       }
       coefficients(c, n, count);
       weighted_sum(O + t * d, H + t * hs, keys, c, n, d, count);
+      if (norm.weight) normalize(O + t * d, d, norm);
     }
   });
+  return out;
+}
+
+// A block's close on the source-major buffer: partial [BT, D] becomes a completed source. With `added` [BT, D]
+// (the pending output, not empty), first its residual adds into the partial sum (written when `init`) and the
+// stream, as buffer_mix makes them; in the same pass over each row, its 1 / rms into inv_rms [BT].
+void close_source(const at::Tensor& partial, const at::Tensor& stream, const at::Tensor& added, bool init,
+                  const at::Tensor& inv_rms, double eps) {
+  check_float(partial, "partial"); check_float(stream, "stream"); check_float(inv_rms, "inv_rms");
+  TORCH_CHECK(partial.dim() == 2 && stream.sizes() == partial.sizes() && inv_rms.numel() == partial.size(0)
+              && inv_rms.is_contiguous(), "close_source: bad shapes");
+  const bool add = added.numel() > 0;
+  if (add) {
+    check_float(added, "added");
+    TORCH_CHECK(added.sizes() == partial.sizes(), "close_source: the added output must be [BT, D]");
+  }
+  const int64_t BT = partial.size(0), d = partial.size(1);
+  float* P = partial.data_ptr<float>(); float* H = stream.data_ptr<float>(); float* R = inv_rms.data_ptr<float>();
+  const float* Y = add ? added.data_ptr<float>() : nullptr;
+  const int64_t ps = partial.stride(0), hs = stream.stride(0), ys = add ? added.stride(0) : 0;
+  const float feps = static_cast<float>(eps), fd = static_cast<float>(d);
+  at::parallel_for(0, BT, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      float* part = P + t * ps;
+      if (add) {
+        float* h = H + t * hs;
+        const float* y = Y + t * ys;
+        if (init) {
+          for (int64_t j = 0; j < d; ++j) { part[j] = y[j]; h[j] += y[j]; }
+        } else {
+          for (int64_t j = 0; j < d; ++j) { part[j] += y[j]; h[j] += y[j]; }
+        }
+      }
+      float square = 0.f;
+#pragma omp simd reduction(+ : square)
+      for (int64_t j = 0; j < d; ++j) square += part[j] * part[j];
+      R[t] = 1.f / std::sqrt(square / fd + feps);
+    }
+  });
+}
+
+// The fused norm alone, on contiguous rows [..., D]: what `fused_norm` compares with the module.
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, int64_t lanes) {
+  check_float(x, "x");
+  TORCH_CHECK(x.is_contiguous() && weight.numel() > 0, "rms_norm: contiguous rows and a weight needed");
+  const int64_t d = x.size(-1), rows = x.numel() / d;
+  const Norm norm = norm_of(weight, eps, lanes, d);
+  auto out = x.clone();
+  float* O = out.data_ptr<float>();
+  for (int64_t t = 0; t < rows; ++t) normalize(O + t * d, d, norm);
   return out;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("step_mix", &step_mix);
   module.def("buffer_mix", &buffer_mix);
+  module.def("rms_norm", &rms_norm);
+  module.def("close_source", &close_source);
 }
 """
 
@@ -222,7 +355,8 @@ _VECTOR_FLAGS = {
 
 def _flags() -> list[str]:
     vector = _VECTOR_FLAGS.get(torch.backends.cpu.get_cpu_capability(), [])
-    return ["-O3", "-fopenmp", *vector, "-mtune=native"]
+    # -ffp-contract=off: a fused norm rounds each product and sum as torch's kernels do (no FMA contraction).
+    return ["-O3", "-ffp-contract=off", "-fopenmp", *vector, "-mtune=native"]
 
 
 def build():
@@ -277,20 +411,84 @@ def buffer_mix(
     inv_rms: torch.Tensor | None = None,
     added: torch.Tensor | None = None,
     init: bool = False,
+    norm: tuple = (),
 ) -> torch.Tensor:
     """A many-token reader with the `build()` kernels: sources [K, B, T, D] source-major, stream [B, T, D];
     table [K, B, T] (this reader's scores of the completed sources) or inv_rms [K, B, T]; added [B, T, D], the
     previous output, which first joins the partial sum (slot m; `init`: becomes it) and the stream. Returns the
-    mix [B, T, D]. (A few-token reader calls `kernels.step_mix(padded, n, q, stream, count, added, slot)`
-    directly, with `NONE` for no added output.)"""
+    mix [B, T, D], or with `norm` (a `fused_norm`) the sublayer's norm of it. (A few-token reader calls
+    `kernels.step_mix(padded, n, q, stream, count, added, slot, *norm)` directly, with `NONE` for no added
+    output and `NO_NORM` for no norm.)"""
     d = sources.shape[-1]
     flat = kernels.buffer_mix(
         sources.reshape(sources.shape[0], -1, d), m, has_partial, q, stream.reshape(-1, d), eps, count,
         NONE if table is None else table.reshape(table.shape[0], -1),
         NONE if inv_rms is None else inv_rms.reshape(inv_rms.shape[0], -1),
-        NONE if added is None else added.reshape(-1, d), init,
+        NONE if added is None else added.reshape(-1, d), init, *(norm or NO_NORM),
     )
     return flat.view(stream.shape)
 
 
 NONE = torch.empty(0)  # an absent optional tensor argument
+NO_NORM = (NONE, 0.0, 8)  # the norm arguments of a reader that returns its mix
+
+# Lanes of torch's CPU sum to try (its vector width in floats differs between builds and machines).
+_LANES = (8, 16, 4)
+
+
+def fused_norm(kernels, norm: torch.nn.Module, checked: dict, forward=None) -> tuple:
+    """(weight, eps, lanes) for the kernels to apply `norm` to a reader's mix in the same pass, or () where the
+    module must be called: it is fused only after its output on test rows matched the kernels' `rms_norm` bit for
+    bit (one row, as in a decoding step, and enough rows for torch to spread them over threads), so a converted
+    model gives the same bits with and without the fusion. That covers the RMSNorm of Llama-style families in
+    float32; any other norm (a LayerNorm, a (1 + weight) scale, a norm in another dtype) fails the check and is
+    called as before. So does a norm with hooks (they must see their call), a replaced `forward` (accelerate's
+    offloading) or under autocast. `checked` (the model's, keyed by module) keeps each module's verdict;
+    `forward`: what to compare with in place of `norm` itself (the final norm's own forward under its mixin)."""
+    if (
+        norm._forward_hooks or norm._forward_pre_hooks or "forward" in norm.__dict__
+        or _global_hooks() or torch.is_autocast_enabled("cpu")
+    ):
+        return ()
+    entry = checked.get(id(norm))
+    if entry is None or entry[0] is not norm or entry[1] is not type(norm):
+        entry = (norm, type(norm), _verified(kernels, norm, forward or norm))
+        checked[id(norm)] = entry
+    if entry[2] is None:
+        return ()
+    weight = norm._parameters.get("weight")
+    if weight is None or weight.dtype != torch.float32 or weight.device.type != "cpu" or not weight.is_contiguous():
+        return ()
+    return (weight, *entry[2])
+
+
+def _global_hooks() -> bool:
+    module = torch.nn.modules.module
+    return bool(module._global_forward_hooks or module._global_forward_pre_hooks)
+
+
+def _verified(kernels, norm: torch.nn.Module, forward) -> tuple | None:
+    """(eps, lanes) where the kernels' RMSNorm reproduces `forward` bit for bit; None otherwise."""
+    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+    weight = norm._parameters.get("weight")
+    if not isinstance(eps, float) or weight is None or weight.dim() != 1 or weight.dtype != torch.float32:
+        return None
+    d = weight.numel()
+    if d >= 1 << 15 or weight.device.type != "cpu":
+        return None
+    generator = torch.Generator().manual_seed(0)
+    rows = 33 + (1 << 15) // d  # past torch's grain (32768 elements): a multi-threaded reduction
+    x = torch.randn(1, rows, d, generator=generator) * torch.logspace(-4, 4, rows).view(1, rows, 1)
+    with torch.no_grad():
+        try:
+            expected = forward(x), forward(x[:, :1])
+        except Exception:  # noqa: BLE001 - a module that cannot run on plain float32 rows is not fused
+            return None
+        if not all(isinstance(e, torch.Tensor) and e.dtype == torch.float32 for e in expected):
+            return None
+        for lanes in _LANES:
+            got = kernels.rms_norm(x, weight, eps, lanes), kernels.rms_norm(x[:, :1].contiguous(), weight, eps, lanes)
+            if all(g.shape == e.shape and torch.equal(g, e) for g, e in zip(got, expected)):
+                return eps, lanes
+    logger.info("AttnRes: %s is not fused into the C++ depth mix (its output differs from an RMSNorm's)", type(norm).__name__)
+    return None

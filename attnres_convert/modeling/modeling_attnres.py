@@ -48,7 +48,7 @@ from .depth_attention import (
     step_mix,
     wants_queries,
 )
-from .depth_kernels_cpu import NONE
+from .depth_kernels_cpu import NO_NORM, NONE, fused_norm
 from .remote_code import ship_base_code
 from .weight_names import default_save_conversions, guard_all
 
@@ -166,13 +166,15 @@ class AttnResDecoderLayerMixin:
             return (state,) if spec.tuple_output else state
         for sublayer, plan, names in zip(spec.sublayers, spec.plans, spec.param_names):
             if plan.closes_block:
-                state = close_block(state, spec.eps)
+                state = close_block(state, spec.eps, plan.index - 1)
             params = (None, None) if folded else _depth_params(self, names)
             projection = self._modules[names[0]].projection() if spec.query_rank else None
-            h = depth_mix(state, *params, spec.eps, spec.scaling, reader=plan.index - 1, projection=projection)
+            native = getattr(state, "native", None) if gate == 1.0 else None
+            norm = () if native is None else _sublayer_norm(self, sublayer, native, spec.runtime)
+            h = depth_mix(state, *params, spec.eps, spec.scaling, reader=plan.index - 1, projection=projection, norm=norm)
             if gate != 1.0:
                 h = gated(state, h, gate)
-            state = add_output(state, run_sublayer(self, sublayer, h, call_kwargs))
+            state = add_output(state, run_sublayer(self, sublayer, h, call_kwargs, normed=bool(norm)))
         return (state,) if spec.tuple_output else state
 
 
@@ -182,8 +184,9 @@ def _decoding_step(layer: nn.Module, spec: _LayerSpec, state: SourceBuffer, call
     operation. Measured in one process against the general path, together with the buffer and queries a
     decoding loop keeps (`_all_queries`, start_state): 0.75 ms less per SmolLM2 token of about 38 ms.
     With the C++ kernels (ATTNRES_KERNEL=cpu) a reader is one call, which also makes the residual adds of
-    the output before it (one operation less per sublayer); the layer's last output is left to the next
-    layer's first reader (or the final norm's), as the state's pending `update`."""
+    the output before it (one operation less per sublayer), and the sublayer's norm where it is fused (see
+    `fused_norm`); the layer's last output is left to the next layer's first reader (or the final norm's), as
+    the state's pending `update`."""
     step, count, partial, native = state.step, state.count, state.has_partial, state.native
     if native is None:
         for sublayer, plan in zip(spec.sublayers, spec.plans):
@@ -200,23 +203,40 @@ def _decoding_step(layer: nn.Module, spec: _LayerSpec, state: SourceBuffer, call
         if plan.closes_block and partial:
             count, partial = count + 1, False
         n = count + partial
-        h = native.step_mix(step.padded[n], n, step.queries[plan.index - 1], state.stream, count_scaling, added, slot)
-        added, slot, partial = run_sublayer(layer, sublayer, h, call_kwargs), count, True
+        norm = _sublayer_norm(layer, sublayer, native, spec.runtime)
+        h = native.step_mix(
+            step.padded[n], n, step.queries[plan.index - 1], state.stream, count_scaling, added, slot, *(norm or NO_NORM)
+        )
+        added, slot, partial = run_sublayer(layer, sublayer, h, call_kwargs, normed=bool(norm)), count, True
         if added.dtype != torch.float32:  # under autocast; the eager add upcasts it just the same
             added = added.float()
     return state._replace(count=count, has_partial=partial, update=native_update(state, added, slot))
 
 
-def run_sublayer(layer: nn.Module, sublayer: Sublayer, h: torch.Tensor, call_kwargs: dict) -> torch.Tensor:
+def _sublayer_norm(layer: nn.Module, sublayer: Sublayer, native, runtime: dict) -> tuple:
+    """The norm of a one-branch sublayer for the C++ kernels to apply to its reader's mix (`fused_norm`), or ()."""
+    if len(sublayer.branches) != 1:
+        return ()
+    norm = layer._modules.get(sublayer.branches[0].norm)
+    if norm is None:
+        return ()
+    checked = runtime.get("norms")
+    if checked is None:
+        checked = runtime.setdefault("norms", {})
+    return fused_norm(native, norm, checked)
+
+
+def run_sublayer(layer: nn.Module, sublayer: Sublayer, h: torch.Tensor, call_kwargs: dict, normed: bool = False) -> torch.Tensor:
     """What one sublayer adds to the residual stream read as `h`: the sum of its branches'
-    `scale * post(module(norm(h)))`. The conversion's per-layer proof runs this same function."""
+    `scale * post(module(norm(h)))` (`normed`: `h` is its one branch's norm(h) already). The conversion's
+    per-layer proof runs this same function."""
     total, children = None, layer._modules
     for branch in sublayer.branches:
         # A plain child name is looked up in place (a decoding step pays for every call), a dotted path by module_at.
         norm, module = children.get(branch.norm), children.get(branch.module)
         norm = module_at(layer, branch.norm) if norm is None else norm
         module = module_at(layer, branch.module) if module is None else module
-        x = norm(h)
+        x = h if normed else norm(h)
         y = module(x, **call_kwargs) if branch.attention else module(x)
         if isinstance(y, tuple):  # attention returns (output, weights); some MoE blocks (output, router)
             y = y[0]
@@ -340,7 +360,11 @@ class AttnResFinalNormMixin:
             owner, eps, scaling, runtime = self._attnres_output
             state, like = hidden_states, hidden_states.stream
             if getattr(state, "queries", None) is not None:  # folded with the sublayers' (see `_all_queries`)
-                hidden_states = depth_mix(state, None, None, eps, scaling, reader=-1)
+                native = getattr(state, "native", None) if runtime.get("gate", 1.0) == 1.0 else None
+                norm = () if native is None else fused_norm(native, self, runtime.setdefault("norms", {}), super().forward)
+                hidden_states = depth_mix(state, None, None, eps, scaling, reader=-1, norm=norm)
+                if norm:
+                    return hidden_states  # this norm's output, made with the mix
             else:
                 # Looked up on the owner at every call, so a wrapper put in their place (PEFT's
                 # modules_to_save, FSDP) is the one used.
