@@ -79,7 +79,9 @@ def decoding_reader(kernels, repeats: int, sources: int = 5) -> dict:
     q, stream = step.queries[7], step.slots[9]
     fns = {
         "eager": lambda: da.step_mix(step, sources, q, stream, "count"),
-        "cpu": lambda: kernels.step_mix(step.padded[sources], sources, q, stream, True, depth_kernels_cpu.NONE, 0),
+        "cpu": lambda: kernels.step_mix(
+            step.padded[sources], sources, q, stream, True, depth_kernels_cpu.NONE, 0, *depth_kernels_cpu.NO_NORM
+        ),
     }
     medians = timed(fns, repeats)
     return {"metric": f"decoding reader, 1 token, {sources} sources", **medians, "ratio": medians["cpu"] / medians["eager"]}

@@ -7,7 +7,13 @@ On CPU the eager reader is a chain of small operations, and both forwards pay fo
   count-scaled mix are six of them. `step_mix` is one call.
 * a prefill is bound by memory traffic: the eager mix is a chain of multiply-adds over whole sources, each
   reading and writing the running sum again. `buffer_mix` reads each source once per token, merges the
-  reader's score table (phase 1) with the partial sum's score, and writes the mix once.
+  reader's score table (phase 1) with the partial sum's score, and writes the mix once. A block's close is
+  `close_source`: the pending residual adds and the new source's 1 / rms in one pass.
+
+Both readers also make the previous output's residual adds, and can return the sublayer's RMSNorm of the mix
+instead of the mix (`fused_norm`): the original model runs that norm as five operations over the whole
+tensor, which the kernels fold into the pass that wrote the row, summing its squares in torch's own order so
+the result keeps the module's bits.
 
 Both compute h = H + sum_i (n alpha_i - 1) k_i with n alpha_i - 1 = (n e_i - sum e) / sum e, exactly 0 when
 all scores are equal: at zero queries h is the stream H bit for bit, as on the eager path. Inference only
