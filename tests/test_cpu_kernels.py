@@ -18,7 +18,7 @@ import torch.utils.cpp_extension
 from attnres_convert import convert_model, save_converted
 from attnres_convert.modeling import depth_attention, depth_kernels_cpu
 from test_structure import _randomize_depth_params, _reference_llama
-from tiny_models import tiny_model, token_ids
+from tiny_models import CONFIGS, tiny_model, token_ids
 
 if shutil.which("c++") is None and shutil.which("g++") is None:
     pytest.skip("no C++ compiler (c++ or g++) to build the CPU kernels with", allow_module_level=True)
@@ -285,3 +285,26 @@ def test_a_layer_norm_family_at_zero_queries():
         assert torch.equal(zero(ids).logits, original(ids).logits)
     verdicts = _norm_verdicts(zero)  # made by the kernels' path only
     assert set(verdicts) == {"LayerNorm", "AttnResLayerNorm"} and set(verdicts.values()) == {None}
+
+
+# Norms the C++ readers fuse: the Llama-style RMSNorms. Not fused: Gemma's (1 + weight) and the LayerNorms.
+FUSED_NORMS = {"llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "phi3", "granite", "glm4", "deepseek_v3"}
+
+
+@pytest.mark.parametrize("family", sorted(CONFIGS))
+def test_every_tiny_family_matches_the_eager_path_bit_for_bit_at_zero_queries(family, monkeypatch):
+    """Each family of tiny_models.py, converted, on the C++ path at zero queries: a prefill's logits and a greedy
+    decoding with the KV cache give the eager path's bits (which are the original's, or within 1e-6 where the base
+    forward orders its residual adds differently, as Cohere's does); its norms are fused exactly where they are
+    Llama-style RMSNorms."""
+    ids = token_ids(2, MANY)
+    zero = convert_model(tiny_model(family)).eval()
+    kwargs = dict(max_new_tokens=4, do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        got, steps = zero(ids).logits, zero.generate(ids[:, :FEW], **kwargs)
+        want, eager_steps = _eager(monkeypatch, lambda: (zero(ids).logits, zero.generate(ids[:, :FEW], **kwargs)))
+    assert torch.equal(got, want)
+    assert torch.equal(steps.sequences, eager_steps.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(steps.logits, eager_steps.logits))
+    verdicts = _norm_verdicts(zero)
+    assert verdicts and all((verdict is not None) == (family in FUSED_NORMS) for verdict in verdicts.values()), verdicts
