@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -287,9 +288,14 @@ def convert_cost(folder: Path, workdir: Path, repeats: int) -> list[dict]:
     attnres = str(Path(sys.executable).with_name("attnres"))
     runs = {"plain": [], "convert": [], "convert+verify": []}
     for i in range(repeats):
-        runs["plain"].append(_timed([sys.executable, "-c", plain, str(workdir / f"plain{i}")]))
-        runs["convert"].append(_timed([attnres, "convert", str(folder), "-o", str(workdir / f"conv{i}"), "--no-verify"]))
-        runs["convert+verify"].append(_timed([attnres, "convert", str(folder), "-o", str(workdir / f"ver{i}")]))
+        outputs = [workdir / f"{name}{i}" for name in ("plain", "conv", "ver")]
+        for out in outputs:  # what an earlier (or interrupted) run wrote: the commands write new folders
+            shutil.rmtree(out, ignore_errors=True)
+        runs["plain"].append(_timed([sys.executable, "-c", plain, str(outputs[0])]))
+        runs["convert"].append(_timed([attnres, "convert", str(folder), "-o", str(outputs[1]), "--no-verify"]))
+        runs["convert+verify"].append(_timed([attnres, "convert", str(folder), "-o", str(outputs[2])]))
+        for out in outputs:
+            shutil.rmtree(out, ignore_errors=True)
     med = {k: (statistics.median(t for t, _ in v), statistics.median(m for _, m in v)) for k, v in runs.items()}
     rows = []
     for name in ("convert", "convert+verify"):

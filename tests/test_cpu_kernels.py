@@ -2,7 +2,8 @@
 model bit for bit at zero queries, against the eager path and the plain reference with random queries, on both
 of their paths (a few-token forward's token-major buffer, and a prefill's source-major buffer with its score
 table), greedy decoding with the KV cache, Full AttnRes and a block size that does not divide the depth; the
-shipped folder; and the selection's errors. The first test in a fresh machine compiles them (about 25 s)."""
+sublayers' norms they fuse (the module's bits, or not fused); every tiny family; the shipped folder; and the
+selection's errors. The first test in a fresh machine compiles them (about 25 s)."""
 
 from __future__ import annotations
 
