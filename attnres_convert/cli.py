@@ -1,1 +1,611 @@
-../cli.py
+"""The `attnres` command line: thin Typer commands over the attnres_convert library."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shlex
+import signal
+import sys
+import warnings
+from collections.abc import Callable, Iterator
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Literal, Optional, get_args, get_origin
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    ProgressColumn,
+    SpinnerColumn,
+    TextColumn,
+    TimeElapsedColumn,
+    TransferSpeedColumn,
+)
+from rich.text import Text
+from rich.table import Table
+
+from attnres_convert.conversion.options import ConvertOptions, DTypeName, OptionsError
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+app = typer.Typer(
+    name="attnres",
+    help="Convert pretrained PreNorm causal LMs to Block Attention Residuals, exactly; fine-tune; share.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+console = Console()
+
+
+@app.callback()
+def _root() -> None:
+    """Keep `attnres` a command group even while it has one command."""
+err_console = Console(stderr=True)
+
+EXIT_BAD_INPUT = 2
+EXIT_FAILED_CHECK = 1
+
+
+DType = Enum("DType", {name: name for name in get_args(DTypeName)}, type=str)
+
+
+def scrubbed(text: str) -> str:
+    """TEXT without a HuggingFace token (HF_TOKEN's value or anything shaped like one)."""
+    from attnres_convert.errors import scrub
+
+    return scrub(text, os.environ.get("HF_TOKEN") or os.environ.get("HUGGING_FACE_HUB_TOKEN") or None)
+
+
+def fail(message: str, code: int = EXIT_BAD_INPUT) -> None:
+    # Escaped: a path or an upstream message with [brackets] is text, not Rich markup.
+    err_console.print(f"[bold red]error:[/] {escape(scrubbed(message))}", highlight=False)
+    raise typer.Exit(code)
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    err_console.print(f"[yellow]warning:[/] {escape(scrubbed(str(message)))}", highlight=False)
+
+
+@contextlib.contextmanager
+def user_errors() -> Iterator[None]:
+    """Errors the user can fix: a message, exit code 2, no traceback."""
+    from attnres_convert import AttnResError, BlockSizeError, UnsupportedModelError, VerificationError
+
+    try:
+        with warnings.catch_warnings():
+            warnings.showwarning = _show_warning  # "warning: ..." lines, e.g. for a pickle-only checkpoint
+            yield
+    except VerificationError as error:
+        fail(str(error), EXIT_FAILED_CHECK)
+    except (AttnResError, BlockSizeError, UnsupportedModelError) as error:
+        fail(str(error))
+
+
+def quiet_transformers() -> None:
+    """No transformers progress bars or info logs: the command shows its own progress."""
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
+
+
+@contextlib.contextmanager
+def training_errors(main: bool, interrupted: Callable[[Exception], str] = lambda error: escape(str(error))) -> Iterator[None]:
+    """Errors of a training command, raised in every process of a launch; only the main process prints.
+
+    Interrupted (a checkpoint was saved, or a run replacing an earlier one was discarded): exit 128 + signal,
+    like an interrupted shell job, with INTERRUPTED(error) as the message. A failed training check: exit 1;
+    other user errors: exit 2.
+    """
+    from attnres_convert import AttnResError, BlockSizeError, UnsupportedModelError
+    from attnres_convert.finetune.training import TrainingError, TrainingInterrupted
+
+    try:
+        yield
+    except TrainingInterrupted as error:
+        if main:
+            err_console.print(f"[yellow]interrupted:[/] {interrupted(error)}", highlight=False)
+        raise typer.Exit(128 + error.signum) from None
+    except (AttnResError, BlockSizeError, UnsupportedModelError) as error:
+        code = EXIT_FAILED_CHECK if isinstance(error, TrainingError) else EXIT_BAD_INPUT
+        if main:
+            fail(str(error), code)
+        raise typer.Exit(code) from None
+
+
+class _ForBytes(ProgressColumn):
+    """A column shown only on tasks that count bytes (a bar with size and speed); stage lines stay plain."""
+
+    def __init__(self, column: ProgressColumn):
+        super().__init__()
+        self.column = column
+
+    def render(self, task):
+        return self.column.render(task) if task.fields.get("bytes") else Text("")
+
+
+@contextlib.contextmanager
+def stages() -> Iterator:
+    """A Rich progress display with one line per stage of a long job; `stage.progress(name, total)` adds a
+    line with a bar over TOTAL bytes, whose context value advances it."""
+    quiet_transformers()
+    columns = [BarColumn(), DownloadColumn(), TransferSpeedColumn()]
+    with Progress(
+        SpinnerColumn(), TextColumn("{task.description}"), *map(_ForBytes, columns), TimeElapsedColumn(),
+        console=err_console, transient=False,
+    ) as progress:
+
+        @contextlib.contextmanager
+        def bytes_bar(name: str, total: int) -> Iterator:
+            task = progress.add_task(name, total=total, bytes=True)
+            yield lambda nbytes: progress.advance(task, nbytes)
+
+        @contextlib.contextmanager
+        def stage(name: str) -> Iterator[None]:
+            task = progress.add_task(name, total=1)
+            try:
+                yield
+            finally:
+                progress.update(task, completed=1)
+
+        stage.progress = bytes_bar
+        yield stage
+
+
+def verification_table(report) -> Table:
+    table = Table(title=f"Verification against the original ({report.tokens} tokens, {report.dtype})")
+    for column in ("max |Δ logit|", "KL (nats)", "top-1 agreement", f"greedy ×{report.new_tokens} (KV cache)", "result"):
+        table.add_column(column, justify="right")
+    greedy = "identical" if report.greedy_identical else f"differs at {report.first_divergence}"
+    verdict = "[green]PASS[/]" if report.passed else "[red]FAIL[/]"
+    table.add_row(
+        f"{report.max_abs_logit_diff:.2e}", f"{report.kl:.2e}", f"{report.top1_agreement:.2%}", greedy, verdict
+    )
+    return table
+
+
+def summary_table(summary) -> Table:
+    from attnres_convert.io.card import describe_sources
+
+    table = Table(title="Block AttnRes structure")
+    table.add_column("what")
+    table.add_column("value", justify="right")
+    table.add_row("base model type", summary.model_type)
+    table.add_row("decoder layers / sublayers", f"{summary.num_layers} / {summary.num_sublayers}")
+    table.add_row("block size S (sublayers)", str(summary.block_size))
+    table.add_row("blocks", str(summary.num_blocks))
+    counts = summary.sources_per_sublayer
+    table.add_row("sources per sublayer", f"{min(counts)}..{max(counts)} (output: {summary.output_sources})")
+    table.add_row("output aggregation reads", describe_sources(summary.num_sublayers, summary.block_size)[-1])
+    if summary.query_rank:
+        table.add_row("queries", f"input-dependent, rank {summary.query_rank}")
+    table.add_row("parameters added", f"{summary.params_added:,} ({summary.params_added / summary.params_total:.4%})")
+    return table
+
+
+# Hub options shared by every command that writes a model folder (convert, finetune).
+PushToHubOption = Annotated[
+    Optional[str], typer.Option("--push-to-hub", metavar="REPO_ID", help="Upload the saved folder to this hub repo.")
+]
+PrivateOption = Annotated[bool, typer.Option("--private", help="Create the hub repo as private.")]
+TokenOption = Annotated[
+    Optional[str],
+    typer.Option("--token", help="HuggingFace token with write access (default: HF_TOKEN, else the `hf auth login` cache)."),
+]
+
+
+def check_push_options(repo_id: str | None, token: str | None) -> None:
+    """Before a long job: a bad repo id or a missing token fails now, not after the model is built."""
+    if repo_id is None:
+        return
+    from attnres_convert.hub.push import check_repo_id, resolve_token
+
+    with user_errors():
+        check_repo_id(repo_id)
+        resolve_token(token)
+
+
+def push_saved(folder: Path, repo_id: str, **kwargs) -> None:
+    """Push a saved folder and say where it went (errors: exit 2, the folder stays saved locally)."""
+    from attnres_convert.hub.push import push_folder
+
+    with user_errors(), stages() as stage, stage(f"Pushing {folder} to {repo_id}"):
+        result = push_folder(folder, repo_id, **kwargs)
+    console.print(f"[green]Pushed[/] {len(result.files)} files to [bold]{result.url}[/] ({result.revision})")
+    if result.commit_url:
+        console.print(f"commit: {result.commit_url}", highlight=False)
+
+
+def options_from(model: type, parameter: str = "options", panel: str = "Options"):
+    """Add MODEL's fields (a pydantic model) to a command as options and pass them to it as one MODEL.
+
+    Each field is `--field-name` with the field's description as help; a bool that defaults to True is
+    `--name/--no-name`; a Literal is a choice. Fields with json_schema_extra={"cli": False} stay library-only.
+    """
+    import functools
+    import inspect
+
+    def option(name, field):
+        flag = "--" + name.replace("_", "-")
+        annotation = field.annotation
+        if annotation is bool:
+            flag = f"{flag}/--no-{name.replace('_', '-')}" if field.default else flag
+        elif get_origin(annotation) is Literal:
+            annotation = Enum(name, {value: value for value in get_args(annotation)}, type=str)
+        info = typer.Option(flag, help=field.description, show_default=field.default is not None, rich_help_panel=panel)
+        default = annotation(field.default) if isinstance(annotation, type) and issubclass(annotation, Enum) else field.default
+        return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=Annotated[annotation, info], default=default)
+
+    fields = {name: f for name, f in model.model_fields.items() if (f.json_schema_extra or {}).get("cli", True)}
+
+    def decorate(command):
+        signature = inspect.signature(command, eval_str=True)
+        kept = [p for p in signature.parameters.values() if p.name != parameter]
+        added = [option(name, field) for name, field in fields.items()]
+
+        @functools.wraps(command)
+        def wrapper(*args, **kwargs):
+            values = {name: kwargs.pop(name) for name in fields}
+            values = {name: v.value if isinstance(v, Enum) else v for name, v in values.items()}
+            try:  # a value out of range (--query-rank -1) is a usage error with the field's name, not a traceback
+                options = model.build(**values) if hasattr(model, "build") else model(**values)
+            except OptionsError as error:
+                fail(str(error))
+            return command(*args, **kwargs, **{parameter: options})
+
+        wrapper.__signature__ = signature.replace(parameters=kept + added)
+        return wrapper
+
+    return decorate
+
+
+@app.command()
+@options_from(ConvertOptions, panel="Conversion options")
+def convert(
+    source: Annotated[
+        Optional[str], typer.Argument(help="Hub id, local model folder or .gguf file. Default: embedded SmolLM2-135M-Instruct.")
+    ] = None,
+    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Output folder.")] = None,
+    push_to_hub: PushToHubOption = None,
+    private: PrivateOption = False,
+    token: TokenOption = None,
+    options: ConvertOptions = None,
+) -> None:
+    """Convert a PreNorm causal LM to Block AttnRes and check it reproduces the original."""
+    if output is None:
+        fail("missing --output/-o OUT: the folder to write the converted model to.")
+    check_push_options(push_to_hub, token)
+    from attnres_convert import convert as run_convert
+
+    with user_errors(), stages() as stage:
+        result = run_convert(source, output, options, stage=stage, progress=stage.progress)
+    console.print(summary_table(result.summary))
+    if result.verification is not None:
+        console.print(verification_table(result.verification))
+    if result.verification_budget:
+        console.print(f"verification {result.verification_budget}", highlight=False)
+    console.print(f"[green]Saved[/] {result.source} as Block AttnRes to [bold]{result.output}[/]")
+    if push_to_hub:
+        push_saved(result.output, push_to_hub, private=private, token=token)
+
+
+@app.command()
+def push(
+    folder: Annotated[Path, typer.Argument(help="A folder written by `attnres convert` or `attnres finetune`.")],
+    repo_id: Annotated[str, typer.Argument(help="Hub repo: NAME or NAMESPACE/NAME (created if missing).")],
+    private: PrivateOption = False,
+    revision: Annotated[
+        Optional[str], typer.Option("--revision", help="Branch to push to (created from main if missing).")
+    ] = None,
+    commit_message: Annotated[Optional[str], typer.Option("--commit-message", help="Commit message.")] = None,
+    token: TokenOption = None,
+) -> None:
+    """Upload a converted or fine-tuned model folder to the HuggingFace hub, after checking it loads."""
+    push_saved(folder, repo_id, private=private, revision=revision, commit_message=commit_message, token=token)
+
+
+def depth_table(depth) -> Table:
+    table = Table(title=f"Depth-attention weights (mean over {depth.tokens} tokens; blank: not a source of that reader)")
+    table.add_column("reader")
+    for column in depth.columns:
+        table.add_column(column.replace("embedding", "emb"), justify="right")
+    for reader, row in zip(depth.readers, depth.matrix):
+        table.add_row(reader, *("" if value != value else f"{value:.2f}" for value in row))
+    return table
+
+
+@app.command("inspect")
+def inspect_command(
+    model: Annotated[
+        Optional[str],
+        typer.Argument(help="A converted folder, or a plain model (hub id, folder, .gguf) to convert in memory. Default: embedded SmolLM2."),
+    ] = None,
+    plot: Annotated[
+        Optional[Path], typer.Option("--plot", help="Write depth heatmaps to OUT.png and magnitudes to OUT-magnitudes.png.")
+    ] = None,
+    text: Annotated[Optional[Path], typer.Option("--text", help="Text to average over (default: a built-in sample).")] = None,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", help="Use at most this many tokens of the text.")] = 256,
+    trust_remote_code: Annotated[bool, typer.Option("--trust-remote-code", help="Allow a plain model's own code to run.")] = False,
+) -> None:
+    """Show the AttnRes structure and the learned depth-attention weights; plot them with --plot."""
+    from attnres_convert.analysis.inspection import inspect_source
+
+    if text is not None and not text.is_file():
+        fail(f"--text {text}: no such file.")
+    with user_errors(), stages() as stage, stage("Inspecting"):
+        result = inspect_source(
+            model,
+            text=text.read_text(errors="replace") if text else None,
+            max_tokens=max_tokens,
+            plot=str(plot) if plot else None,
+            trust_remote_code=trust_remote_code,
+        )
+    inspection = result.inspection
+    console.print(summary_table(inspection.summary))
+    console.print(depth_table(inspection.depth))
+    for note in inspection.notes:
+        console.print(f"[yellow]note:[/] {note}", highlight=False)
+    for path in result.plots:
+        console.print(f"[green]Wrote[/] {path}")
+
+
+recipes_app = typer.Typer(help="Fine-tuning recipes: list, show and validate them.", no_args_is_help=True)
+app.add_typer(recipes_app, name="recipes")
+
+
+def _is_main_process() -> bool:
+    # Under `accelerate launch` every process runs this command; only rank 0 talks to the user.
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+@app.command("eval")
+def eval_command(
+    model: Annotated[
+        Optional[str],
+        typer.Argument(help="A converted folder, hub id, model folder or .gguf file. Default: embedded SmolLM2-135M-Instruct."),
+    ] = None,
+    data: Annotated[
+        Optional[list[str]],
+        typer.Option("--data", help="Held-out text: .txt/.md, .jsonl/.json, .parquet files, globs, or shakespeare:NAME (repeatable)."),
+    ] = None,
+    seq_len: Annotated[int, typer.Option("--seq-len", help="Tokens per sequence.")] = 512,
+    max_tokens: Annotated[Optional[int], typer.Option("--max-tokens", help="Read at most this many tokens of text.")] = None,
+    batch_size: Annotated[int, typer.Option("--batch-size", help="Sequences per forward pass.")] = 1,
+    dtype: Annotated[DType, typer.Option(help="auto keeps the checkpoint's dtype.")] = DType.auto,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON on stdout.")] = False,
+    trust_remote_code: Annotated[bool, typer.Option("--trust-remote-code", help="Allow the model's own code to run.")] = False,
+) -> None:
+    """Held-out loss and perplexity of a plain or converted model, to compare the two with one tool."""
+    import json
+
+    from attnres_convert.analysis.evaluate import evaluate
+
+    with user_errors(), stages() as stage, stage("Evaluating"):
+        result = evaluate(
+            model,
+            data or [],
+            seq_len=seq_len,
+            max_tokens=max_tokens,
+            batch_size=batch_size,
+            dtype=dtype.value,
+            trust_remote_code=trust_remote_code,
+        )
+    if as_json:
+        print(json.dumps(result.to_dict(), indent=2))
+        return
+    table = Table(title=f"Held-out evaluation ({result.sequences} x {result.seq_len} tokens, {result.dtype})")
+    for column in ("model", "AttnRes", "tokens scored", "loss (nats/token)", "perplexity"):
+        table.add_column(column, justify="left" if column == "model" else "right")
+    table.add_row(
+        result.model, "yes" if result.converted else "no", f"{result.tokens:,}", f"{result.loss:.4f}", f"{result.perplexity:.3f}"
+    )
+    console.print(table)
+
+
+@app.command("finetune")
+def finetune_command(
+    recipe: Annotated[str, typer.Argument(help="A recipe YAML file, or the name of a shipped recipe (attnres recipes list).")],
+    overrides: Annotated[
+        Optional[list[str]], typer.Argument(help="key.path=value overrides, e.g. train.lr=1e-4 train.steps=50.", show_default=False)
+    ] = None,
+    resume: Annotated[bool, typer.Option("--resume", help="Continue the run in output.dir from its last checkpoint.")] = False,
+    push_to_hub: PushToHubOption = None,
+    private: PrivateOption = False,
+    token: TokenOption = None,
+) -> None:
+    """Continued pretraining of a converted model (or, with model.convert=false, of the original)."""
+    from attnres_convert.finetune.recipe import load_recipe
+    from attnres_convert.finetune.training import finetune
+
+    quiet_transformers()  # one progress bar: the training one
+    overrides = list(overrides or [])
+    if push_to_hub:
+        overrides += [f"output.push_to_hub={push_to_hub}"] + (["output.private=true"] if private else [])
+    main = _is_main_process()
+    with training_errors(main):
+        parsed = load_recipe(recipe, overrides)
+        result = finetune(parsed, resume=resume, console=err_console if main else None, token=token)
+    if not main:
+        return
+    metrics = result.metrics
+    table = Table(title=f"Fine-tuned {metrics['steps']} steps, {metrics['tokens']:,} tokens ({metrics['processes']} process(es))")
+    for column in ("", "held-out loss", "perplexity"):
+        table.add_column(column, justify="right")
+    if metrics["eval_loss_start"] is not None:
+        table.add_row("before (step 0)", f"{metrics['eval_loss_start']:.4f}", f"{metrics['eval_perplexity_start']:.2f}")
+    table.add_row("after", f"{metrics['eval_loss']:.4f}", f"{metrics['eval_perplexity']:.2f}")
+    console.print(table)
+    if metrics["tokens_per_s"]:
+        console.print(f"training throughput: {metrics['tokens_per_s']:,.0f} tokens/s", highlight=False)
+    console.print(f"[green]Run folder[/] [bold]{escape(str(result.output))}[/] (metrics.jsonl, loss_curve.png, final_metrics.json)")
+    if result.model_dir is not None:
+        console.print(f"[green]Model[/] [bold]{escape(str(result.model_dir))}[/]")
+    if result.pushed is not None:
+        console.print(f"[green]Pushed[/] to [bold]{result.pushed.url}[/]")
+
+
+@app.command("ab")
+def ab_command(
+    recipe: Annotated[str, typer.Argument(help="A recipe that trains lora or full (e.g. ab-smollm2-shakespeare).")],
+    overrides: Annotated[
+        Optional[list[str]], typer.Argument(help="key.path=value overrides for every arm.", show_default=False)
+    ] = None,
+    sweep: Annotated[
+        Optional[list[str]],
+        typer.Option("--sweep", help='An extra AttnRes arm: space- or comma-separated overrides, e.g. "train.attnres_lr=1e-3" (repeatable).'),
+    ] = None,
+    seeds: Annotated[int, typer.Option("--seeds", help="Run every arm with train.seed, train.seed+1, ...: deltas paired per seed.")] = 1,
+    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Output folder (default outputs/ab-RECIPE).")] = None,
+    workdir: Annotated[Optional[Path], typer.Option("--workdir", help="Where the arms' run folders go (default OUTPUT-runs).")] = None,
+    no_plain: Annotated[bool, typer.Option("--no-plain", help="With --sweep: no AttnRes arm without extra overrides.")] = False,
+    jobs: Annotated[int, typer.Option("--jobs", help="Train this many arms at once, in one-thread worker processes (CPU).")] = 1,
+    reuse: Annotated[bool, typer.Option("--reuse", help="Keep arms already finished in the work folder with the same recipe.")] = False,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an earlier A/B output folder.")] = False,
+    throughput: Annotated[
+        int, typer.Option("--throughput", metavar="STEPS", help="Also time STEPS training steps of every arm interleaved in one process (fair tokens/s).")
+    ] = 0,
+) -> None:
+    """A/B: the recipe trained as a baseline (model.convert=false, same trainable budget) and as AttnRes,
+    plus sweep arms, from the same start and data order; writes ab.json, ab.md and ab.png."""
+    from attnres_convert.finetune.ab import run_ab
+
+    quiet_transformers()
+    main = _is_main_process()
+    arms = [[o for o in entry.replace(",", " ").split() if o] for entry in (sweep or [])]
+    interrupted = "Finished arms are kept in the work folder: run the same command with --reuse to train only the others."
+    with training_errors(main, lambda error: f"{escape(str(error).split(';')[0])}. {interrupted}"):
+        result = run_ab(
+            recipe, list(overrides or []), sweep=arms, seeds=seeds, output=output, workdir=workdir, plain=not no_plain,
+            jobs=jobs, reuse=reuse, overwrite=overwrite, throughput=throughput, console=err_console if main else None,
+            command="attnres ab " + shlex.join(sys.argv[2:]) if len(sys.argv) > 1 and sys.argv[1] == "ab" else None,
+        )
+    if not main:
+        return
+    from rich.markdown import Markdown
+
+    console.print(Markdown((result.output / "ab.md").read_text()))
+    console.print(f"[green]A/B[/] [bold]{escape(str(result.output))}[/] (ab.json, ab.md, ab.png)")
+
+
+@app.command("architectures")
+def architectures_command(
+    model_types: Annotated[
+        Optional[list[str]], typer.Argument(help="Model types to check [default: every causal-LM type].", show_default=False)
+    ] = None,
+    markdown: Annotated[bool, typer.Option("--markdown", help="Print the table as Markdown.")] = False,
+    write: Annotated[
+        Optional[Path], typer.Option("--write", help="Replace the coverage table in this Markdown file (e.g. docs/architectures.md).")
+    ] = None,
+    variants: Annotated[bool, typer.Option("--variants/--no-variants", help="Also check non-default config variants.")] = True,
+) -> None:
+    """Which causal-LM model types of the installed transformers convert exactly (tiny random models, no download)."""
+    from rich.progress import BarColumn, MofNCompleteColumn
+
+    from attnres_convert.conversion import coverage
+
+    known = set(coverage.causal_lm_model_types())
+    unknown = [t for t in model_types or [] if t not in known]
+    if unknown:
+        fail(f"not a causal-LM model type of this transformers: {', '.join(unknown)}. Run without arguments for all.")
+    if write is not None and model_types:
+        fail("--write rewrites the whole table: run it without model types.")
+    if write is not None and not write.is_file():
+        fail(f"--write {write}: no such file. Give an existing Markdown file; the table goes between its markers.")
+    total = len(model_types or known) + (len(coverage.VARIANTS) if variants and not model_types else 0)
+    with Progress(
+        SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        console=err_console, transient=True,
+    ) as progress:
+        task = progress.add_task("checking", total=total)
+        started = [0]
+
+        def step(name: str) -> None:  # called as each row starts
+            progress.update(task, completed=started[0], description=name)
+            started[0] += 1
+
+        report = coverage.walk(model_types or None, variants=variants and not model_types, progress=step)
+    if write is not None:
+        text = write.read_text()
+        write.write_text(coverage.replace_table(text, coverage.markdown(report)))
+        err_console.print(f"[green]Wrote[/] the coverage table to {escape(str(write))}")
+    if markdown:
+        print(coverage.markdown(report))
+    elif write is None:
+        colours = {"converted": "green", "refused": "yellow", "not built": "red"}
+        table = Table(title=f"transformers {report.transformers_version}: causal-LM model types")
+        for column in ("model type", "status", "structure found or reason"):
+            table.add_column(column, overflow="fold")
+        for row in report.rows:
+            table.add_row(escape(row.label), f"[{colours[row.status]}]{row.status}[/]", escape(row.detail))
+        console.print(table)
+    counts = report.counts
+    console.print(
+        f"converted {counts['converted']}, refused {counts['refused']}, not built {counts['not built']} "
+        f"({len(report.rows)} rows)", highlight=False,
+    )
+
+
+@recipes_app.command("list")
+def recipes_list() -> None:
+    """The shipped recipes."""
+    from attnres_convert.errors import first_line
+    from attnres_convert.finetune.recipe import RecipeError, load_recipe, recipes_dir, shipped_recipes
+
+    table = Table(title=f"Recipes in {recipes_dir()}")
+    for column in ("name", "model", "trains", "steps", "description"):
+        table.add_column(column)
+    for name, path in shipped_recipes().items():
+        try:
+            recipe = load_recipe(path)
+        except RecipeError as error:
+            table.add_row(name, "", "", "", f"[red]invalid:[/] {escape(first_line(error))}")
+            continue
+        source = recipe.model.source if not recipe.model.is_default else "embedded SmolLM2"
+        table.add_row(name, source, recipe.train.trainable, str(recipe.train.steps), escape(recipe.description or ""))
+    console.print(table)
+
+
+@recipes_app.command("show")
+def recipes_show(name: Annotated[str, typer.Argument(help="A shipped recipe name or a recipe file.")]) -> None:
+    """Print a recipe as written (with its comments)."""
+    from attnres_convert.finetune.recipe import find_recipe
+
+    with user_errors():
+        path = find_recipe(name)
+    print(path.read_text(), end="")
+
+
+@recipes_app.command("validate")
+def recipes_validate(
+    recipe: Annotated[str, typer.Argument(help="A recipe file or a shipped recipe name.")],
+    overrides: Annotated[Optional[list[str]], typer.Argument(help="key.path=value overrides.", show_default=False)] = None,
+) -> None:
+    """Check a recipe (schema, data files, model source, sequence length) without loading or writing anything."""
+    from attnres_convert.finetune.preflight import check_recipe
+    from attnres_convert.finetune.recipe import load_recipe
+
+    with user_errors():
+        parsed = load_recipe(recipe, list(overrides or []))
+        check_recipe(parsed, check_output=False)
+    console.print(escape(parsed.to_yaml()), highlight=False)
+    console.print(f"[green]valid:[/] {escape(recipe)}")
+
+
+def _terminate(signum, frame) -> None:
+    # SIGTERM unwinds like Ctrl-C (temporary folders are removed, checkpoints closed), exit code 128 + 15.
+    raise SystemExit(128 + signum)
+
+
+def main() -> None:
+    signal.signal(signal.SIGTERM, _terminate)
+    app()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -92,11 +92,11 @@ STEPS = {
     ),
     # The embedded SmolLM2-135M GGUF (Q4_1, 0.1 GB; 0.54 GB dequantised to float32): streamed against in memory.
     "GGUF: attnres convert --no-verify": (
-        "from attnres_convert import convert\nimport attnres_convert.conversion.convert, attnres_convert.conversion.gguf_stream",
+        "from attnres_convert import convert\nimport attnres_convert.conversion.convert, attnres_convert.io.gguf_stream",
         "convert(None, sys.argv[2], verify=False)\nextra = {}",
     ),
     "GGUF: attnres convert --no-verify --no-stream": (
-        "from attnres_convert import convert\nimport attnres_convert.conversion.convert, attnres_convert.conversion.gguf_stream",
+        "from attnres_convert import convert\nimport attnres_convert.conversion.convert, attnres_convert.io.gguf_stream",
         "convert(None, sys.argv[2], verify=False, stream=False)\nextra = {}",
     ),
 }

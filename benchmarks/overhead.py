@@ -48,8 +48,8 @@ console = Console()
 
 def prepare_folder(workdir: Path) -> Path:
     """SmolLM2 dequantised once to a plain HF folder, so loads in the benchmark are fast and equal."""
-    from attnres_convert.conversion.samples import default_model_path
-    from attnres_convert.conversion.sources import load_model, load_tokenizer, resolve_source
+    from attnres_convert.io.samples import default_model_path
+    from attnres_convert.io.sources import load_model, load_tokenizer, resolve_source
 
     folder = workdir / "smollm2-hf"
     if not (folder / "config.json").exists():

@@ -40,7 +40,7 @@ def two_threads():
 @pytest.fixture(scope="session")
 def smollm2_path():
     from attnres_convert.errors import SourceError
-    from attnres_convert.conversion.samples import default_model_path
+    from attnres_convert.io.samples import default_model_path
 
     try:
         return default_model_path()
@@ -52,7 +52,7 @@ def smollm2_path():
 def smollm2_folder(smollm2_path, tmp_path_factory):
     """The embedded SmolLM2 dequantised once per test session and saved as a plain HF folder
     (safetensors + tokenizer): later loads take a second instead of dequantising the GGUF again."""
-    from attnres_convert.conversion.sources import load_model, load_tokenizer, resolve_source
+    from attnres_convert.io.sources import load_model, load_tokenizer, resolve_source
 
     folder = tmp_path_factory.mktemp("smollm2-hf")
     source = resolve_source(str(smollm2_path))  # dequantised on load: plain float32 weights

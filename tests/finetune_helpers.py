@@ -7,7 +7,7 @@ from pathlib import Path
 
 import yaml
 
-from attnres_convert.conversion.samples import SAMPLE_TEXT
+from attnres_convert.io.samples import SAMPLE_TEXT
 from tiny_models import tiny_model
 
 SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]

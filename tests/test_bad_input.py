@@ -329,7 +329,7 @@ def test_output_on_a_read_only_filesystem(tiny_llama, out):
 def test_check_output_does_not_trust_os_access(tmp_path, monkeypatch):
     """The library call alone: a folder os.access calls writable but where mkdir fails is refused."""
     from attnres_convert.errors import OutputError
-    from attnres_convert.conversion.saving import check_output
+    from attnres_convert.io.saving import check_output
 
     if not Path("/sys").is_dir() or not os.access("/sys", os.W_OK):
         pytest.skip("needs /sys where os.access says writable")

@@ -19,7 +19,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from attnres_convert import convert, convert_model, load_converted, save_converted
-from attnres_convert.conversion import memory_budget, shards
+from attnres_convert.conversion import memory_budget
+from attnres_convert.io import shards
 from attnres_convert.conversion.streaming import plan_stream
 from attnres_convert.errors import AttnResError
 from tiny_models import tiny_model, token_ids
@@ -156,7 +157,7 @@ KILLED_SAVE = textwrap.dedent(
     import sys, time
     from pathlib import Path
     from attnres_convert import convert
-    from attnres_convert.conversion import shards
+    from attnres_convert.io import shards
     real = shards.write_shard
     def slow(path, tensors, advance=lambda n: None):
         real(path, tensors, advance)
@@ -309,7 +310,7 @@ def test_no_split_modules_name_the_converted_layer_classes():
 def test_meta_device_loading_allocates_nothing(tmp_path):
     """The streamed plan builds the converted model on the meta device: no tensor memory at all."""
     _saved("llama", tmp_path / "plain")
-    from attnres_convert.conversion.sources import load_config, resolve_source
+    from attnres_convert.io.sources import load_config, resolve_source
 
     plan = plan_stream(tmp_path / "plain", load_config(resolve_source(str(tmp_path / "plain"))))
     assert {p.device.type for p in plan.skeleton.parameters()} == {"meta"}

@@ -8,8 +8,8 @@ import json
 import yaml
 
 from attnres_convert import convert
-from attnres_convert.conversion.card import baseline_card, card_identity, finetune_card
-from attnres_convert.conversion.card import read_front_matter
+from attnres_convert.io.card import baseline_card, card_identity, finetune_card
+from attnres_convert.io.card import read_front_matter
 from attnres_convert.conversion.surgery import convert_model, summarize
 from tiny_models import tiny_model
 

@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 from attnres_convert import convert_model, save_converted
 from attnres_convert.analysis.evaluate import EvalError, evaluate, evaluation_sequences
-from attnres_convert.conversion.samples import SAMPLE_TEXT
+from attnres_convert.io.samples import SAMPLE_TEXT
 from attnres_convert.cli import app
 from tiny_models import tiny_model
 

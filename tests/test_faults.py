@@ -140,7 +140,7 @@ def test_sigkill_without_a_previous_output_leaves_nothing(tmp_path, models, fork
 
             shutil.rmtree(out)
         # A temporary folder is hidden and never looks like the output: a run without --overwrite is not refused.
-        from attnres_convert.conversion.saving import check_output
+        from attnres_convert.io.saving import check_output
 
         assert check_output(out) == out
         assert not out.exists()
@@ -153,7 +153,7 @@ def _dead_pid() -> int:
 
 
 def test_stale_cleanup_removes_only_dead_runs_of_this_host(tmp_path):
-    from attnres_convert.conversion.saving import _host_tag, clean_stale_partials
+    from attnres_convert.io.saving import _host_tag, clean_stale_partials
 
     out = tmp_path / "out"
     host, dead, alive = _host_tag(), _dead_pid(), os.getpid()
@@ -182,7 +182,7 @@ def test_cleanup_restores_the_previous_output_after_a_kill_between_renames(tmp_p
     new one in: a kill between the two renames leaves OUT missing. The next run puts the previous one back."""
     import shutil
 
-    from attnres_convert.conversion.saving import _host_tag, clean_stale_partials
+    from attnres_convert.io.saving import _host_tag, clean_stale_partials
 
     out = tmp_path / "out"
     host, dead = _host_tag(), _dead_pid()
@@ -197,7 +197,7 @@ def test_without_atomic_exchange_the_swap_still_completes(tmp_path, models, monk
     import shutil
 
     from attnres_convert import convert
-    from attnres_convert.conversion import saving
+    from attnres_convert.io import saving
 
     monkeypatch.setattr(saving, "_exchange", lambda a, b: False)
     out = tmp_path / "out"
@@ -260,7 +260,7 @@ def test_disk_full_while_saving(tmp_path, models, monkeypatch, previous):
     import errno
     import shutil
 
-    from attnres_convert.conversion import saving
+    from attnres_convert.io import saving
     from reliability_helpers import assert_user_error, run_cli
 
     def disk_full(model, folder, tokenizer=None, extra=None, max_shard_size=None):

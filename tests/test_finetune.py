@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from attnres_convert.finetune.checkpoints import list_checkpoints
 from attnres_convert.finetune.recipe import RecipeError, parse_recipe
-from attnres_convert.conversion.saving import load_converted
+from attnres_convert.io.saving import load_converted
 from attnres_convert.finetune.training import NonFiniteLossError, TrainingInterrupted, finetune
 from finetune_helpers import tiny_model_folder, tiny_recipe, write_corpus, write_recipe
 
@@ -123,7 +123,7 @@ def test_baseline_trains_the_original_model_from_the_same_start(setup, tmp_path)
 
 def test_a_baseline_model_folder_has_a_card_ready_to_push(setup, tmp_path):
     """model.convert=false with output.push_to_hub: the folder must pass the push checks (front matter)."""
-    from attnres_convert.conversion.card import read_front_matter
+    from attnres_convert.io.card import read_front_matter
     from attnres_convert.hub.push import check_push_ready
 
     baseline = run(setup, tmp_path / "baseline", model={"convert": False}, train={"trainable": "lora", "steps": 2}, lora={"r": 4})

@@ -25,7 +25,7 @@ PROBE = textwrap.dedent(
     warnings.filterwarnings("error", message=".*not streamed")  # the in-memory fallback would fail the probe
     from attnres_convert import convert
     from attnres_convert.conversion.memory_budget import current_rss, peak_rss, reset_peak_rss
-    import attnres_convert.conversion.convert, attnres_convert.conversion.gguf_stream, gguf  # imported before the baseline
+    import attnres_convert.conversion.convert, attnres_convert.io.gguf_stream, gguf  # imported before the baseline
     import transformers.modeling_gguf_pytorch_utils
     assert reset_peak_rss(), "this system cannot reset the peak RSS"
     baseline = current_rss()
@@ -88,8 +88,9 @@ def test_a_gguf_the_stream_cannot_map_says_why(smollm2_path, monkeypatch):
     with this reason in its warning."""
     import transformers.integrations.gguf.utils as gguf_utils
 
-    from attnres_convert.conversion.sources import load_config, resolve_source
-    from attnres_convert.conversion.streaming import NotStreamable, stream_input
+    from attnres_convert.io.sources import load_config, resolve_source
+    from attnres_convert.conversion.streaming import stream_input
+    from attnres_convert.io.shards import NotStreamable
 
     source = resolve_source(str(smollm2_path))
     monkeypatch.setattr(gguf_utils, "is_gguf_arch_supported", lambda arch: True)

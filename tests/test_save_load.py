@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 
 from attnres_convert import load_converted, save_converted
-from attnres_convert.conversion.saving import SHIPPED_CODE
+from attnres_convert.io.saving import SHIPPED_CODE
 from attnres_convert.conversion.surgery import convert_model
 from tiny_models import tiny_model, token_ids
 
@@ -33,8 +33,11 @@ BLOCK_IMPORT = textwrap.dedent(
 
 
 def run_isolated(code: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", BLOCK_IMPORT + textwrap.dedent(code)], capture_output=True, text=True,
-                          timeout=300, stdin=subprocess.DEVNULL)
+    """Run code in a Python that cannot import this package. The child uses this process's torch thread
+    count, so a comparison with logits computed here sums in the same order (like for like)."""
+    threads = f"import torch\ntorch.set_num_threads({torch.get_num_threads()})\n"
+    return subprocess.run([sys.executable, "-c", BLOCK_IMPORT + threads + textwrap.dedent(code)], capture_output=True,
+                          text=True, timeout=300, stdin=subprocess.DEVNULL)
 
 
 def _randomized(model):
@@ -160,7 +163,7 @@ def test_saving_never_changes_the_process_umask(tmp_path, monkeypatch):
     reads it without touching it, and still publishes the modes the umask asks for."""
     import os
 
-    from attnres_convert.conversion import saving
+    from attnres_convert.io import saving
 
     assert saving.current_umask() == _umask_from_proc_or_set()
     mask = os.umask(0o027)

@@ -86,7 +86,7 @@ def test_remote_code_is_refused_without_the_flag(tmp_path, remote_code_model, mo
 
     # The library calls refuse too: the config and the weights.
     from attnres_convert.errors import SourceError
-    from attnres_convert.conversion.sources import load_config, load_model, resolve_source
+    from attnres_convert.io.sources import load_config, load_model, resolve_source
 
     source = resolve_source(str(remote_code_model))
     for load in (load_config, load_model):
@@ -101,7 +101,7 @@ def test_remote_code_runs_with_the_flag(tmp_path, remote_code_model):
     env = {**os.environ, **ONE_THREAD_ENV, SENTINEL_ENV: str(sentinel), "HF_MODULES_CACHE": str(tmp_path / "modules"),
            "HF_HOME": str(tmp_path / "hf-home")}
     code = textwrap.dedent(f"""
-        from attnres_convert.conversion.sources import load_config, load_model, resolve_source
+        from attnres_convert.io.sources import load_config, load_model, resolve_source
         source = resolve_source({str(remote_code_model)!r})
         print(type(load_config(source, trust_remote_code=True)).__name__)
         print(type(load_model(source, trust_remote_code=True)).__name__)
@@ -274,7 +274,7 @@ def _shipped_files(tmp_path: Path) -> list[Path]:
 
 def test_shipped_code_only_defines_the_model(tmp_path):
     files = _shipped_files(tmp_path)
-    from attnres_convert.conversion.saving import SHIPPED_CODE
+    from attnres_convert.io.saving import SHIPPED_CODE
 
     assert sorted(path.name for path in files) == sorted(SHIPPED_CODE)
     imports, problems = {}, []

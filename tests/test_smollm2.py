@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from attnres_convert.conversion.samples import shakespeare_plays
+from attnres_convert.io.samples import shakespeare_plays
 from attnres_convert.conversion.surgery import convert_model
 from attnres_convert.conversion.verify import capture_reference, compare
 

@@ -15,7 +15,7 @@ import torch
 
 from ..finetune.data import Sequences, TokenBudget, expand_files, file_documents, pack, pad_token_id, token_loss, tokenize
 from ..errors import AttnResError
-from ..conversion.loading import LoadedModel, load_any
+from ..io.loading import LoadedModel, load_any
 from ..finetune.metrics import perplexity as perplexity_of
 
 DEFAULT_SEQ_LEN = 512

@@ -267,8 +267,8 @@ def inspect_source(
     weights), OUT-relative.png (the same against uniform) and OUT-magnitudes.png (residual sum against
     AttnRes). Profiles need a backward pass: they
     run when plotting unless `profiles` says otherwise."""
-    from ..conversion.loading import load_any
-    from ..conversion.samples import SAMPLE_TEXT
+    from ..io.loading import load_any
+    from ..io.samples import SAMPLE_TEXT
     from ..conversion.surgery import convert_model
     from ..conversion.verify import fit_to_context, sample_input_ids
 

@@ -17,14 +17,14 @@ from pathlib import Path
 
 import torch
 
-from .card import conversion_card
+from ..io.card import conversion_card
 from ..modeling.architectures import UnsupportedModelError
 from ..errors import OutputError, VerificationError
 from ..modeling.modeling_attnres import AttnResForCausalLM
 from .memory_budget import plan_verification, verify_saved
 from .options import ConvertOptions, options_doc, parse_size
-from .saving import atomic_folder, check_output, save_converted
-from .sources import ModelSource, load_config, load_model, load_tokenizer, resolve_source
+from ..io.saving import atomic_folder, check_output, save_converted
+from ..io.sources import ModelSource, load_config, load_model, load_tokenizer, resolve_source
 from .streaming import BackgroundPlan, NotStreamable, largest_layer_bytes, stream_input, write_streamed
 from .surgery import ConversionSummary, convert_model, resolve_block_size, structure_of, summarize
 from .verify import VerificationReport, capture_reference, compare, fit_to_context, sample_input_ids

@@ -123,7 +123,7 @@ def verify_saved(source, folder, budget: VerifyBudget, dtype: str, tokenizer, te
     from pathlib import Path
 
     from ..modeling.modeling_attnres import AttnResForCausalLM
-    from .sources import DTYPES, load_model
+    from ..io.sources import DTYPES, load_model
     from .verify import capture_reference, compare, fit_to_context, sample_input_ids
 
     offload = Path(tempfile.mkdtemp(prefix=".attnres-offload-", dir=Path(folder).parent))
@@ -160,7 +160,7 @@ def _dequantised_original(folder, dtype: str, load_kwargs: dict):
     from transformers.utils import logging
 
     from ..modeling.configuration_attnres import AttnResConfig
-    from .sources import DTYPES
+    from ..io.sources import DTYPES
 
     base_config = AttnResConfig.from_pretrained(folder).text_config
     verbosity = logging.get_verbosity()

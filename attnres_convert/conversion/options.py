@@ -15,9 +15,9 @@ from huggingface_hub.serialization._base import parse_size_to_int
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from ..errors import AttnResError
-from .samples import SAMPLE_TEXT
+from ..io.samples import SAMPLE_TEXT
+from ..io.hub_access import DEFAULT_MAX_SHARD_SIZE
 
-DEFAULT_MAX_SHARD_SIZE = "5GB"  # transformers' and the hub's convention; the hub refuses files over 50GB
 
 DTypeName = Literal["auto", "float32", "bfloat16", "float16"]
 

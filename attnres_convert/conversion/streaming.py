@@ -25,9 +25,9 @@ from ..errors import OutputError
 from ..modeling import SHIPPED_CODE
 from ..modeling.architectures import ModelPlan, family_for
 from ..modeling.modeling_attnres import AttnResForCausalLM, AttnResKeyNorm, AttnResQuery
-from .shards import DTYPES, OutputTensor, checkpoint_files, checkpoint_tensors, plan_shards, write_sharded
-from .sources import DTYPES as DTYPE_CHOICES
-from .sources import ModelSource
+from ..io.shards import DTYPES, NotStreamable, OutputTensor, checkpoint_files, checkpoint_tensors, plan_shards, write_sharded
+from ..io.sources import DTYPES as DTYPE_CHOICES
+from ..io.sources import ModelSource
 from .discovery import find_plan
 from .surgery import convert_model
 
@@ -66,7 +66,7 @@ def stream_input(source: ModelSource, config: PreTrainedConfig, dtype: str, trus
     """The folder of a streamable SOURCE and its tensors as the converted folder writes them (safetensors:
     copied; GGUF: dequantised one by one); None for a pickle checkpoint. NotStreamable says why a GGUF is not."""
     if source.gguf_file:
-        from .gguf_stream import gguf_base_tensors
+        from ..io.gguf_stream import gguf_base_tensors
 
         return Path(source.location), gguf_base_tensors(Path(source.location) / source.gguf_file, config, dtype, trust_remote_code)
     folder = source_folder(source)
@@ -88,7 +88,7 @@ def source_folder(source: ModelSource) -> Path | None:
 def _hub_snapshot(source: ModelSource) -> Path:
     from huggingface_hub import snapshot_download
 
-    from .sources import _hub_error
+    from ..io.sources import _hub_error
 
     try:
         return Path(
@@ -262,9 +262,6 @@ def plan_stream(
     skeleton.config.text_config.dtype = out_dtype
     return StreamPlan(skeleton, base, added, folder)
 
-
-class NotStreamable(Exception):
-    """The checkpoint cannot be streamed (the message says why): convert it in memory instead."""
 
 
 class BackgroundPlan:

@@ -17,7 +17,7 @@ from ..modeling import SHIPPED_CODE
 from ..modeling.modeling_attnres import AttnResForCausalLM, AttnResKeyNorm, AttnResQuery
 from ..modeling.remote_code import GENERATED, base_code_files
 from .discovery import check_converted, find_plan
-from .saving import register_auto_classes
+from ..io.saving import register_auto_classes
 
 DEFAULT_NUM_BLOCKS = 8
 
@@ -222,9 +222,3 @@ def summarize(model: AttnResForCausalLM) -> ConversionSummary:
     )
 
 
-def describe_sources(num_sublayers: int, block_size: int) -> list[str]:
-    """Readable source lists, e.g. 'y0, y1:3, y4' (for the CLI and the model card)."""
-    out = []
-    for ranges in source_ranges(num_sublayers, block_size):
-        out.append(", ".join("y0" if a == 0 else (f"y{a}" if a == b else f"y{a}:{b}") for a, b in ranges))
-    return out

@@ -169,7 +169,7 @@ def arm_report(arm: Arm, runs: list[RunSummary], baseline: list[RunSummary] | No
 def _live_folder(folder: Path) -> Path:
     """Where the run of FOLDER is being written: an arm run again over an earlier run folder (the arms run
     with output.overwrite) writes into a hidden folder beside it until it has finished."""
-    from ..conversion.saving import partial_prefix
+    from ..io.saving import partial_prefix
 
     staged = []
     for path in folder.parent.glob(f"{partial_prefix(folder)}*"):
@@ -371,7 +371,7 @@ def run_ab(
         "arms": arm_entries,
     }
     if main:
-        from ..conversion.saving import atomic_folder
+        from ..io.saving import atomic_folder
 
         atomic_folder(out, lambda folder: write_report(report, folder), owned=True)
     state.wait_for_everyone()

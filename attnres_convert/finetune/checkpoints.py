@@ -19,7 +19,7 @@ import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ..conversion.saving import fsync_tree
+from ..io.saving import fsync_tree
 
 CHECKPOINTS = "checkpoints"
 _NAME = re.compile(r"^step-(\d+)$")

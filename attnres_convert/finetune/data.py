@@ -45,7 +45,7 @@ def expand_files(patterns: list[str], field: str) -> tuple[list[Path], list[str]
     for index, pattern in enumerate(patterns):
         where = f"{field}[{index}]"
         if pattern.startswith(SHAKESPEARE_PREFIX):
-            from ..conversion.samples import shakespeare_plays
+            from ..io.samples import shakespeare_plays
 
             try:
                 plays = shakespeare_plays()

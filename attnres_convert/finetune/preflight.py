@@ -6,8 +6,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ..conversion.saving import is_converted_folder, write_problem
-from ..conversion.sources import cached_config, resolve_source
+from ..io.saving import is_converted_folder, write_problem
+from ..io.sources import cached_config, resolve_source
 from ..errors import AttnResError
 from .data import expand_files
 from .recipe import Recipe, RecipeError

@@ -21,7 +21,8 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from ..conversion.options import DEFAULT_MAX_SHARD_SIZE, ConvertOptions, DTypeName, parse_size
+from ..conversion.options import ConvertOptions, DTypeName, parse_size
+from ..io.hub_access import DEFAULT_MAX_SHARD_SIZE
 from ..errors import AttnResError
 
 SHAKESPEARE_PREFIX = "shakespeare:"
@@ -346,10 +347,14 @@ def format_validation_error(error: ValidationError, model: type[BaseModel] = Rec
 
 
 def recipes_dir() -> Path:
-    """The shipped recipes: $ATTNRES_RECIPES, else the package's `recipes/` (package data in a wheel; in a
-    checkout, a link to the repository's `recipes/`)."""
+    """The shipped recipes: $ATTNRES_RECIPES, else the package's `recipes/` (package data of a wheel, see
+    setup.py), else, in a checkout, the repository's `recipes/` beside the package."""
     env = os.environ.get("ATTNRES_RECIPES")
-    return Path(env) if env else Path(__file__).parent.parent / "recipes"
+    if env:
+        return Path(env)
+    package = Path(__file__).resolve().parents[1]
+    installed = package / "recipes"
+    return installed if installed.is_dir() else package.parent / "recipes"
 
 
 def shipped_recipes() -> dict[str, Path]:

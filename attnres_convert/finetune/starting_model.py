@@ -9,8 +9,8 @@ from transformers import PreTrainedModel
 
 from ..errors import SourceError
 from .recipe import Recipe, RecipeError
-from ..conversion.saving import is_converted_folder, load_converted
-from ..conversion.sources import DTYPES, ModelSource, cached_config, load_config, load_model, load_tokenizer, resolve_source
+from ..io.saving import is_converted_folder, load_converted
+from ..io.sources import DTYPES, ModelSource, cached_config, load_config, load_model, load_tokenizer, resolve_source
 from ..conversion.surgery import ConversionSummary, convert_model, resolve_block_size, structure_of, summarize
 
 

@@ -236,7 +236,7 @@ def stage_run(out: Path) -> Path:
     """The folder a run replacing OUT writes into: beside OUT (where it can be renamed into place), hidden,
     named so that a later run removes it if this one is killed. Deleting OUT first would lose the earlier
     run whenever the new one fails."""
-    from ..conversion.saving import clean_stale_partials, new_partial_folder
+    from ..io.saving import clean_stale_partials, new_partial_folder
 
     target = Path(os.path.realpath(out))  # a symbolic link keeps pointing at the run
     clean_stale_partials(target)
@@ -251,7 +251,7 @@ def stage_run(out: Path) -> Path:
 
 def publish_run(staging: Path, out: Path) -> None:
     """Swap the finished run in STAGING for the earlier one at OUT, which is then removed."""
-    from ..conversion.saving import fsync_tree, publish_folder
+    from ..io.saving import fsync_tree, publish_folder
 
     fsync_tree(staging)  # metrics, final metrics, loss curve: never published as empty files
     publish_folder(staging, Path(os.path.realpath(out)))
@@ -684,7 +684,7 @@ def _save_result(accelerator, model, start: StartingModel, recipe: Recipe, out: 
     (out / FINAL_METRICS).write_text(json.dumps(final, indent=2))
     if not recipe.output.save_model:
         return None
-    from ..conversion.saving import SHIPPED_CODE, atomic_folder
+    from ..io.saving import SHIPPED_CODE, atomic_folder
 
     unwrapped = accelerator.unwrap_model(model)
     adapter = None
@@ -717,7 +717,7 @@ def _save_result(accelerator, model, start: StartingModel, recipe: Recipe, out: 
 
 
 def _card(model, start: StartingModel, recipe: Recipe, final: dict, history, corpus) -> str:
-    from ..conversion.card import base_identity, baseline_card, card_identity, finetune_card
+    from ..io.card import base_identity, baseline_card, card_identity, finetune_card
     from ..conversion.surgery import summarize
 
     name = start.source.short_name

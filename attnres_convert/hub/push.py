@@ -15,7 +15,7 @@ import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..conversion.hub_access import hub_endpoint, hub_reachable
+from ..io.hub_access import hub_endpoint, hub_reachable
 from ..errors import AttnResError, first_line, scrub
 from ..modeling import SHIPPED_CODE
 from ..modeling.remote_code import GENERATED
@@ -157,7 +157,7 @@ def _tokenizer_problems(folder: Path) -> list[str]:
 
 
 def _card_problems(folder: Path) -> list[str]:
-    from ..conversion.card import read_front_matter  # lazy: the card module imports torch
+    from ..io.card import read_front_matter  # lazy: the card module imports torch
     card = folder / "README.md"
     if not card.is_file():
         return ["README.md (the model card) is missing"]

@@ -377,3 +377,6 @@ def write_sharded(
     total_parameters = sum(tensor.nbytes // DTYPES[tensor.dtype].itemsize for tensor in written)
     write_index(folder, weight_map, total_size, total_parameters)
     return weight_map
+
+class NotStreamable(Exception):
+    """The checkpoint cannot be streamed (the message says why): convert it in memory instead."""

@@ -5,6 +5,8 @@ from __future__ import annotations
 import socket
 from urllib.parse import urlparse
 
+DEFAULT_MAX_SHARD_SIZE = "5GB"  # transformers' and the hub's convention; the hub refuses files over 50GB
+
 
 def hub_endpoint() -> str:
     from huggingface_hub import constants

@@ -15,7 +15,7 @@ from pathlib import Path
 import yaml
 
 from ..errors import scrub
-from .surgery import describe_sources
+from ..modeling.depth_attention import source_ranges
 
 # Licences of the models that ship offline with this project.
 KNOWN_LICENSES = {"SmolLM2-135M-Instruct.Q4_1.gguf": "apache-2.0"}
@@ -363,3 +363,10 @@ def _plain(value):
     if isinstance(value, (str, int, float, bool)) or value is None:
         return value
     return str(value)
+
+def describe_sources(num_sublayers: int, block_size: int) -> list[str]:
+    """Readable source lists, e.g. 'y0, y1:3, y4' (for the CLI and the model card)."""
+    out = []
+    for ranges in source_ranges(num_sublayers, block_size):
+        out.append(", ".join("y0" if a == 0 else (f"y{a}" if a == b else f"y{a}:{b}") for a, b in ranges))
+    return out

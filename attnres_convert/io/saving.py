@@ -28,7 +28,7 @@ from ..modeling.configuration_attnres import AttnResConfig
 from ..errors import OutputError, SourceError
 from ..modeling.modeling_attnres import AttnResForCausalLM
 from ..modeling.remote_code import GENERATED
-from .options import DEFAULT_MAX_SHARD_SIZE
+from .hub_access import DEFAULT_MAX_SHARD_SIZE
 
 
 def register_auto_classes() -> None:

@@ -20,9 +20,8 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedConfig
 
-from .shards import DTYPE_NAMES, OutputTensor
+from .shards import DTYPE_NAMES, NotStreamable, OutputTensor
 from .sources import DTYPES as DTYPE_CHOICES
-from .streaming import NotStreamable
 
 ROWS_BYTES = 4 * 2**20  # dequantise this many output bytes at a time: the dequantiser's temporaries stay small
 
