@@ -98,7 +98,7 @@ def test_ab_refuses_what_it_cannot_compare(setup, tmp_path):
 
 def _first_step_gradients(setup, out, convert: bool = True, **train) -> tuple[dict[str, torch.Tensor], object]:
     """The gradients the optimizer applies at step 1 (after clipping), by parameter name, and the step's stats."""
-    from attnres_convert.finetune.training import GracefulStop
+    from attnres_convert.finetune.stopping import GracefulStop
 
     sections = dict(model={"convert": convert}, train={"trainable": "lora", "steps": 2, "warmup_steps": 0, **train},
                     lora={"r": 4}, eval={"at_start": False})

@@ -136,7 +136,7 @@ def test_a_baseline_model_folder_has_a_card_ready_to_push(setup, tmp_path):
 
 def test_a_crash_while_saving_keeps_the_previous_model_folder(setup, tmp_path, monkeypatch):
     """The model folder is swapped for the new one only once that one is complete."""
-    import attnres_convert.finetune.training as training
+    import attnres_convert.finetune.result as result
 
     sections = dict(train={"steps": 3}, checkpoint={"every": 1, "keep_last": 1}, eval={"every": 0, "max_sequences": 4})
     recipe = parse_recipe(tiny_recipe(setup["model"], setup["corpus"], tmp_path / "run", **sections))
@@ -149,7 +149,7 @@ def test_a_crash_while_saving_keeps_the_previous_model_folder(setup, tmp_path, m
     def broken_card(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(training, "_card", broken_card)
+    monkeypatch.setattr(result, "model_card", broken_card)
     with pytest.raises(Exception, match="No space left on device"):
         finetune(recipe, resume=True)
     assert (previous / "kept.txt").read_text() == "an earlier attempt's model"

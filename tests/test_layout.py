@@ -16,10 +16,6 @@ from attnres_convert.modeling import SHIPPED_CODE
 PACKAGE = Path(attnres_convert.__file__).resolve().parent
 ROOT = "(the package root, which re-exports every layer)"
 RANK = {"errors": 0, "modeling": 1, "io": 2, "conversion": 3, "hub": 4, "analysis": 4, "finetune": 5, ROOT: 6, "cli": 7}
-# `attnres eval` reads text with fine-tuning's data pipeline (until the text pipeline has its own module).
-SIBLINGS_ALLOWED = {("analysis", "finetune")}
-# What analysis may use of finetune: the text pipeline and the metrics, never the training run itself.
-RUN_MODULES = {"training", "starting_model", "checkpoints", "optim", "preflight"}
 # triton comes with the CUDA builds of torch; shipped code imports it only where it is importable.
 SHIPPED_MAY_IMPORT = {"torch", "transformers", "triton", "__future__"} | set(sys.stdlib_module_names)
 
@@ -90,10 +86,7 @@ def test_no_module_imports_a_layer_above_its_own():
             if source_layer == target_layer:
                 continue
             where = f"{path.relative_to(PACKAGE)}:{line} imports {target}"
-            if (source_layer, target_layer) in SIBLINGS_ALLOWED:
-                if target.split(".")[1] in RUN_MODULES:
-                    violations.append(f"{where} (analysis uses fine-tuning's data and metrics, not its run)")
-            elif RANK[target_layer] > RANK[source_layer]:
+            if RANK[target_layer] > RANK[source_layer]:
                 violations.append(f"{where} (a higher layer)")
             elif RANK[target_layer] == RANK[source_layer]:
                 violations.append(f"{where} (a sibling it must not depend on)")

@@ -236,7 +236,7 @@ def interleaved_throughput(data: dict, common: list[str], arms: list[Arm], steps
 
     from .optim import apply_lora, make_optimizer, select_trainable
     from .starting_model import load_starting_model
-    from .data import token_loss
+    from ..io.text import token_loss
 
     built = []
     for arm in arms:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 METRICS = "metrics.jsonl"
@@ -45,10 +44,6 @@ def read_metrics(path: Path) -> list[dict]:
             except ValueError:
                 break  # a line cut short by a crash ends the log
     return records
-
-
-def perplexity(loss: float) -> float:
-    return math.exp(loss) if loss < 50 else float("inf")
 
 
 def loss_history(records: list[dict]) -> list[dict]:
