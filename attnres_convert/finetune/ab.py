@@ -289,6 +289,8 @@ def _one_thread() -> None:
     import torch
     import transformers
 
+    # The pool's initializer runs in each worker process: the thread count it sets is that worker's own
+    # (a spawned process), never the parent's or another arm's.
     torch.set_num_threads(1)
     transformers.utils.logging.disable_progress_bar()
     transformers.utils.logging.set_verbosity_error()

@@ -22,7 +22,6 @@ import os
 import shutil
 import signal
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -40,10 +39,11 @@ from .checkpoints import (
 )
 from .data import Corpus, SequenceOrder, build_corpus, local_micro_batches
 from .evaluation import heldout_loss_across_processes
-from .metrics import METRICS, MetricsLog, read_metrics
+from .metrics import METRICS, MetricsLog, StepStats, read_metrics, train_record
 from .optim import (
     apply_lora,
     attnres_parameters,
+    clip_gradient_norm,
     count_parameters,
     enable_checkpointing,
     make_optimizer,
@@ -59,20 +59,6 @@ from .starting_model import load_starting_model
 from .stopping import GracefulStop, NonFiniteLossError, TrainingError, TrainingInterrupted
 
 __all__ = ["FinetuneRecipe", "FinetuneResult", "NonFiniteLossError", "TrainingError", "TrainingInterrupted", "finetune"]
-
-
-@dataclass
-class StepStats:
-    """What one optimizer step measured (global over processes)."""
-
-    loss: float
-    grad_norm: float  # the base (or LoRA) parameters', before clipping
-    attnres_grad_norm: float | None  # the AttnRes parameters', before clipping; None when none train
-    lrs: dict[str, float]  # this step's learning rate per parameter group
-    tokens: int
-    seconds: float
-    stopping: bool  # a signal or stop_at_step asked every process to stop after this step
-    kl: float | None = None  # mean KL(starting model || model) per prediction, with train.kl_weight
 
 
 class FinetuneRecipe:
@@ -317,8 +303,8 @@ class FinetuneRecipe:
             norm = accelerator.clip_grad_norm_(self.base_params + self.attnres_params, train.max_grad_norm or float("inf"))
             return float(norm) if norm is not None else float("nan"), None
         accelerator.unscale_gradients()  # fp16: once, before both norms
-        base = _clip(self.base_params, train.max_grad_norm)
-        attnres = _clip(self.attnres_params, train.attnres_max_grad_norm) if self.attnres_params else None
+        base = clip_gradient_norm(self.base_params, train.max_grad_norm)
+        attnres = clip_gradient_norm(self.attnres_params, train.attnres_max_grad_norm) if self.attnres_params else None
         return base, attnres
 
     def _refuse_non_finite(self, loss: float, grad_norm: float, attnres_grad_norm: float | None) -> None:
@@ -344,27 +330,11 @@ class FinetuneRecipe:
         )
 
     def _log(self, stats: StepStats) -> None:
-        state, recipe = self.state, self.recipe
-        lr = stats.lrs.get("base", stats.lrs.get("attnres"))
-        speed = stats.tokens / stats.seconds
-        if state.step % recipe.train.log_every == 0 or state.step == recipe.train.steps:
-            self.metrics.write(
-                {
-                    "kind": "train",
-                    "step": state.step,
-                    "loss": stats.loss,
-                    "lr": lr,
-                    "attnres_lr": stats.lrs.get("attnres"),
-                    "grad_norm": stats.grad_norm,
-                    "attnres_grad_norm": stats.attnres_grad_norm,
-                    **({"kl": stats.kl} if stats.kl is not None else {}),
-                    **({"depth_gate": self._gate_at(state.step - 1)} if recipe.train.depth_gate_steps else {}),
-                    "tokens": state.tokens,
-                    "tokens_per_s": speed,
-                    "epoch": self.order.epoch_of(state.position),
-                }
-            )
-        self.report.step(state.step, stats.loss, lr, speed)
+        state, steps = self.state, self.recipe.train.steps
+        if state.step % self.recipe.train.log_every == 0 or state.step == steps:
+            epoch = self.order.epoch_of(state.position)
+            self.metrics.write(train_record(stats, state.step, state.tokens, epoch, depth_gate=self._gate_at(state.step - 1)))
+        self.report.step(state.step, stats.loss, stats.lr, stats.tokens_per_s)
 
     def _gate_at(self, step: int) -> float | None:
         """train.depth_gate_steps: the depth gate of the step after `step` steps (0 first, 1 from depth_gate_steps
@@ -413,17 +383,6 @@ class FinetuneRecipe:
             self.report.say(f"Pushing {model_dir} to {self.recipe.output.push_to_hub} ...")
             pushed = push_folder(model_dir, self.recipe.output.push_to_hub, token=self.token, private=self.recipe.output.private)
         return FinetuneResult(self.out, model_dir, final, records, pushed)
-
-
-def _clip(params: list[torch.Tensor], max_norm: float | None) -> float:
-    """The gradient norm of PARAMS (before clipping), clipped to MAX_NORM unless it is None."""
-    grads = [p.grad for p in params if p.grad is not None]
-    if not grads:
-        return 0.0
-    norm = torch.nn.utils.get_total_norm(grads)
-    if max_norm is not None:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
-    return float(norm)
 
 
 def finetune(
