@@ -93,3 +93,16 @@ def test_model_without_tokenizer(tmp_path):
     (tmp_path / "t.txt").write_text("some text")
     with pytest.raises(EvalError, match="has no tokenizer"):
         evaluate(str(tmp_path / "m"), [str(tmp_path / "t.txt")])
+
+
+def test_a_record_without_the_text_field_is_a_data_error(setup, tmp_path):
+    """Held-out records are read by the text pipeline fine-tuning uses: a record without `text` is named."""
+    from attnres_convert.errors import DataError
+
+    root, _, _, _ = setup
+    records = tmp_path / "held_out.jsonl"
+    records.write_text('{"body": "to be or not to be"}\n')
+    with pytest.raises(DataError, match=r"--data: record 1 of .*held_out\.jsonl has no field 'text'; set text_field"):
+        evaluate(str(root / "attnres"), [str(records)], seq_len=4)
+    result = runner.invoke(app, ["eval", str(root / "attnres"), "--data", str(records), "--seq-len", "4"])
+    assert result.exit_code == 2 and "has no field 'text'" in " ".join(result.output.split()), result.output
