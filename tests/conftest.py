@@ -37,6 +37,15 @@ def two_threads():
     torch.set_num_threads(1)
 
 
+@pytest.fixture(scope="module")
+def tiny_llama_folder(tmp_path_factory) -> Path:
+    """A tiny Llama (3 layers: 6 sublayers) saved by save_pretrained, once per test module. Tests read it;
+    one that changes a model folder copies it first."""
+    from reliability_helpers import save_tiny
+
+    return save_tiny(tmp_path_factory.mktemp("tiny-llama") / "tiny-llama")
+
+
 @pytest.fixture(scope="session")
 def smollm2_path():
     from attnres_convert.errors import SourceError

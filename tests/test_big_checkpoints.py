@@ -23,7 +23,7 @@ from attnres_convert.conversion import memory_budget
 from attnres_convert.io import shards
 from attnres_convert.conversion.streaming import plan_stream
 from attnres_convert.errors import AttnResError
-from tiny_models import tiny_model, token_ids
+from tiny_models import randomize_queries, tiny_model, token_ids
 
 INDEX = "model.safetensors.index.json"
 SHARD = 40_000  # bytes: a tiny llama (3 layers, hidden 64) spreads over several shards
@@ -281,10 +281,7 @@ def test_device_map_auto_keeps_layers_whole_and_gives_the_same_logits(remote_cod
     from transformers import AutoModelForCausalLM
 
     model = convert_model(tiny_model("llama"), block_size=3).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "_res_proj" in name:
-                param.normal_()
+    randomize_queries(model, 1.0)
     ids = token_ids()
     with torch.no_grad():
         expected, generated = model(ids).logits, model.generate(ids[:1], max_new_tokens=6, do_sample=False)

@@ -23,17 +23,11 @@ BATCH, LENGTH = 4, 16
 
 
 def _model():
-    from tiny_models import tiny_model
+    from tiny_models import randomize_queries, tiny_model
 
     from attnres_convert import convert_model
 
-    model = convert_model(tiny_model("llama", seed=1), block_size=3)
-    generator = torch.Generator().manual_seed(2)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("_res_proj.weight"):
-                param.copy_(0.5 * torch.randn(param.shape, generator=generator))
-    return model.train()
+    return randomize_queries(convert_model(tiny_model("llama", seed=1), block_size=3), 0.5, seed=2).train()
 
 
 def _batch() -> torch.Tensor:
