@@ -206,6 +206,7 @@ MEMORY_PROBE = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_streamed_conversion_memory_does_not_grow_with_the_model(tmp_path):
     """A 130 MB model (float32, two 65 MB matrices) converts, kept and re-dtyped, with a peak resident memory
     that grows by well under one of its matrices: tensors are copied by the kernel or converted in 16 MB chunks."""
@@ -410,6 +411,7 @@ HUB_CACHE_CONVERT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_hub_id_streams_from_the_hf_cache(tmp_path):
     """A hub id whose snapshot is in the HF cache (offline): streamed from the cached files, with the folder's output."""
     _saved("llama", tmp_path / "plain")

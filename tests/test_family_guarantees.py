@@ -60,6 +60,7 @@ def test_bf16_conversion_passes_the_half_precision_verification(family, saved):
     assert report.passed, (family, report.failures())
 
 
+@pytest.mark.slow
 def test_saved_folders_load_without_this_package_with_the_same_logits(saved):
     root, folders, _ = saved
     result = run_isolated(

@@ -110,6 +110,7 @@ def _worker(rank: int, world: int, init_file: str, out: str, variants: tuple[str
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="torch.distributed with gloo is not available")
 def test_fsdp_and_checkpoint_wrappers_match_one_process(tmp_path):
     mp.spawn(_worker, args=(2, str(tmp_path / "init"), str(tmp_path / "out.json")), nprocs=2, join=True)
