@@ -1,5 +1,5 @@
 """Shared helpers of the reliability and security tests: run the CLI, check a user error, make
-tiny model folders and broken copies of them."""
+tiny model folders and broken copies of them, read sharded ones."""
 
 from __future__ import annotations
 
