@@ -3,7 +3,6 @@ the loss transformers computes itself; --json, --seq-len, --max-tokens; errors w
 
 from __future__ import annotations
 
-import copy
 import json
 import math
 
@@ -16,7 +15,7 @@ from attnres_convert import convert_model, save_converted
 from attnres_convert.analysis.evaluate import EvalError, evaluate, evaluation_sequences
 from attnres_convert.io.samples import SAMPLE_TEXT
 from attnres_convert.cli import app
-from tiny_models import tiny_model
+from tiny_models import save_plain_and_converted, tiny_model
 
 runner = CliRunner()
 
@@ -27,9 +26,7 @@ def setup(smollm2_folder, tmp_path_factory):
     tokenizer = AutoTokenizer.from_pretrained(smollm2_folder)
     base = tiny_model("llama", vocab_size=len(tokenizer), tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id)
     root = tmp_path_factory.mktemp("eval")
-    base.save_pretrained(root / "plain")
-    tokenizer.save_pretrained(root / "plain")
-    save_converted(convert_model(copy.deepcopy(base), block_size=3), root / "attnres", tokenizer)
+    save_plain_and_converted(base, tokenizer, root, block_size=3)
     text = root / "held_out.txt"
     text.write_text(SAMPLE_TEXT * 3)
     return root, base, tokenizer, text

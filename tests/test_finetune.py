@@ -265,6 +265,7 @@ def _finetune_in_two_processes(recipe: Path, cwd: Path) -> subprocess.CompletedP
     return launched
 
 
+@pytest.mark.slow
 def test_two_processes_match_one_with_the_same_global_batch(setup, tmp_path):
     """`accelerate launch` with 2 CPU processes (gloo DDP): same losses as 1 process with twice the gradient
     accumulation, and only the main process writes the run folder."""
@@ -285,6 +286,7 @@ def test_two_processes_match_one_with_the_same_global_batch(setup, tmp_path):
     assert sorted(p.name for p in (tmp_path / "two").iterdir()) == sorted(p.name for p in (tmp_path / "one").iterdir())
 
 
+@pytest.mark.slow
 def test_two_processes_replace_an_earlier_run(setup, tmp_path):
     """output.overwrite under `accelerate launch` (2 CPU processes): the main process picks the staging folder
     and every process writes its part of each checkpoint there; the finished run replaces the earlier one."""
@@ -303,6 +305,7 @@ def test_two_processes_replace_an_earlier_run(setup, tmp_path):
     assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]
 
 
+@pytest.mark.slow
 def test_result_loads_with_trust_remote_code_without_the_package(setup, tmp_path):
     result = run(setup, tmp_path / "run", train={"steps": 2}, eval={"every": 0, "max_sequences": 2})
     ids = [[5, 17, 33, 40, 2, 9, 60]]
