@@ -26,8 +26,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..errors import first_line
 from ..modeling.architectures import UnsupportedModelError, config_refusal
-from .discovery import first_line, one_thread
+from .single_thread import run_single_threaded
 
 STATUSES = ("converted", "refused", "not built")
 MAX_PARAMETERS = 8_000_000  # a tiny config that still has more did not shrink: not worth building
@@ -124,7 +125,7 @@ def tiny_config(model_type: str, **overrides):
 
 
 def _first_line(error: BaseException) -> str:
-    return first_line(error)[:300]
+    return first_line(error, with_type=True)[:300]
 
 
 def _build(model_type: str, overrides: dict):
@@ -276,11 +277,10 @@ def walk(
     verbosity = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity_error()
     try:
-        with one_thread():  # tiny models
-            for model_type, variant, overrides in jobs:
-                if progress is not None:
-                    progress(model_type if not variant else f"{model_type} ({variant})")
-                rows.append(check_model_type(model_type, variant, overrides))
+        for model_type, variant, overrides in jobs:
+            if progress is not None:
+                progress(model_type if not variant else f"{model_type} ({variant})")
+            rows.append(run_single_threaded(check_model_type, model_type, variant, overrides))  # tiny models
     finally:
         transformers.logging.set_verbosity(verbosity)
     return CoverageReport(rows, transformers.__version__)
