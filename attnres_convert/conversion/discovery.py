@@ -35,8 +35,7 @@ from ..modeling.architectures import (
     norm_eps,
 )
 from .proof import LayerFailure, StructureError, prove, relative_difference
-from .single_thread import run_single_threaded
-from .trace import LayerCall, ModelTrace, evaluating, probe_hidden, trace_layer, trace_model
+from .trace import LayerCall, ModelTrace, evaluating, probe_hidden, run_probes, trace_layer, trace_model
 
 CONFIG_EPS_KEYS = ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_epsilon", "norm_eps", "rms_norm_epsilon")
 
@@ -240,7 +239,7 @@ def find_plan(model: nn.Module) -> tuple[ModelPlan, ModelTrace]:
         raise UnsupportedModelError(refusal)
     where = locate(model)
     with evaluating(model):
-        return run_single_threaded(_find_plan, model, where)
+        return run_probes(model, _find_plan, model, where)
 
 
 def _find_plan(model: nn.Module, where: Where) -> tuple[ModelPlan, ModelTrace]:

@@ -20,8 +20,7 @@ from ..errors import first_line
 from ..modeling.architectures import ModelPlan, Sublayer, UnsupportedModelError, module_at
 from ..modeling.depth_attention import add_output, close_block, depth_mix, start_state
 from ..modeling.modeling_attnres import run_sublayer
-from .single_thread import run_single_threaded
-from .trace import LayerCall, ModelTrace, evaluating, first_tensor, one_more_token_logits, probe_hidden, probe_ids
+from .trace import LayerCall, ModelTrace, evaluating, first_tensor, one_more_token_logits, probe_hidden, probe_ids, run_probes
 
 RELATIVE_TOLERANCE = 1e-6  # fp32: bit-equal, or this close where the base forward orders its adds differently
 HALF_RELATIVE_TOLERANCE = 1e-2  # bf16 / fp16: a reordered add rounds at the format's precision (2^-8)
@@ -46,6 +45,8 @@ def relative_difference(got: torch.Tensor, want: torch.Tensor) -> tuple[float, f
 
 @dataclass(frozen=True)
 class LayerFailure:
+    """Where and by how much a plan fails to reproduce a decoder layer: the refusal's words."""
+
     layer: int
     sublayer: int | None  # 1-based inside the layer; None: the structure itself could not be found
     description: str
@@ -140,7 +141,7 @@ def check_converted(converted: nn.Module, trace: ModelTrace) -> None:
     if next(converted.parameters()).dtype != torch.float32:
         return  # half precision: `attnres convert`'s verification judges the distribution instead
     with evaluating(converted):
-        logits, step = run_single_threaded(_probe_logits, converted, trace.step_logits is not None)
+        logits, step = run_probes(converted, _probe_logits, converted, trace.step_logits is not None)
     difference = relative_difference(logits, trace.logits)[0]
     if step is not None and step.shape == trace.step_logits.shape:
         step_difference = relative_difference(step, trace.step_logits)[0]

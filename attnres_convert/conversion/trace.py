@@ -4,7 +4,8 @@
 every decoder layer, its real call arguments (mask, positions, cache), which module reads the last layer's
 output, the logits, and the logits of one more token through the cache. `trace_layer` runs one decoder
 layer on given hidden states with hooks on its direct children, recording what each child reads and
-returns: the data flow discovery.py reads the sublayers from.
+returns: the data flow discovery.py reads the sublayers from. Probes run in eval mode (`evaluating`) and,
+on the CPU, on one thread of their own (`run_probes`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from torch import nn
 
 from ..modeling.architectures import UnsupportedModelError, Where, is_norm, module_at
 from ..modeling.modeling_attnres import positional_argnames
+from .single_thread import run_single_threaded
 
 PROBE_TOKENS = 6
 
@@ -36,6 +38,8 @@ def first_tensor(value):
 
 @dataclass
 class LayerCall:
+    """How the model called one decoder layer in the traced forward: what a probe of the layer replays."""
+
     hidden: torch.Tensor  # the hidden states the layer received (shape, dtype, device for the probes)
     args: tuple
     kwargs: dict
@@ -57,6 +61,9 @@ def _is_cache(value) -> bool:
 
 @dataclass
 class ModelTrace:
+    """What one forward of the whole model on the probe tokens showed: the layers' calls, what reads the last
+    layer's output, and the logits the converted model must reproduce."""
+
     calls: list[LayerCall]
     final_norm: str | None  # relative to the base model
     final_reader: str | None  # what reads the last layer's output when that is not a norm
@@ -67,6 +74,7 @@ class ModelTrace:
 
 
 def probe_ids(model: nn.Module, tokens: int = PROBE_TOKENS) -> torch.Tensor:
+    """The probe tokens: the same random ids (past the usual special tokens) for the original and the converted model."""
     vocab = int(getattr(model.config.get_text_config(), "vocab_size", None) or model.get_input_embeddings().weight.shape[0])
     generator = torch.Generator().manual_seed(0)
     device = model.get_input_embeddings().weight.device
@@ -161,6 +169,7 @@ class ChildCall:
 
 
 def probe_hidden(call: LayerCall, seed: int) -> torch.Tensor:
+    """Random hidden states of the shape, dtype and device the layer received, drawn in fp32 from SEED."""
     generator = torch.Generator().manual_seed(seed)
     h = torch.randn(call.hidden.shape, generator=generator, dtype=torch.float32)
     return h.to(device=call.hidden.device, dtype=call.hidden.dtype)
@@ -210,3 +219,12 @@ def evaluating(model: nn.Module):
         yield
     finally:
         model.train(was_training)
+
+
+def run_probes(model: nn.Module, work, *args):
+    """WORK(*ARGS), probes of MODEL, on one CPU thread (single_thread.py) where MODEL computes on the CPU;
+    inline on an accelerator, whose speed does not hang on CPU threads and whose per-thread state (current
+    device and stream) stays the caller's."""
+    if all(param.device.type == "cpu" for param in model.parameters()):
+        return run_single_threaded(work, *args)
+    return work(*args)
