@@ -3,10 +3,11 @@
 The structure proof and the coverage walk run a few tokens through every decoder layer: thousands of
 operations too small to share between threads, where on a busy machine the threads of each matrix product
 wait on each other (SmolLM2's find_plan on a loaded 2-core machine: 0.4 s on one thread, 1 to 13 s on
-two). torch keeps the intra-op thread count per thread (`torch.set_num_threads` sets the calling thread's),
-so such work runs on a thread of its own, set to one. `torch.set_num_threads` also sets the count that a
-thread starts with the first time it runs torch code: the caller puts that back, to its own count, which
-it does not change, before the work starts. Where torch's thread pool is process-wide (builds without
+two). In torch's OpenMP builds (the CPU builds it ships) the intra-op thread count belongs to each thread:
+`torch.set_num_threads` sets the calling thread's, so such work runs on a thread of its own, set to one,
+and every other thread keeps its count. `torch.set_num_threads` also sets the count a thread starts with
+the first time it runs torch code; the caller puts that back at once, to its own count (which it does not
+change), and only then does the work start. Where torch's thread pool is process-wide (builds without
 OpenMP), the work so runs with the caller's count, and nothing changes either.
 """
 
@@ -45,9 +46,11 @@ def run_single_threaded(work: Callable[..., Result], *args, **kwargs) -> Result:
 
     worker = threading.Thread(target=run, name="attnres-single-thread", daemon=True)
     worker.start()
-    configured.wait()
-    torch.set_num_threads(threads)  # the start value back; the calling thread already computes on THREADS
-    start_value_restored.set()
+    try:
+        configured.wait()
+    finally:  # an interrupt here too leaves the start value as it was
+        torch.set_num_threads(threads)  # the start value back; the calling thread already computes on THREADS
+        start_value_restored.set()
     worker.join()
     if "error" in outcome:
         raise outcome["error"]
