@@ -30,11 +30,15 @@ class DataError(AttnResError):
     """A text file cannot be read as documents (e.g. a record without the text field)."""
 
 
-def first_line(error: BaseException) -> str:
+def first_line(error: BaseException, with_type: bool = False) -> str:
     """The first line of an upstream error (its class name when it has no message): enough to name the
-    cause inside one of our messages without pasting a traceback-sized text."""
+    cause inside one of our messages without pasting a traceback-sized text. WITH_TYPE: `Type: first line`,
+    for a report whose reader needs the kind of error too (a refused candidate, a row of the coverage table)."""
     text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
+    line = text.splitlines()[0] if text else ""
+    if with_type:
+        return f"{type(error).__name__}: {line}"
+    return line or type(error).__name__
 
 
 def scrub(text: str, token: str | None = None) -> str:

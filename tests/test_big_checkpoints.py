@@ -379,7 +379,7 @@ def test_a_structure_the_miniature_does_not_prove_is_converted_in_memory(tmp_pat
     """The proof runs while the base tensors are copied; when it fails, the copy is thrown away (nothing of it
     reaches the output) and the model is converted in memory, where the structure is proven on its weights."""
     from attnres_convert.conversion import streaming
-    from attnres_convert.conversion.discovery import StructureError
+    from attnres_convert.conversion.proof import StructureError
 
     def unproven(model):
         raise StructureError("layer 1 differs by 0.5")

@@ -1,12 +1,17 @@
 """Structure discovery and the per-layer proof: what is found from the model itself, that a plausible but
 wrong structure is never used, and that refusals name the layer, the sublayer and the difference."""
 
+import threading
+
 import pytest
 import torch
 
 from attnres_convert.conversion import discovery
+from attnres_convert.conversion.proof import prove
+from attnres_convert.conversion.single_thread import run_single_threaded
 from attnres_convert.conversion.surgery import convert_model
-from attnres_convert.modeling.architectures import FAMILIES, ModelPlan, UnsupportedModelError
+from attnres_convert.conversion.trace import trace_model
+from attnres_convert.modeling.architectures import FAMILIES, ModelPlan, UnsupportedModelError, locate
 from tiny_models import tiny_model, token_ids
 import transformers as T
 
@@ -22,10 +27,10 @@ def test_granite_multipliers_are_part_of_the_plan_and_the_llama_pattern_is_refus
     """Forcing the Llama structure onto Granite (residual_multiplier 0.22) is wrong by far more than rounding:
     the proof rejects it at the first sublayer; discovery finds the multiplier as the config states it."""
     model = tiny_model("granite")
-    where = discovery.locate(model)
-    trace = discovery.trace_model(model, where)
+    where = locate(model)
+    trace = trace_model(model, where)
     llama_like = LLAMA.plan(model.config, model)
-    failure = discovery.prove(model, llama_like, trace)
+    failure = prove(model, llama_like, trace)
     assert failure is not None and failure.layer == 0 and failure.sublayer == 1  # where the stream first departs
     assert failure.relative > 1e-2
     plan = _found(model)
@@ -39,8 +44,8 @@ def test_glm4_sandwich_norms_belong_to_their_sublayers():
     attention, mlp = plan.sublayers(0)
     assert attention.branches[0].post == ("post_self_attn_layernorm",)
     assert mlp.branches[0].post == ("post_mlp_layernorm",)
-    trace = discovery.trace_model(model, discovery.locate(model))
-    assert discovery.prove(model, LLAMA.plan(model.config, model), trace) is not None
+    trace = trace_model(model, locate(model))
+    assert prove(model, LLAMA.plan(model.config, model), trace) is not None
 
 
 def test_parallel_branches_and_their_norms():
@@ -80,8 +85,8 @@ def test_post_norm_is_refused_by_discovery_itself():
     config = T.Olmo2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                            vocab_size=128)
     model = T.AutoModelForCausalLM.from_config(config).eval()
-    where = discovery.locate(model)
-    trace = discovery.trace_model(model, where)
+    where = locate(model)
+    trace = trace_model(model, where)
     with pytest.raises(UnsupportedModelError, match=r"decoder layer 0: the residual stream is read by `self_attn`.*post-norm"):
         discovery.discovered_plan(model, where, trace, {})
 
@@ -113,3 +118,50 @@ def test_a_folder_converted_before_plans_were_recorded_still_loads(tmp_path):
     ids = token_ids()
     with torch.no_grad():
         assert torch.equal(reloaded(ids).logits, model(ids).logits)
+
+
+def _count_of_a_new_thread() -> int:
+    """The intra-op thread count a thread gets the first time it runs torch code."""
+    counts = []
+    thread = threading.Thread(target=lambda: counts.append(torch.get_num_threads()))
+    thread.start()
+    thread.join()
+    return counts[0]
+
+
+def test_the_proof_runs_on_one_thread_and_changes_no_other_threads_count():
+    """find_plan computes on one thread of its own: the caller's count, that of a thread running beside it,
+    and the count new threads start with stay as they were, during the proof and after it."""
+    model = tiny_model("llama")
+    torch.set_num_threads(2)
+    try:
+        beside_ready, proof_done, beside = threading.Event(), threading.Event(), []
+
+        def running_beside():
+            beside.append(torch.get_num_threads())
+            beside_ready.set()
+            proof_done.wait()
+            beside.append(torch.get_num_threads())
+
+        thread = threading.Thread(target=running_beside)
+        thread.start()
+        beside_ready.wait()
+        during = run_single_threaded(lambda: (torch.get_num_threads(), _count_of_a_new_thread()))
+        plan, _ = discovery.find_plan(model)
+        proof_done.set()
+        thread.join()
+        assert during == (1, 2)
+        assert plan.num_layers == model.config.num_hidden_layers
+        assert torch.get_num_threads() == 2 and _count_of_a_new_thread() == 2 and beside == [2, 2]
+    finally:
+        torch.set_num_threads(1)
+
+
+def test_an_error_in_single_threaded_work_is_raised_in_the_caller():
+    torch.set_num_threads(2)
+    try:
+        with pytest.raises(ZeroDivisionError):
+            run_single_threaded(lambda: 1 / 0)
+        assert torch.get_num_threads() == 2 and _count_of_a_new_thread() == 2
+    finally:
+        torch.set_num_threads(1)

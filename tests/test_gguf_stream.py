@@ -115,3 +115,32 @@ def test_a_gguf_converted_in_memory_saves_no_quantisation_config(smollm2_path, t
     convert(smollm2_path, tmp_path / "out", verify=False, stream=False)
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert "quantization_config" not in config and "quantization_config" not in config["text_config"]
+
+
+# Model types of transformers' tensor-by-tensor GGUF loader, with the architecture their GGUF files name.
+GGUF_ARCHITECTURES = {
+    "llama": "llama", "qwen2": "qwen2", "gpt2": "gpt2", "bloom": "bloom", "gemma2": "gemma2", "gemma3_text": "gemma3",
+    "qwen2_moe": "qwen2moe", "nemotron": "nemotron", "mamba": "mamba", "falcon": "falcon", "cohere": "command-r",
+}
+
+
+@pytest.mark.parametrize("model_type", sorted(GGUF_ARCHITECTURES))
+def test_gguf_names_are_those_of_transformers_loader(model_type):
+    """The streamed names come from gguf's name map built once; transformers' get_gguf_hf_weights_map (which
+    builds it for every module) gives the same map, processors' fallbacks and nested modules included."""
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
+
+    from attnres_convert.conversion.coverage import tiny_config
+    from attnres_convert.io.gguf_stream import _gguf_to_hf_names
+
+    architecture = GGUF_ARCHITECTURES[model_type]
+    config = tiny_config(model_type)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+
+    def processor():
+        return TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=config.to_dict())
+
+    expected = get_gguf_hf_weights_map(model, processor())
+    assert expected and _gguf_to_hf_names(model, processor(), architecture) == expected

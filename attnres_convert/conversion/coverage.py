@@ -26,8 +26,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..errors import first_line
 from ..modeling.architectures import UnsupportedModelError, config_refusal
-from .discovery import first_line, one_thread
+from .single_thread import run_single_threaded
 
 STATUSES = ("converted", "refused", "not built")
 MAX_PARAMETERS = 8_000_000  # a tiny config that still has more did not shrink: not worth building
@@ -123,8 +124,9 @@ def tiny_config(model_type: str, **overrides):
     return AutoConfig.for_model(model_type, **{**shrink, **TYPE_OVERRIDES.get(model_type, {}), **overrides})
 
 
-def _first_line(error: BaseException) -> str:
-    return first_line(error)[:300]
+def _short_error(error: BaseException) -> str:
+    """`Type: first line` of an error, cut to a table cell's length."""
+    return first_line(error, with_type=True)[:300]
 
 
 def _build(model_type: str, overrides: dict):
@@ -211,13 +213,13 @@ def check_model_type(model_type: str, variant: str = "", overrides: dict | None 
         try:
             refusal = config_refusal(tiny_config(model_type, **(overrides or {})))
         except Exception as error:  # noqa: BLE001 - a row of the table, not a failure of the walk
-            return row("not built", _first_line(error))
+            return row("not built", _short_error(error))
         if refusal:  # said by the config alone, as `attnres convert` says it before loading weights
             return row("refused", refusal)
         try:
             model = _build(model_type, overrides or {})
         except Exception as error:  # noqa: BLE001
-            return row("not built", _first_line(error))
+            return row("not built", _short_error(error))
         name = type(model).__name__
         try:
             generator = torch.Generator().manual_seed(1)
@@ -228,7 +230,7 @@ def check_model_type(model_type: str, variant: str = "", overrides: dict | None 
                     return row("not built", "the tiny random model's logits are not finite", name)
                 expected = _greedy(model, ids, True)
         except Exception as error:  # noqa: BLE001
-            return row("not built", "the original model does not run: " + _first_line(error), name)
+            return row("not built", "the original model does not run: " + _short_error(error), name)
         padded = _left_padded(ids)
         padded_reference = _padded_logits(model, padded)  # None where the original itself takes no padding
         try:
@@ -239,13 +241,13 @@ def check_model_type(model_type: str, variant: str = "", overrides: dict | None 
         except UnsupportedModelError as error:
             return row("refused", str(error), name)
         except Exception as error:  # noqa: BLE001
-            return row("refused", "conversion failed: " + _first_line(error), name)
+            return row("refused", "conversion failed: " + _short_error(error), name)
         try:
             with torch.no_grad():
                 delta = (converted(ids).logits.float() - reference).abs().max().item()
             cached, uncached = _greedy(converted, ids, True), _greedy(converted, ids, False)
         except Exception as error:  # noqa: BLE001
-            return row("refused", "the converted model does not run: " + _first_line(error), name)
+            return row("refused", "the converted model does not run: " + _short_error(error), name)
         if not delta <= LOGIT_TOLERANCE:
             return row("refused", f"whole-model check: max |delta logit| {delta:.1e} > {LOGIT_TOLERANCE:.0e}", name)
         if cached != expected or uncached != cached:
@@ -254,7 +256,7 @@ def check_model_type(model_type: str, variant: str = "", overrides: dict | None 
             try:
                 padded_delta = (_padded_logits(converted, padded, strict=True) - padded_reference).abs().max().item()
             except Exception as error:  # noqa: BLE001
-                return row("refused", "the converted model does not run on a left-padded batch: " + _first_line(error), name)
+                return row("refused", "the converted model does not run on a left-padded batch: " + _short_error(error), name)
             if not padded_delta <= LOGIT_TOLERANCE:
                 return row("refused", f"whole-model check, left-padded batch: max |delta logit| {padded_delta:.1e}", name)
         return row("converted", _structure_text(converted), name)
@@ -276,11 +278,10 @@ def walk(
     verbosity = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity_error()
     try:
-        with one_thread():  # tiny models
-            for model_type, variant, overrides in jobs:
-                if progress is not None:
-                    progress(model_type if not variant else f"{model_type} ({variant})")
-                rows.append(check_model_type(model_type, variant, overrides))
+        for model_type, variant, overrides in jobs:
+            if progress is not None:
+                progress(model_type if not variant else f"{model_type} ({variant})")
+            rows.append(run_single_threaded(check_model_type, model_type, variant, overrides))  # tiny models
     finally:
         transformers.logging.set_verbosity(verbosity)
     return CoverageReport(rows, transformers.__version__)

@@ -16,7 +16,8 @@ from ..modeling.depth_attention import default_block_size, output_num_sources, p
 from ..modeling import SHIPPED_CODE
 from ..modeling.modeling_attnres import AttnResForCausalLM, AttnResKeyNorm, AttnResQuery
 from ..modeling.remote_code import GENERATED, base_code_files
-from .discovery import check_converted, find_plan
+from .discovery import find_plan
+from .proof import check_converted
 from ..io.saving import register_auto_classes
 
 DEFAULT_NUM_BLOCKS = 8

@@ -3,8 +3,9 @@
 transformers loads a GGUF of the older architectures (Llama, Mistral, Qwen2, Gemma...) with
 `load_gguf_checkpoint`: every tensor dequantised by `gguf.quants.dequantize`, passed through the
 architecture's tensor processor (Llama's q/k reverse permutation, Gemma's norm offset...) and renamed with
-`get_gguf_hf_weights_map`. This module runs those same functions of transformers, one tensor at a time, so
-the streamed folder holds bit for bit what a load + save would. A GGUF that transformers converts some other
+`get_gguf_hf_weights_map`. This module runs those same functions of transformers, one tensor at a time (the
+names as get_gguf_hf_weights_map computes them, with gguf's name map built once), so the streamed folder
+holds bit for bit what a load + save would. A GGUF that transformers converts some other
 way (its newer weight-conversion pipeline, experts merged across tensors) raises NotStreamable, and `convert`
 goes through memory instead.
 """
@@ -12,7 +13,6 @@ goes through memory instead.
 from __future__ import annotations
 
 import contextlib
-import functools
 import mmap
 from pathlib import Path
 
@@ -73,19 +73,38 @@ def _file_tensors(path: Path) -> tuple[str, list[tuple[str, np.ndarray, object, 
     return header.architecture, tensors
 
 
-@contextlib.contextmanager
-def _one_name_map():
-    """get_gguf_hf_weights_map rebuilds gguf's tensor name map for every module it recurses into (seconds for
-    a model of a few hundred modules); the map depends only on the architecture and layer count, so it is
-    built once while the call runs."""
-    import gguf
+def _gguf_to_hf_names(model: torch.nn.Module, processor, architecture: str) -> dict[str, str]:
+    """GGUF tensor name -> transformers name, computed as transformers' get_gguf_hf_weights_map computes it
+    (each module's state-dict names through gguf's name map, the processor's fallback for those it does
+    not know, then the module's children, whose names never replace their parent's), with gguf's name map
+    for the file's ARCHITECTURE built once: transformers builds it again for every module it recurses into
+    (seconds for a model of a few hundred modules)."""
+    from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
 
-    build = gguf.get_tensor_name_map
-    gguf.get_tensor_name_map = functools.lru_cache(maxsize=4)(build)
-    try:
-        yield
-    finally:
-        gguf.get_tensor_name_map = build
+    arch = next((key for key, value in MODEL_ARCH_NAMES.items() if value == architecture), None)
+    if arch is None:
+        raise NotStreamable(f"the installed gguf package does not name the tensors of GGUF architecture {architecture!r}")
+    name_map = get_tensor_name_map(arch, model.config.num_hidden_layers)
+
+    def names(module: torch.nn.Module, qual_name: str) -> dict[str, str]:
+        mapping: dict[str, str] = {}
+        for hf_name in module.state_dict():
+            hf_name = processor.preprocess_name(hf_name)
+            name, suffix = hf_name, ""
+            if hf_name.endswith((".weight", ".bias")):
+                name, suffix = hf_name.rsplit(".", 1)
+                suffix = "." + suffix
+            gguf_name = name_map.get_name(name)
+            if gguf_name is None:
+                processor.perform_fallback_tensor_mapping(mapping, suffix, qual_name, hf_name)
+            else:
+                mapping[gguf_name + suffix] = qual_name + hf_name
+        for child_name, child in module.named_children():
+            for gguf_name, hf_name in names(child, f"{qual_name}{child_name}.").items():
+                mapping.setdefault(gguf_name, hf_name)
+        return mapping
+
+    return names(model, "")
 
 
 def gguf_base_tensors(path: Path, config: PreTrainedConfig, dtype: str = "auto", trust_remote_code: bool = False) -> list[OutputTensor]:
@@ -93,7 +112,7 @@ def gguf_base_tensors(path: Path, config: PreTrainedConfig, dtype: str = "auto",
     (the in-memory path's dtype for a GGUF) or DTYPE. NotStreamable when transformers would not load the file
     tensor by tensor."""
     from transformers.integrations.gguf.utils import is_gguf_arch_supported
-    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
     architecture, file_tensors = _file_tensors(path)
     if is_gguf_arch_supported(architecture):
@@ -103,8 +122,7 @@ def gguf_base_tensors(path: Path, config: PreTrainedConfig, dtype: str = "auto",
     processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=config.to_dict())
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
-    with _one_name_map():
-        names = get_gguf_hf_weights_map(model, processor)
+    names = _gguf_to_hf_names(model, processor, architecture)
     shapes = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
     out_dtype = torch.float32 if dtype == "auto" else DTYPE_CHOICES[dtype]
 

@@ -1,0 +1,166 @@
+"""Proving a structure plan exact: every decoder layer, and the whole converted model, against the original.
+
+A candidate plan, discovered or from the table in architectures.py, is accepted only when every decoder
+layer, run on random hidden states with its real arguments (trace.py), gives the same output through the
+rewritten sublayers (`run_sublayer`, the function the converted model runs) as through its own forward,
+both as a plain sum and as a depth-attention mix with zero queries: fp32 bit-equal or within 1e-6
+relative. A failing candidate is never used; when none passes, the refusal names the layer, the sublayer
+and the difference. `check_converted` then runs the whole converted model on the probe tokens, prefill
+and one decoding step, against the original's logits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..errors import first_line
+from ..modeling.architectures import ModelPlan, Sublayer, UnsupportedModelError, module_at
+from ..modeling.depth_attention import add_output, close_block, depth_mix, start_state
+from ..modeling.modeling_attnres import run_sublayer
+from .trace import LayerCall, ModelTrace, evaluating, first_tensor, one_more_token_logits, probe_hidden, probe_ids, run_probes
+
+RELATIVE_TOLERANCE = 1e-6  # fp32: bit-equal, or this close where the base forward orders its adds differently
+HALF_RELATIVE_TOLERANCE = 1e-2  # bf16 / fp16: a reordered add rounds at the format's precision (2^-8)
+LOGIT_TOLERANCE = 1e-4  # fp32, the whole converted model on the probe tokens
+
+
+class StructureError(UnsupportedModelError):
+    """No candidate structure reproduces the model's decoder layers; the message names where and by how much."""
+
+
+def tolerance(dtype: torch.dtype) -> float:
+    """How close the rewritten layer must come to the original's output, relative, at this precision."""
+    return RELATIVE_TOLERANCE if dtype in (torch.float32, torch.float64) else HALF_RELATIVE_TOLERANCE
+
+
+def relative_difference(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
+    """The largest absolute difference, and that difference relative to WANT's largest magnitude."""
+    diff = (got.double() - want.double()).abs().max().item()
+    scale = want.double().abs().max().item()
+    return diff, diff / scale if scale > 0 else diff
+
+
+@dataclass(frozen=True)
+class LayerFailure:
+    """Where and by how much a plan fails to reproduce a decoder layer: the refusal's words."""
+
+    layer: int
+    sublayer: int | None  # 1-based inside the layer; None: the structure itself could not be found
+    description: str
+    difference: float | None = None
+    relative: float | None = None
+    tolerance: float = RELATIVE_TOLERANCE
+
+    def __str__(self) -> str:
+        if self.sublayer is None:
+            return f"decoder layer {self.layer}: {self.description}"
+        if self.difference is None:
+            return f"decoder layer {self.layer}, sublayer {self.sublayer}: {self.description}"
+        return (
+            f"decoder layer {self.layer}, sublayer {self.sublayer} ({self.description}): the rewritten layer differs "
+            f"from the original by {self.difference:.2e} (relative {self.relative:.1e} > {self.tolerance:.0e})"
+        )
+
+
+@torch.no_grad()
+def prove_layer(layer: nn.Module, index: int, sublayers: tuple[Sublayer, ...], call: LayerCall, eps: float) -> LayerFailure | None:
+    """Run the layer's own forward and the rewritten sublayers on the same random hidden states and real
+    arguments: as a plain residual sum (locates the sublayer that differs), and as the depth-attention mix
+    with zero queries, every output its own source (what the converted layer computes)."""
+    h0 = probe_hidden(call, seed=1000 + index)
+    args, kwargs = call.fresh()
+    want, inputs = _run_recording_inputs(layer, sublayers, h0, args, kwargs)
+    args, kwargs = call.fresh()
+    call_kwargs = call.call_kwargs(args, kwargs)
+    limit = tolerance(h0.dtype)
+    h = h0
+    for sub_index, sublayer in enumerate(sublayers):
+        try:
+            h = h + run_sublayer(layer, sublayer, h, call_kwargs)
+        except Exception as error:  # noqa: BLE001 - a candidate that cannot even run is a failed candidate
+            return LayerFailure(index, sub_index + 1, f"the rewritten {sublayer.describe()} raised {first_line(error, with_type=True)}")
+        # The original's stream where the next sublayer reads it, else (last sublayer) the layer's output.
+        reference = inputs.get(sub_index + 1) if sub_index + 1 < len(sublayers) else want
+        if reference is not None and reference.shape == h.shape:
+            difference, relative = relative_difference(h, reference)
+            if not relative <= limit:
+                return LayerFailure(index, sub_index + 1, sublayer.describe(), difference, relative, limit)
+    difference, relative = relative_difference(h, want)
+    if not relative <= limit:
+        return LayerFailure(index, len(sublayers), sublayers[-1].describe(), difference, relative, limit)
+    args, kwargs = call.fresh()
+    call_kwargs = call.call_kwargs(args, kwargs)
+    hidden = h0.shape[-1]
+    query, key_norm = h0.new_zeros(1, hidden), h0.new_ones(hidden)
+    state = start_state(h0, eps)
+    for sublayer in sublayers:
+        state = close_block(state, eps)
+        state = add_output(state, run_sublayer(layer, sublayer, depth_mix(state, query, key_norm, eps, "count"), call_kwargs))
+    mixed = depth_mix(close_block(state, eps), query, key_norm, eps, "count")
+    difference, relative = relative_difference(mixed, want)
+    if not relative <= limit:
+        return LayerFailure(index, len(sublayers), "depth mix with zero queries: " + sublayers[-1].describe(),
+                            difference, relative, limit)
+    return None
+
+
+def _run_recording_inputs(layer, sublayers, h0, args, kwargs) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    """The layer's own output, and the stream each sublayer after the first reads in the original forward
+    (the input of its first norm), to name the sublayer where the rewritten layer departs from it."""
+    inputs: dict[int, torch.Tensor] = {}
+    hooks = []
+    for position, sublayer in enumerate(sublayers[1:], start=1):
+        def hook(module, hook_args, position=position):
+            if position not in inputs and hook_args and isinstance(hook_args[0], torch.Tensor):
+                inputs[position] = hook_args[0].detach().clone()
+
+        hooks.append(module_at(layer, sublayer.branches[0].norm).register_forward_pre_hook(hook))
+    try:
+        return first_tensor(layer(h0, *args, **kwargs)), inputs
+    finally:
+        for handle in hooks:
+            handle.remove()
+
+
+def prove(model: nn.Module, plan: ModelPlan, trace: ModelTrace) -> LayerFailure | None:
+    """The first decoder layer the plan does not reproduce, or None when it reproduces them all."""
+    layers = module_at(module_at(model, plan.base_model), plan.layers)
+    for index, (layer, call) in enumerate(zip(layers, trace.calls)):
+        failure = prove_layer(layer, index, plan.sublayers(index), call, plan.eps)
+        if failure is not None:
+            return failure
+    return None
+
+
+def check_converted(converted: nn.Module, trace: ModelTrace) -> None:
+    """The converted model on the probe tokens gives the original's logits (fp32): what the per-layer proof
+    cannot see, such as a base model that touches the hidden states between its layers."""
+    if next(converted.parameters()).dtype != torch.float32:
+        return  # half precision: `attnres convert`'s verification judges the distribution instead
+    with evaluating(converted):
+        logits, step = run_probes(converted, _probe_logits, converted, trace.step_logits is not None)
+    difference = relative_difference(logits, trace.logits)[0]
+    if step is not None and step.shape == trace.step_logits.shape:
+        step_difference = relative_difference(step, trace.step_logits)[0]
+        if not step_difference <= LOGIT_TOLERANCE:
+            raise StructureError(
+                f"{converted.config.base_model_type}: every decoder layer is reproduced, but a decoding step with the "
+                f"KV cache differs from the original's by {step_difference:.2e} in the logits (> {LOGIT_TOLERANCE:.0e}): "
+                "a module outside the plan's arguments keeps state in the cache"
+            )
+    if not difference <= LOGIT_TOLERANCE:
+        raise StructureError(
+            f"{converted.config.base_model_type}: every decoder layer is reproduced, but the whole converted model "
+            f"differs from the original by {difference:.2e} in the logits (> {LOGIT_TOLERANCE:.0e}): the base model "
+            "does more between its layers than pass the hidden states on"
+        )
+
+
+@torch.no_grad()
+def _probe_logits(model: nn.Module, with_step: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The model's logits on the probe tokens and, WITH_STEP, those of one more token through its cache."""
+    prefill = model(input_ids=probe_ids(model), use_cache=with_step)
+    return prefill.logits.float(), one_more_token_logits(model, prefill) if with_step else None

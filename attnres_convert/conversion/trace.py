@@ -1,0 +1,230 @@
+"""Running a causal LM on probe tokens with hooks: what discovery and the proof read from the model itself.
+
+`trace_model` runs the model once on a few tokens (with a cache, as generation runs it) and records, for
+every decoder layer, its real call arguments (mask, positions, cache), which module reads the last layer's
+output, the logits, and the logits of one more token through the cache. `trace_layer` runs one decoder
+layer on given hidden states with hooks on its direct children, recording what each child reads and
+returns: the data flow discovery.py reads the sublayers from. Probes run in eval mode (`evaluating`) and,
+on the CPU, on one thread of their own (`run_probes`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..modeling.architectures import UnsupportedModelError, Where, is_norm, module_at
+from ..modeling.modeling_attnres import positional_argnames
+from .single_thread import run_single_threaded
+
+PROBE_TOKENS = 6
+
+
+def first_tensor(value):
+    """The hidden states in a module's output (a tensor, a tuple starting with one, or a model output)."""
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, (tuple, list)) and value and isinstance(value[0], torch.Tensor):
+        return value[0]
+    return getattr(value, "last_hidden_state", None)
+
+
+# --- the real call arguments of every layer --------------------------------------------------------
+
+
+@dataclass
+class LayerCall:
+    """How the model called one decoder layer in the traced forward: what a probe of the layer replays."""
+
+    hidden: torch.Tensor  # the hidden states the layer received (shape, dtype, device for the probes)
+    args: tuple
+    kwargs: dict
+    argnames: tuple[str, ...]  # the layer's positional parameter names after hidden_states
+
+    def fresh(self) -> tuple[tuple, dict]:
+        """The arguments, with a fresh copy of any cache (a replay appends to it)."""
+        kwargs = {k: (copy.deepcopy(v) if _is_cache(v) else v) for k, v in self.kwargs.items()}
+        args = tuple(copy.deepcopy(v) if _is_cache(v) else v for v in self.args)
+        return args, kwargs
+
+    def call_kwargs(self, args: tuple, kwargs: dict) -> dict:
+        return dict(zip(self.argnames, args), **kwargs) if args else kwargs
+
+
+def _is_cache(value) -> bool:
+    return hasattr(value, "update") and hasattr(value, "get_seq_length")
+
+
+@dataclass
+class ModelTrace:
+    """What one forward of the whole model on the probe tokens showed: the layers' calls, what reads the last
+    layer's output, and the logits the converted model must reproduce."""
+
+    calls: list[LayerCall]
+    final_norm: str | None  # relative to the base model
+    final_reader: str | None  # what reads the last layer's output when that is not a norm
+    logits: torch.Tensor
+    last_hidden: torch.Tensor
+    tuple_output: bool  # the layers return tuples
+    step_logits: torch.Tensor | None = None  # one decoding step after the probe, with the KV cache
+
+
+def probe_ids(model: nn.Module, tokens: int = PROBE_TOKENS) -> torch.Tensor:
+    """The probe tokens: the same random ids (past the usual special tokens) for the original and the converted model."""
+    vocab = int(getattr(model.config.get_text_config(), "vocab_size", None) or model.get_input_embeddings().weight.shape[0])
+    generator = torch.Generator().manual_seed(0)
+    device = model.get_input_embeddings().weight.device
+    return torch.randint(min(3, vocab - 1), vocab, (1, tokens), generator=generator).to(device)
+
+
+@torch.no_grad()
+def trace_model(model: nn.Module, where: Where) -> ModelTrace:
+    """One forward on a few tokens (with a cache, as generation runs it), recording each layer's call
+    arguments, which module reads the last layer's output, the logits and the base model's last hidden state."""
+    base = module_at(model, where.base_model)
+    layers = module_at(base, where.layers)
+    inside = {id(m) for layer in layers for m in layer.modules()}
+    calls: list[LayerCall] = []
+    last_output: list[torch.Tensor] = []
+    tuple_output: list[bool] = []
+    readers: list[str] = []
+    last_hidden: list[torch.Tensor] = []
+    hooks = []
+
+    def before_layer(module, args, kwargs):
+        hidden = args[0] if args else kwargs.get("hidden_states")
+        rest = dict(kwargs)
+        rest.pop("hidden_states", None)
+        snapshot = {k: (copy.deepcopy(v) if _is_cache(v) else v) for k, v in rest.items()}
+        positional = tuple(copy.deepcopy(v) if _is_cache(v) else v for v in args[1:])
+        calls.append(LayerCall(hidden.detach().clone(), positional, snapshot, positional_argnames(type(module))))
+
+    def after_last(module, args, kwargs, output):
+        last_output.append(first_tensor(output).detach().clone())
+        tuple_output.append(isinstance(output, tuple))
+
+    def reader(name):
+        def hook(module, args, kwargs):
+            x = args[0] if args else next((v for v in kwargs.values() if isinstance(v, torch.Tensor)), None)
+            if last_output and not readers and isinstance(x, torch.Tensor) and x.shape == last_output[0].shape:
+                if torch.equal(x, last_output[0]):
+                    readers.append(name)
+
+        return hook
+
+    for layer in layers:
+        hooks.append(layer.register_forward_pre_hook(before_layer, with_kwargs=True))
+    hooks.append(layers[-1].register_forward_hook(after_last, with_kwargs=True))
+    for name, module in base.named_modules():
+        if name and id(module) not in inside and module is not layers:
+            hooks.append(module.register_forward_pre_hook(reader(name), with_kwargs=True))
+    hooks.append(base.register_forward_hook(lambda m, a, o: last_hidden.append(first_tensor(o))))
+    # Some causal LMs call a submodule of the base model (OPT: model.decoder); the head's input then stands
+    # in for the base model's output.
+    head_input: list[torch.Tensor] = []
+    hooks.append(module_at(model, where.lm_head).register_forward_pre_hook(lambda m, a: head_input.append(a[0])))
+    try:
+        output = model(input_ids=probe_ids(model), use_cache=True)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    if len(calls) != len(layers):
+        raise UnsupportedModelError(
+            f"{type(model).__name__}: {len(calls)} decoder layer calls for {len(layers)} layers in one forward"
+        )
+    name = readers[0] if readers else None
+    final_norm = name if name is not None and is_norm(module_at(base, name)) else None
+    return ModelTrace(
+        calls, final_norm, name, output.logits.float(), (last_hidden or head_input)[0],
+        bool(tuple_output and tuple_output[0]), one_more_token_logits(model, output),
+    )
+
+
+def one_more_token_logits(model: nn.Module, prefill) -> torch.Tensor | None:
+    """Logits of one more token through the cache the probe filled (None where the model keeps no cache)."""
+    cache = getattr(prefill, "past_key_values", None)
+    if cache is None:
+        return None
+    ids = probe_ids(model, PROBE_TOKENS + 1)
+    return model(input_ids=ids[:, -1:], past_key_values=cache, use_cache=True).logits.float()
+
+
+# --- one layer's children, in call order -----------------------------------------------------------
+
+
+@dataclass
+class ChildCall:
+    """One call of a decoder layer's direct child: what it read and what it returned."""
+
+    name: str
+    x: torch.Tensor  # a copy (a later in-place add must not change what was read)
+    x_ref: object  # the tensor object itself: identity tells apart equal values (two norms with equal weights)
+    extra: bool  # called with more than the hidden states (the layer's mask, positions, cache...)
+    y: torch.Tensor | None = None
+    y_ref: object = None
+
+
+def probe_hidden(call: LayerCall, seed: int) -> torch.Tensor:
+    """Random hidden states of the shape, dtype and device the layer received, drawn in fp32 from SEED."""
+    generator = torch.Generator().manual_seed(seed)
+    h = torch.randn(call.hidden.shape, generator=generator, dtype=torch.float32)
+    return h.to(device=call.hidden.device, dtype=call.hidden.dtype)
+
+
+@torch.no_grad()
+def trace_layer(layer: nn.Module, call: LayerCall, h0: torch.Tensor) -> tuple[list[ChildCall], torch.Tensor]:
+    """The layer's direct children, in call order, with their inputs and outputs; and the layer's output."""
+    calls: list[ChildCall] = []
+    hooks = []
+
+    def pre(name):
+        def hook(module, args, kwargs):
+            x = args[0] if args else kwargs.get("hidden_states", next((v for v in kwargs.values() if isinstance(v, torch.Tensor)), None))
+            extra = len(args) > 1 or any(k != "hidden_states" for k in kwargs)
+            copy_ = x.detach().clone() if isinstance(x, torch.Tensor) else None
+            calls.append(ChildCall(name, copy_, x, extra))
+
+        return hook
+
+    def post(module, args, kwargs, output):
+        y = first_tensor(output)
+        for entry in reversed(calls):
+            if entry.y is None:
+                entry.y = y.detach().clone() if isinstance(y, torch.Tensor) else None
+                entry.y_ref = y
+                break
+
+    for name, child in layer.named_children():
+        hooks.append(child.register_forward_pre_hook(pre(name), with_kwargs=True))
+        hooks.append(child.register_forward_hook(post, with_kwargs=True))
+    try:
+        args, kwargs = call.fresh()
+        out = first_tensor(layer(h0, *args, **kwargs))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return calls, out
+
+
+@contextlib.contextmanager
+def evaluating(model: nn.Module):
+    """Probes run without dropout, whatever mode the caller left the model in."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
+
+
+def run_probes(model: nn.Module, work, *args):
+    """WORK(*ARGS), probes of MODEL, on one CPU thread (single_thread.py) where MODEL computes on the CPU;
+    inline on an accelerator, whose speed does not hang on CPU threads and whose per-thread state (current
+    device and stream) stays the caller's."""
+    if all(param.device.type == "cpu" for param in model.parameters()):
+        return run_single_threaded(work, *args)
+    return work(*args)
