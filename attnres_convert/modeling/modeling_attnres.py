@@ -32,23 +32,10 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from .architectures import ModelPlan, Sublayer, module_at, plan_for
 from .configuration_attnres import AttnResConfig
-from .depth_attention import (
-    STATE_TYPES,
-    SourceBuffer,
-    SublayerPlan,
-    add_output,
-    close_block,
-    current_stream,
-    depth_mix,
-    native_update,
-    output_num_sources,
-    plan_sublayers,
-    pseudo_query,
-    start_state,
-    step_mix,
-    wants_queries,
-)
-from .depth_kernels_cpu import NO_NORM, NONE, fused_norm
+from .depth_attention import STATE_TYPES, add_output, close_block, current_stream, depth_mix, start_state, wants_queries
+from .depth_core import pseudo_query
+from .depth_kernels_cpu import fused_norm
+from .depth_plan import SublayerPlan, output_num_sources, plan_sublayers
 from .remote_code import ship_base_code
 from .weight_names import default_save_conversions, guard_all
 
@@ -134,7 +121,8 @@ class _LayerSpec(NamedTuple):
     tuple_output: bool  # return (state,): the base model takes element 0 of what a layer returns
     query_rank: int  # > 0: input-dependent queries (the plain BlockState path, see start_state)
     # One per model, shared by its layers and final norm: what a forward without autograd keeps for the next
-    # (see `_all_queries`, start_state), and the training-time depth gate (see `set_depth_gate`).
+    # (see `_all_queries`, start_state), the open recorders (`record_depth_weights`), the training-time depth
+    # gate (see `set_depth_gate`) and the config (where the C++ kernels' source is looked for).
     runtime: dict
 
 
@@ -156,21 +144,19 @@ class AttnResDecoderLayerMixin:
         else:
             queries = _all_queries(spec, hidden_states) if wants_queries() and not spec.query_rank else None
             state = start_state(
-                hidden_states, spec.eps, spec.capacity, queries, token_queries=spec.query_rank > 0, reuse=spec.runtime
+                hidden_states, spec.eps, spec.capacity, queries, token_queries=spec.query_rank > 0, runtime=spec.runtime
             )
         # Readers take their query from the state where it holds them all, folded once per forward.
-        folded = getattr(state, "queries", None) is not None
+        folded = state.queries is not None
         gate = spec.runtime.get("gate", 1.0)
-        if gate == 1.0 and folded and isinstance(state, SourceBuffer) and state.step is not None and state.shared_stream:
-            state = _decoding_step(self, spec, state, call_kwargs)
-            return (state,) if spec.tuple_output else state
+        # With the C++ kernels a reader's mix can come out normed by its sublayer's norm (see `fused_norm`).
+        native = getattr(state, "native", None) if gate == 1.0 else None
         for sublayer, plan, names in zip(spec.sublayers, spec.plans, spec.param_names):
             if plan.closes_block:
                 state = close_block(state, spec.eps, plan.index - 1)
             params = (None, None) if folded else _depth_params(self, names)
             projection = self._modules[names[0]].projection() if spec.query_rank else None
-            native = getattr(state, "native", None) if gate == 1.0 else None
-            norm = () if native is None else _sublayer_norm(self, sublayer, native, spec.runtime)
+            norm = () if native is None else _sublayer_norm(self, sublayer, native)
             h = depth_mix(state, *params, spec.eps, spec.scaling, reader=plan.index - 1, projection=projection, norm=norm)
             if gate != 1.0:
                 h = gated(state, h, gate)
@@ -178,52 +164,14 @@ class AttnResDecoderLayerMixin:
         return (state,) if spec.tuple_output else state
 
 
-def _decoding_step(layer: nn.Module, spec: _LayerSpec, state: SourceBuffer, call_kwargs: dict) -> SourceBuffer:
-    """The layer's sublayers in a few-token forward of a float32 model: what close_block, depth_mix and
-    add_output do there, inlined: such a step pays for every Python call and branch as well as every
-    operation. Measured in one process against the general path, together with the buffer and queries a
-    decoding loop keeps (`_all_queries`, start_state): 0.75 ms less per SmolLM2 token of about 38 ms.
-    With the C++ kernels (ATTNRES_KERNEL=cpu) a reader is one call, which also makes the residual adds of
-    the output before it (one operation less per sublayer), and the sublayer's norm where it is fused (see
-    `fused_norm`); the layer's last output is left to the next layer's first reader (or the final norm's), as
-    the state's pending `update`."""
-    step, count, partial, native = state.step, state.count, state.has_partial, state.native
-    if native is None:
-        for sublayer, plan in zip(spec.sublayers, spec.plans):
-            if plan.closes_block and partial:
-                count, partial = count + 1, False
-            h = step_mix(step, count + partial, step.queries[plan.index - 1], state.stream, spec.scaling)
-            step.pairs[count].add_(run_sublayer(layer, sublayer, h, call_kwargs))  # the partial sum and the stream
-            partial = True
-        return state._replace(count=count, has_partial=partial)
-    update = state.update.take() if state.update is not None else None
-    added, slot = (NONE, 0) if update is None else (update.new, update.index)
-    count_scaling = spec.scaling == "count"
-    for sublayer, plan in zip(spec.sublayers, spec.plans):
-        if plan.closes_block and partial:
-            count, partial = count + 1, False
-        n = count + partial
-        norm = _sublayer_norm(layer, sublayer, native, spec.runtime)
-        h = native.step_mix(
-            step.padded[n], n, step.queries[plan.index - 1], state.stream, count_scaling, added, slot, *(norm or NO_NORM)
-        )
-        added, slot, partial = run_sublayer(layer, sublayer, h, call_kwargs, normed=bool(norm)), count, True
-        if added.dtype != torch.float32:  # under autocast; the eager add upcasts it just the same
-            added = added.float()
-    return state._replace(count=count, has_partial=partial, update=native_update(state, added, slot))
-
-
-def _sublayer_norm(layer: nn.Module, sublayer: Sublayer, native, runtime: dict) -> tuple:
+def _sublayer_norm(layer: nn.Module, sublayer: Sublayer, native) -> tuple:
     """The norm of a one-branch sublayer for the C++ kernels to apply to its reader's mix (`fused_norm`), or ()."""
     if len(sublayer.branches) != 1:
         return ()
     norm = layer._modules.get(sublayer.branches[0].norm)
     if norm is None:
         return ()
-    checked = runtime.get("norms")
-    if checked is None:
-        checked = runtime.setdefault("norms", {})
-    return fused_norm(native, norm, checked)
+    return fused_norm(native, norm)
 
 
 def run_sublayer(layer: nn.Module, sublayer: Sublayer, h: torch.Tensor, call_kwargs: dict, normed: bool = False) -> torch.Tensor:
@@ -361,7 +309,7 @@ class AttnResFinalNormMixin:
             state, like = hidden_states, hidden_states.stream
             if getattr(state, "queries", None) is not None:  # folded with the sublayers' (see `_all_queries`)
                 native = getattr(state, "native", None) if runtime.get("gate", 1.0) == 1.0 else None
-                norm = () if native is None else fused_norm(native, self, runtime.setdefault("norms", {}), super().forward)
+                norm = () if native is None else fused_norm(native, self, super().forward)
                 hidden_states = depth_mix(state, None, None, eps, scaling, reader=-1, norm=norm)
                 if norm:
                     return hidden_states  # this norm's output, made with the mix
@@ -456,7 +404,8 @@ def attach_depth_attention(causal_lm: nn.Module, config: AttnResConfig, plan: Mo
     factory = {"device": reference.device, "dtype": reference.dtype}
     hidden = text_config.hidden_size
     rank = config.query_rank
-    runtime = {}
+    # One per model: what its forwards keep (see _LayerSpec.runtime); the config says where the model was loaded from.
+    runtime = {"config": config}
     first = 0
     for index, layer in enumerate(layers):
         sublayers = plan.sublayers(index)
