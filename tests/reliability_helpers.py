@@ -1,5 +1,5 @@
 """Shared helpers of the reliability and security tests: run the CLI, check a user error, make
-tiny model folders and broken copies of them."""
+tiny model folders and broken copies of them, read sharded ones."""
 
 from __future__ import annotations
 
@@ -72,6 +72,19 @@ def save_tiny(folder: Path, family: str = "llama", **save_kwargs) -> Path:
 
     tiny_model(family).save_pretrained(folder, **save_kwargs)
     return folder
+
+
+def sharded_tensors(folder: Path) -> dict:
+    """Every tensor of a sharded model folder, read through its index, which must name exactly what the
+    shards hold."""
+    from safetensors.torch import load_file
+
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    tensors = {}
+    for file in sorted(set(index["weight_map"].values())):
+        tensors.update(load_file(folder / file))
+    assert set(tensors) == set(index["weight_map"]), folder
+    return tensors
 
 
 def save_config_only(folder: Path, config) -> Path:

@@ -19,14 +19,6 @@ from finetune_helpers import tiny_model_folder, tiny_recipe, write_corpus, write
 runner = CliRunner()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("ab")
@@ -98,7 +90,7 @@ def test_ab_refuses_what_it_cannot_compare(setup, tmp_path):
 
 def _first_step_gradients(setup, out, convert: bool = True, **train) -> tuple[dict[str, torch.Tensor], object]:
     """The gradients the optimizer applies at step 1 (after clipping), by parameter name, and the step's stats."""
-    from attnres_convert.finetune.training import GracefulStop
+    from attnres_convert.finetune.stopping import GracefulStop
 
     sections = dict(model={"convert": convert}, train={"trainable": "lora", "steps": 2, "warmup_steps": 0, **train},
                     lora={"r": 4}, eval={"at_start": False})

@@ -20,15 +20,8 @@ from reliability_helpers import (
     run_attnres,
     run_cli,
     save_config_only,
-    save_tiny,
     truncate,
 )
-
-
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory) -> Path:
-    """A tiny Llama saved by save_pretrained (3 layers: 6 sublayers)."""
-    return save_tiny(tmp_path_factory.mktemp("bad-input") / "tiny-llama")
 
 
 # ---------------------------------------------------------------- the source
@@ -71,18 +64,18 @@ def test_config_that_is_not_json(tmp_path):
     assert_user_error(run_cli("convert", folder, "-o", out), "config.json", "not valid JSON", out=out)
 
 
-def test_config_without_weights(tmp_path, tiny_llama):
+def test_config_without_weights(tmp_path, tiny_llama_folder):
     folder = tmp_path / "config-only"
     folder.mkdir()
-    shutil.copy(tiny_llama / "config.json", folder)
+    shutil.copy(tiny_llama_folder / "config.json", folder)
     out = tmp_path / "out"
     result = run_cli("convert", folder, "-o", out)
     assert_user_error(result, str(folder), "no weights", "save_pretrained", out=out)
 
 
 @pytest.mark.parametrize("damage", ["truncated", "garbage", "empty"])
-def test_corrupt_safetensors(tmp_path, tiny_llama, damage):
-    folder = copy_model(tiny_llama, tmp_path / f"{damage}-model")
+def test_corrupt_safetensors(tmp_path, tiny_llama_folder, damage):
+    folder = copy_model(tiny_llama_folder, tmp_path / f"{damage}-model")
     weights = folder / "model.safetensors"
     if damage == "truncated":
         truncate(weights, 0.5)
@@ -174,23 +167,23 @@ def test_unsupported_architecture_with_weights(tmp_path):
     assert_user_error(result, str(folder), "bloom", "decoder layer 0, sublayer 1", "attnres architectures", out=out)
 
 
-def test_made_up_model_type(tmp_path, tiny_llama):
-    folder = edit_config(copy_model(tiny_llama, tmp_path / "mystery"), model_type="made_up_lm")
+def test_made_up_model_type(tmp_path, tiny_llama_folder):
+    folder = edit_config(copy_model(tiny_llama_folder, tmp_path / "mystery"), model_type="made_up_lm")
     out = tmp_path / "out"
     result = run_cli("convert", folder, "-o", out)
     assert_user_error(result, str(folder), "made_up_lm", "does not know", "attnres architectures", out=out)
 
 
-def test_gpt2_with_cross_attention(tmp_path, tiny_llama):
+def test_gpt2_with_cross_attention(tmp_path, tiny_llama_folder):
     folder = save_config_only(tmp_path / "gpt2-x", T.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=128,
                                                                   add_cross_attention=True))
     out = tmp_path / "out"
     assert_user_error(run_cli("convert", folder, "-o", out), "add_cross_attention", "cross-attention", out=out)
 
 
-def test_already_converted_model(tmp_path, tiny_llama):
+def test_already_converted_model(tmp_path, tiny_llama_folder):
     out1 = tmp_path / "converted"
-    assert run_cli("convert", tiny_llama, "-o", out1, "--no-verify").exit_code == 0
+    assert run_cli("convert", tiny_llama_folder, "-o", out1, "--no-verify").exit_code == 0
     out2 = tmp_path / "again"
     result = run_cli("convert", out1, "-o", out2)
     assert_user_error(result, str(out1), "already an AttnRes model", "original model", out=out2)
@@ -239,72 +232,72 @@ BLOCK_SIZE_CASES = [
 
 
 @pytest.mark.parametrize("args, needles", BLOCK_SIZE_CASES, ids=[" ".join(args) for args, _ in BLOCK_SIZE_CASES])
-def test_bad_block_size(tmp_path, tiny_llama, args, needles):
+def test_bad_block_size(tmp_path, tiny_llama_folder, args, needles):
     out = tmp_path / "out"
-    assert_user_error(run_cli("convert", tiny_llama, "-o", out, *args), *needles, out=out)
+    assert_user_error(run_cli("convert", tiny_llama_folder, "-o", out, *args), *needles, out=out)
 
 
 # ---------------------------------------------------------------- the output
 
 
-def test_output_missing(tiny_llama):
-    assert_user_error(run_cli("convert", tiny_llama), "--output")
+def test_output_missing(tiny_llama_folder):
+    assert_user_error(run_cli("convert", tiny_llama_folder), "--output")
 
 
-def test_output_exists_without_overwrite(tmp_path, tiny_llama):
+def test_output_exists_without_overwrite(tmp_path, tiny_llama_folder):
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep.txt").write_text("mine")
-    result = run_cli("convert", tiny_llama, "-o", out)
+    result = run_cli("convert", tiny_llama_folder, "-o", out)
     assert_user_error(result, str(out), "already exists", "--overwrite")
     assert sorted(p.name for p in out.iterdir()) == ["keep.txt"] and (out / "keep.txt").read_text() == "mine"
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
 
 
-def test_overwrite_refuses_a_folder_attnres_did_not_write(tmp_path, tiny_llama):
+def test_overwrite_refuses_a_folder_attnres_did_not_write(tmp_path, tiny_llama_folder):
     """`--overwrite` replaces an earlier attnres output only: `-o ~ --overwrite` must not delete a home folder."""
     out = tmp_path / "documents"
     out.mkdir()
     (out / "thesis.tex").write_text("years of work")
-    result = run_cli("convert", tiny_llama, "-o", out, "--overwrite")
+    result = run_cli("convert", tiny_llama_folder, "-o", out, "--overwrite")
     assert_user_error(result, str(out), "not an attnres model folder", "choose another path")
     assert (out / "thesis.tex").read_text() == "years of work"
 
 
-def test_output_is_a_file(tmp_path, tiny_llama):
+def test_output_is_a_file(tmp_path, tiny_llama_folder):
     out = tmp_path / "out.txt"
     out.write_text("a file")
     for extra in ([], ["--overwrite"]):
-        assert_user_error(run_cli("convert", tiny_llama, "-o", out, *extra), str(out), "is a file")
+        assert_user_error(run_cli("convert", tiny_llama_folder, "-o", out, *extra), str(out), "is a file")
         assert out.read_text() == "a file"
 
 
-def test_output_below_a_file(tmp_path, tiny_llama):
+def test_output_below_a_file(tmp_path, tiny_llama_folder):
     blocker = tmp_path / "blocker"
     blocker.write_text("a file")
     out = blocker / "sub" / "out"
-    assert_user_error(run_cli("convert", tiny_llama, "-o", out), str(blocker), "is a file")
+    assert_user_error(run_cli("convert", tiny_llama_folder, "-o", out), str(blocker), "is a file")
     assert blocker.read_text() == "a file"
 
 
-def test_output_is_the_input_folder(tmp_path, tiny_llama):
-    folder = copy_model(tiny_llama, tmp_path / "model")
+def test_output_is_the_input_folder(tmp_path, tiny_llama_folder):
+    folder = copy_model(tiny_llama_folder, tmp_path / "model")
     before = sorted(p.name for p in folder.iterdir())
     for extra in ([], ["--overwrite"]):
         assert_user_error(run_cli("convert", folder, "-o", folder, *extra), str(folder), "input model folder")
     assert sorted(p.name for p in folder.iterdir()) == before
 
 
-def test_output_is_a_symlink(tmp_path, tiny_llama):
+def test_output_is_a_symlink(tmp_path, tiny_llama_folder):
     target = tmp_path / "target"
     target.mkdir()
     out = tmp_path / "link"
     out.symlink_to(target)
-    assert_user_error(run_cli("convert", tiny_llama, "-o", out, "--overwrite"), str(out), "symbolic link")
+    assert_user_error(run_cli("convert", tiny_llama_folder, "-o", out, "--overwrite"), str(out), "symbolic link")
     assert out.is_symlink() and list(target.iterdir()) == []
 
 
-def test_output_in_a_read_only_folder(tmp_path, tiny_llama):
+def test_output_in_a_read_only_folder(tmp_path, tiny_llama_folder):
     """Read-only for real: root ignores permission bits, so as root the folder is made immutable (chattr +i),
     otherwise chmod 555. check_output creates a probe entry instead of trusting os.access."""
     parent = tmp_path / "locked"
@@ -312,17 +305,17 @@ def test_output_in_a_read_only_folder(tmp_path, tiny_llama):
         if not locked:
             pytest.skip("running as root on a filesystem without the immutable attribute")
         for out in (parent / "out", parent / "deeper" / "out"):
-            result = run_cli("convert", tiny_llama, "-o", out)
+            result = run_cli("convert", tiny_llama_folder, "-o", out)
             assert_user_error(result, str(out), str(parent), "not writable", "choose an output path you can write to")
         assert list(parent.iterdir()) == []
 
 
 @pytest.mark.parametrize("out", ["/sys/attnres-test-output", "/proc/attnres-test-output"])
-def test_output_on_a_read_only_filesystem(tiny_llama, out):
+def test_output_on_a_read_only_filesystem(tiny_llama_folder, out):
     """/sys and /proc refuse new folders even for root, while os.access says they are writable."""
     if not Path(out).parent.is_dir() or Path(out).exists():
         pytest.skip(f"{Path(out).parent} is not a pseudo-filesystem here")
-    assert_user_error(run_cli("convert", tiny_llama, "-o", out), out, "not writable", "choose an output path")
+    assert_user_error(run_cli("convert", tiny_llama_folder, "-o", out), out, "not writable", "choose an output path")
     assert not Path(out).exists()
 
 

@@ -23,7 +23,8 @@ from attnres_convert.conversion import memory_budget
 from attnres_convert.io import shards
 from attnres_convert.conversion.streaming import plan_stream
 from attnres_convert.errors import AttnResError
-from tiny_models import tiny_model, token_ids
+from reliability_helpers import sharded_tensors
+from tiny_models import randomize_queries, tiny_model, token_ids
 
 INDEX = "model.safetensors.index.json"
 SHARD = 40_000  # bytes: a tiny llama (3 layers, hidden 64) spreads over several shards
@@ -33,15 +34,6 @@ def _saved(family: str, folder: Path, **save_kwargs) -> torch.nn.Module:
     model = tiny_model(family)
     model.save_pretrained(folder, **save_kwargs)
     return model
-
-
-def _tensors(folder: Path) -> dict[str, torch.Tensor]:
-    index = json.loads((folder / INDEX).read_text())
-    out = {}
-    for file in sorted(set(index["weight_map"].values())):
-        out.update(load_file(folder / file))
-    assert set(out) == set(index["weight_map"])
-    return out
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
@@ -54,7 +46,7 @@ def test_streamed_conversion_writes_what_the_in_memory_conversion_writes(family,
     reference = convert_model(base, block_size=2)
     save_converted(reference, tmp_path / "memory")
 
-    streamed = _tensors(tmp_path / "streamed")
+    streamed = sharded_tensors(tmp_path / "streamed")
     in_memory = load_file(tmp_path / "memory" / "model.safetensors")
     assert streamed.keys() == in_memory.keys()
     for name, tensor in in_memory.items():
@@ -72,7 +64,7 @@ def test_moe_experts_stream_under_their_checkpoint_names(tmp_path):
         warnings.simplefilter("always")
         convert(tmp_path / "plain", tmp_path / "out", block_size=2, verify_tokens=32, verify_new_tokens=4)
     assert not [w for w in caught if "not streamed" in str(w.message)]
-    names = set(_tensors(tmp_path / "out"))
+    names = set(sharded_tensors(tmp_path / "out"))
     assert set(load_file(tmp_path / "plain" / "model.safetensors")) <= names
     assert "model.layers.0.mlp_res_proj.weight" in names
     loaded, info = type(convert_model(tiny_model("mixtral"))).from_pretrained(tmp_path / "out", output_loading_info=True)
@@ -99,13 +91,13 @@ def test_shards_respect_the_size_and_the_index_names_every_tensor(tmp_path):
     attnres = {n for n in index["weight_map"] if "_res_" in n or "output_attn_res" in n}
     assert {index["weight_map"][n] for n in attnres} == {files[-1]}
     assert set(load_file(tmp_path / "out" / files[-1])) == attnres
-    assert index["metadata"]["total_size"] == sum(t.nbytes for t in _tensors(tmp_path / "out").values())
+    assert index["metadata"]["total_size"] == sum(t.nbytes for t in sharded_tensors(tmp_path / "out").values())
 
 
 def test_dtype_change_is_applied_tensor_by_tensor(tmp_path):
     base = _saved("llama", tmp_path / "plain")  # float32
     convert(tmp_path / "plain", tmp_path / "out", dtype="bfloat16", verify=False)
-    tensors = _tensors(tmp_path / "out")
+    tensors = sharded_tensors(tmp_path / "out")
     for name, param in base.state_dict().items():
         assert tensors[name].dtype == torch.bfloat16 and torch.equal(tensors[name], param.to(torch.bfloat16)), name
     assert json.loads((tmp_path / "out" / "config.json").read_text())["dtype"] == "bfloat16"
@@ -206,6 +198,7 @@ MEMORY_PROBE = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_streamed_conversion_memory_does_not_grow_with_the_model(tmp_path):
     """A 130 MB model (float32, two 65 MB matrices) converts, kept and re-dtyped, with a peak resident memory
     that grows by well under one of its matrices: tensors are copied by the kernel or converted in 16 MB chunks."""
@@ -281,10 +274,7 @@ def test_device_map_auto_keeps_layers_whole_and_gives_the_same_logits(remote_cod
     from transformers import AutoModelForCausalLM
 
     model = convert_model(tiny_model("llama"), block_size=3).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "_res_proj" in name:
-                param.normal_()
+    randomize_queries(model, 1.0)
     ids = token_ids()
     with torch.no_grad():
         expected, generated = model(ids).logits, model.generate(ids[:1], max_new_tokens=6, do_sample=False)
@@ -328,7 +318,7 @@ def test_finetune_output_is_sharded_and_a_bad_size_is_refused_before_training(tm
     result = finetune(parse_recipe(recipe))
     files = sorted(p.name for p in result.model_dir.glob("*.safetensors"))
     assert len(files) >= 3 and (result.model_dir / INDEX).is_file()
-    trained = _tensors(result.model_dir)
+    trained = sharded_tensors(result.model_dir)
     reloaded = load_converted(result.model_dir)
     assert all(torch.equal(reloaded.get_parameter(name), tensor) for name, tensor in trained.items() if "_res_proj" in name)
 
@@ -413,6 +403,7 @@ HUB_CACHE_CONVERT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_hub_id_streams_from_the_hf_cache(tmp_path):
     """A hub id whose snapshot is in the HF cache (offline): streamed from the cached files, with the folder's output."""
     _saved("llama", tmp_path / "plain")

@@ -11,16 +11,9 @@ from tiny_models import tiny_model
 runner = CliRunner()
 
 
-@pytest.fixture()
-def tiny_folder(tmp_path):
-    folder = tmp_path / "tiny-llama"
-    tiny_model("llama").save_pretrained(folder)
-    return folder
-
-
-def test_convert_writes_a_verified_folder(tiny_folder, tmp_path):
+def test_convert_writes_a_verified_folder(tiny_llama_folder, tmp_path):
     out = tmp_path / "out"
-    result = runner.invoke(app, ["convert", str(tiny_folder), "-o", str(out), "--block-size", "3"])
+    result = runner.invoke(app, ["convert", str(tiny_llama_folder), "-o", str(out), "--block-size", "3"])
     assert result.exit_code == 0, result.output
     assert "PASS" in result.output and "identical" in result.output
     assert "block size S (sublayers)" in result.output
@@ -49,11 +42,11 @@ def test_verification_fits_a_short_learned_position_table(tmp_path):
     assert inspect.exit_code == 0, inspect.output
 
 
-def test_full_and_num_blocks(tiny_folder, tmp_path):
-    result = runner.invoke(app, ["convert", str(tiny_folder), "-o", str(tmp_path / "full"), "--full", "--no-verify"])
+def test_full_and_num_blocks(tiny_llama_folder, tmp_path):
+    result = runner.invoke(app, ["convert", str(tiny_llama_folder), "-o", str(tmp_path / "full"), "--full", "--no-verify"])
     assert result.exit_code == 0, result.output
     assert json.loads((tmp_path / "full" / "config.json").read_text())["block_size"] == 1
-    result = runner.invoke(app, ["convert", str(tiny_folder), "-o", str(tmp_path / "nb"), "--num-blocks", "2", "--no-verify"])
+    result = runner.invoke(app, ["convert", str(tiny_llama_folder), "-o", str(tmp_path / "nb"), "--num-blocks", "2", "--no-verify"])
     assert result.exit_code == 0, result.output
     assert json.loads((tmp_path / "nb" / "config.json").read_text())["block_size"] == 4  # 6 sublayers, whole layers
 
@@ -68,9 +61,9 @@ def test_full_and_num_blocks(tiny_folder, tmp_path):
         (["--num-blocks", "9"], "more than the model's 6 sublayers"),
     ],
 )
-def test_impossible_block_settings_are_refused_before_writing(tiny_folder, tmp_path, args, message):
+def test_impossible_block_settings_are_refused_before_writing(tiny_llama_folder, tmp_path, args, message):
     out = tmp_path / "out"
-    result = runner.invoke(app, ["convert", str(tiny_folder), "-o", str(out), *args])
+    result = runner.invoke(app, ["convert", str(tiny_llama_folder), "-o", str(out), *args])
     assert result.exit_code == 2, result.output
     assert message in " ".join(result.output.split())
     assert not out.exists()

@@ -18,8 +18,8 @@ import torch.utils.cpp_extension
 
 from attnres_convert import convert_model, save_converted
 from attnres_convert.modeling import depth_attention, depth_kernels_cpu
-from test_structure import _randomize_depth_params, _reference_llama
-from tiny_models import CONFIGS, tiny_model, token_ids
+from test_structure import _reference_llama
+from tiny_models import CONFIGS, randomize_queries, tiny_model, token_ids
 
 if shutil.which("c++") is None and shutil.which("g++") is None:
     pytest.skip("no C++ compiler (c++ or g++) to build the CPU kernels with", allow_module_level=True)
@@ -44,7 +44,7 @@ def cpu_kernels(monkeypatch):
 def _model(block_size: int, random_queries: bool = True, scaling: str = "count"):
     model = convert_model(tiny_model("llama", num_hidden_layers=LAYERS), block_size=block_size, source_scaling=scaling)
     if random_queries:
-        _randomize_depth_params(model, seed=block_size)
+        randomize_queries(model, 0.5, seed=block_size, key_norms=0.3)
     return model.eval()
 
 

@@ -8,17 +8,12 @@ import torch
 
 from attnres_convert.conversion.surgery import convert_model
 from attnres_convert.modeling.modeling_attnres import set_depth_gate
-from tiny_models import tiny_model, token_ids
+from tiny_models import randomize_queries, tiny_model, token_ids
 
 
 def _trained_pair():
     base = tiny_model("llama").eval()
-    model = convert_model(copy.deepcopy(base), block_size=3).eval()
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("_res_proj.weight"):
-                param.copy_(torch.randn(param.shape, generator=generator))
+    model = randomize_queries(convert_model(copy.deepcopy(base), block_size=3).eval(), 1.0, seed=0)
     return base, model
 
 

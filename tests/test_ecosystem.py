@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
 
 from attnres_convert import convert_model, load_converted, save_converted
-from tiny_models import tiny_model, token_ids
+from tiny_models import save_plain_and_converted, tiny_model, token_ids
 
 PROMPT = "To be, or not to be, that is the question:"
 
@@ -27,11 +27,7 @@ def folders(tokenizer, tmp_path_factory):
     """A tiny Llama with SmolLM2's vocabulary, saved plain and converted, each with the tokenizer."""
     ids = dict(pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
     base = tiny_model("llama", vocab_size=len(tokenizer), tie_word_embeddings=True, **ids)
-    root = tmp_path_factory.mktemp("ecosystem")
-    base.save_pretrained(root / "plain")
-    tokenizer.save_pretrained(root / "plain")
-    save_converted(convert_model(copy.deepcopy(base), block_size=2), root / "attnres", tokenizer)
-    return root / "plain", root / "attnres"
+    return save_plain_and_converted(base, tokenizer, tmp_path_factory.mktemp("ecosystem"), block_size=2)
 
 
 def test_text_generation_pipeline(folders):

@@ -3,7 +3,6 @@ the loss transformers computes itself; --json, --seq-len, --max-tokens; errors w
 
 from __future__ import annotations
 
-import copy
 import json
 import math
 
@@ -16,7 +15,7 @@ from attnres_convert import convert_model, save_converted
 from attnres_convert.analysis.evaluate import EvalError, evaluate, evaluation_sequences
 from attnres_convert.io.samples import SAMPLE_TEXT
 from attnres_convert.cli import app
-from tiny_models import tiny_model
+from tiny_models import save_plain_and_converted, tiny_model
 
 runner = CliRunner()
 
@@ -27,9 +26,7 @@ def setup(smollm2_folder, tmp_path_factory):
     tokenizer = AutoTokenizer.from_pretrained(smollm2_folder)
     base = tiny_model("llama", vocab_size=len(tokenizer), tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id)
     root = tmp_path_factory.mktemp("eval")
-    base.save_pretrained(root / "plain")
-    tokenizer.save_pretrained(root / "plain")
-    save_converted(convert_model(copy.deepcopy(base), block_size=3), root / "attnres", tokenizer)
+    save_plain_and_converted(base, tokenizer, root, block_size=3)
     text = root / "held_out.txt"
     text.write_text(SAMPLE_TEXT * 3)
     return root, base, tokenizer, text
@@ -93,3 +90,16 @@ def test_model_without_tokenizer(tmp_path):
     (tmp_path / "t.txt").write_text("some text")
     with pytest.raises(EvalError, match="has no tokenizer"):
         evaluate(str(tmp_path / "m"), [str(tmp_path / "t.txt")])
+
+
+def test_a_record_without_the_text_field_is_a_data_error(setup, tmp_path):
+    """Held-out records are read by the text pipeline fine-tuning uses: a record without `text` is named."""
+    from attnres_convert.errors import DataError
+
+    root, _, _, _ = setup
+    records = tmp_path / "held_out.jsonl"
+    records.write_text('{"body": "to be or not to be"}\n')
+    with pytest.raises(DataError, match=r"--data: record 1 of .*held_out\.jsonl has no field 'text'; set text_field"):
+        evaluate(str(root / "attnres"), [str(records)], seq_len=4)
+    result = runner.invoke(app, ["eval", str(root / "attnres"), "--data", str(records), "--seq-len", "4"])
+    assert result.exit_code == 2 and "has no field 'text'" in " ".join(result.output.split()), result.output

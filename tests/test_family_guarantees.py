@@ -17,7 +17,7 @@ from attnres_convert import save_converted
 from attnres_convert.conversion.surgery import convert_model
 from attnres_convert.conversion.verify import capture_reference, compare
 from test_save_load import run_isolated
-from tiny_models import tiny_model, token_ids
+from tiny_models import randomize_queries, tiny_model, token_ids
 
 REPRESENTATIVES = {
     "deepseek_v3": "MoE with a shared expert after a dense first layer (layers of two kinds), latent attention",
@@ -28,15 +28,6 @@ REPRESENTATIVES = {
     "gemma3_text": "sliding-window and global layers alternating, sandwich norms, embedding scale",
     "opt": "LayerNorm with biases, the MLP as a chain of modules",
 }
-
-
-def _trained(model):
-    generator = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "_res_" in name:
-                param.add_((0.2 * torch.randn(param.shape, generator=generator)).to(param.dtype))
-    return model
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +43,7 @@ def saved(tmp_path_factory):
         reference = capture_reference(half, ids[:1], new_tokens=8)
         converted_half = convert_model(half, block_size=3).eval()
         reports[family] = compare(reference, converted_half)
-        converted = _trained(convert_model(base, block_size=3).eval())
+        converted = randomize_queries(convert_model(base, block_size=3).eval(), 0.2, seed=5, key_norms=0.2, add=True)
         for label, model in (("fp32", converted), ("bf16", converted_half)):
             folder = save_converted(model, root / f"{family}-{label}")
             with torch.no_grad():
@@ -69,6 +60,7 @@ def test_bf16_conversion_passes_the_half_precision_verification(family, saved):
     assert report.passed, (family, report.failures())
 
 
+@pytest.mark.slow
 def test_saved_folders_load_without_this_package_with_the_same_logits(saved):
     root, folders, _ = saved
     result = run_isolated(

@@ -91,6 +91,7 @@ def _kill_at(context, models, out: Path, trigger, verify: bool) -> tuple[str, bo
     return ("finished" if process.exitcode == 0 else "killed"), seen
 
 
+@pytest.mark.slow
 def test_sigkill_at_any_moment_keeps_the_previous_output(tmp_path, models, forkserver):
     """SIGKILL at every stage of load / convert / verify / save, and inside saving at random moments and as
     each file appears: OUT is always the previous output byte for byte, or the complete new one."""
@@ -229,6 +230,7 @@ def _run_and_signal(out: Path, source: Path, sig: int) -> tuple[subprocess.Compl
     return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr), hit
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT, signal.SIGTERM], ids=["SIGKILL", "SIGINT", "SIGTERM"])
 def test_installed_command_interrupted_while_saving(tmp_path, models, sig):
     """The real command, signalled while it writes: the previous output survives untouched. Ctrl-C and SIGTERM

@@ -136,7 +136,7 @@ def test_a_baseline_model_folder_has_a_card_ready_to_push(setup, tmp_path):
 
 def test_a_crash_while_saving_keeps_the_previous_model_folder(setup, tmp_path, monkeypatch):
     """The model folder is swapped for the new one only once that one is complete."""
-    import attnres_convert.finetune.training as training
+    import attnres_convert.finetune.result as result
 
     sections = dict(train={"steps": 3}, checkpoint={"every": 1, "keep_last": 1}, eval={"every": 0, "max_sequences": 4})
     recipe = parse_recipe(tiny_recipe(setup["model"], setup["corpus"], tmp_path / "run", **sections))
@@ -149,7 +149,7 @@ def test_a_crash_while_saving_keeps_the_previous_model_folder(setup, tmp_path, m
     def broken_card(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(training, "_card", broken_card)
+    monkeypatch.setattr(result, "model_card", broken_card)
     with pytest.raises(Exception, match="No space left on device"):
         finetune(recipe, resume=True)
     assert (previous / "kept.txt").read_text() == "an earlier attempt's model"
@@ -265,6 +265,7 @@ def _finetune_in_two_processes(recipe: Path, cwd: Path) -> subprocess.CompletedP
     return launched
 
 
+@pytest.mark.slow
 def test_two_processes_match_one_with_the_same_global_batch(setup, tmp_path):
     """`accelerate launch` with 2 CPU processes (gloo DDP): same losses as 1 process with twice the gradient
     accumulation, and only the main process writes the run folder."""
@@ -285,6 +286,7 @@ def test_two_processes_match_one_with_the_same_global_batch(setup, tmp_path):
     assert sorted(p.name for p in (tmp_path / "two").iterdir()) == sorted(p.name for p in (tmp_path / "one").iterdir())
 
 
+@pytest.mark.slow
 def test_two_processes_replace_an_earlier_run(setup, tmp_path):
     """output.overwrite under `accelerate launch` (2 CPU processes): the main process picks the staging folder
     and every process writes its part of each checkpoint there; the finished run replaces the earlier one."""
@@ -303,6 +305,7 @@ def test_two_processes_replace_an_earlier_run(setup, tmp_path):
     assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]
 
 
+@pytest.mark.slow
 def test_result_loads_with_trust_remote_code_without_the_package(setup, tmp_path):
     result = run(setup, tmp_path / "run", train={"steps": 2}, eval={"every": 0, "max_sequences": 2})
     ids = [[5, 17, 33, 40, 2, 9, 60]]

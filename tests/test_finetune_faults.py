@@ -152,6 +152,7 @@ def test_sigkill_while_writing_a_checkpoint(tmp_path, setup, reference):
     assert not [p for p in folder.iterdir() if p.name.endswith(".partial")], "the half-written checkpoint was left"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_sigint_saves_a_checkpoint_and_exits_cleanly(tmp_path, setup, reference, sig):
     """Ctrl-C (or SIGTERM) on the installed command: the current step finishes, a checkpoint is written, exit
@@ -249,6 +250,7 @@ def test_sigkill_of_a_run_replacing_an_earlier_one_keeps_it(tmp_path, setup, ref
     assert (out / "model" / "model.safetensors").is_file() and (out / "final_metrics.json").is_file()
 
 
+@pytest.mark.slow
 def test_sigint_of_a_run_replacing_an_earlier_one_keeps_it(tmp_path, setup, reference):
     """Ctrl-C on the installed command during an output.overwrite run: exit code 130, a message saying the
     earlier run is unchanged (no --resume: nothing of the new run is kept), no traceback, no hidden folder."""

@@ -23,17 +23,11 @@ BATCH, LENGTH = 4, 16
 
 
 def _model():
-    from tiny_models import tiny_model
+    from tiny_models import randomize_queries, tiny_model
 
     from attnres_convert import convert_model
 
-    model = convert_model(tiny_model("llama", seed=1), block_size=3)
-    generator = torch.Generator().manual_seed(2)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("_res_proj.weight"):
-                param.copy_(0.5 * torch.randn(param.shape, generator=generator))
-    return model.train()
+    return randomize_queries(convert_model(tiny_model("llama", seed=1), block_size=3), 0.5, seed=2).train()
 
 
 def _batch() -> torch.Tensor:
@@ -116,6 +110,7 @@ def _worker(rank: int, world: int, init_file: str, out: str, variants: tuple[str
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="torch.distributed with gloo is not available")
 def test_fsdp_and_checkpoint_wrappers_match_one_process(tmp_path):
     mp.spawn(_worker, args=(2, str(tmp_path / "init"), str(tmp_path / "out.json")), nprocs=2, join=True)

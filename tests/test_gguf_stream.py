@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from attnres_convert import convert_model
+from reliability_helpers import sharded_tensors
 
 pytestmark = pytest.mark.slow
 
@@ -35,14 +36,6 @@ PROBE = textwrap.dedent(
 )
 
 
-def _folder_tensors(folder: Path) -> dict[str, torch.Tensor]:
-    index = json.loads((folder / "model.safetensors.index.json").read_text())
-    tensors = {}
-    for file in sorted(set(index["weight_map"].values())):
-        tensors.update(load_file(folder / file))
-    return tensors
-
-
 def test_gguf_streams_tensor_by_tensor_to_the_in_memory_result(smollm2_path, smollm2_folder, tmp_path):
     if not Path("/proc/self/clear_refs").exists():
         pytest.skip("needs Linux's /proc/self/clear_refs to measure a peak RSS from a point in time")
@@ -60,7 +53,7 @@ def test_gguf_streams_tensor_by_tensor_to_the_in_memory_result(smollm2_path, smo
     # One tensor at a time, plus transformers' parse of the GGUF's metadata and tokenizer (~0.2 GB, transient).
     assert grown < largest + 250e6 and grown < 0.6 * model_bytes, grown
 
-    streamed = _folder_tensors(out)
+    streamed = sharded_tensors(out)
     files = sorted(p.name for p in out.glob("*.safetensors"))
     assert len(files) == 2  # the streamed layout: base tensors, then the AttnRes shard
     from transformers import AutoModelForCausalLM

@@ -52,16 +52,9 @@ def hub(monkeypatch, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def base_folder(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tiny-llama")
-    tiny_model("llama").save_pretrained(folder)
-    return folder
-
-
-@pytest.fixture(scope="module")
-def converted(base_folder, tmp_path_factory):
+def converted(tiny_llama_folder, tmp_path_factory):
     out = tmp_path_factory.mktemp("converted") / "tiny-attnres"
-    convert(str(base_folder), out, verify_tokens=32, verify_new_tokens=4)
+    convert(str(tiny_llama_folder), out, verify_tokens=32, verify_new_tokens=4)
     return out
 
 
@@ -139,27 +132,27 @@ def test_offline_push_says_unreachable_and_saved_locally(hub, converted, monkeyp
     assert "attnres push" in message and TOKEN not in result.output
 
 
-def test_convert_push_to_hub(hub, base_folder, tmp_path, monkeypatch):
+def test_convert_push_to_hub(hub, tiny_llama_folder, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_TOKEN", TOKEN)
     out = tmp_path / "out"
-    result = runner.invoke(app, ["convert", str(base_folder), "-o", str(out), "--push-to-hub", "tiny-attnres"])
+    result = runner.invoke(app, ["convert", str(tiny_llama_folder), "-o", str(out), "--push-to-hub", "tiny-attnres"])
     assert result.exit_code == 0, result.output
     assert set(hub.files("alice/tiny-attnres")) == CONTRACT  # a bare NAME lands in the user's namespace
     assert TOKEN not in result.output
 
 
-def test_convert_push_offline_keeps_the_saved_folder(hub, base_folder, tmp_path, monkeypatch):
+def test_convert_push_offline_keeps_the_saved_folder(hub, tiny_llama_folder, tmp_path, monkeypatch):
     monkeypatch.setattr(constants, "ENDPOINT", _closed_port_endpoint())
     out = tmp_path / "out"
-    result = runner.invoke(app, ["convert", str(base_folder), "-o", str(out), "--push-to-hub", "a/b", "--token", TOKEN])
+    result = runner.invoke(app, ["convert", str(tiny_llama_folder), "-o", str(out), "--push-to-hub", "a/b", "--token", TOKEN])
     assert result.exit_code == 2
     assert "unreachable" in result.output and "saved locally" in " ".join(result.output.split())
     assert check_push_ready(out)  # the folder is complete, ready for a later `attnres push`
 
 
-def test_convert_without_a_token_fails_before_converting(hub, base_folder, tmp_path):
+def test_convert_without_a_token_fails_before_converting(hub, tiny_llama_folder, tmp_path):
     out = tmp_path / "out"
-    result = runner.invoke(app, ["convert", str(base_folder), "-o", str(out), "--push-to-hub", "alice/x"])
+    result = runner.invoke(app, ["convert", str(tiny_llama_folder), "-o", str(out), "--push-to-hub", "alice/x"])
     assert result.exit_code == 2
     assert "no HuggingFace token" in result.output and "hf auth login" in result.output
     assert not out.exists()
@@ -180,9 +173,9 @@ def test_incomplete_folder_is_refused_before_any_request(hub, converted, tmp_pat
     assert "nothing was uploaded" in message and hub.requests == []
 
 
-def test_plain_model_folder_needs_a_card_then_pushes(hub, base_folder, tmp_path):
+def test_plain_model_folder_needs_a_card_then_pushes(hub, tiny_llama_folder, tmp_path):
     """A plain model (the baseline of an A/B fine-tune) pushes too, under the same checks minus the code."""
-    folder = _copy(base_folder, tmp_path)
+    folder = _copy(tiny_llama_folder, tmp_path)
     with pytest.raises(HubError, match="README.md"):
         push_folder(folder, "alice/baseline", token=TOKEN)
     (folder / "README.md").write_text("---\nlibrary_name: transformers\ntags: [attnres-baseline]\n---\n# baseline\n")

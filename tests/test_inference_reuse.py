@@ -7,19 +7,13 @@ import threading
 import torch
 
 from attnres_convert.conversion.surgery import convert_model
-from tiny_models import tiny_model, token_ids
+from tiny_models import randomize_queries, tiny_model, token_ids
 
 
 def _converted(seed: int = 0):
     """A tiny converted Llama with non-zero queries, as after fine-tuning (at zero queries every query
     gives the same mix, and a stale one would go unnoticed)."""
-    model = convert_model(tiny_model("llama"), block_size=3).eval()
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("_res_proj.weight"):
-                param.copy_(torch.randn(param.shape, generator=generator))
-    return model
+    return randomize_queries(convert_model(tiny_model("llama"), block_size=3).eval(), 1.0, seed=seed)
 
 
 def _fresh_logits(model, ids) -> torch.Tensor:

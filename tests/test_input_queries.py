@@ -25,7 +25,7 @@ from attnres_convert.modeling.depth_attention import KERNEL_ENV
 from attnres_convert.modeling.modeling_attnres import AttnResQuery
 from finetune_helpers import tiny_model_folder, tiny_recipe, write_corpus
 from test_save_load import run_isolated
-from tiny_models import tiny_model, token_ids
+from tiny_models import randomize_queries, tiny_model, token_ids
 
 RANK = 4
 GENERATE = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0)
@@ -86,11 +86,7 @@ def test_bfloat16_conversion_with_query_rank_matches_the_static_one():
 def test_trained_projections_save_and_load_without_this_package(tmp_path):
     """A model whose projections have learned (B != 0, so the queries really depend on the input) reloads with
     the same logits, through the package and through trust_remote_code where it cannot be imported."""
-    model = convert_model(tiny_model("llama"), block_size=3, query_rank=RANK).eval()
-    with torch.no_grad():
-        for query in _projections(model):
-            query.up.normal_(0.0, 0.3)
-            query.weight.normal_(0.0, 0.3)
+    model = randomize_queries(convert_model(tiny_model("llama"), block_size=3, query_rank=RANK).eval(), 0.3, parts=("up", "weight"))
     ids = token_ids()
     with torch.no_grad():
         expected = model(ids).logits
@@ -121,10 +117,8 @@ def test_trained_projections_save_and_load_without_this_package(tmp_path):
 
 def test_projections_keep_their_names_through_the_base_models_renaming_rules(tmp_path):
     """Mixtral's checkpoint rules rename `.mlp.` when saving: `mlp_res_proj.down` must come back as it was."""
-    model = convert_model(tiny_model("mixtral"), query_rank=RANK).eval()
+    model = randomize_queries(convert_model(tiny_model("mixtral"), query_rank=RANK).eval(), 0.3, parts=("up",))
     with torch.no_grad():
-        for query in _projections(model):
-            query.up.normal_(0.0, 0.3)
         expected = model(token_ids()).logits
     out = save_converted(model, tmp_path / "converted")
     assert "model.layers.0.mlp_res_proj.down" in _folder_tensors(out)

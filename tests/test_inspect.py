@@ -18,22 +18,13 @@ from attnres_convert.analysis.inspection import depth_weights, inspect_model, or
 from attnres_convert.modeling.modeling_attnres import AttnResQuery
 from attnres_convert.analysis.plots import depth_heatmaps, loss_curve_plot, magnitude_profiles
 from attnres_convert.cli import app
-from tiny_models import tiny_model, token_ids
+from tiny_models import randomize_queries, tiny_model, token_ids
 
 runner = CliRunner()
 
 
-def _random_queries(model, seed: int = 0, std: float = 0.3):
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for module in model.modules():
-            if isinstance(module, AttnResQuery):
-                module.weight.copy_(torch.randn(module.weight.shape, generator=generator) * std)
-    return model
-
-
 def test_depth_weights_follow_the_block_structure():
-    model = _random_queries(convert_model(tiny_model("llama", num_hidden_layers=4), block_size=3))
+    model = randomize_queries(convert_model(tiny_model("llama", num_hidden_layers=4), block_size=3), 0.3, seed=0)
     depth = depth_weights(model, token_ids(2, 16))
     total = 8
     assert depth.matrix.shape == (total + 1, 1 + 3)  # embedding + ceil(8 / 3) blocks
@@ -63,7 +54,7 @@ def test_original_profile_is_the_base_model():
     sublayer's parameters are the base model's."""
     base = tiny_model("llama")
     ids = token_ids(1, 20)
-    model = _random_queries(convert_model(copy.deepcopy(base), block_size=2))
+    model = randomize_queries(convert_model(copy.deepcopy(base), block_size=2), 0.3, seed=0)
     before = [m.weight.clone() for m in model.modules() if isinstance(m, AttnResQuery)]
     with original_behaviour(model):
         original = sublayer_profile(model, ids)
@@ -87,7 +78,7 @@ def test_original_profile_is_the_base_model():
 
 
 def test_plots_are_written_and_readable(tmp_path):
-    model = _random_queries(convert_model(tiny_model("llama", num_hidden_layers=4), block_size=2))
+    model = randomize_queries(convert_model(tiny_model("llama", num_hidden_layers=4), block_size=2), 0.3, seed=0)
     inspection = inspect_model(model, token_ids(1, 16), "tiny")
     heatmap = depth_heatmaps(inspection.depth, tmp_path / "depth.png", "tiny")
     relative = depth_heatmaps(inspection.depth, tmp_path / "relative.png", "tiny", relative=True)
@@ -104,7 +95,7 @@ def test_plots_are_written_and_readable(tmp_path):
 
 def test_cli_inspect_converted_folder(tmp_path):
     folder = tmp_path / "converted"
-    save_converted(_random_queries(convert_model(tiny_model("qwen3"), block_size=2)), folder)
+    save_converted(randomize_queries(convert_model(tiny_model("qwen3"), block_size=2), 0.3, seed=0), folder)
     text = tmp_path / "sample.txt"
     text.write_text("unused without a tokenizer, but it must exist")
     result = runner.invoke(app, ["inspect", str(folder), "--plot", str(tmp_path / "out.png"), "--text", str(text), "--max-tokens", "24"])

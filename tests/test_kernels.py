@@ -18,8 +18,8 @@ pytest.importorskip("triton", reason="the kernel tests need triton (make test in
 
 from attnres_convert import convert_model, save_converted  # noqa: E402
 from attnres_convert.modeling import depth_attention, depth_backends  # noqa: E402
-from test_structure import _randomize_depth_params, _reference_llama  # noqa: E402
-from tiny_models import tiny_model, token_ids  # noqa: E402
+from test_structure import _reference_llama  # noqa: E402
+from tiny_models import randomize_queries, tiny_model, token_ids  # noqa: E402
 
 LAYERS = 2  # four sublayers: S = 3 leaves a partial block, S = 1 is Full AttnRes
 
@@ -27,7 +27,7 @@ LAYERS = 2  # four sublayers: S = 3 leaves a partial block, S = 1 is Full AttnRe
 def _model(block_size: int, dtype=torch.float32, random_queries: bool = True):
     model = convert_model(tiny_model("llama", num_hidden_layers=LAYERS), block_size=block_size).eval()
     if random_queries:
-        _randomize_depth_params(model, seed=block_size)
+        randomize_queries(model, 0.5, seed=block_size, key_norms=0.3)
     return model.to(dtype)
 
 

@@ -1,11 +1,15 @@
 """The package's layers, read from the source with ast (every import counts, module-level or inside a
 function): errors <- modeling (the shipped code) <- io <- conversion <- hub / analysis <- finetune <- cli.
-A module never imports a layer above its own; and the shipped code is what a converted folder holds."""
+A module never imports a layer above its own, and no chain of imports comes back to where it started; the
+shipped code is what a converted folder holds. And the files stay readable as files: no module over
+MAX_LINES lines, no C or C++ inside a Python file, no symbolic link tracked by git."""
 
 from __future__ import annotations
 
 import ast
+import subprocess
 import sys
+from collections import deque
 from pathlib import Path
 
 import pytest
@@ -16,14 +20,13 @@ from attnres_convert.modeling import SHIPPED_CODE
 PACKAGE = Path(attnres_convert.__file__).resolve().parent
 ROOT = "(the package root, which re-exports every layer)"
 RANK = {"errors": 0, "modeling": 1, "io": 2, "conversion": 3, "hub": 4, "analysis": 4, "finetune": 5, ROOT: 6, "cli": 7}
-# `attnres eval` reads text with fine-tuning's data pipeline (until the text pipeline has its own module).
-SIBLINGS_ALLOWED = {("analysis", "finetune")}
-# What analysis may use of finetune: the text pipeline and the metrics, never the training run itself.
-RUN_MODULES = {"training", "starting_model", "checkpoints", "optim", "preflight"}
 # triton comes with the CUDA builds of torch; shipped code imports it only where it is importable.
 SHIPPED_MAY_IMPORT = {"torch", "transformers", "triton", "__future__"} | set(sys.stdlib_module_names)
 # huggingface_hub: transformers' own dependency, with which the CPU kernels fetch their C++ source for a Hub model.
 SHIPPED_MAY_IMPORT |= {"huggingface_hub"}
+# A module a newcomer can read in one sitting; past this it holds more than one thing.
+MAX_LINES = 700
+SYMLINK_MODE = "120000"  # git's file mode for a symbolic link
 
 
 def modules() -> dict[str, Path]:
@@ -92,14 +95,114 @@ def test_no_module_imports_a_layer_above_its_own():
             if source_layer == target_layer:
                 continue
             where = f"{path.relative_to(PACKAGE)}:{line} imports {target}"
-            if (source_layer, target_layer) in SIBLINGS_ALLOWED:
-                if target.split(".")[1] in RUN_MODULES:
-                    violations.append(f"{where} (analysis uses fine-tuning's data and metrics, not its run)")
-            elif RANK[target_layer] > RANK[source_layer]:
+            if RANK[target_layer] > RANK[source_layer]:
                 violations.append(f"{where} (a higher layer)")
             elif RANK[target_layer] == RANK[source_layer]:
                 violations.append(f"{where} (a sibling it must not depend on)")
     assert violations == [], "\n".join(violations)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Each module of the package (the package root included) -> the other modules of the package it imports."""
+    files = modules() | {ROOT: PACKAGE / "__init__.py"}
+    graph = {}
+    for name, path in files.items():
+        # The root's relative imports resolve from the package itself.
+        targets = package_imports("" if name == ROOT else name, path)
+        graph[name] = {target for target, _ in targets if target != name}
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The circles of the graph, each as the shortest chain of imports from a module back to itself; a module
+    already on a reported circle starts no other, so one tangle is reported once or a few times, not per module."""
+    cycles, covered = [], set()
+    for start in sorted(graph):
+        if start in covered:
+            continue
+        chain = _chain_back_to(graph, start)
+        if chain:
+            cycles.append(chain)
+            covered.update(chain)
+    return cycles
+
+
+def _chain_back_to(graph: dict[str, set[str]], start: str) -> list[str] | None:
+    """[start, ..., start], the fewest imports that lead from start back to it (breadth first); None if none do."""
+    parents = {start: None}
+    queue = deque([start])
+    while queue:
+        node = queue.popleft()
+        for target in sorted(graph.get(node, ())):
+            if target == start:
+                chain = [start]
+                while node is not None:
+                    chain.append(node)
+                    node = parents[node]
+                return chain[::-1]
+            if target not in parents:
+                parents[target] = node
+                queue.append(target)
+    return None
+
+
+def test_no_chain_of_imports_comes_back_to_where_it_started():
+    tangled = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set(), "e": {"a", "f"}, "f": {"e"}}
+    assert import_cycles(tangled) == [["a", "b", "c", "a"], ["e", "f", "e"]]
+    assert import_cycles({"a": {"b", "c"}, "b": {"c"}, "c": set()}) == []
+    cycles = import_cycles(import_graph())
+    assert cycles == [], "import circles:\n" + "\n".join(" -> ".join(cycle) for cycle in cycles)
+
+
+def long_modules(files: dict[str, Path], limit: int = MAX_LINES) -> list[str]:
+    counts = {name: len(path.read_text().splitlines()) for name, path in files.items()}
+    return [f"{name}: {count} lines" for name, count in counts.items() if count > limit]
+
+
+def test_no_module_is_over_the_line_limit(tmp_path):
+    (tmp_path / "short.py").write_text("x = 1\n" * MAX_LINES)
+    (tmp_path / "long.py").write_text("x = 1\n" * (MAX_LINES + 1))
+    assert long_modules({p.stem: p for p in tmp_path.glob("*.py")}) == [f"long: {MAX_LINES + 1} lines"]
+    too_long = long_modules(modules() | {ROOT: PACKAGE / "__init__.py"})
+    assert too_long == [], f"over {MAX_LINES} lines (split by what each part owns):\n" + "\n".join(too_long)
+
+
+def includes_in(paths: list[Path]) -> list[str]:
+    """'file:line' for each `#include` in these files: C or C++ belongs in its own source file."""
+    return [
+        f"{path.name}:{number}"
+        for path in paths
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if "#include" in line
+    ]
+
+
+def test_no_python_file_holds_c_or_cpp(tmp_path):
+    (tmp_path / "embedded.py").write_text('SOURCE = """\n#include <cmath>\n"""\n')
+    (tmp_path / "plain.py").write_text("import math\n")
+    assert includes_in(sorted(tmp_path.glob("*.py"))) == ["embedded.py:2"]
+    found = includes_in(sorted(PACKAGE.rglob("*.py")))
+    assert found == [], "#include inside Python files:\n" + "\n".join(found)
+
+
+def tracked_symlinks(repository: Path) -> list[str]:
+    """The paths git tracks as symbolic links in this checkout (mode 120000 in the index)."""
+    listing = subprocess.run(["git", "ls-files", "-s", "-z"], cwd=repository, capture_output=True, check=True).stdout
+    entries = (entry.decode().split("\t", 1) for entry in listing.split(b"\0") if entry)
+    return [path for info, path in entries if info.split()[0] == SYMLINK_MODE]
+
+
+def test_no_symbolic_link_is_tracked(tmp_path):
+    """A checkout on Windows, or a tool that does not follow links, gets a small text file for each."""
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    (tmp_path / "target.py").write_text("x = 1\n")
+    (tmp_path / "link.py").symlink_to("target.py")
+    subprocess.run(["git", "add", "target.py", "link.py"], cwd=tmp_path, check=True)
+    assert tracked_symlinks(tmp_path) == ["link.py"]
+    repository = PACKAGE.parent
+    if not (repository / ".git").exists():
+        pytest.skip("the package is not in a git checkout")
+    assert tracked_symlinks(repository) == []
 
 
 def test_errors_is_the_bottom_and_the_recipe_schema_stands_alone():

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import yaml
 
-from attnres_convert.finetune.data import SequenceOrder, chunk, expand_files, held_out, local_micro_batches, pack, split_lines
+from attnres_convert.finetune.data import SequenceOrder, held_out, local_micro_batches, split_lines
+from attnres_convert.io.text import chunk, expand_files, pack
 from attnres_convert.finetune.preflight import check_recipe
 from attnres_convert.finetune.recipe import (
     RecipeError,

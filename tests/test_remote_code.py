@@ -61,6 +61,7 @@ def test_convert_without_trust_remote_code_says_to_pass_it(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny-own-code"]
 
 
+@pytest.mark.slow
 def test_own_code_model_converts_exactly_and_loads_without_its_folder_or_attnres(tmp_path):
     source = own_code_folder(tmp_path / "tiny-own-code")
     out = tmp_path / "converted"

@@ -13,7 +13,7 @@ from safetensors import safe_open
 from attnres_convert import load_converted, save_converted
 from attnres_convert.io.saving import SHIPPED_CODE
 from attnres_convert.conversion.surgery import convert_model
-from tiny_models import tiny_model, token_ids
+from tiny_models import randomize_queries, tiny_model, token_ids
 
 BLOCK_IMPORT = textwrap.dedent(
     """
@@ -40,17 +40,9 @@ def run_isolated(code: str) -> subprocess.CompletedProcess:
                           text=True, timeout=300, stdin=subprocess.DEVNULL)
 
 
-def _randomized(model):
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "_res_" in name:
-                param.add_(0.1 * torch.randn_like(param))
-    return model
-
-
 @pytest.mark.parametrize("family", ["llama", "gpt2", "gpt_neox_parallel", "gemma2", "granite"])
 def test_folder_reloads_in_package_and_without_it(family, tmp_path):
-    model = _randomized(convert_model(tiny_model(family), block_size=3).eval())
+    model = randomize_queries(convert_model(tiny_model(family), block_size=3).eval(), 0.1, key_norms=0.1, add=True)
     out = save_converted(model, tmp_path / "converted")
     ids = token_ids()
     with torch.no_grad():
@@ -131,7 +123,7 @@ def test_a_tool_that_does_not_know_attnres_refuses_the_folder(tmp_path):
 
 def test_loading_keeps_trained_queries_and_zeroes_missing_ones(tmp_path):
     """post-init must not overwrite loaded weights, and must zero queries absent from the checkpoint."""
-    model = _randomized(convert_model(tiny_model("llama")))
+    model = randomize_queries(convert_model(tiny_model("llama")), 0.1, key_norms=0.1, add=True)
     out = save_converted(model, tmp_path / "m")
     reloaded = load_converted(out)
     for (name, a), b in zip(model.state_dict().items(), reloaded.state_dict().values()):

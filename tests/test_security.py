@@ -15,16 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from reliability_helpers import ONE_THREAD_ENV, ROOT, assert_user_error, run_attnres, run_cli, save_tiny
+from reliability_helpers import ONE_THREAD_ENV, ROOT, assert_user_error, run_attnres, run_cli
 
 
 PACKAGE = ROOT / "attnres_convert"
 SENTINEL_ENV = "ATTNRES_TEST_REMOTE_CODE_SENTINEL"
-
-
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory) -> Path:
-    return save_tiny(tmp_path_factory.mktemp("security") / "tiny-llama")
 
 
 # ---------------------------------------------------------------- remote code
@@ -57,13 +52,13 @@ class CustomForCausalLM(LlamaForCausalLM):
 
 
 @pytest.fixture()
-def remote_code_model(tmp_path, tiny_llama) -> Path:
+def remote_code_model(tmp_path, tiny_llama_folder) -> Path:
     """A local folder whose config maps AutoConfig / AutoModelForCausalLM to its own Python files, and whose
     model type transformers does not know: it loads only by running that code."""
     folder = tmp_path / "custom-model"
     folder.mkdir()
-    (folder / "model.safetensors").write_bytes((tiny_llama / "model.safetensors").read_bytes())
-    config = json.loads((tiny_llama / "config.json").read_text())
+    (folder / "model.safetensors").write_bytes((tiny_llama_folder / "model.safetensors").read_bytes())
+    config = json.loads((tiny_llama_folder / "config.json").read_text())
     config.update(
         model_type="tiny_custom_llama",
         architectures=["CustomForCausalLM"],
@@ -127,21 +122,21 @@ def test_model_with_its_own_code_converts_only_with_the_flag_and_ships_that_code
 # ---------------------------------------------------------------- pickle checkpoints
 
 
-def _pickle_folder(folder: Path, tiny_llama: Path, state: dict) -> Path:
+def _pickle_folder(folder: Path, tiny_llama_folder: Path, state: dict) -> Path:
     folder.mkdir()
-    (folder / "config.json").write_text((tiny_llama / "config.json").read_text())
+    (folder / "config.json").write_text((tiny_llama_folder / "config.json").read_text())
     torch.save(state, folder / "pytorch_model.bin")
     return folder
 
 
-def _state_dict(tiny_llama: Path) -> dict:
+def _state_dict(tiny_llama_folder: Path) -> dict:
     from safetensors.torch import load_file
 
-    return load_file(tiny_llama / "model.safetensors")
+    return load_file(tiny_llama_folder / "model.safetensors")
 
 
-def test_pickle_checkpoint_loads_with_a_warning(tmp_path, tiny_llama):
-    folder = _pickle_folder(tmp_path / "pickled", tiny_llama, _state_dict(tiny_llama))
+def test_pickle_checkpoint_loads_with_a_warning(tmp_path, tiny_llama_folder):
+    folder = _pickle_folder(tmp_path / "pickled", tiny_llama_folder, _state_dict(tiny_llama_folder))
     out = tmp_path / "out"
     result = run_cli("convert", folder, "-o", out)
     assert result.exit_code == 0, result.output
@@ -161,13 +156,13 @@ class _RunsCode:
 
 
 @pytest.mark.parametrize("force_unsafe_env", [False, True], ids=["default", "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"])
-def test_malicious_pickle_is_refused(tmp_path, tiny_llama, monkeypatch, force_unsafe_env):
+def test_malicious_pickle_is_refused(tmp_path, tiny_llama_folder, monkeypatch, force_unsafe_env):
     """A pickle that would run code is refused (weights_only=True, passed explicitly so torch's environment
     override cannot turn it off), with a message saying why and what to use instead."""
     sentinel = tmp_path / "pwned"
-    state = _state_dict(tiny_llama)
+    state = _state_dict(tiny_llama_folder)
     state["model.payload"] = _RunsCode(sentinel)
-    folder = _pickle_folder(tmp_path / "evil", tiny_llama, state)
+    folder = _pickle_folder(tmp_path / "evil", tiny_llama_folder, state)
     assert b"exec" in (folder / "pytorch_model.bin").read_bytes()  # the payload is in the file
     if force_unsafe_env:
         monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")

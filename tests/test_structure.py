@@ -5,7 +5,7 @@ import torch
 
 from attnres_convert.modeling.depth_attention import default_block_size, plan_sublayers, source_ranges
 from attnres_convert.conversion.surgery import convert_model
-from tiny_models import tiny_model, token_ids
+from tiny_models import randomize_queries, tiny_model, token_ids
 
 # docs/design.md, block structure: Block AttnRes with S = 3 over seven sublayers.
 DESIGN_TEST_VECTOR = [
@@ -58,16 +58,6 @@ def test_default_block_size_is_whole_layers_with_at_most_n_blocks():
     assert default_block_size(48, 2, 4) == 12
 
 
-def _randomize_depth_params(model, seed=0):
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("_res_proj.weight"):
-                param.copy_(0.5 * torch.randn(param.shape, generator=generator))
-            elif name.endswith("_res_norm.weight"):
-                param.copy_(1.0 + 0.3 * torch.randn(param.shape, generator=generator))
-
-
 def _mix(sources, query, key_norm, eps, scaling="count"):
     keys = torch.stack(sources)  # [n, B, T, D]
     normed = keys / torch.sqrt(keys.pow(2).mean(-1, keepdim=True) + eps) * key_norm
@@ -109,7 +99,7 @@ def _reference_neox_parallel(model, ids, block_size):
 @pytest.mark.parametrize("block_size", [1, 3, 4, 6])
 def test_random_queries_match_plain_reference_llama(block_size):
     model = convert_model(tiny_model("llama"), block_size=block_size).eval()
-    _randomize_depth_params(model, seed=block_size)
+    randomize_queries(model, 0.5, seed=block_size, key_norms=0.3)
     ids = token_ids()
     with torch.no_grad():
         got = model(ids).logits
@@ -122,7 +112,7 @@ def test_random_queries_match_plain_reference_llama(block_size):
 def test_random_queries_match_reference_on_the_design_test_vector():
     """GPT-NeoX with parallel residual, 7 layers: exactly seven sublayers, S = 3 (section 3's table)."""
     model = convert_model(tiny_model("gpt_neox_parallel", num_hidden_layers=7), block_size=3).eval()
-    _randomize_depth_params(model, seed=7)
+    randomize_queries(model, 0.5, seed=7, key_norms=0.3)
     ids = token_ids()
     with torch.no_grad():
         got = model(ids).logits
@@ -142,7 +132,7 @@ def test_inference_buffer_and_autograd_state_compute_the_same(family, length, bl
     from attnres_convert.modeling.depth_attention import SMALL_STEP_TOKENS, SourceBuffer, record_depth_weights
 
     model = convert_model(tiny_model(family), block_size=block_size, source_scaling=scaling).eval()
-    _randomize_depth_params(model, seed=3)
+    randomize_queries(model, 0.5, seed=3, key_norms=0.3)
     ids = token_ids(2, length)
     assert (ids.numel() <= SMALL_STEP_TOKENS) == (length == 20)
     states = []
@@ -173,7 +163,7 @@ def test_decoding_steps_with_the_kv_cache_match_a_full_forward(batch, block_size
     if not folded:
         monkeypatch.setattr(modeling_attnres, "_all_queries", lambda spec, like: None)
     model = convert_model(tiny_model("llama"), block_size=block_size).eval()
-    _randomize_depth_params(model, seed=5)
+    randomize_queries(model, 0.5, seed=5, key_norms=0.3)
     ids = token_ids(batch, 16, seed=4)
     with torch.no_grad():
         full = _reference_llama(model, ids, block_size)
@@ -210,7 +200,7 @@ def test_training_gradients_match_autograd_through_the_reference(block_size, sca
     if not table:
         monkeypatch.setattr(modeling_attnres, "_all_queries", lambda spec, like: None)
     model = convert_model(tiny_model("llama"), block_size=block_size, source_scaling=scaling).train()
-    _randomize_depth_params(model, seed=11)
+    randomize_queries(model, 0.5, seed=11, key_norms=0.3)
     ids = token_ids(2, 24)
     states = []
     hook = model.model.layers[0].register_forward_hook(lambda module, args, output: states.append(output))

@@ -14,6 +14,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 from fake_hub import FakeHub
 from finetune_helpers import tiny_model_folder, tiny_recipe, write_corpus, write_recipe
 from reliability_helpers import ONE_THREAD_ENV
@@ -55,6 +57,7 @@ def _contains(path: Path, needle: bytes) -> bool:
         return False
 
 
+@pytest.mark.slow
 def test_token_never_leaks(tmp_path):
     import json
 

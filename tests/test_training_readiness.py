@@ -7,7 +7,7 @@ import torch
 
 from attnres_convert.modeling.depth_attention import plan_sublayers
 from attnres_convert.conversion.surgery import convert_model
-from tiny_models import tiny_model, token_ids
+from tiny_models import randomize_queries, tiny_model, token_ids
 
 
 def _loss_and_grads(model, ids):
@@ -35,10 +35,7 @@ def test_pseudo_queries_get_gradients_at_zero_init(family):
 @pytest.mark.parametrize("family", ["llama", "gpt2", "gpt_neox_parallel", "gemma3_text"])
 def test_gradient_checkpointing_gives_identical_loss_and_gradients(family):
     model = convert_model(tiny_model(family), block_size=3).train()
-    with torch.no_grad():  # non-zero routing, so the state really matters in the recompute
-        for name, param in model.named_parameters():
-            if "_res_proj" in name:
-                param.normal_(0.0, 0.5)
+    randomize_queries(model, 0.5)  # non-zero routing, so the state really matters in the recompute
     ids = token_ids()
     loss_plain, grads_plain = _loss_and_grads(model, ids)
     model.gradient_checkpointing_enable()
@@ -70,10 +67,7 @@ def test_trains_under_bfloat16_autocast():
     from attnres_convert.modeling.depth_attention import record_depth_weights
 
     model = convert_model(tiny_model("llama"), block_size=3).train()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "_res_proj" in name:
-                param.normal_(0.0, 0.5)
+    randomize_queries(model, 0.5)
     ids = token_ids()
     loss32, _ = _loss_and_grads(model, ids)
     with torch.autocast("cpu", dtype=torch.bfloat16), record_depth_weights(model) as weights:
@@ -111,10 +105,7 @@ def test_activation_offloading_sees_the_block_cache():
     activation offloading (torch.autograd.graph.save_on_cpu, or any pack/unpack pair) moves it: with
     hooks that pack copies, poisoning the cache after the forward changes no gradient."""
     model = convert_model(tiny_model("llama", num_hidden_layers=2), block_size=3).train()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "_res_proj" in name:
-                param.normal_(0.0, 0.5)
+    randomize_queries(model, 0.5)
     ids = token_ids(2, 6)
     _, want = _loss_and_grads(model, ids)
 

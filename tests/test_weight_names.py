@@ -11,17 +11,13 @@ from attnres_convert import load_converted, save_converted
 from attnres_convert.conversion.surgery import convert_model
 from attnres_convert.modeling.weight_names import guarded
 from test_save_load import run_isolated
-from tiny_models import tiny_model, token_ids
+from tiny_models import randomize_queries, tiny_model, token_ids
 
 
 def _trained_mixtral():
     model = convert_model(tiny_model("mixtral"), block_size=3).eval()
-    generator = torch.Generator().manual_seed(3)
-    with torch.no_grad():  # as after training: non-zero queries, key norms away from one
-        for name, param in model.named_parameters():
-            if "_res_" in name:
-                param.add_(0.3 * torch.randn(param.shape, generator=generator))
-    return model
+    # as after training: non-zero queries, key norms away from one
+    return randomize_queries(model, 0.3, seed=3, key_norms=0.3, add=True)
 
 
 def _attnres_tensors(model) -> dict[str, torch.Tensor]:

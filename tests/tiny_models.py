@@ -6,6 +6,9 @@ decoder architecture with two norms in parallel)."""
 
 from __future__ import annotations
 
+import copy
+from pathlib import Path
+
 import torch
 import transformers as T
 
@@ -59,3 +62,47 @@ def tiny_model(name: str, seed: int = 0, **overrides) -> T.PreTrainedModel:
 
 def token_ids(batch: int = 2, length: int = 24, seed: int = 0) -> torch.Tensor:
     return torch.randint(3, 128, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def randomize_queries(model, std: float, *, seed: int | None = None, parts: tuple[str, ...] = ("weight",),
+                      key_norms: float | None = None, add: bool = False):
+    """Gives a converted model's depth attention the look of a trained one, so a test is not trivially exact
+    at the zero queries of conversion: each pseudo-query (`*_res_proj`) becomes std * N(0, 1) and, with
+    key_norms, each key norm (`*_res_norm`) 1 + key_norms * N(0, 1), drawn module by module in model order.
+
+    seed: draw from a generator of its own (None: from torch's global one, as the test left it).
+    parts: the tensors of each query to draw, in this order: "weight" (the static query), and with input-dependent
+        queries "up" and "down".
+    add: add the noise to the current values instead (queries and key norms alike).
+    Modules are found by name, so a model loaded with trust_remote_code (other classes) is handled the same.
+    Returns the model."""
+    generator = None if seed is None else torch.Generator().manual_seed(seed)
+
+    def draw(param: torch.Tensor, scale: float, start: float) -> None:
+        noise = (scale * torch.randn(param.shape, generator=generator)).to(param.dtype)
+        if add:
+            param.add_(noise)
+        elif start:
+            param.copy_(start + noise)
+        else:
+            param.copy_(noise)
+
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if name.endswith("_res_proj"):
+                for part in parts:
+                    draw(getattr(module, part), std, 0.0)
+            elif key_norms is not None and name.endswith("_res_norm"):
+                draw(module.weight, key_norms, 1.0)
+    return model
+
+
+def save_plain_and_converted(base: T.PreTrainedModel, tokenizer, root: Path, block_size: int) -> tuple[Path, Path]:
+    """The base model saved as it is (root/plain) and converted (root/attnres), each folder with the tokenizer:
+    the pair a test compares (the base model itself is left unconverted)."""
+    from attnres_convert import convert_model, save_converted
+
+    base.save_pretrained(root / "plain")
+    tokenizer.save_pretrained(root / "plain")
+    save_converted(convert_model(copy.deepcopy(base), block_size=block_size), root / "attnres", tokenizer)
+    return root / "plain", root / "attnres"

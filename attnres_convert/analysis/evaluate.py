@@ -1,6 +1,6 @@
 """Held-out loss and perplexity of a plain or converted model on text files (`attnres eval`).
 
-Text is read, tokenised and packed exactly as fine-tuning packs its held-out data (data.py: documents
+Text is read, tokenised and packed exactly as fine-tuning packs its held-out data (io.text: documents
 joined with EOS, cut into full seq_len sequences), so the numbers of `attnres eval` and of a fine-tune
 run are comparable. The loss is the mean next-token cross-entropy over every predicted token, in
 float32; perplexity is its exponential.
@@ -13,10 +13,10 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from ..finetune.data import Sequences, TokenBudget, expand_files, file_documents, pack, pad_token_id, token_loss, tokenize
 from ..errors import AttnResError
 from ..io.loading import LoadedModel, load_any
-from ..finetune.metrics import perplexity as perplexity_of
+from ..io.text import Sequences, TokenBudget, expand_files, file_documents, pack, pad_token_id, token_loss, tokenize
+from ..io.text import perplexity as perplexity_of  # `perplexity` is also a field of EvalResult
 
 DEFAULT_SEQ_LEN = 512
 
@@ -44,7 +44,7 @@ class EvalResult:
 @torch.no_grad()
 def heldout_loss(model, sequences: Sequences, batch_size: int = 1) -> tuple[float, int]:
     """(mean next-token loss in nats, number of predictions) of `model` over `sequences`, one process.
-    The per-batch loss is fine-tuning's own (data.token_loss), so both tools score alike."""
+    The per-batch loss is fine-tuning's own (io.text.token_loss), so both tools score alike."""
     was_training = model.training
     model.eval()
     total, count = 0.0, 0

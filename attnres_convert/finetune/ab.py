@@ -236,7 +236,7 @@ def interleaved_throughput(data: dict, common: list[str], arms: list[Arm], steps
 
     from .optim import apply_lora, make_optimizer, select_trainable
     from .starting_model import load_starting_model
-    from .data import token_loss
+    from ..io.text import token_loss
 
     built = []
     for arm in arms:
@@ -289,6 +289,8 @@ def _one_thread() -> None:
     import torch
     import transformers
 
+    # The pool's initializer runs in each worker process: the thread count it sets is that worker's own
+    # (a spawned process), never the parent's or another arm's.
     torch.set_num_threads(1)
     transformers.utils.logging.disable_progress_bar()
     transformers.utils.logging.set_verbosity_error()

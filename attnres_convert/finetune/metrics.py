@@ -1,9 +1,9 @@
-"""metrics.jsonl: one JSON object per line, `kind` "train" (a training step) or "eval" (a held-out evaluation)."""
+"""metrics.jsonl: one JSON object per line, `kind` "train" (what a training step measured) or "eval" (a held-out evaluation)."""
 
 from __future__ import annotations
 
 import json
-import math
+from dataclasses import dataclass
 from pathlib import Path
 
 METRICS = "metrics.jsonl"
@@ -35,6 +35,47 @@ class MetricsLog:
             handle.write(json.dumps(record) + "\n")
 
 
+@dataclass
+class StepStats:
+    """What one optimizer step measured (global over processes)."""
+
+    loss: float
+    grad_norm: float  # the base (or LoRA) parameters', before clipping
+    attnres_grad_norm: float | None  # the AttnRes parameters', before clipping; None when none train
+    lrs: dict[str, float]  # this step's learning rate per parameter group
+    tokens: int
+    seconds: float
+    stopping: bool  # a signal or stop_at_step asked every process to stop after this step
+    kl: float | None = None  # mean KL(starting model || model) per prediction, with train.kl_weight
+
+    @property
+    def lr(self) -> float:
+        """The learning rate shown and logged: the base parameters', else the AttnRes ones'."""
+        return self.lrs.get("base", self.lrs.get("attnres"))
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds
+
+
+def train_record(stats: StepStats, step: int, tokens: int, epoch: float, depth_gate: float | None) -> dict:
+    """The metrics.jsonl record of training step STEP (TOKENS: seen so far; DEPTH_GATE: None when off)."""
+    return {
+        "kind": "train",
+        "step": step,
+        "loss": stats.loss,
+        "lr": stats.lr,
+        "attnres_lr": stats.lrs.get("attnres"),
+        "grad_norm": stats.grad_norm,
+        "attnres_grad_norm": stats.attnres_grad_norm,
+        **({"kl": stats.kl} if stats.kl is not None else {}),
+        **({"depth_gate": depth_gate} if depth_gate is not None else {}),
+        "tokens": tokens,
+        "tokens_per_s": stats.tokens_per_s,
+        "epoch": epoch,
+    }
+
+
 def read_metrics(path: Path) -> list[dict]:
     records = []
     for line in Path(path).read_text().splitlines():
@@ -45,10 +86,6 @@ def read_metrics(path: Path) -> list[dict]:
             except ValueError:
                 break  # a line cut short by a crash ends the log
     return records
-
-
-def perplexity(loss: float) -> float:
-    return math.exp(loss) if loss < 50 else float("inf")
 
 
 def loss_history(records: list[dict]) -> list[dict]:

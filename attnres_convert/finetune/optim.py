@@ -1,4 +1,5 @@
-"""What trains, and how: trainable parameter selection, AdamW parameter groups and LR schedules.
+"""What trains, and how: trainable parameter selection, AdamW parameter groups, LR schedules and
+gradient clipping.
 
 The AttnRes parameters (pseudo-queries and key norms) are new and start at zero / one: they get their
 own, higher learning rate (`train.attnres_lr`) and no weight decay (decay would pull the queries back
@@ -156,3 +157,14 @@ def make_scheduler(optimizer: torch.optim.Optimizer, recipe: Recipe) -> torch.op
     train = recipe.train
     schedule = Schedule(train.schedule, train.steps, train.warmup_steps, train.min_lr_ratio, train.decay_fraction)
     return torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+
+
+def clip_gradient_norm(params: list[torch.Tensor], max_norm: float | None) -> float:
+    """The gradient norm of PARAMS (before clipping), clipped to MAX_NORM unless it is None."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return 0.0
+    norm = torch.nn.utils.get_total_norm(grads)
+    if max_norm is not None:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    return float(norm)

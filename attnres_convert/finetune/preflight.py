@@ -9,7 +9,7 @@ from pathlib import Path
 from ..io.saving import is_converted_folder, write_problem
 from ..io.sources import cached_config, resolve_source
 from ..errors import AttnResError
-from .data import expand_files
+from ..io.text import expand_files
 from .recipe import Recipe, RecipeError
 
 

@@ -25,7 +25,6 @@ from ..conversion.options import ConvertOptions, DTypeName, parse_size
 from ..io.hub_access import DEFAULT_MAX_SHARD_SIZE
 from ..errors import AttnResError
 
-SHAKESPEARE_PREFIX = "shakespeare:"
 DEFAULT_SOURCES = (None, "", "default")
 
 

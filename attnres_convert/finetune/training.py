@@ -2,15 +2,8 @@
 
 Accelerate owns devices, mixed precision and distribution, so the same code runs on one CPU, under
 `accelerate launch` with several processes (DDP) and with FSDP. Only the main process writes the run
-folder; every process writes its own RNG state into checkpoints (that is what resuming needs).
-
-Run folder (output.dir):
-    recipe.yaml          the resolved recipe (written at the start)
-    metrics.jsonl        training steps and held-out evaluations
-    checkpoints/         resumable state, the last checkpoint.keep_last of them
-    loss_curve.png       at the end
-    final_metrics.json   at the end
-    model/               the trained model (converted format; LoRA merged unless lora.merge=false)
+folder (run_folder.py lists what it holds); every process writes its own RNG state into checkpoints (that
+is what resuming needs).
 
 A run that replaces an earlier one (output.overwrite) is written into a hidden folder beside it and swapped
 in only once finished: until then, and for good if the run fails or is interrupted, the earlier run stays
@@ -24,20 +17,18 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import json
 import math
 import os
 import shutil
 import signal
-import threading
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 
+from ..io.text import perplexity, token_loss, token_loss_and_kl
+from ..modeling.modeling_attnres import set_depth_gate
+from .accelerator import make_accelerator
 from .checkpoints import (
     TrainerState,
     latest_checkpoint,
@@ -46,234 +37,28 @@ from .checkpoints import (
     save_checkpoint,
     trainable_only_hook,
 )
-from .data import Corpus, SequenceOrder, Sequences, build_corpus, local_micro_batches, token_loss, token_loss_and_kl
-from ..errors import AttnResError
-from ..modeling.modeling_attnres import set_depth_gate
-from .metrics import METRICS, MetricsLog, loss_history, perplexity, read_metrics
+from .data import Corpus, SequenceOrder, build_corpus, local_micro_batches
+from .evaluation import heldout_loss_across_processes
+from .metrics import METRICS, MetricsLog, StepStats, read_metrics, train_record
 from .optim import (
     apply_lora,
     attnres_parameters,
+    clip_gradient_norm,
     count_parameters,
     enable_checkpointing,
     make_optimizer,
     make_scheduler,
     select_trainable,
 )
-from .preflight import check_recipe, is_run_folder
-from .recipe import Recipe, RecipeError, parse_recipe, read_yaml
-from .starting_model import StartingModel, load_starting_model
+from .preflight import check_recipe
+from .recipe import Recipe, RecipeError
+from .reporting import Reporter
+from .result import FinetuneResult, final_metrics, save_result
+from .run_folder import MODEL_DIR, check_resume, prepare_output, publish_run, replaces_run, stage_run
+from .starting_model import load_starting_model
+from .stopping import GracefulStop, NonFiniteLossError, TrainingError, TrainingInterrupted
 
-RECIPE_FILE = "recipe.yaml"
-FINAL_METRICS = "final_metrics.json"
-LOSS_CURVE = "loss_curve.png"
-MODEL_DIR = "model"
-# Sections a resumed run must share with the run it continues (eval/checkpoint/output may change).
-RESUME_LOCKED = ("model", "data", "train", "lora")
-
-
-class TrainingError(AttnResError):
-    """The run could not go on (the CLI exits 1): the message says at which step, why, what was kept."""
-
-
-class NonFiniteLossError(TrainingError):
-    pass
-
-
-class TrainingInterrupted(AttnResError):
-    """SIGINT/SIGTERM (or `stop_at_step`): a checkpoint was saved; `--resume` continues. A run that was to
-    replace an earlier one is discarded instead (checkpoint None): the earlier run is kept."""
-
-    def __init__(self, message: str, checkpoint: Path | None, signum: int = signal.SIGINT):
-        super().__init__(message)
-        self.checkpoint, self.signum = checkpoint, int(signum)
-
-
-@dataclass
-class FinetuneResult:
-    output: Path
-    model_dir: Path | None
-    metrics: dict
-    records: list[dict] = field(repr=False, default_factory=list)
-    pushed: object | None = None  # hub.PushResult when output.push_to_hub was set
-
-
-# --- small pieces ---------------------------------------------------------------------------------
-
-
-def _accelerator(recipe: Recipe):
-    from accelerate import Accelerator
-    from accelerate.state import AcceleratorState
-
-    # A second run in the same Python process (the A/B, tests) starts from fresh Accelerate settings;
-    # the distributed process group, if any, is kept.
-    AcceleratorState._reset_state()
-    # Several processes (torchrun / `accelerate launch --multi_gpu`) on a machine without an accelerator:
-    # Accelerate only picks gloo DDP when told to use the CPU; otherwise each process would train alone.
-    cpu = int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.accelerator.is_available()
-    try:
-        return Accelerator(mixed_precision=recipe.train.mixed_precision, step_scheduler_with_optimizer=False, cpu=cpu)
-    except (ValueError, RuntimeError) as error:
-        raise RecipeError(f"train.mixed_precision: {error}") from error
-
-
-def evaluate(model, sequences: Sequences, accelerator, batch_size: int) -> tuple[float, int]:
-    """Held-out loss (mean nats per predicted token) and the number of predictions. Every process runs
-    the same number of forward passes (a process short of data repeats one batch and discards it):
-    DDP buffer syncs and FSDP all-gathers need every process in every forward."""
-    rank, world = accelerator.process_index, accelerator.num_processes
-    mine = np.arange(len(sequences))[rank::world]
-    passes = math.ceil(math.ceil(len(sequences) / world) / batch_size)
-    totals = torch.zeros(2, dtype=torch.float64, device=accelerator.device)
-    was_training = model.training
-    model.eval()
-    with torch.no_grad():
-        for index in range(passes):
-            chunk = mine[index * batch_size : (index + 1) * batch_size]
-            real = len(chunk) > 0
-            batch = sequences.batch(chunk if real else np.arange(1))
-            loss, count = token_loss(model, batch, accelerator.device)
-            if real:
-                totals += torch.stack([loss.double(), torch.tensor(float(count), dtype=torch.float64, device=loss.device)])
-    totals = accelerator.reduce(totals, "sum")
-    model.train(was_training)
-    return float(totals[0] / totals[1]), int(totals[1])
-
-
-class GracefulStop:
-    """SIGINT / SIGTERM ask the run to stop after the current step (a checkpoint is saved); a second
-    signal stops at once."""
-
-    def __init__(self):
-        self.requested: str | None = None
-        self._previous: dict = {}
-
-    def __enter__(self) -> GracefulStop:
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def _handle(self, signum, frame) -> None:
-        if self.requested:
-            signal.signal(signum, self._previous.get(signum, signal.SIG_DFL))
-            raise KeyboardInterrupt
-        self.requested = signal.Signals(signum).name
-
-    def __exit__(self, *exc) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-
-
-def _resume_differences(saved: Recipe, current: Recipe) -> list[str]:
-    def flat(data, prefix=""):
-        if isinstance(data, dict):
-            for key, value in data.items():
-                yield from flat(value, f"{prefix}{key}.")
-        else:
-            yield prefix.rstrip("."), data
-
-    old = dict(flat({k: saved.model_dump(mode="json")[k] for k in RESUME_LOCKED}))
-    new = dict(flat({k: current.model_dump(mode="json")[k] for k in RESUME_LOCKED}))
-    return [f"{key}: {old.get(key)!r} -> {new.get(key)!r}" for key in sorted(set(old) | set(new)) if old.get(key) != new.get(key)]
-
-
-# --- the run --------------------------------------------------------------------------------------
-
-
-class _Reporter:
-    """Console output of the main process: stage lines, the Rich progress bar, evaluation lines."""
-
-    def __init__(self, console, enabled: bool):
-        self.console = console if enabled else None
-        self.progress = None
-        self.task = None
-
-    def say(self, text: str) -> None:
-        if self.console is not None:
-            self.console.print(text, highlight=False)
-
-    @contextlib.contextmanager
-    def bar(self, total: int, start: int) -> Iterator[None]:
-        if self.console is None:
-            yield
-            return
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-
-        self.progress = Progress(
-            TextColumn("step"),
-            MofNCompleteColumn(),
-            BarColumn(),
-            TextColumn("loss {task.fields[loss]}"),
-            TextColumn("lr {task.fields[lr]}"),
-            TextColumn("{task.fields[speed]} tok/s"),
-            TimeElapsedColumn(),
-            TextColumn("ETA"),
-            TimeRemainingColumn(),
-            console=self.console,
-        )
-        with self.progress:
-            self.task = self.progress.add_task("train", total=total, completed=start, loss="-", lr="-", speed="-")
-            yield
-        self.progress = None
-
-    def step(self, step: int, loss: float, lr: float, speed: float) -> None:
-        if self.progress is not None:
-            self.progress.update(self.task, completed=step, loss=f"{loss:.4f}", lr=f"{lr:.2e}", speed=f"{speed:,.0f}")
-
-    def print(self, text: str) -> None:
-        if self.progress is not None:
-            self.progress.console.print(text, highlight=False)
-        else:
-            self.say(text)
-
-
-def replaces_run(recipe: Recipe, out: Path, resuming: bool) -> bool:
-    """A new run over an earlier one (check_recipe made sure OUT is an earlier run, not some other folder)."""
-    return not resuming and recipe.output.overwrite and out.exists() and is_run_folder(out)
-
-
-def stage_run(out: Path) -> Path:
-    """The folder a run replacing OUT writes into: beside OUT (where it can be renamed into place), hidden,
-    named so that a later run removes it if this one is killed. Deleting OUT first would lose the earlier
-    run whenever the new one fails."""
-    from ..io.saving import clean_stale_partials, new_partial_folder
-
-    target = Path(os.path.realpath(out))  # a symbolic link keeps pointing at the run
-    clean_stale_partials(target)
-    try:
-        return new_partial_folder(target, mode=0o777)  # the umask applies, as to any run folder
-    except OSError as error:
-        raise RecipeError(
-            f"output.dir: cannot write the new run beside {out} ({error.strerror or error}); "
-            "choose an output.dir in a folder you can write to"
-        ) from error
-
-
-def publish_run(staging: Path, out: Path) -> None:
-    """Swap the finished run in STAGING for the earlier one at OUT, which is then removed."""
-    from ..io.saving import fsync_tree, publish_folder
-
-    fsync_tree(staging)  # metrics, final metrics, loss curve: never published as empty files
-    publish_folder(staging, Path(os.path.realpath(out)))
-
-
-def prepare_output(recipe: Recipe, folder: Path) -> None:
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / RECIPE_FILE).write_text(recipe.to_yaml())
-
-
-@dataclass
-class StepStats:
-    """What one optimizer step measured (global over processes)."""
-
-    loss: float
-    grad_norm: float  # the base (or LoRA) parameters', before clipping
-    attnres_grad_norm: float | None  # the AttnRes parameters', before clipping; None when none train
-    lrs: dict[str, float]  # this step's learning rate per parameter group
-    tokens: int
-    seconds: float
-    stopping: bool  # a signal or stop_at_step asked every process to stop after this step
-    kl: float | None = None  # mean KL(starting model || model) per prediction, with train.kl_weight
+__all__ = ["FinetuneRecipe", "FinetuneResult", "NonFiniteLossError", "TrainingError", "TrainingInterrupted", "finetune"]
 
 
 class FinetuneRecipe:
@@ -293,9 +78,9 @@ class FinetuneRecipe:
         self.recipe, self.resume, self.stop_at_step, self.token = recipe, resume, stop_at_step, token
         self.out = Path(recipe.output.dir).expanduser()
         self.folder = self.out  # where the run is written: a staging folder while it replaces an earlier run
-        self.accelerator = _accelerator(recipe)
+        self.accelerator = make_accelerator(recipe)
         self.main = self.accelerator.is_main_process
-        self.report = _Reporter(console, self.main)
+        self.report = Reporter(console, self.main)
         self.state = TrainerState()
 
     def run(self) -> FinetuneResult:
@@ -335,16 +120,8 @@ class FinetuneRecipe:
         recipe, out = self.recipe, self.out
         check_recipe(recipe, resume=self.resume, token=self.token)
         self.checkpoint_path = latest_checkpoint(out) if self.resume else None
-        if self.resume and (out / FINAL_METRICS).is_file():
-            raise RecipeError(f"output.dir: the run in {out} is complete ({FINAL_METRICS} exists); nothing to resume")
-        if self.checkpoint_path is not None and (out / RECIPE_FILE).is_file():
-            differences = _resume_differences(parse_recipe(read_yaml(out / RECIPE_FILE)), recipe)
-            if differences:
-                raise RecipeError(
-                    f"--resume: the recipe differs from the one the run in {out} started with:\n  "
-                    + "\n  ".join(differences)
-                    + "\nResume with the same recipe, or start a new run in another output.dir"
-                )
+        if self.resume:
+            check_resume(recipe, out, self.checkpoint_path)
         self.distributed = self.accelerator.distributed_type.value
         if recipe.train.trainable == "lora" and self.distributed == "FSDP":
             raise RecipeError("train.trainable: lora under FSDP is not supported (merging needs the whole model); use DDP or trainable full/attnres")
@@ -526,8 +303,8 @@ class FinetuneRecipe:
             norm = accelerator.clip_grad_norm_(self.base_params + self.attnres_params, train.max_grad_norm or float("inf"))
             return float(norm) if norm is not None else float("nan"), None
         accelerator.unscale_gradients()  # fp16: once, before both norms
-        base = _clip(self.base_params, train.max_grad_norm)
-        attnres = _clip(self.attnres_params, train.attnres_max_grad_norm) if self.attnres_params else None
+        base = clip_gradient_norm(self.base_params, train.max_grad_norm)
+        attnres = clip_gradient_norm(self.attnres_params, train.attnres_max_grad_norm) if self.attnres_params else None
         return base, attnres
 
     def _refuse_non_finite(self, loss: float, grad_norm: float, attnres_grad_norm: float | None) -> None:
@@ -553,27 +330,11 @@ class FinetuneRecipe:
         )
 
     def _log(self, stats: StepStats) -> None:
-        state, recipe = self.state, self.recipe
-        lr = stats.lrs.get("base", stats.lrs.get("attnres"))
-        speed = stats.tokens / stats.seconds
-        if state.step % recipe.train.log_every == 0 or state.step == recipe.train.steps:
-            self.metrics.write(
-                {
-                    "kind": "train",
-                    "step": state.step,
-                    "loss": stats.loss,
-                    "lr": lr,
-                    "attnres_lr": stats.lrs.get("attnres"),
-                    "grad_norm": stats.grad_norm,
-                    "attnres_grad_norm": stats.attnres_grad_norm,
-                    **({"kl": stats.kl} if stats.kl is not None else {}),
-                    **({"depth_gate": self._gate_at(state.step - 1)} if recipe.train.depth_gate_steps else {}),
-                    "tokens": state.tokens,
-                    "tokens_per_s": speed,
-                    "epoch": self.order.epoch_of(state.position),
-                }
-            )
-        self.report.step(state.step, stats.loss, lr, speed)
+        state, steps = self.state, self.recipe.train.steps
+        if state.step % self.recipe.train.log_every == 0 or state.step == steps:
+            epoch = self.order.epoch_of(state.position)
+            self.metrics.write(train_record(stats, state.step, state.tokens, epoch, depth_gate=self._gate_at(state.step - 1)))
+        self.report.step(state.step, stats.loss, stats.lr, stats.tokens_per_s)
 
     def _gate_at(self, step: int) -> float | None:
         """train.depth_gate_steps: the depth gate of the step after `step` steps (0 first, 1 from depth_gate_steps
@@ -589,7 +350,7 @@ class FinetuneRecipe:
     def evaluate(self) -> float:
         """Held-out loss now, written to metrics.jsonl."""
         self._set_gate()  # the model as it is at this step
-        loss, count = evaluate(self.model, self.corpus.eval, self.accelerator, self.eval_batch)
+        loss, count = heldout_loss_across_processes(self.model, self.corpus.eval, self.accelerator, self.eval_batch)
         step = self.state.step
         self.metrics.write({"kind": "eval", "step": step, "loss": loss, "perplexity": perplexity(loss), "predictions": count})
         self.report.print(f"step {step}: held-out loss {loss:.4f}, perplexity {perplexity(loss):.2f}")
@@ -606,8 +367,8 @@ class FinetuneRecipe:
         """Final evaluation, metrics, loss curve, the model folder, and the push if the recipe asks."""
         final_loss = self.evaluate()
         records = read_metrics(self.folder / METRICS) if self.main else []
-        final = _final_metrics(records, self.state, self.counts, self.start, self.recipe, final_loss, self.world)
-        model_dir = _save_result(self.accelerator, self.model, self.start, self.recipe, self.folder, final, records, self.corpus)
+        final = final_metrics(records, self.state, self.counts, self.start, self.recipe, final_loss, self.world)
+        model_dir = save_result(self.accelerator, self.model, self.start, self.recipe, self.folder, final, records, self.corpus)
         self.accelerator.wait_for_everyone()
         if self.staged:  # finished and complete: it replaces the earlier run now
             if self.main:
@@ -624,17 +385,6 @@ class FinetuneRecipe:
         return FinetuneResult(self.out, model_dir, final, records, pushed)
 
 
-def _clip(params: list[torch.Tensor], max_norm: float | None) -> float:
-    """The gradient norm of PARAMS (before clipping), clipped to MAX_NORM unless it is None."""
-    grads = [p.grad for p in params if p.grad is not None]
-    if not grads:
-        return 0.0
-    norm = torch.nn.utils.get_total_norm(grads)
-    if max_norm is not None:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
-    return float(norm)
-
-
 def finetune(
     recipe: Recipe,
     *,
@@ -645,103 +395,3 @@ def finetune(
 ) -> FinetuneResult:
     """Run RECIPE (see FinetuneRecipe.run)."""
     return FinetuneRecipe(recipe, resume=resume, console=console, stop_at_step=stop_at_step, token=token).run()
-
-
-def _final_metrics(records, state, counts, start, recipe, final_loss, world) -> dict:
-    evals = [r for r in records if r.get("kind") == "eval"]
-    trains = [r for r in records if r.get("kind") == "train"]
-    first = evals[0] if evals and evals[0]["step"] == 0 else None
-    return {
-        "steps": state.step,
-        "tokens": state.tokens,
-        "processes": world,
-        "converted": start.converted,
-        "trainable": recipe.train.trainable,
-        "trainable_parameters": counts.trainable,
-        "attnres_parameters": counts.attnres,
-        "eval_loss_start": first["loss"] if first else None,
-        "eval_perplexity_start": first["perplexity"] if first else None,
-        "eval_loss": final_loss,
-        "eval_perplexity": perplexity(final_loss),
-        "train_loss_last": trains[-1]["loss"] if trains else None,
-        "tokens_per_s": state.tokens / state.train_seconds if state.train_seconds else None,
-        "train_seconds": state.train_seconds,
-    }
-
-
-def _save_result(accelerator, model, start: StartingModel, recipe: Recipe, out: Path, final: dict, records, corpus) -> Path | None:
-    """Final metrics, loss curve and (unless output.save_model is false) the model folder."""
-    state_dict = None
-    if recipe.output.save_model and accelerator.distributed_type.value == "FSDP":
-        state_dict = accelerator.get_state_dict(model)  # gathers the shards; every process takes part
-    if not accelerator.is_main_process:
-        return None
-    from ..analysis.plots import loss_curve_plot
-
-    history = loss_history(records)
-    title = f"{'AttnRes' if start.converted else 'Baseline (no AttnRes)'}: {start.source.short_name}"
-    loss_curve_plot(history, out / LOSS_CURVE, title=title)
-    (out / FINAL_METRICS).write_text(json.dumps(final, indent=2))
-    if not recipe.output.save_model:
-        return None
-    from ..io.saving import SHIPPED_CODE, atomic_folder
-
-    unwrapped = accelerator.unwrap_model(model)
-    adapter = None
-    if recipe.train.trainable == "lora":
-        if recipe.lora.merge:
-            unwrapped = unwrapped.merge_and_unload()
-        else:
-            adapter = unwrapped
-    model_dir = out / MODEL_DIR
-
-    def write(folder: Path) -> None:
-        base = unwrapped
-        if adapter is not None:
-            adapter.save_pretrained(folder / "adapter")  # LoRA weights only
-            base = adapter.unload()  # the AttnRes model without LoRA layers (its AttnRes params are trained)
-        base.save_pretrained(folder, state_dict=state_dict, max_shard_size=recipe.output.max_shard_size)
-        if start.converted:
-            missing = [name for name in SHIPPED_CODE if not (folder / name).is_file()]
-            if missing:
-                raise TrainingError(f"internal error: save_pretrained did not copy {missing}; the model folder would not load")
-        start.tokenizer.save_pretrained(folder)
-        shutil.copy(out / LOSS_CURVE, folder / LOSS_CURVE)
-        (folder / RECIPE_FILE).write_text(recipe.to_yaml())
-        (folder / "finetune_metrics.json").write_text(json.dumps(final, indent=2))
-        (folder / "README.md").write_text(_card(base, start, recipe, final, history, corpus))
-
-    # A model folder left by an earlier attempt of this run is swapped out only once the new one is complete.
-    atomic_folder(model_dir, write, owned=True)
-    return model_dir
-
-
-def _card(model, start: StartingModel, recipe: Recipe, final: dict, history, corpus) -> str:
-    from ..io.card import base_identity, baseline_card, card_identity, finetune_card
-    from ..conversion.surgery import summarize
-
-    name = start.source.short_name
-    if start.source.kind == "folder":
-        base_model, license_ = card_identity(start.source.location)
-    else:
-        base_model, license_ = base_identity(start.source)
-    metrics = {}
-    if final["eval_loss_start"] is not None:
-        before = "before fine-tuning (= original)" if start.converted else "before fine-tuning"
-        metrics[before] = {"loss": final["eval_loss_start"], "perplexity": final["eval_perplexity_start"]}
-    metrics["fine-tuned"] = {"loss": final["eval_loss"], "perplexity": final["eval_perplexity"]}
-    common = dict(
-        name=name,
-        base_model=base_model,
-        license=license_,
-        recipe=recipe.model_dump(mode="json"),
-        metrics=metrics,
-        finetuned_key="fine-tuned",
-        eval_data=f"{corpus.eval_documents} held-out documents, {len(corpus.eval)} sequences x {recipe.data.seq_len} tokens",
-        train_data=f"{final['tokens']:,} tokens",
-        loss_curve=LOSS_CURVE,
-        history=history,
-    )
-    if not start.converted:
-        return baseline_card(**common)  # front matter and all: a baseline can be pushed like any model
-    return finetune_card(summarize(model), **common)

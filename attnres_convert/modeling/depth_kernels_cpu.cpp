@@ -1,5 +1,5 @@
-// C++ kernels for the depth mix on CPU (ATTNRES_KERNEL=cpu). Compiled by depth_kernels_cpu.py, which
-// documents what they compute and why; the math they fuse is depth_attention.py's.
+// C++ kernels for the depth mix on CPU (ATTNRES_KERNEL=cpu), built and wrapped by depth_kernels_cpu.py, which
+// says what they compute and why; the math they fuse is depth_core.py's, the buffers they read depth_cpu.py's.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cmath>

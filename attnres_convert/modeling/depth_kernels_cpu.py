@@ -1,5 +1,6 @@
-"""C++ kernels for the depth mix on CPU, compiled on first use (ATTNRES_KERNEL=cpu; see depth_attention.py
-for the math and the states they serve).
+"""C++ kernels for the depth mix on CPU, compiled on first use (ATTNRES_KERNEL=cpu): their build, their Python
+wrappers and the check that lets them fuse a sublayer's norm. The math is depth_core.py's; the buffers they serve
+are depth_cpu.py's.
 
 On CPU the eager reader is a chain of small operations, and both forwards pay for it in their own way:
 

@@ -1,0 +1,89 @@
+"""The run folder (output.dir): what it holds, whether a run may resume in it, and how a run that replaces
+an earlier one is staged beside it and swapped in only once finished.
+
+    recipe.yaml          the resolved recipe (written at the start)
+    metrics.jsonl        training steps and held-out evaluations
+    checkpoints/         resumable state, the last checkpoint.keep_last of them
+    loss_curve.png       at the end
+    final_metrics.json   at the end
+    model/               the trained model (converted format; LoRA merged unless lora.merge=false)
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from .preflight import is_run_folder
+from .recipe import Recipe, RecipeError, parse_recipe, read_yaml
+
+RECIPE_FILE = "recipe.yaml"
+FINAL_METRICS = "final_metrics.json"
+LOSS_CURVE = "loss_curve.png"
+MODEL_DIR = "model"
+# Sections a resumed run must share with the run it continues (eval/checkpoint/output may change).
+RESUME_LOCKED = ("model", "data", "train", "lora")
+
+
+def check_resume(recipe: Recipe, out: Path, checkpoint: Path | None) -> None:
+    """--resume: the run in OUT must be unfinished, and continued with the recipe it started with."""
+    if (out / FINAL_METRICS).is_file():
+        raise RecipeError(f"output.dir: the run in {out} is complete ({FINAL_METRICS} exists); nothing to resume")
+    if checkpoint is not None and (out / RECIPE_FILE).is_file():
+        differences = resume_differences(parse_recipe(read_yaml(out / RECIPE_FILE)), recipe)
+        if differences:
+            raise RecipeError(
+                f"--resume: the recipe differs from the one the run in {out} started with:\n  "
+                + "\n  ".join(differences)
+                + "\nResume with the same recipe, or start a new run in another output.dir"
+            )
+
+
+def resume_differences(saved: Recipe, current: Recipe) -> list[str]:
+    """`key: old -> new` for every setting of RESUME_LOCKED that differs."""
+
+    def flat(data, prefix=""):
+        if isinstance(data, dict):
+            for key, value in data.items():
+                yield from flat(value, f"{prefix}{key}.")
+        else:
+            yield prefix.rstrip("."), data
+
+    old = dict(flat({k: saved.model_dump(mode="json")[k] for k in RESUME_LOCKED}))
+    new = dict(flat({k: current.model_dump(mode="json")[k] for k in RESUME_LOCKED}))
+    return [f"{key}: {old.get(key)!r} -> {new.get(key)!r}" for key in sorted(set(old) | set(new)) if old.get(key) != new.get(key)]
+
+
+def prepare_output(recipe: Recipe, folder: Path) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / RECIPE_FILE).write_text(recipe.to_yaml())
+
+
+def replaces_run(recipe: Recipe, out: Path, resuming: bool) -> bool:
+    """A new run over an earlier one (check_recipe made sure OUT is an earlier run, not some other folder)."""
+    return not resuming and recipe.output.overwrite and out.exists() and is_run_folder(out)
+
+
+def stage_run(out: Path) -> Path:
+    """The folder a run replacing OUT writes into: beside OUT (where it can be renamed into place), hidden,
+    named so that a later run removes it if this one is killed. Deleting OUT first would lose the earlier
+    run whenever the new one fails."""
+    from ..io.saving import clean_stale_partials, new_partial_folder
+
+    target = Path(os.path.realpath(out))  # a symbolic link keeps pointing at the run
+    clean_stale_partials(target)
+    try:
+        return new_partial_folder(target, mode=0o777)  # the umask applies, as to any run folder
+    except OSError as error:
+        raise RecipeError(
+            f"output.dir: cannot write the new run beside {out} ({error.strerror or error}); "
+            "choose an output.dir in a folder you can write to"
+        ) from error
+
+
+def publish_run(staging: Path, out: Path) -> None:
+    """Swap the finished run in STAGING for the earlier one at OUT, which is then removed."""
+    from ..io.saving import fsync_tree, publish_folder
+
+    fsync_tree(staging)  # metrics, final metrics, loss curve: never published as empty files
+    publish_folder(staging, Path(os.path.realpath(out)))
