@@ -261,11 +261,6 @@ def pad_query(q: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.pad(q, (0, 1))
 
 
-def pad_query(q: torch.Tensor) -> torch.Tensor:
-    """A query [..., D] with a 0 for the constant column of a decoding step's buffer."""
-    return torch.nn.functional.pad(q, (0, 1))
-
-
 def step_buffer(embeddings: torch.Tensor, rows: int, eps: float, queries, shared: bool, runtime: dict | None):
     """The token-major buffer [B, T, rows, D + 1] of a few-token forward and its StepViews: the previous
     forward's where it had the same shape and queries (making them is ~70 operations and views, which a
