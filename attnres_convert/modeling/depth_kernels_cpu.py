@@ -66,7 +66,9 @@ def _flags() -> list[str]:
 def source_text(config=None) -> str:
     """The C++ source. Looked for next to this file (the package, or a converted folder imported in place), then in
     the folder the model was loaded from (`config.name_or_path`: transformers copies only a remote-code model's .py
-    files into its modules cache), then, for a model loaded from the Hub, downloaded from its repository."""
+    files into its modules cache), then, for a model loaded from the Hub, downloaded from its repository. So a model
+    run by this package's own code compiles the package's source, never a folder's; only a model whose code came
+    from its folder (trust_remote_code) compiles that folder's."""
     here = Path(__file__).with_name(SOURCE_NAME)
     if here.is_file():
         return here.read_text()
