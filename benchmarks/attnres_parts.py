@@ -7,9 +7,8 @@ a decoding step, on the eager path and with the C++ kernels (ATTNRES_KERNEL=cpu)
 The converted model is loaded as users load it (`from_pretrained(..., trust_remote_code=True)` of the folder
 `attnres convert` wrote, so the shipped modeling code runs), and the functions the converted layers call are
 wrapped with timers in that loaded module: `start_state`, `_all_queries` (the folded queries, or the kept
-ones' check), the readers' `depth_mix`, `add_output`, `close_block`, and, for a decoding step, whose layers run
-their readers inline, `_decoding_step` minus the sublayers it runs. The timers cost a little themselves, so the parts are an upper bound; what they show is
-the split. The reference rows are a plain `torch.add` over the bytes a prefill reader moves and over 100 MB.
+ones' check), the readers' `depth_mix`, `add_output` and `close_block` (the same calls for a prefill and a decoding
+step). The timers cost a little themselves, so the parts are an upper bound; what they show is the split. The reference rows are a plain `torch.add` over the bytes a prefill reader moves and over 100 MB.
 """
 
 from __future__ import annotations
@@ -33,8 +32,8 @@ from rich.table import Table  # noqa: E402
 from benchmarks.overhead import converted_folder, prepare_folder, resident  # noqa: E402
 
 console = Console()
-PARTS = ("start_state", "_all_queries", "depth_mix", "add_output", "close_block", "_decoding_step", "run_sublayer")
-SHOWN = ("start_state", "_all_queries", "depth_mix", "add_output", "close_block", "decoding readers")
+PARTS = ("start_state", "_all_queries", "depth_mix", "add_output", "close_block", "run_sublayer")
+SHOWN = ("start_state", "_all_queries", "depth_mix", "add_output", "close_block")
 
 
 def timed_parts(module, totals: dict) -> None:
@@ -129,9 +128,6 @@ def main() -> None:
             row = {"metric": what, "kernel": mode, "forwards": forwards, **result}
             row["ratio"] = result["converted_s"] / result["original_s"]
             parts = {k: 1e3 * v / forwards for k, v in result["parts_s"].items()}
-            # A decoding step runs its layers' readers inline: its time less the sublayers it runs.
-            step = parts.pop("_decoding_step")
-            parts["decoding readers"] = step - parts["run_sublayer"] if step else 0.0
             row["parts_ms_per_forward"] = parts
             row["attnres_ms_per_forward"] = sum(parts[k] for k in SHOWN)
             rows.append(row)

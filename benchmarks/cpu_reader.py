@@ -62,7 +62,7 @@ def prefill_reader(kernels, repeats: int, tokens: int = 512, completed: int = 4)
     state = da.SourceBuffer(sources, inv_rms, completed, True, sources[-1], queries, scores, shared_stream=True)
     reader = 7
     fns = {
-        "eager": lambda: da._mix_buffer(state, queries[reader], EPS, "count", reader),
+        "eager": lambda: state.mix(queries[reader], EPS, "count", reader),
         "cpu": lambda: depth_kernels_cpu.buffer_mix(
             kernels, sources, completed, True, queries[reader], sources[-1], EPS, True, table=scores[..., reader]
         ),

@@ -76,7 +76,7 @@ def test_bit_for_bit_at_zero_queries_and_close_to_eager_and_reference(block_size
     with torch.no_grad():
         got, state = _final_state(zero, lambda: zero(ids).logits)
         assert state.native is not None  # the kernels ran, not the eager path
-        assert (state.step is not None) == (tokens == FEW)  # the path the tokens parameter names
+        assert isinstance(state, depth_attention.StepBuffer) == (tokens == FEW)  # the path the tokens parameter names
         assert torch.equal(got, original(ids).logits)  # exactness: the stream's own bits
         got = model(ids).logits
         eager = _eager(monkeypatch, lambda: model(ids).logits)
@@ -117,7 +117,7 @@ def test_recorded_weights_and_training_take_the_eager_path(monkeypatch):
     autograd trains on the eager path: its gradients are the eager run's."""
     model = _model(4)
     ids = token_ids(2, MANY)
-    with torch.no_grad(), depth_attention.record_depth_weights() as weights:
+    with torch.no_grad(), depth_attention.record_depth_weights(model) as weights:
         model(ids)
     assert len(weights) == 2 * LAYERS + 1 and all(torch.isfinite(w).all() for w in weights)
 
@@ -134,14 +134,77 @@ def test_converted_folder_ships_the_cpu_kernels(tmp_path):
 
     model = _model(4)
     folder = save_converted(copy.deepcopy(model), tmp_path / "converted")
-    shipped = (folder / "depth_kernels_cpu.py").read_text()
-    assert shipped == Path(depth_kernels_cpu.__file__).read_text()
+    for name in ("depth_kernels_cpu.py", "depth_kernels_cpu.cpp", "depth_cpu.py"):
+        assert (folder / name).read_text() == (Path(depth_kernels_cpu.__file__).parent / name).read_text(), name
     loaded = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, dtype=torch.float32).eval()
     ids = token_ids(2, MANY)
     with torch.no_grad():
         got, state = _final_state(loaded, lambda: loaded(ids).logits)
         assert state.native is not None
         assert (got - model(ids).logits).abs().max().item() <= 1e-5
+
+
+def test_a_folder_loaded_without_this_package_builds_the_kernels_from_its_own_source(tmp_path, monkeypatch):
+    """transformers copies only a remote-code model's .py files into its modules cache: the C++ source is read from
+    the folder the model was loaded from, the kernels it builds match the eager path, and saving the loaded model
+    writes the source into the new folder too."""
+    from test_save_load import run_isolated
+
+    model = _model(4)
+    folder = save_converted(copy.deepcopy(model), tmp_path / "converted")
+    ids = token_ids(2, MANY)
+    with torch.no_grad():
+        eager = _eager(monkeypatch, lambda: model(ids).logits)
+    torch.save({"ids": ids, "logits": eager}, tmp_path / "expected.pt")
+    result = run_isolated(f"""
+        import os, sys
+        from pathlib import Path
+        os.environ["ATTNRES_KERNEL"] = "cpu"
+        from transformers import AutoModelForCausalLM
+        model = AutoModelForCausalLM.from_pretrained({str(folder)!r}, trust_remote_code=True, dtype=torch.float32).eval()
+        code = Path(sys.modules[type(model).__module__].__file__).parent
+        assert not (code / "depth_kernels_cpu.cpp").exists(), "the modules cache should hold the .py files only"
+        states = []
+        model.model.norm.register_forward_pre_hook(lambda module, args: states.append(type(args[0]).__name__))
+        expected = torch.load({str(tmp_path / "expected.pt")!r})
+        with torch.no_grad():
+            got = model(expected["ids"]).logits
+        assert states == ["CpuBuffer"], states
+        difference = (got - expected["logits"]).abs().max().item()
+        assert difference <= {TOLERANCE}, difference
+        model.save_pretrained({str(tmp_path / "again")!r})
+        print("ok")
+    """)
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
+    assert (tmp_path / "again" / "depth_kernels_cpu.cpp").read_text() == (folder / "depth_kernels_cpu.cpp").read_text()
+
+
+def test_the_source_is_fetched_from_the_hub_or_named_where_missing(tmp_path, monkeypatch):
+    """A model loaded from the Hub: the source comes from its repository at the loaded revision; where it cannot be
+    found, the error names the file and what to do."""
+    import huggingface_hub
+
+    monkeypatch.setattr(depth_kernels_cpu, "SOURCE_NAME", "not_next_to_the_module.cpp")
+    (tmp_path / "downloaded.cpp").write_text("// the source")
+    calls = []
+
+    def download(repo, name, revision=None):
+        calls.append((repo, name, revision))
+        return str(tmp_path / "downloaded.cpp")
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", download)
+    config = type("Config", (), {"name_or_path": "someone/attnres-model", "_commit_hash": "abc123"})()
+    assert depth_kernels_cpu.source_text(config) == "// the source"
+    assert calls == [("someone/attnres-model", "not_next_to_the_module.cpp", "abc123")]
+
+    def offline(repo, name, revision=None):
+        raise OSError("no connection")
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", offline)
+    with pytest.raises(RuntimeError, match="not_next_to_the_module.cpp.*no connection.*unset ATTNRES_KERNEL"):
+        depth_kernels_cpu.source_text(config)
+    with pytest.raises(RuntimeError, match="not_next_to_the_module.cpp"):
+        depth_kernels_cpu.source_text(type("Config", (), {"name_or_path": str(tmp_path)})())
 
 
 def test_selection_errors(monkeypatch):
@@ -202,10 +265,10 @@ def test_hidden_states_and_depth_gate_see_every_residual_add(tokens, monkeypatch
 
 
 def _norm_verdicts(model) -> dict:
-    """What `fused_norm` decided per norm module class: (eps, lanes) where fused, None where called."""
-    spec = next(module._attnres_spec for module in model.modules() if hasattr(module, "_attnres_spec"))
-    checked = spec.runtime.get("norms", {})
-    return {type(entry[0]).__name__: entry[2] for entry in checked.values()}
+    """What `fused_norm` decided per norm module class: (eps, lanes) where fused, None where called (the verdict
+    it keeps on each module it checked)."""
+    verdicts = (module.__dict__.get(depth_kernels_cpu._VERDICT) for module in model.modules())
+    return {entry[0].__name__: entry[1] for entry in verdicts if entry is not None}
 
 
 @pytest.mark.parametrize("tokens", [FEW, MANY], ids=["step", "prefill"])
@@ -273,8 +336,8 @@ def test_rms_norm_replays_torchs_reduction(d):
             assert torch.equal(kernels.rms_norm(x, norm.weight, eps, lanes), norm(x))
     gemma, layer_norm = GemmaRMSNorm(d), torch.nn.LayerNorm(d)
     torch.nn.init.normal_(gemma.weight, 0.0, 0.3)
-    assert depth_kernels_cpu.fused_norm(kernels, gemma, {}) == ()
-    assert depth_kernels_cpu.fused_norm(kernels, layer_norm, {}) == ()
+    assert depth_kernels_cpu.fused_norm(kernels, gemma) == ()
+    assert depth_kernels_cpu.fused_norm(kernels, layer_norm) == ()
 
 
 def test_a_layer_norm_family_at_zero_queries():

@@ -90,6 +90,40 @@ def test_concurrent_threads_never_share_a_buffer():
     assert not failures, failures
 
 
+def test_the_buffers_of_ended_threads_go():
+    """A model keeps one few-token buffer per live thread: a thread's entry goes once it has ended, when another
+    thread keeps its first (so a server's many short-lived threads never pile up buffers)."""
+    model, ids = _converted(), token_ids(batch=1, length=3)
+    runtime = model.model.layers[0]._attnres_spec.runtime
+
+    def forward() -> None:
+        with torch.no_grad():
+            model(ids)
+
+    main = threading.get_ident()  # the conversion's own check ran a forward here
+    for _ in range(5):
+        thread = threading.Thread(target=forward)
+        thread.start()
+        thread.join()
+        assert set(runtime["steps"]) - {main} == {thread.ident}
+
+
+def test_depth_weights_are_recorded_for_the_model_asked():
+    """A recorder belongs to one model: another model's forwards inside it are not recorded, and forwards after it
+    record nothing."""
+    from attnres_convert.modeling.depth_attention import record_depth_weights
+
+    model, other, ids = _converted(), _converted(seed=1), token_ids(batch=1, length=5)
+    with torch.no_grad():
+        with record_depth_weights(model) as weights:
+            other(ids)
+            assert weights == []
+            model(ids)
+        count = len(weights)
+        model(ids)
+    assert count == len(model.model.layers) * 2 + 1 and len(weights) == count
+
+
 def test_a_replaced_query_module_or_parameter_object_is_read():
     """What a module swap does (PEFT or a user putting new modules or parameters in place): the kept queries
     are checked against the modules and parameters the model holds now, the output aggregation's too."""

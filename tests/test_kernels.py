@@ -1,4 +1,4 @@
-"""The Triton depth-mix kernels (modeling/depth_kernels.py), run on CPU by Triton's interpreter: against the
+"""The Triton depth-mix kernels (modeling/depth_triton.py, depth_triton_kernels.py), run on CPU by Triton's interpreter: against the
 eager path, the plain reference and the original model, forward and backward, float32 and bfloat16,
 prefill, decoding with the KV cache and training, Full AttnRes and a block size that does not divide
 the depth; and the ATTNRES_KERNEL selection. The interpreter runs each program in Python: tiny shapes."""
@@ -17,7 +17,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":  # conftest sets it: the kernels r
 pytest.importorskip("triton", reason="the kernel tests need triton (make test installs it)")
 
 from attnres_convert import convert_model, save_converted  # noqa: E402
-from attnres_convert.modeling import depth_attention  # noqa: E402
+from attnres_convert.modeling import depth_attention, depth_backends  # noqa: E402
 from test_structure import _reference_llama  # noqa: E402
 from tiny_models import randomize_queries, tiny_model, token_ids  # noqa: E402
 
@@ -129,8 +129,8 @@ def test_converted_folder_ships_the_kernels(tmp_path, monkeypatch):
 
     model = _model(3)
     folder = save_converted(copy.deepcopy(model), tmp_path / "converted")
-    shipped = (folder / "depth_kernels.py").read_text()
-    assert shipped == (Path(depth_attention.__file__).parent / "depth_kernels.py").read_text()
+    for name in ("depth_triton.py", "depth_triton_kernels.py"):
+        assert (folder / name).read_text() == (Path(depth_attention.__file__).parent / name).read_text()
     loaded = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, dtype=torch.float32).eval()
     ids = token_ids(1, 3)
     with torch.no_grad():
@@ -155,7 +155,7 @@ def test_selection(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(RuntimeError, match="needs CUDA tensors .* TRITON_INTERPRET=1"):
         depth_attention.kernels_for(x)
-    monkeypatch.setattr(depth_attention, "_KERNELS", [ImportError("No module named 'triton'")])
+    monkeypatch.setattr(depth_backends, "_KERNELS", [ImportError("No module named 'triton'")])
     with pytest.raises(RuntimeError, match=r"ATTNRES_KERNEL=triton but Triton cannot be imported .*pip install triton"):
         depth_attention.kernels_for(x)
     monkeypatch.setenv("ATTNRES_KERNEL", "auto")

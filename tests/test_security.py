@@ -247,7 +247,9 @@ SAVE_TIME_WRITERS = {"remote_code.py": {"shutil", "pathlib", "write_text"}}
 # The one native-code part: with ATTNRES_KERNEL=cpu (never by default), the C++ kernels are compiled from the
 # source text in that same file by torch's cpp_extension, into torch's extension cache
 # (test_cpu_kernel_build_compiles_only_its_own_source checks what it builds).
-NATIVE_BUILDERS = {"depth_kernels_cpu.py": {"cpp_extension"}}
+# The source is depth_kernels_cpu.cpp, read next to the file, in the folder the model was loaded from, or from its
+# Hub repository (huggingface_hub, a dependency of transformers).
+NATIVE_BUILDERS = {"depth_kernels_cpu.py": {"cpp_extension", "pathlib", "huggingface_hub"}}
 # triton: the fused kernels, imported only where it is installed.
 ALLOWED_THIRD_PARTY = {"torch", "transformers", "triton"}
 FORBIDDEN_CALLS = {"open", "eval", "exec", "compile", "__import__", "breakpoint", "input"}
@@ -271,7 +273,7 @@ def test_shipped_code_only_defines_the_model(tmp_path):
     files = _shipped_files(tmp_path)
     from attnres_convert.io.saving import SHIPPED_CODE
 
-    assert sorted(path.name for path in files) == sorted(SHIPPED_CODE)
+    assert sorted(path.name for path in files) == sorted(name for name in SHIPPED_CODE if name.endswith(".py"))
     imports, problems = {}, []
     for path in files:
         tree = ast.parse(path.read_text(), filename=path.name)
@@ -390,5 +392,5 @@ def test_cpu_kernel_build_compiles_only_its_own_source(monkeypatch):
     monkeypatch.setenv("ATTNRES_KERNEL", "cpu")
     assert depth_attention.cpu_kernels_for(x) == "built"
     (name,), kwargs = calls[0]
-    assert name.startswith("attnres_depth_cpu_") and kwargs["cpp_sources"] == [depth_kernels_cpu.SOURCE]
+    assert name.startswith("attnres_depth_cpu_") and kwargs["cpp_sources"] == [depth_kernels_cpu.source_text()]
     assert set(kwargs) == {"cpp_sources", "extra_cflags", "extra_ldflags"}  # no CUDA sources, no extra includes

@@ -70,7 +70,7 @@ def test_trains_under_bfloat16_autocast():
     randomize_queries(model, 0.5)
     ids = token_ids()
     loss32, _ = _loss_and_grads(model, ids)
-    with torch.autocast("cpu", dtype=torch.bfloat16), record_depth_weights() as weights:
+    with torch.autocast("cpu", dtype=torch.bfloat16), record_depth_weights(model) as weights:
         loss16, grads16 = _loss_and_grads(model, ids)
     assert abs(loss16.item() - loss32.item()) <= 0.05 * abs(loss32.item())
     assert weights and all(w.dtype == torch.float32 for w in weights)

@@ -132,7 +132,7 @@ def depth_weights(model: AttnResForCausalLM, input_ids: torch.Tensor) -> DepthWe
     """Mean softmax weight of every (reader, source) pair over the tokens of `input_ids` [B, T]."""
     summary = summarize(model)
     total, size = summary.num_sublayers, summary.block_size
-    with record_depth_weights() as recorded:
+    with record_depth_weights(model) as recorded:
         model(input_ids=input_ids.to(model.device))
     if len(recorded) != total + 1:
         raise RuntimeError(f"expected {total + 1} depth mixes in one forward pass, recorded {len(recorded)}")

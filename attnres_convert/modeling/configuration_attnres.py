@@ -15,6 +15,7 @@ from transformers import AutoConfig, PreTrainedConfig
 from transformers.configuration_utils import SubConfigSpec
 
 from .base_code import BASE_CLASSES  # noqa: F401 - registers a base model's own code shipped in the folder
+from .remote_code import ship_kernel_source
 
 
 class AttnResConfig(PreTrainedConfig):
@@ -83,6 +84,12 @@ class AttnResConfig(PreTrainedConfig):
 
     def to_diff_dict(self) -> dict:
         return self._hide_base_type(super().to_diff_dict())
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        # Every writer of a converted folder saves its config (save_pretrained, the streaming conversion), and
+        # transformers copies only the .py files of the model's code: the C++ source of the CPU kernels goes here.
+        super().save_pretrained(save_directory, *args, **kwargs)
+        ship_kernel_source(self, save_directory)
 
 
 __all__ = ["AttnResConfig"]

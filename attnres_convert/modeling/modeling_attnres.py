@@ -32,93 +32,13 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from .architectures import ModelPlan, Sublayer, module_at, plan_for
 from .configuration_attnres import AttnResConfig
-from .depth_attention import (
-    STATE_TYPES,
-    SourceBuffer,
-    SublayerPlan,
-    add_output,
-    close_block,
-    current_stream,
-    depth_mix,
-    native_update,
-    output_num_sources,
-    plan_sublayers,
-    pseudo_query,
-    start_state,
-    step_mix,
-    wants_queries,
-)
-from .depth_kernels_cpu import NO_NORM, NONE, fused_norm
+from .depth_attention import STATE_TYPES, add_output, close_block, current_stream, depth_mix, start_state, wants_queries
+from .depth_core import pseudo_query
+from .depth_kernels_cpu import fused_norm
+from .depth_modules import AttnResKeyNorm, AttnResQuery, depth_params, init_depth_module, placed
+from .depth_plan import SublayerPlan, output_num_sources, plan_sublayers
 from .remote_code import ship_base_code
 from .weight_names import default_save_conversions, guard_all
-
-
-class AttnResQuery(nn.Module):
-    """The pseudo-query w of one reader, stored as [1, d] like a bias-free Linear(d, 1).
-
-    With rank r > 0 the query also depends on the reader's input x (the base model's residual stream):
-    q = w + B A x / rms(x), a low-rank projection as in LoRA, A = `down` [r, d] kaiming-uniform, B = `up`
-    [d, r] zero. B = 0 keeps q = w exactly at conversion. A is drawn from a generator seeded with the
-    reader's index, so a conversion is reproducible whatever the global random state."""
-
-    def __init__(self, hidden_size: int, rank: int = 0, reader: int = 0, device=None, dtype=None):
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(1, hidden_size, device=device, dtype=dtype))
-        self.rank, self.reader = rank, reader
-        if rank:
-            self.down = nn.Parameter(torch.empty(rank, hidden_size, device=device, dtype=dtype))
-            self.up = nn.Parameter(torch.zeros(hidden_size, rank, device=device, dtype=dtype))
-
-    def forward(self) -> torch.Tensor:
-        # Called (rather than read) only where a hook must run first: big-model offload loads the weight here.
-        return self.weight
-
-    def initial_values(self) -> dict[str, torch.Tensor]:
-        """Each parameter's value at conversion (float32, CPU), by parameter name."""
-        hidden = self.weight.shape[-1]
-        values = {"weight": torch.zeros(1, hidden)}
-        if self.rank:
-            # nn.Linear's (and LoRA's A) default: kaiming_uniform_(a=sqrt(5)), i.e. U(-1/sqrt(fan_in), 1/sqrt(fan_in)).
-            bound = 1.0 / hidden**0.5
-            generator = torch.Generator().manual_seed(self.reader)
-            values["down"] = torch.empty(self.rank, hidden).uniform_(-bound, bound, generator=generator)
-            values["up"] = torch.zeros(hidden, self.rank)
-        return values
-
-    def zero_at_conversion(self) -> list[nn.Parameter]:
-        """The tensors that make the query zero, as converted, when they are zero: w, and B with rank > 0."""
-        return [self.weight, self.up] if self.rank else [self.weight]
-
-    def projection(self, like: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(A, B) of an input-dependent query (on the device of `like` where given), or None."""
-        if not self.rank:
-            return None
-        if "_hf_hook" in self.__dict__ and self.down.device.type == "meta":
-            self()  # big-model offload loads the module's weights when it is called
-        if like is None:
-            return self.down, self.up
-        return self.down.to(like.device), self.up.to(like.device)
-
-    def extra_repr(self) -> str:
-        return f"{self.weight.shape[-1]}" + (f", rank={self.rank}" if self.rank else "")
-
-
-class AttnResKeyNorm(nn.Module):
-    """The RMSNorm weight g applied to the keys of one reader (the eps is the base model's)."""
-
-    def __init__(self, hidden_size: int, eps: float, device=None, dtype=None):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
-        self.eps = eps
-
-    def forward(self) -> torch.Tensor:
-        return self.weight
-
-    def initial_values(self) -> dict[str, torch.Tensor]:
-        return {"weight": torch.ones(self.weight.shape)}
-
-    def extra_repr(self) -> str:
-        return f"{self.weight.shape[0]}, eps={self.eps}"
 
 
 class _LayerSpec(NamedTuple):
@@ -134,7 +54,8 @@ class _LayerSpec(NamedTuple):
     tuple_output: bool  # return (state,): the base model takes element 0 of what a layer returns
     query_rank: int  # > 0: input-dependent queries (the plain BlockState path, see start_state)
     # One per model, shared by its layers and final norm: what a forward without autograd keeps for the next
-    # (see `_all_queries`, start_state), and the training-time depth gate (see `set_depth_gate`).
+    # (see `_all_queries`, start_state), the open recorders (`record_depth_weights`), the training-time depth
+    # gate (see `set_depth_gate`) and the config (where the C++ kernels' source is looked for).
     runtime: dict
 
 
@@ -156,21 +77,19 @@ class AttnResDecoderLayerMixin:
         else:
             queries = _all_queries(spec, hidden_states) if wants_queries() and not spec.query_rank else None
             state = start_state(
-                hidden_states, spec.eps, spec.capacity, queries, token_queries=spec.query_rank > 0, reuse=spec.runtime
+                hidden_states, spec.eps, spec.capacity, queries, token_queries=spec.query_rank > 0, runtime=spec.runtime
             )
         # Readers take their query from the state where it holds them all, folded once per forward.
-        folded = getattr(state, "queries", None) is not None
+        folded = state.queries is not None
         gate = spec.runtime.get("gate", 1.0)
-        if gate == 1.0 and folded and isinstance(state, SourceBuffer) and state.step is not None and state.shared_stream:
-            state = _decoding_step(self, spec, state, call_kwargs)
-            return (state,) if spec.tuple_output else state
+        # With the C++ kernels a reader's mix can come out normed by its sublayer's norm (see `fused_norm`).
+        native = getattr(state, "native", None) if gate == 1.0 else None
         for sublayer, plan, names in zip(spec.sublayers, spec.plans, spec.param_names):
             if plan.closes_block:
                 state = close_block(state, spec.eps, plan.index - 1)
-            params = (None, None) if folded else _depth_params(self, names)
+            params = (None, None) if folded else depth_params(self, names)
             projection = self._modules[names[0]].projection() if spec.query_rank else None
-            native = getattr(state, "native", None) if gate == 1.0 else None
-            norm = () if native is None else _sublayer_norm(self, sublayer, native, spec.runtime)
+            norm = () if native is None else _sublayer_norm(self, sublayer, native)
             h = depth_mix(state, *params, spec.eps, spec.scaling, reader=plan.index - 1, projection=projection, norm=norm)
             if gate != 1.0:
                 h = gated(state, h, gate)
@@ -178,52 +97,14 @@ class AttnResDecoderLayerMixin:
         return (state,) if spec.tuple_output else state
 
 
-def _decoding_step(layer: nn.Module, spec: _LayerSpec, state: SourceBuffer, call_kwargs: dict) -> SourceBuffer:
-    """The layer's sublayers in a few-token forward of a float32 model: what close_block, depth_mix and
-    add_output do there, inlined: such a step pays for every Python call and branch as well as every
-    operation. Measured in one process against the general path, together with the buffer and queries a
-    decoding loop keeps (`_all_queries`, start_state): 0.75 ms less per SmolLM2 token of about 38 ms.
-    With the C++ kernels (ATTNRES_KERNEL=cpu) a reader is one call, which also makes the residual adds of
-    the output before it (one operation less per sublayer), and the sublayer's norm where it is fused (see
-    `fused_norm`); the layer's last output is left to the next layer's first reader (or the final norm's), as
-    the state's pending `update`."""
-    step, count, partial, native = state.step, state.count, state.has_partial, state.native
-    if native is None:
-        for sublayer, plan in zip(spec.sublayers, spec.plans):
-            if plan.closes_block and partial:
-                count, partial = count + 1, False
-            h = step_mix(step, count + partial, step.queries[plan.index - 1], state.stream, spec.scaling)
-            step.pairs[count].add_(run_sublayer(layer, sublayer, h, call_kwargs))  # the partial sum and the stream
-            partial = True
-        return state._replace(count=count, has_partial=partial)
-    update = state.update.take() if state.update is not None else None
-    added, slot = (NONE, 0) if update is None else (update.new, update.index)
-    count_scaling = spec.scaling == "count"
-    for sublayer, plan in zip(spec.sublayers, spec.plans):
-        if plan.closes_block and partial:
-            count, partial = count + 1, False
-        n = count + partial
-        norm = _sublayer_norm(layer, sublayer, native, spec.runtime)
-        h = native.step_mix(
-            step.padded[n], n, step.queries[plan.index - 1], state.stream, count_scaling, added, slot, *(norm or NO_NORM)
-        )
-        added, slot, partial = run_sublayer(layer, sublayer, h, call_kwargs, normed=bool(norm)), count, True
-        if added.dtype != torch.float32:  # under autocast; the eager add upcasts it just the same
-            added = added.float()
-    return state._replace(count=count, has_partial=partial, update=native_update(state, added, slot))
-
-
-def _sublayer_norm(layer: nn.Module, sublayer: Sublayer, native, runtime: dict) -> tuple:
+def _sublayer_norm(layer: nn.Module, sublayer: Sublayer, native) -> tuple:
     """The norm of a one-branch sublayer for the C++ kernels to apply to its reader's mix (`fused_norm`), or ()."""
     if len(sublayer.branches) != 1:
         return ()
     norm = layer._modules.get(sublayer.branches[0].norm)
     if norm is None:
         return ()
-    checked = runtime.get("norms")
-    if checked is None:
-        checked = runtime.setdefault("norms", {})
-    return fused_norm(native, norm, checked)
+    return fused_norm(native, norm)
 
 
 def run_sublayer(layer: nn.Module, sublayer: Sublayer, h: torch.Tensor, call_kwargs: dict, normed: bool = False) -> torch.Tensor:
@@ -250,20 +131,6 @@ def run_sublayer(layer: nn.Module, sublayer: Sublayer, h: torch.Tensor, call_kwa
             y = y * branch.scale
         total = y if total is None else total + y
     return total
-
-
-def _depth_params(layer: nn.Module, names: tuple[str, str]) -> tuple[torch.Tensor, torch.Tensor]:
-    """A sublayer's pseudo-query w and key-norm weight g, looked up at call time (PEFT or FSDP may have
-    wrapped the modules). Plain modules are read through their dicts: nn.Module's attribute lookup took
-    170 us for a SmolLM2 forward's 61 pairs, this 12."""
-    query, key_norm = layer._modules[names[0]], layer._modules[names[1]]
-    if type(query) is AttnResQuery and type(key_norm) is AttnResKeyNorm and "_hf_hook" not in query.__dict__:
-        # FSDP1 swaps parameters for plain tensor attributes during its forward: then `.weight` below.
-        weight, norm_weight = query._parameters.get("weight"), key_norm._parameters.get("weight")
-        if weight is not None and norm_weight is not None:
-            return weight, norm_weight
-    # A wrapper (PEFT's modules_to_save) hands out its active weight; an offloaded module loads it.
-    return _loaded_weight(query), _loaded_weight(key_norm)
 
 
 # Where wrappers keep the module they wrap: activation checkpointing's CheckpointWrapper, FSDP1, DDP-style.
@@ -320,7 +187,7 @@ def _query_parameters(spec: _LayerSpec, like: torch.Tensor, watch: bool = True):
     members += [(layers._modules, name, layer) for name, layer in layers._modules.items()]
     readers = [(layer, names) for layer in map(_decoder_layer, layers) for names in layer._attnres_spec.param_names]
     for layer, names in readers + [(spec.owner, OUTPUT_NAMES)]:
-        query, key_norm = _depth_params(layer, names)
+        query, key_norm = depth_params(layer, names)
         if (
             type(query) is not nn.Parameter  # a tensor subclass: FSDP2's sharded DTensor
             or query.numel() != like.shape[-1]  # FSDP1's flattened shard
@@ -361,7 +228,7 @@ class AttnResFinalNormMixin:
             state, like = hidden_states, hidden_states.stream
             if getattr(state, "queries", None) is not None:  # folded with the sublayers' (see `_all_queries`)
                 native = getattr(state, "native", None) if runtime.get("gate", 1.0) == 1.0 else None
-                norm = () if native is None else fused_norm(native, self, runtime.setdefault("norms", {}), super().forward)
+                norm = () if native is None else fused_norm(native, self, super().forward)
                 hidden_states = depth_mix(state, None, None, eps, scaling, reader=-1, norm=norm)
                 if norm:
                     return hidden_states  # this norm's output, made with the mix
@@ -370,7 +237,7 @@ class AttnResFinalNormMixin:
                 # modules_to_save, FSDP) is the one used.
                 query, key_norm = owner.output_attn_res_proj, owner.output_attn_res_norm
                 hidden_states = depth_mix(
-                    state, _placed(query, like), _placed(key_norm, like), eps, scaling,
+                    state, placed(query, like), placed(key_norm, like), eps, scaling,
                     projection=query.projection(like) if isinstance(query, AttnResQuery) else None,
                 )
             gate = runtime.get("gate", 1.0)
@@ -398,21 +265,6 @@ def set_depth_gate(model: nn.Module, gate: float) -> bool:
         return False
     layer._attnres_spec.runtime["gate"] = float(gate)
     return True
-
-
-def _loaded_weight(module: nn.Module) -> torch.Tensor:
-    """A depth-attention module's weight. Under big-model offload (`device_map="auto"` with CPU or disk
-    offload) an offloaded weight is a meta tensor until Accelerate's hook on the module loads it, which it
-    does when the module is called."""
-    weight = module.weight
-    if weight.device.type == "meta" and hasattr(module, "_hf_hook"):
-        weight = module()
-    return weight
-
-
-def _placed(module: nn.Module, like: torch.Tensor) -> torch.Tensor:
-    """An output-aggregation weight on the device of the stream (a device map may put it elsewhere)."""
-    return _loaded_weight(module).to(like.device)
 
 
 def _attnres_class(mixin: type, base_cls: type) -> type:
@@ -456,7 +308,8 @@ def attach_depth_attention(causal_lm: nn.Module, config: AttnResConfig, plan: Mo
     factory = {"device": reference.device, "dtype": reference.dtype}
     hidden = text_config.hidden_size
     rank = config.query_rank
-    runtime = {}
+    # One per model: what its forwards keep (see _LayerSpec.runtime); the config says where the model was loaded from.
+    runtime = {"config": config}
     first = 0
     for index, layer in enumerate(layers):
         sublayers = plan.sublayers(index)
@@ -544,7 +397,7 @@ class AttnResPreTrainedModel(PreTrainedModel):
     @torch.no_grad()
     def _init_weights(self, module):
         if isinstance(module, (AttnResQuery, AttnResKeyNorm)):
-            _init_depth_module(module)
+            init_depth_module(module)
         else:
             super()._init_weights(module)
 
@@ -555,16 +408,7 @@ class AttnResPreTrainedModel(PreTrainedModel):
         with torch.no_grad():
             for module in self.modules():
                 if isinstance(module, (AttnResQuery, AttnResKeyNorm)):
-                    _init_depth_module(module, skip_loaded=True)
-
-
-def _init_depth_module(module: AttnResQuery | AttnResKeyNorm, skip_loaded: bool = False) -> None:
-    """Set a depth-attention module's parameters to their conversion values (skip_loaded: except loaded ones)."""
-    for name, value in module.initial_values().items():
-        param = module._parameters[name]
-        if skip_loaded and (getattr(param, "_is_hf_initialized", False) or param.device.type == "meta"):
-            continue
-        param.copy_(value)
+                    init_depth_module(module, skip_loaded=True)
 
 
 class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):

@@ -1,4 +1,5 @@
-"""Ship a base model's own code (`auto_map`, --trust-remote-code) next to the converted model's.
+"""Ship a base model's own code (`auto_map`, --trust-remote-code) next to the converted model's, and the C++
+source of the CPU kernels (transformers copies a model's .py files only).
 
 transformers copies a remote-code module together with the files it imports relatively (and those files'
 relative imports). So the converted folder holds the base model's configuration and modeling files, copied from
@@ -6,7 +7,7 @@ where the base classes were loaded, and a generated `base_code.py` that imports 
 them with AutoConfig / AutoModelForCausalLM; configuration_attnres imports `base_code`, so loading the folder
 with `trust_remote_code=True` brings the base code along, and saving a loaded model writes it out again.
 
-This file ships next to converted weights: it imports transformers and the standard library only.
+This file ships next to converted weights: it imports transformers, the standard library and its siblings only.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import shutil
 from pathlib import Path
 
 from transformers.dynamic_module_utils import get_relative_import_files
+
+from .depth_kernels_cpu import SOURCE_NAME, source_text
 
 GENERATED = "base_code.py"
 
@@ -66,3 +69,13 @@ def ship_base_code(config_cls: type, model_cls: type, model_type: str, folder) -
             shutil.copyfile(path, target)
     (folder / GENERATED).write_text(base_code_text(config_cls, model_cls, model_type))
     return sorted(files)
+
+
+def ship_kernel_source(config, folder) -> None:
+    """Write the C++ kernels' source (depth_kernels_cpu.cpp) into FOLDER: from the package, or, for a model loaded
+    from a converted folder or the Hub, from where it was loaded (see `source_text`)."""
+    target = Path(folder) / SOURCE_NAME
+    here = Path(__file__).with_name(SOURCE_NAME)
+    if target.exists() and here.exists() and target.resolve() == here.resolve():
+        return
+    target.write_text(source_text(config))

@@ -1,31 +1,31 @@
-"""Triton kernels for the depth mix (see depth_attention.py for the math and the states they serve).
+"""Triton kernels for the depth mix (the math is depth_core.py's).
 
 One reader of the eager path is a chain of small operations (norm, scores, softmax, the count-scaled
 mix, then the partial-sum and stream updates after its sublayer): on a GPU each is a kernel launch, and
 a decoding step is bound by launches. Here:
 
-* `mix`: one launch per reader. It first applies the previous sublayer's output (partial sum += y,
+* `mix_kernel`: one program per token of a reader. It first applies the previous sublayer's output (partial sum += y,
   stream = stream + y, rounded to the model dtype exactly as the base model's own residual add), then
   scores the completed sources (from the score table, or against their cached 1 / rms) and the partial
   sum (its statistic computed here), takes the softmax and writes h = H + sum_i (n alpha_i - 1) k_i.
   At zero queries every coefficient is exactly 0, so h is the stream bit for bit, in any dtype.
-* `close`: one launch per block boundary (phase 1 of the two-phase computation): the last output joins
+* `close_kernel`: one launch per block boundary (phase 1 of the two-phase computation): the last output joins
   the partial sum, which becomes a completed source with its 1 / rms, scored against every sublayer's
   query into the score table.
-* `mix_backward`: the reader's backward in one launch: gradients of the partial sum, of the completed
+* `mix_backward_kernel`: the reader's backward in one launch: gradients of the partial sum, of the completed
   blocks (added in place to the training cache's buffers) and per-token rows of the query's gradient.
 
 One program per token: a token's sources are a few rows of D values, read once or twice; everything a
 reader needs fits in one program and nothing crosses tokens, so the results are deterministic.
 
-This file ships next to converted weights and is imported only when `triton` is importable and selected
-(ATTNRES_KERNEL, see depth_attention.kernels_for). On CPU tensors it runs under Triton's interpreter
-(TRITON_INTERPRET=1), which is how the test suite checks it without a GPU.
+The launchers, which size the programs and hand them tensors, are depth_triton.py's. This file ships next to
+converted weights and is imported only when `triton` is importable and selected (ATTNRES_KERNEL, see
+depth_backends.kernels_for). On CPU tensors it runs under Triton's interpreter (TRITON_INTERPRET=1), which is
+how the test suite checks it without a GPU.
 """
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
@@ -49,7 +49,7 @@ def _rounded(x, ptr):
 
 
 @triton.jit
-def _mix_kernel(
+def mix_kernel(
     keys, s_keys, t_keys,  # completed source i of token t at keys + i * s_keys + t * t_keys
     inv, s_inv, t_inv,  # their 1 / rms (without a table)
     table, s_table, t_table,  # their scores for this reader (with a table)
@@ -121,7 +121,7 @@ def _mix_kernel(
 
 
 @triton.jit
-def _close_kernel(
+def close_kernel(
     part, t_part,  # the partial sum (or the embedding)
     new, t_new,  # the last output of the block, joined first (HAS_NEW)
     stream, t_stream, stream_out, t_stream_out,  # the stream update that output makes (HAS_NEW)
@@ -163,9 +163,9 @@ def _close_kernel(
 
 
 @triton.jit
-def _mix_backward_kernel(
+def mix_backward_kernel(
     g, t_g,  # the mix's gradient
-    keys, s_keys, t_keys, inv, s_inv, t_inv, part, t_part, q,  # as in _mix_kernel
+    keys, s_keys, t_keys, inv, s_inv, t_inv, part, t_part, q,  # as in mix_kernel
     w, l, ip,  # saved weights and scores [BT, n], the partial's 1 / rms [BT]
     grad, s_grad, t_grad,  # the completed blocks' gradient buffer, float32, added to in place
     rms_grad, s_rms, t_rms,  # their per-token coefficient of k_i (without a table)
@@ -226,147 +226,3 @@ def _mix_backward_kernel(
         dp = _select(coef, slots, m) * gv + via * qv - (via * _select(lv, slots, m) * inv_p / D) * p
         tl.store(dpart + t * t_dpart + offs, _rounded(dp, dpart), mask=dmask)
     tl.store(dq + t * t_dq + offs, dqv, mask=dmask)
-
-
-def _launch(d: int) -> dict:
-    block = triton.next_power_of_2(d)
-    return {"BLOCK_D": block, "num_warps": min(16, max(4, block // 256))}
-
-
-def _rows(x: torch.Tensor | None, d: int) -> torch.Tensor | None:
-    """A tensor [..., D] as [BT, D] rows (a view where the layout allows it)."""
-    return None if x is None else x.reshape(-1, d)
-
-
-def mix(
-    keys: torch.Tensor,
-    m: int,
-    q: torch.Tensor,
-    stream: torch.Tensor,
-    eps: float,
-    count: bool,
-    *,
-    inv_rms: torch.Tensor | None = None,
-    table: torch.Tensor | None = None,
-    partial: torch.Tensor | None = None,
-    new: torch.Tensor | None = None,
-    init_partial: bool = False,
-    stream_out: torch.Tensor | None = None,
-    save: bool = False,
-):
-    """One reader's depth mix. keys: completed sources as [>= m, BT, D] (last stride 1, any other
-    strides); inv_rms [>= m, BT] (without a table) or table [>= m, BT] (this reader's scores); partial:
-    [..., D], written in place when `new` is given (then init_partial says whether it starts at `new`);
-    stream [..., D]; stream_out: where stream + new goes. Returns (mix, weights, scores, partial 1/rms),
-    the last three [BT, n], [BT, n], [BT] when `save`, else None."""
-    d = stream.shape[-1]
-    tokens = stream.numel() // d
-    flat_stream, flat_part, flat_new = _rows(stream, d), _rows(partial, d), _rows(new, d)
-    out = torch.empty_like(stream)
-    n = m + int(partial is not None)
-    f32 = dict(device=stream.device, dtype=torch.float32)
-    weights = torch.empty(tokens, n, **f32) if save else None
-    logits = torch.empty(tokens, n, **f32) if save else None
-    inv_partial = torch.empty(tokens, **f32) if save and partial is not None else None
-    flat_out = _rows(stream_out, d) if stream_out is not None else flat_stream
-    _mix_kernel[(tokens,)](
-        keys, keys.stride(0), keys.stride(1),
-        inv_rms if inv_rms is not None else q, *(inv_rms.stride() if inv_rms is not None else (0, 0)),
-        table if table is not None else q, *(table.stride() if table is not None else (0, 0)),
-        flat_part if partial is not None else q, flat_part.stride(0) if partial is not None else 0,
-        flat_new if new is not None else q, flat_new.stride(0) if new is not None else 0,
-        flat_stream, flat_stream.stride(0),
-        flat_out, flat_out.stride(0),
-        q,
-        out, d,
-        weights if save else q, logits if save else q, inv_partial if inv_partial is not None else q,
-        m, d, eps,
-        HAS_PART=partial is not None, HAS_NEW=new is not None, INIT_PART=init_partial,
-        USE_TABLE=table is not None, COUNT=count, SAVE=save,
-        BLOCK_N=max(2, triton.next_power_of_2(n)), **_launch(d),
-    )
-    return out, weights, logits, inv_partial
-
-
-def close(
-    source: torch.Tensor,
-    dst: torch.Tensor,
-    inv_out: torch.Tensor,
-    eps: float,
-    *,
-    new: torch.Tensor | None = None,
-    init_partial: bool = False,
-    stream: torch.Tensor | None = None,
-    stream_out: torch.Tensor | None = None,
-    queries: torch.Tensor | None = None,
-    table: torch.Tensor | None = None,
-) -> None:
-    """A source completes: dst [BT, D] float32 = source (+ new, which also moves stream to stream_out),
-    inv_out [BT] its 1 / rms, and with queries [R, D] its scores into table [BT, R] (unit column stride)."""
-    d = dst.shape[-1]
-    tokens = dst.shape[0]
-    flat_source, flat_new = _rows(source, d), _rows(new, d)
-    has_new = new is not None
-    flat_stream = _rows(stream, d) if has_new else None
-    flat_out = _rows(stream_out, d) if has_new else None
-    has_table = queries is not None
-    rows = queries.shape[0] if has_table else 1
-    block_r = triton.next_power_of_2(rows)
-    # The D chunk keeps the [R, chunk] tile of queries small.
-    block_d = min(triton.next_power_of_2(d), max(16, 8192 // block_r))
-    _close_kernel[(tokens,)](
-        flat_source, flat_source.stride(0),
-        flat_new if has_new else dst, flat_new.stride(0) if has_new else 0,
-        flat_stream if has_new else dst, flat_stream.stride(0) if has_new else 0,
-        flat_out if has_new else dst, flat_out.stride(0) if has_new else 0,
-        dst, dst.stride(0),
-        inv_out, inv_out.stride(0),
-        queries.contiguous() if has_table else dst, rows,
-        table if has_table else dst, table.stride(0) if has_table else 0,
-        d, eps,
-        HAS_NEW=has_new, INIT_PART=init_partial, HAS_TABLE=has_table, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=4,
-    )
-
-
-def mix_backward(
-    grad: torch.Tensor,
-    keys: torch.Tensor,
-    m: int,
-    q: torch.Tensor,
-    weights: torch.Tensor,
-    logits: torch.Tensor,
-    count: bool,
-    block_grad: torch.Tensor,
-    *,
-    inv_rms: torch.Tensor | None = None,
-    rms_grad: torch.Tensor | None = None,
-    score_grad: torch.Tensor | None = None,
-    partial: torch.Tensor | None = None,
-    inv_partial: torch.Tensor | None = None,
-):
-    """The backward of `mix` on a training cache: adds to block_grad [>= m, BT, D] and to score_grad
-    [>= m, BT] (with a table) or rms_grad [>= m, BT] (without), in place. Returns (d partial, d q)."""
-    d = keys.shape[-1]
-    tokens = keys.shape[1]
-    flat_grad, flat_part = _rows(grad, d), _rows(partial, d)
-    dpartial = torch.empty_like(partial) if partial is not None else None
-    flat_dpart = _rows(dpartial, d) if partial is not None else None
-    dq = torch.empty(tokens, d, device=keys.device, dtype=torch.float32)
-    n = weights.shape[-1]
-    use_table = score_grad is not None
-    _mix_backward_kernel[(tokens,)](
-        flat_grad, flat_grad.stride(0),
-        keys, keys.stride(0), keys.stride(1),
-        inv_rms if not use_table else q, *(inv_rms.stride() if not use_table else (0, 0)),
-        flat_part if partial is not None else q, flat_part.stride(0) if partial is not None else 0,
-        q, weights, logits, inv_partial if inv_partial is not None else q,
-        block_grad, block_grad.stride(0), block_grad.stride(1),
-        rms_grad if not use_table else q, *(rms_grad.stride() if not use_table else (0, 0)),
-        score_grad if use_table else q, *(score_grad.stride() if use_table else (0, 0)),
-        flat_dpart if partial is not None else q, flat_dpart.stride(0) if partial is not None else 0,
-        dq, d,
-        m, d,
-        HAS_PART=partial is not None, USE_TABLE=use_table, COUNT=count,
-        BLOCK_N=max(2, triton.next_power_of_2(n)), **_launch(d),
-    )
-    return dpartial, dq.sum(0)

@@ -1,0 +1,218 @@
+"""Block Attention Residuals: softmax attention over depth, the reference math.
+
+A PreNorm decoder feeds sublayer l the plain sum of every earlier output. AttnRes replaces that sum
+with a per-token softmax over *sources* (the embedding, completed blocks, the running partial sum of
+the current block), scored by a static pseudo-query against RMS-normalised keys:
+
+    alpha_i = softmax_i( (w * g) . k_i / rms(k_i) )        h = n * sum_i alpha_i k_i
+
+With w = 0 every source weighs 1/n, and the factor n (the number of sources) turns the mix back into
+the exact residual sum, so a converted model reproduces its base model. Scores and softmax run in
+float32 whatever the model dtype.
+
+This file holds the math once, as plain tensor operations (`mix_blocks`), and the state that carries it
+between sublayers as plain tensors (`BlockState`, traced by torch.compile and differentiated by autograd).
+The other states (depth_eager.py, depth_training.py, depth_cpu.py, depth_triton.py) compute the same function
+faster, each for the forwards it serves; every state answers the same four calls (`close`, `fold`/`query`,
+`mix`, `add`), which depth_attention.py's functions and the decoder layers use.
+
+This file ships next to converted weights: it imports torch only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import NamedTuple
+
+import torch
+
+
+def inverse_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    # One reduction pass (no squared copy of x to write, keep for backward and read back).
+    x = x.float()
+    return torch.rsqrt(torch.linalg.vector_norm(x, dim=-1).square() / x.shape[-1] + eps)
+
+
+def pseudo_query(query: torch.Tensor, key_norm_weight: torch.Tensor) -> torch.Tensor:
+    """(w * g): the key norm's weight folds into the query, since (w * g) . (k / rms(k)) is
+    ((w * g) . k) * inv_rms(k). float32, shape [D] (or [R, D] for R stacked queries [R, 1, D] and key
+    norms [R, D])."""
+    return query.reshape(key_norm_weight.shape).float() * key_norm_weight.float()
+
+
+def source_scores(keys: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """q . k for every source of every token, on token-major keys: [B, T, c, D] (BlockState's blocks, or a
+    strided view of the training cache) -> [B, T, c]. As one batched product [1, D] @ [D, c] per token,
+    which reads the keys in place at memory speed; measured on CPU over a token-major buffer, a plain
+    [B*T*c, D] @ [D] product (or the [D, k] product that scores a layer's k readers at once) ran two to
+    three times slower. (The source-major inference buffer has each source contiguous: one mv there.)"""
+    d = keys.shape[-1]
+    flat = keys.reshape(-1, keys.shape[-2], d)
+    q = q.view(1, 1, d).expand(flat.shape[0], 1, d) if q.dim() == 1 else q.view(-1, 1, d)  # [D], or one per token
+    return torch.bmm(q, flat.transpose(1, 2)).view(keys.shape[:-1])
+
+
+def table_scores(keys: torch.Tensor, queries: torch.Tensor, inv_rms: torch.Tensor) -> torch.Tensor:
+    """Phase 1: a completed source [BT, D] scored by every sublayer's query [R, D] in one product, with
+    its 1 / rms [BT]: the [BT, R] rows of a score table."""
+    return torch.mm(keys, queries.t()).mul_(inv_rms[:, None])
+
+
+def token_queries(
+    stream: torch.Tensor, query: torch.Tensor, key_norm_weight: torch.Tensor, down: torch.Tensor, up: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """Input-dependent queries, folded with the key norm: per token t,
+
+        q_t = (w + B A x_t / rms(x_t)) * g                                  [B*T, D], float32
+
+    x_t is the reader's input in the base model, the plain residual stream (sum of all sources so far);
+    dividing by its rms makes the query independent of the stream's magnitude, which grows with depth.
+    B (`up`) starts at zero, so q_t = w exactly and the converted model stays the base model bit for bit;
+    A (`down`) starts random, so B's gradient is not zero (as in LoRA)."""
+    x = stream.reshape(-1, stream.shape[-1]).float()
+    x = x * inverse_rms(x, eps)[:, None]
+    q = torch.addmm(query.reshape(1, -1).float(), x @ down.float().t(), up.float().t())
+    return q * key_norm_weight.float()
+
+
+def mix_blocks(keys, inv_rms, partial, stream, q, eps: float, scaling: str, table=None):
+    """The depth mix over completed blocks keys [BT, m, D] with their cached 1 / rms [BT, m], and the partial
+    sum: BlockState's mix, and the forward of the TrainState's `_DepthMix`. q: the folded query [D], or one per
+    token [BT, D] (`token_queries`). table: the completed blocks' scores [BT, m] where a score table has them.
+    Returns the mix in the stream's shape and dtype, the weights and scores [BT, n], and the partial's 1 / rms
+    ([BT] or None).
+
+    With "count" scaling h = n * sum_i alpha_i k_i. Since the sources sum to the stream H, this equals
+    H + sum_i (n alpha_i - 1) k_i, which is how it is computed: at zero queries n alpha_i - 1 is 0, so h
+    is the base model's own residual stream bit for bit, with its own rounding (in bfloat16 a freshly
+    summed mix would round differently from the base model's running sum and drift from it)."""
+    m, d = keys.shape[-2], keys.shape[-1]
+    # Completed blocks: cached statistics, one product. The partial sum is the only source that changed
+    # since the last block boundary; its score joins before one softmax over the few sources of a token.
+    logits = source_scores(keys, q) * inv_rms if table is None else table
+    inv_partial = None
+    if partial is not None:
+        p = partial.reshape(-1, d).float()
+        inv_partial = inverse_rms(p, eps)
+        partial_score = p @ q if q.dim() == 1 else torch.linalg.vecdot(p, q)
+        logits = torch.cat([logits, (partial_score * inv_partial).unsqueeze(-1)], dim=-1)
+    weights = torch.softmax(logits, dim=-1)  # float32
+    n = weights.shape[-1]
+    if scaling == "count":
+        # One batched product over the completed blocks, [BT, 1, m] @ [BT, m, D], added to the stream.
+        coef = weights * n - 1.0
+        mixed = torch.baddbmm(stream.float().reshape(-1, 1, d), coef[:, None, :m], keys)
+    else:
+        coef = weights
+        mixed = torch.bmm(coef[:, None, :m], keys)
+    if partial is not None:
+        # In place: the product's backward does not need its output.
+        mixed.addcmul_(coef[:, m:, None], p.unsqueeze(1))
+    return mixed.view(stream.shape).to(stream.dtype), weights, logits, inv_partial
+
+
+def no_autocast(like: torch.Tensor):
+    """Autocast off on `like`'s device: depth-attention statistics stay float32 whatever the model dtype."""
+    device = like.device.type
+    return torch.autocast(device, enabled=False) if torch.is_autocast_enabled(device) else contextlib.nullcontext()
+
+
+def join(partial: torch.Tensor | None, stream: torch.Tensor, output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A sublayer's output joins the partial sum of its block (or starts it) and the residual stream, out of place
+    (the states with autograd). The inference buffers make the same two adds in place (depth_eager.py), or inside
+    the next kernel (`PendingOutput`)."""
+    return (output if partial is None else partial + output), stream + output
+
+
+class Recorder(list):
+    """The softmax weights [n, B, T] of every reader of the forwards run inside `record_depth_weights`, in order.
+    A state carries the recorder that was open when its forward started; `open` turns False when the recording
+    ends (a checkpointed layer replayed by a later backward records nothing)."""
+
+    open = True
+
+    def add(self, weights: torch.Tensor) -> None:
+        if self.open:
+            self.append(weights)
+
+
+def record(recorder: Recorder | None, weights: torch.Tensor, like: torch.Tensor) -> None:
+    """Token-major weights [BT, n] to the recorder (where there is one) as [n, B, T]."""
+    if recorder is not None:
+        recorder.add(weights.detach().movedim(-1, 0).reshape(-1, *like.shape[:-1]))
+
+
+class BlockState(NamedTuple):
+    """What the residual stream carries between sublayers, instead of one tensor: the plain-tensor form,
+    traced under torch.compile (eager forwards use a SourceBuffer without autograd, a TrainState with it), and
+    the one form of input-dependent queries (`token_queries`).
+
+    blocks:  [B, T, m, D] the embedding and every completed block, float32 (scores are float32, and a
+             completed block is read by every later sublayer, so it is converted once, when it completes).
+             Sources sit next to each other per token, so a reader's mix is one batched matrix product.
+    inv_rms: [B, T, m]    1 / rms of each completed block, float32. A completed block never changes, so
+             its key statistics are computed once, not once per reader.
+    partial: [B, T, D]    running sum of the current block's outputs (model dtype), or None right after
+             a block boundary.
+    stream:  [B, T, D]    the plain residual stream: the sum of all sources, accumulated output by output
+             exactly as the base model adds them (see `mix_blocks` for why it is carried).
+    recorder: where the readers' weights go (`record_depth_weights`), or None.
+
+    It is an immutable value threaded through the layers' arguments and return values (never stored
+    on a module), so gradient checkpointing replays see exactly the state of the forward pass. Nothing
+    is stacked per sublayer: `blocks` grows once per block, and the partial sum is read where it is.
+    """
+
+    blocks: torch.Tensor
+    inv_rms: torch.Tensor
+    partial: torch.Tensor | None
+    stream: torch.Tensor
+    recorder: Recorder | None = None
+
+    queries = None  # each reader folds its own query
+
+    @classmethod
+    def start(cls, embeddings: torch.Tensor, eps: float, recorder: Recorder | None = None) -> BlockState:
+        """The embedding b_0 is always its own source."""
+        first = embeddings.float().unsqueeze(-2)
+        return cls(first, inverse_rms(first, eps), None, embeddings, recorder)
+
+    def close(self, eps: float, first: int = 0) -> BlockState:
+        """At a block boundary the partial sum becomes a completed block."""
+        if self.partial is None:
+            return self
+        new = self.partial.float().unsqueeze(-2)
+        blocks = torch.cat([self.blocks, new], dim=-2)
+        inv_rms = torch.cat([self.inv_rms, inverse_rms(new, eps)], dim=-1)
+        return BlockState(blocks, inv_rms, None, self.stream, self.recorder)
+
+    def fold(self, query: torch.Tensor, key_norm_weight: torch.Tensor | None) -> torch.Tensor:
+        """A reader's query as this state's `mix` takes it (see depth_attention.depth_mix)."""
+        return query if key_norm_weight is None else pseudo_query(query, key_norm_weight)
+
+    def mix(self, q: torch.Tensor, eps: float, scaling: str, reader: int | None = None, norm: tuple = ()) -> torch.Tensor:
+        m, d = self.blocks.shape[-2], self.blocks.shape[-1]
+        mixed, weights, _, _ = mix_blocks(
+            self.blocks.reshape(-1, m, d), self.inv_rms.reshape(-1, m), self.partial, self.stream, q, eps, scaling
+        )
+        record(self.recorder, weights, self.stream)
+        return mixed
+
+    def mix_token_queries(self, query, key_norm_weight, projection, eps: float, scaling: str) -> torch.Tensor:
+        """The mix with one query per token (`token_queries`): plain tensor operations differentiated by
+        autograd, in float32 whatever the model dtype (autocast off)."""
+        m, d = self.blocks.shape[-2], self.blocks.shape[-1]
+        with no_autocast(self.stream):
+            q = token_queries(self.stream, query, key_norm_weight, *projection, eps)
+            mixed, weights, _, _ = mix_blocks(
+                self.blocks.reshape(-1, m, d), self.inv_rms.reshape(-1, m), self.partial, self.stream, q, eps, scaling
+            )
+        record(self.recorder, weights, self.stream)
+        return mixed
+
+    def add(self, output: torch.Tensor) -> BlockState:
+        partial, stream = join(self.partial, self.stream, output)
+        return self._replace(partial=partial, stream=stream)
+
+    def current_stream(self) -> torch.Tensor:
+        return self.stream
