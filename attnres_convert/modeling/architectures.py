@@ -8,7 +8,7 @@ the branch.
 
 A `ModelPlan` says where the decoder stack, final norm and head are and which sublayers every decoder
 layer has (layers of one model may differ). Conversion finds it from the model itself and proves it
-layer by layer (attnres_convert/conversion/discovery.py), then records it in the converted config
+layer by layer (attnres_convert/conversion/discovery.py and proof.py), then records it in the converted config
 (`structure`), so the shipped forward needs nothing else.
 
 The `FAMILIES` table below holds only what the module tree does not say: which norm and which module form each

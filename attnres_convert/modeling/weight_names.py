@@ -43,6 +43,8 @@ class _NameGuard:
         return guarded(super().reverse_transform())
 
 
+# Process-wide on purpose: one guarded subclass per transformers transform class, a pure function of that class
+# (a new subclass per call would give equal transforms different classes). It never goes stale.
 _GUARDED: dict[type, type] = {}
 
 
