@@ -33,6 +33,7 @@ _EXPORTS = {
     "OutputError": ".errors",
     "SourceError": ".errors",
     "VerificationError": ".errors",
+    "DataError": ".errors",
 }
 
 __all__ = sorted(_EXPORTS)
