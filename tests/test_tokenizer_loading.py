@@ -171,3 +171,16 @@ def test_a_converted_folder_without_a_tokenizer_still_opens(tiny_llama_folder, t
     (tmp_path / "converted" / "tokenizer_config.json").write_text("{not json")
     with pytest.raises(SourceError, match=r"converted/tokenizer_config\.json"):
         load_any(tmp_path / "converted")
+
+
+def test_tokenizer_of_a_fine_tuned_folder_loads_like_the_original(from_folder, tmp_path):
+    """Fine-tuning writes a model folder of its own: its tokenizer loads as the source's does."""
+    from attnres_convert.finetune.recipe import parse_recipe
+    from attnres_convert.finetune.training import finetune
+    from finetune_helpers import tiny_recipe, write_corpus
+
+    root, original_ids = from_folder
+    recipe = tiny_recipe(root / "plain", write_corpus(tmp_path / "corpus"), tmp_path / "run", train={"steps": 2})
+    result = finetune(parse_recipe(recipe))
+    assert _tokenizer_class(result.model_dir) == _tokenizer_class(root / "plain")
+    assert_loads_like_the_original(result.model_dir, original_ids, True)
