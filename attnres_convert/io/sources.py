@@ -257,12 +257,18 @@ TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt", "merges.txt",
     "spiece.model", "special_tokens_map.json",
 )
-# What transformers raises when a hub repo has no tokenizer files at all (nothing to build one from).
-_NO_TOKENIZER = ("Couldn't instantiate the backend tokenizer", "does not appear to have a file named")
 
 
 def has_tokenizer_files(folder: str | Path) -> bool:
     return any((Path(folder) / name).is_file() for name in TOKENIZER_FILES)
+
+
+def _hub_has_tokenizer_files(repo_id: str) -> bool:
+    """Whether the HF cache holds a tokenizer file of REPO_ID: asked after a failed load, which downloads the
+    files the repo has (or, offline, finds those cached), so none there means the repo has no tokenizer."""
+    from huggingface_hub import try_to_load_from_cache
+
+    return any(isinstance(try_to_load_from_cache(repo_id, name), str) for name in TOKENIZER_FILES)
 
 
 def load_tokenizer(source: ModelSource, trust_remote_code: bool = False, warn_missing: bool = False):
@@ -275,7 +281,7 @@ def load_tokenizer(source: ModelSource, trust_remote_code: bool = False, warn_mi
     except Exception as error:  # noqa: BLE001 - reported with the source and the reason
         if _is_remote_code_refusal(error):
             raise _remote_code_error(source) from error
-        if source.kind == "hub" and any(text in str(error) for text in _NO_TOKENIZER):
+        if source.kind == "hub" and not _hub_has_tokenizer_files(source.location):
             return _no_tokenizer(source, warn_missing)
         raise _tokenizer_error(source, error) from error
 
