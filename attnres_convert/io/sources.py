@@ -302,7 +302,7 @@ def _tokenizer_error(source: ModelSource, error: Exception) -> SourceError:
     where = source.name
     if source.gguf_file:
         where = f"the GGUF file {source.name}"
-    elif source.kind in ("folder", "default"):
+    elif source.kind == "folder":
         broken = [name for name in TOKENIZER_FILES if name.endswith(".json") and not _parses(Path(source.location) / name)]
         if broken:
             where = str(Path(source.location) / broken[0])
