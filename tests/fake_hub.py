@@ -115,6 +115,12 @@ class FakeHub:
                     status, payload = 404, {"error": f"Repository not found: {missing}"}
                 self._send(status, payload, {"X-Error-Message": payload.get("error", "")} if status >= 400 else None)
 
+            def do_HEAD(self):  # a reachability check (attnres' hub_reachable): the hub's root answers, as huggingface.co does
+                hub.requests.append(Request("HEAD", self.path, {k.lower(): v for k, v in self.headers.items()}, b""))
+                self.send_response(200)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
             def do_GET(self):
                 self._handle("GET")
 

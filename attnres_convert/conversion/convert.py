@@ -114,7 +114,7 @@ def convert(
             warnings.warn(f"{model_source.name} is converted in memory, not streamed: {why}", stacklevel=2)
     with stage("Loading model"):
         base = load_model(model_source, opts.dtype, opts.trust_remote_code)
-        tokenizer = load_tokenizer(model_source, opts.trust_remote_code)
+        tokenizer = load_tokenizer(model_source, opts.trust_remote_code, warn_missing=True)
     reference = None
     if opts.verify:
         with stage("Running the original model"):
@@ -187,7 +187,7 @@ def _convert_streamed(
             sum(t.nbytes for t in base), largest_layer_bytes(base), opts.max_memory, opts.verify_tokens, opts.verify_new_tokens
         )
     planning = BackgroundPlan(
-        lambda: load_tokenizer(model_source, opts.trust_remote_code),
+        lambda: load_tokenizer(model_source, opts.trust_remote_code, warn_missing=True),
         folder, config, opts.dtype, opts.trust_remote_code, base=base, **conversion,
     )
     result: dict = {}

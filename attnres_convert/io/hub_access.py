@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import socket
-from urllib.parse import urlparse
-
 DEFAULT_MAX_SHARD_SIZE = "5GB"  # transformers' and the hub's convention; the hub refuses files over 50GB
+# A proxy that cannot reach the hub answers for it: a bad gateway or a gateway timeout is no answer from the hub.
+_GATEWAY_FAILURES = (502, 504)
 
 
 def hub_endpoint() -> str:
@@ -15,12 +14,13 @@ def hub_endpoint() -> str:
 
 
 def hub_reachable(timeout: float = 3.0) -> bool:
-    """A quick TCP check of the hub endpoint, so an offline machine fails in seconds, not after
-    minutes of HTTP retries."""
-    url = urlparse(hub_endpoint())
-    port = url.port or (443 if url.scheme == "https" else 80)
+    """One HEAD request to the hub endpoint through huggingface_hub's own HTTP session, so it goes where
+    downloads go (HF_ENDPOINT, proxies, HF_HUB_OFFLINE, custom client factories), and an offline machine fails
+    in seconds, not after minutes of HTTP retries. Any HTTP answer counts: the endpoint is there."""
+    from huggingface_hub.utils import get_session
+
     try:
-        with socket.create_connection((url.hostname, port), timeout=timeout):
-            return True
-    except OSError:
+        response = get_session().head(hub_endpoint(), timeout=timeout, follow_redirects=False)
+    except Exception:  # noqa: BLE001 - refused, timed out, no route, offline mode, a bad proxy: not reachable
         return False
+    return response.status_code not in _GATEWAY_FAILURES

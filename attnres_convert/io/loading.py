@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ..modeling.modeling_attnres import AttnResForCausalLM
 from .saving import is_converted_folder, load_converted
-from .sources import DTYPES, load_config, load_model, load_tokenizer, resolve_source
+from .sources import DTYPES, ModelSource, load_config, load_model, load_tokenizer, resolve_source
 from ..errors import SourceError, first_line
 
 
@@ -21,13 +21,10 @@ class LoadedModel:
     converted: bool  # an AttnResForCausalLM (converted or fine-tuned), not the plain base model
 
 
-def _folder_tokenizer(folder: Path):
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(folder)
-    except Exception:  # noqa: BLE001 - a folder saved without a tokenizer still loads
-        return None
+def _folder_tokenizer(folder: Path, trust_remote_code: bool):
+    """The converted folder's tokenizer (its model type is registered by load_converted, so reading the config
+    asks nothing); None for a folder saved without one, a SourceError for one that does not load."""
+    return load_tokenizer(ModelSource("folder", str(folder), given=str(folder)), trust_remote_code)
 
 
 def load_any(model: str | os.PathLike | None, dtype: str = "auto", trust_remote_code: bool = False) -> LoadedModel:
@@ -41,7 +38,7 @@ def load_any(model: str | os.PathLike | None, dtype: str = "auto", trust_remote_
             loaded = load_converted(folder, trust_remote_code, dtype=DTYPES[dtype])
         except Exception as error:  # noqa: BLE001 - a corrupt folder is the user's to fix
             raise SourceError(f"could not load the AttnRes folder {model}: {first_line(error)}") from error
-        return LoadedModel(loaded.eval(), _folder_tokenizer(folder), str(model), True)
+        return LoadedModel(loaded.eval(), _folder_tokenizer(folder, trust_remote_code), str(model), True)
     source = resolve_source(None if model is None else str(model))
     load_config(source, trust_remote_code)  # clear errors (unreachable hub, refused code) before loading weights
     loaded = load_model(source, dtype, trust_remote_code)

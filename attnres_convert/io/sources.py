@@ -252,9 +252,72 @@ def _unsafe_pickle_error(source: ModelSource, error: Exception) -> SourceError:
     )
 
 
-def load_tokenizer(source: ModelSource, trust_remote_code: bool = False):
-    """The tokenizer, or None when the source has none (a bare weights folder)."""
+# The files a saved tokenizer consists of: a folder with none of them has no tokenizer (a bare weights folder).
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt", "merges.txt",
+    "spiece.model", "special_tokens_map.json",
+)
+
+
+def has_tokenizer_files(folder: str | Path) -> bool:
+    return any((Path(folder) / name).is_file() for name in TOKENIZER_FILES)
+
+
+def _hub_has_tokenizer_files(repo_id: str) -> bool:
+    """Whether the HF cache holds a tokenizer file of REPO_ID: asked after a failed load, which downloads the
+    files the repo has (or, offline, finds those cached), so none there means the repo has no tokenizer."""
+    from huggingface_hub import try_to_load_from_cache
+
+    return any(isinstance(try_to_load_from_cache(repo_id, name), str) for name in TOKENIZER_FILES)
+
+
+def load_tokenizer(source: ModelSource, trust_remote_code: bool = False, warn_missing: bool = False):
+    """The tokenizer, or None when the source has none (a bare weights folder; with WARN_MISSING a warning says
+    so). A tokenizer that is there but does not load is a SourceError naming the source, the file and why."""
+    if source.kind == "folder" and not has_tokenizer_files(source.location):
+        return _no_tokenizer(source, warn_missing)
     try:
         return AutoTokenizer.from_pretrained(source.location, trust_remote_code=trust_remote_code, **source.load_kwargs())
-    except Exception:  # noqa: BLE001 - a model without a tokenizer still converts
-        return None
+    except Exception as error:  # noqa: BLE001 - reported with the source and the reason
+        if _is_remote_code_refusal(error):
+            raise _remote_code_error(source) from error
+        if source.kind == "hub" and not _hub_has_tokenizer_files(source.location):
+            return _no_tokenizer(source, warn_missing)
+        raise _tokenizer_error(source, error) from error
+
+
+def _no_tokenizer(source: ModelSource, warn: bool) -> None:
+    if warn:
+        warnings.warn(
+            f"{source.name} has no tokenizer (none of {', '.join(TOKENIZER_FILES[:3])}...), so the converted folder "
+            "holds none. Save the tokenizer next to the weights "
+            "(tokenizer.save_pretrained) to ship one.",
+            stacklevel=3,
+        )
+    return None
+
+
+def _tokenizer_error(source: ModelSource, error: Exception) -> SourceError:
+    """Which file of the tokenizer failed, where that can be told: a JSON file that does not parse."""
+    where = source.name
+    if source.gguf_file:
+        where = f"the GGUF file {source.name}"
+    elif source.kind == "folder":
+        broken = [name for name in TOKENIZER_FILES if name.endswith(".json") and not _parses(Path(source.location) / name)]
+        if broken:
+            where = str(Path(source.location) / broken[0])
+    return SourceError(
+        f"could not load the tokenizer of {source.name} ({where}): {first_line(error)}. Re-save the tokenizer "
+        "(tokenizer.save_pretrained), or remove its files to convert the model without one."
+    )
+
+
+def _parses(path: Path) -> bool:
+    """False for a JSON file that is there and cannot be read; True for a good one or none."""
+    if not path.is_file():
+        return True
+    try:
+        json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return True
