@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import time
 from pathlib import Path
 
@@ -192,10 +193,21 @@ def test_already_converted_model(tmp_path, tiny_llama_folder):
 # ---------------------------------------------------------------- the hub without network
 
 
-@pytest.mark.parametrize("endpoint", ["http://127.0.0.1:9", "http://10.255.255.1"], ids=["refused", "black-hole"])
-def test_hub_id_without_network_fails_fast(tmp_path, endpoint):
+@pytest.fixture
+def silent_endpoint():
+    """A loopback address that takes the connection and never answers: a hub behind a black hole, without
+    sending anything off this machine."""
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(4)  # connections wait in the backlog; none is ever accepted or answered
+        yield f"http://127.0.0.1:{server.getsockname()[1]}"
+
+
+@pytest.mark.parametrize("kind", ["refused", "black-hole"])
+def test_hub_id_without_network_fails_fast(tmp_path, kind, request):
     """A hub id with no hub: the installed command answers in seconds (not after minutes of retries),
     says the hub is unreachable and how to go on offline. Both a refused connection and a black hole."""
+    endpoint = "http://127.0.0.1:9" if kind == "refused" else request.getfixturevalue("silent_endpoint")
     out = tmp_path / "out"
     env = {"HF_ENDPOINT": endpoint, "HF_HOME": str(tmp_path / "hf-home"), "HF_HUB_OFFLINE": "0"}
     env.pop("HF_TOKEN", None)
