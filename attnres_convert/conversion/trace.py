@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from ..modeling.architectures import UnsupportedModelError, Where, is_norm, module_at
+from ..modeling.cache_names import cache_keyword, cache_of
 from ..modeling.modeling_attnres import positional_argnames
 from .single_thread import run_single_threaded
 
@@ -146,11 +147,11 @@ def trace_model(model: nn.Module, where: Where) -> ModelTrace:
 
 def one_more_token_logits(model: nn.Module, prefill) -> torch.Tensor | None:
     """Logits of one more token through the cache the probe filled (None where the model keeps no cache)."""
-    cache = getattr(prefill, "past_key_values", None)
+    cache = cache_of(prefill)
     if cache is None:
         return None
     ids = probe_ids(model, PROBE_TOKENS + 1)
-    return model(input_ids=ids[:, -1:], past_key_values=cache, use_cache=True).logits.float()
+    return model(input_ids=ids[:, -1:], use_cache=True, **{cache_keyword(model.forward): cache}).logits.float()
 
 
 # --- one layer's children, in call order -----------------------------------------------------------

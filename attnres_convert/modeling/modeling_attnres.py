@@ -31,6 +31,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from .architectures import ModelPlan, Sublayer, module_at, plan_for
+from .cache_names import INSTALLED, cache_keyword, cache_of
 from .configuration_attnres import AttnResConfig
 from .depth_attention import STATE_TYPES, add_output, close_block, current_stream, depth_mix, start_state, wants_queries
 from .depth_core import pseudo_query
@@ -429,6 +430,9 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
         # that read them off the base model.
         layer_classes = [type(layer).__name__ for layer in module_at(module_at(self, plan.base_model), plan.layers)]
         self._no_split_modules = list(dict.fromkeys([*(base_model._no_split_modules or []), *layer_classes]))
+        # The keyword the base model takes its KV cache under (`cache`, or `past_key_values` before
+        # transformers renamed it), read once: forward passes the cache on under it, whatever name it came in.
+        self._attnres_cache_keyword = cache_keyword(module_at(self, plan.base_model).forward)
         self.post_init()
 
     def get_input_embeddings(self):
@@ -448,13 +452,20 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        past_key_values=None,
+        cache=None,
         inputs_embeds: torch.FloatTensor | None = None,
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
+        past_key_values=None,
         **kwargs,
     ) -> CausalLMOutputWithPast:
+        """`cache` is the KV cache under its current name; `past_key_values`, its name before transformers
+        renamed it, is accepted too (older callers, and `generate` of a release before the rename)."""
+        if past_key_values is not None:
+            if cache is not None and cache is not past_key_values:
+                raise ValueError("Pass the KV cache once: as `cache` (current) or `past_key_values` (older name).")
+            cache = past_key_values
         output_hidden_states = kwargs.pop("output_hidden_states", None) or self.config.output_hidden_states
         kwargs.pop("return_dict", None)
         plan = self._attnres_plan
@@ -465,9 +476,9 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
                 input_ids=input_ids,
                 attention_mask=attention_mask,
                 position_ids=position_ids,
-                past_key_values=past_key_values,
                 inputs_embeds=inputs_embeds,
                 use_cache=use_cache,
+                **{self._attnres_cache_keyword: cache},
                 **kwargs,
             )
         finally:
@@ -493,7 +504,7 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
         return CausalLMOutputWithPast(
             loss=loss,
             logits=logits,
-            past_key_values=outputs.past_key_values,
+            **{INSTALLED: cache_of(outputs)},
             hidden_states=tuple(hidden_states) if hidden_states is not None else None,
             attentions=getattr(outputs, "attentions", None),
         )

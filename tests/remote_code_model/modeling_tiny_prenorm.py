@@ -115,7 +115,11 @@ class TinyPreNormForCausalLM(TinyPreNormPreTrainedModel, GenerationMixin):
         self.lm_head = value
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
-                inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, **kwargs):
+                inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, cache=None, **kwargs):
+        # generate() passes the cache as `cache` since transformers renamed it (as `past_key_values` before): a
+        # repository's code that still took only the old name would decode without its cache. The base model
+        # below keeps the old name only, as much remote code does.
+        past_key_values = cache if cache is not None else past_key_values
         outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                              past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache)
         hidden = outputs.last_hidden_state

@@ -1,0 +1,41 @@
+"""The name of the KV cache, as the installed transformers spells it.
+
+transformers 5.0 passes and returns the cache as `past_key_values`; later releases call it `cache` and
+deprecate the old name (a FutureWarning per call, then an error once it is removed). This code ships inside
+converted checkpoints and runs on whatever release loads them, so it never hard-codes either name: it asks
+the forward it calls which keyword it takes, and an output class which field it declares.
+
+This file ships next to converted weights: it imports the standard library and transformers only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+CURRENT = "cache"
+LEGACY = "past_key_values"
+
+# The installed transformers' name, the same for every model in this process: the field its causal-LM output
+# declares (a release that renamed the cache renamed it there too).
+INSTALLED = CURRENT if CURRENT in {field.name for field in dataclasses.fields(CausalLMOutputWithPast)} else LEGACY
+
+
+def cache_keyword(forward) -> str:
+    """The keyword `forward` takes its cache under: the one its signature names (the current name where it
+    names both), else, for a forward that takes only `**kwargs`, the installed transformers' name.
+    Inspecting a signature costs tens of microseconds: call it once per model, not per step."""
+    parameters = inspect.signature(forward).parameters  # follows functools.wraps (transformers' deprecate_kwarg)
+    for name in (CURRENT, LEGACY):
+        if name in parameters:
+            return name
+    return INSTALLED
+
+
+def cache_of(output) -> object | None:
+    """The cache a model output carries, read under the field its class declares (reading the other name
+    works on a renaming release, but logs a deprecation). None where the output carries none."""
+    fields = getattr(type(output), "__dataclass_fields__", {})  # dict lookups: cheap enough for every step
+    return next((getattr(output, name) for name in (CURRENT, LEGACY) if name in fields), None)
