@@ -268,7 +268,7 @@ def _norm_verdicts(model) -> dict:
     """What `fused_norm` decided per norm module class: (eps, lanes) where fused, None where called (the verdict
     it keeps on each module it checked)."""
     verdicts = (module.__dict__.get(depth_kernels_cpu._VERDICT) for module in model.modules())
-    return {entry[0].__name__: entry[1] for entry in verdicts if entry is not None}
+    return {entry[0][0].__name__: entry[1] for entry in verdicts if entry is not None}
 
 
 @pytest.mark.parametrize("tokens", [FEW, MANY], ids=["step", "prefill"])
@@ -327,7 +327,7 @@ def test_rms_norm_replays_torchs_reduction(d):
     kernels = depth_kernels_cpu.build()
     norm = LlamaRMSNorm(d, eps=1e-6)
     torch.nn.init.normal_(norm.weight, 1.0, 0.3)
-    eps, lanes = depth_kernels_cpu._verified(kernels, norm, norm)
+    eps, lanes = depth_kernels_cpu._verified(kernels, norm)
     assert eps == 1e-6
     generator = torch.Generator().manual_seed(d)
     for rows in (1, 3, 200):

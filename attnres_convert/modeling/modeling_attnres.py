@@ -195,7 +195,7 @@ class AttnResFinalNormMixin:
             state, like = hidden_states, hidden_states.stream
             if getattr(state, "queries", None) is not None:  # folded with the sublayers' (see `_all_queries`)
                 native = getattr(state, "native", None) if runtime.get("gate", 1.0) == 1.0 else None
-                norm = () if native is None else fused_norm(native, self, super().forward)
+                norm = () if native is None else fused_norm(native, self)
                 hidden_states = depth_mix(state, None, None, eps, scaling, reader=-1, norm=norm)
                 if norm:
                     return hidden_states  # this norm's output, made with the mix
