@@ -249,20 +249,19 @@ class StepViews(NamedTuple):
         rows = (None,) + tuple(p.view(n, d + 1) for n, p in enumerate(prefixes, 1)) if tokens == 1 else None
         flat = tuple(p.view(tokens, n, d + 1)[..., :d] for n, p in enumerate(prefixes, 1))
         slots = padded[..., :d].unbind(-2)
-        query_rows = None if queries is None else padded.new_zeros(queries.shape[0], d + 1)
+        query_rows = None if queries is None else pad_query(queries * constants[0])  # traceable: no out= here
         scaled = None if query_rows is None else query_rows.unbind()
         pairs = None
         if shared_stream:
             last = capacity - 1
             pairs = tuple(padded[..., j::last - j, :d].movedim(-2, 0) for j in range(last))
         # Index n for n sources (no reader has none).
-        step = cls((None,) + constants[1:], (None,) + prefixes, rows, (None,) + flat, slots, scaled, constants[0], pairs, query_rows)
-        step.write_queries(queries)
-        return step
+        return cls((None,) + constants[1:], (None,) + prefixes, rows, (None,) + flat, slots, scaled, constants[0], pairs, query_rows)
 
     def write_queries(self, queries: torch.Tensor | None) -> None:
-        """This forward's folded queries [R, D], times sqrt(D), into the rows the `queries` views read (their
-        last column stays 0): one operation, so the views of a kept buffer serve every forward's queries."""
+        """A later forward's folded queries [R, D], times sqrt(D), into the rows the `queries` views read (their
+        last column stays 0; the same bits as `of` makes): one operation, so the views of a kept buffer serve
+        every forward's queries."""
         if queries is not None:
             torch.mul(queries, self.root_d, out=self.query_rows[:, :-1])
 
