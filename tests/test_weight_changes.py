@@ -127,8 +127,27 @@ WAYS = {
 }
 
 
-@pytest.mark.parametrize("way", list(WAYS))
-def test_a_weight_change_gives_a_fresh_models_outputs(way):
+FLOAT32_ONLY = {"to_bfloat16", "to_float64"}  # the C++ kernels run float32 models only
+
+
+def _cpu_kernels_or_skip() -> None:
+    from attnres_convert.modeling import depth_kernels_cpu
+
+    try:
+        depth_kernels_cpu.build()  # compiled once per machine (about 25 s), before any forward
+    except RuntimeError as error:  # no compiler, ninja or Python headers: test_cpu_kernels says which
+        pytest.skip(str(error))
+
+
+CASES = [(way, kernel) for kernel in ("eager", "cpu") for way in WAYS if not (kernel == "cpu" and way in FLOAT32_ONLY)]
+
+
+@pytest.mark.parametrize(("way", "kernel"), CASES, ids=[f"{way}-{kernel}" for way, kernel in CASES])
+def test_a_weight_change_gives_a_fresh_models_outputs(way, kernel, monkeypatch):
+    """On the eager path and on the C++ kernels (whose buffers and fused-norm verdicts are kept too)."""
+    if kernel == "cpu":
+        _cpu_kernels_or_skip()
+    monkeypatch.setenv("ATTNRES_KERNEL", kernel)
     model = _converted()
     ids, prompt = token_ids(2, 9, seed=9), token_ids(1, 4, seed=10)
     before = _outputs(model, ids, prompt)
