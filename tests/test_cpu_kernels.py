@@ -268,7 +268,7 @@ def _norm_verdicts(model) -> dict:
     """What `fused_norm` decided per norm module class: (eps, lanes) where fused, None where called (the verdict
     it keeps on each module it checked)."""
     verdicts = (module.__dict__.get(depth_kernels_cpu._VERDICT) for module in model.modules())
-    return {entry[0].__name__: entry[1] for entry in verdicts if entry is not None}
+    return {entry[0][0].__name__: entry[1] for entry in verdicts if entry is not None}
 
 
 @pytest.mark.parametrize("tokens", [FEW, MANY], ids=["step", "prefill"])
@@ -299,6 +299,40 @@ def test_fused_norms_give_the_modules_bits(tokens, monkeypatch):
     assert torch.equal(zero.generate(ids, **kwargs), original.generate(ids, **kwargs))
 
 
+def _changed_norms(model, what: str) -> None:
+    """Every sublayer norm and the final norm changed after the model's forwards: new weights written through
+    `.data` (which bumps no version of the parameter), or a new eps."""
+    norms = [m for m in model.modules() if "RMSNorm" in type(m).__name__]
+    generator = torch.Generator().manual_seed(11)
+    for norm in norms:
+        if what == "weight":
+            norm.weight.data.copy_(torch.randn(norm.weight.shape, generator=generator))
+        else:
+            norm.variance_epsilon = 0.5  # large enough to change every row's scale
+
+
+@pytest.mark.parametrize("tokens", [FEW, MANY], ids=["step", "prefill"])
+@pytest.mark.parametrize("what", ["weight", "eps"])
+def test_a_norm_changed_after_its_fusion_gives_a_fresh_models_bits(what, tokens):
+    """The fused-norm verdict made by earlier forwards is never stale: after a norm's weight or eps changes, the
+    kernels' logits and greedy tokens are those of a fresh model with the same weights and eps, bit for bit."""
+    ids, kwargs = token_ids(2, tokens), dict(max_new_tokens=5, min_new_tokens=5, do_sample=False, pad_token_id=0)
+    model = _model(4)
+    with torch.no_grad():
+        before = model(ids).logits
+        model.generate(ids, **kwargs)
+        assert None not in _norm_verdicts(model).values()  # fused before the change
+        _changed_norms(model, what)
+        after, tokens_after = model(ids).logits, model.generate(ids, **kwargs)
+        fresh = _model(4)
+        fresh.load_state_dict(model.state_dict())
+        if what == "eps":  # not in the state dict
+            _changed_norms(fresh, what)
+        assert not torch.equal(after, before)
+        assert torch.equal(after, fresh(ids).logits)
+        assert torch.equal(tokens_after, fresh.generate(ids, **kwargs))
+
+
 def test_a_hooked_norm_is_called():
     """A forward hook on one norm module sees that norm's call (its module runs), and the result is unchanged."""
     ids = token_ids(2, MANY)
@@ -327,7 +361,7 @@ def test_rms_norm_replays_torchs_reduction(d):
     kernels = depth_kernels_cpu.build()
     norm = LlamaRMSNorm(d, eps=1e-6)
     torch.nn.init.normal_(norm.weight, 1.0, 0.3)
-    eps, lanes = depth_kernels_cpu._verified(kernels, norm, norm)
+    eps, lanes = depth_kernels_cpu._verified(kernels, norm)
     assert eps == 1e-6
     generator = torch.Generator().manual_seed(d)
     for rows in (1, 3, 200):

@@ -1,6 +1,7 @@
-"""A forward without autograd keeps the folded queries, and a few-token forward its buffer, for the next
-forward (a decoding loop pays for making them). What it keeps must never be stale: a query changed in
-place or replaced, another batch shape, another thread."""
+"""A few-token forward without autograd keeps its buffer for the next forward (a decoding loop pays for making
+it); the folded queries are made from the parameters at every forward. Nothing may be stale: a query changed
+in place or replaced, another batch shape, another thread (tests/test_weight_changes.py: every way of changing
+weights)."""
 
 import threading
 
@@ -125,8 +126,8 @@ def test_depth_weights_are_recorded_for_the_model_asked():
 
 
 def test_a_replaced_query_module_or_parameter_object_is_read():
-    """What a module swap does (PEFT or a user putting new modules or parameters in place): the kept queries
-    are checked against the modules and parameters the model holds now, the output aggregation's too."""
+    """What a module swap does (PEFT or a user putting new modules or parameters in place): the queries are
+    read from the modules and parameters the model holds now, the output aggregation's too."""
     from attnres_convert.modeling.modeling_attnres import AttnResQuery
 
     model, ids = _converted(), token_ids(batch=1, length=5)

@@ -220,10 +220,11 @@ class StepViews(NamedTuple):
     flat:      flat[n], the n sources without the constant as [B*T, n, D], for the batched product of the mix.
     slots:     slots[j] = source j without the constant, [B, T, D], where outputs accumulate.
     queries:   every sublayer's folded query times sqrt(D), with a 0 for the constant (see
-               `_few_token_logits`), one view each; or None.
+               `_few_token_logits`), one view each of `query_rows`; or None.
     root_d:    sqrt(D), a 0-dim float32 tensor.
     pairs:     with the stream in the buffer's last row (see SourceBuffer.shared_stream), pairs[j] = slot j
                and the stream as one [2, B, T, D] view, so an output joins both in one operation.
+    query_rows: the [R, D + 1] tensor behind `queries`, which `write_queries` fills (or None).
     """
 
     inverse: tuple[torch.Tensor, ...]
@@ -234,6 +235,7 @@ class StepViews(NamedTuple):
     queries: tuple[torch.Tensor, ...] | None
     root_d: torch.Tensor
     pairs: tuple[torch.Tensor, ...] | None = None
+    query_rows: torch.Tensor | None = None
 
     @classmethod
     def of(
@@ -247,13 +249,21 @@ class StepViews(NamedTuple):
         rows = (None,) + tuple(p.view(n, d + 1) for n, p in enumerate(prefixes, 1)) if tokens == 1 else None
         flat = tuple(p.view(tokens, n, d + 1)[..., :d] for n, p in enumerate(prefixes, 1))
         slots = padded[..., :d].unbind(-2)
-        scaled = None if queries is None else pad_query(queries * constants[0]).unbind()
+        query_rows = None if queries is None else pad_query(queries * constants[0])  # traceable: no out= here
+        scaled = None if query_rows is None else query_rows.unbind()
         pairs = None
         if shared_stream:
             last = capacity - 1
             pairs = tuple(padded[..., j::last - j, :d].movedim(-2, 0) for j in range(last))
         # Index n for n sources (no reader has none).
-        return cls((None,) + constants[1:], (None,) + prefixes, rows, (None,) + flat, slots, scaled, constants[0], pairs)
+        return cls((None,) + constants[1:], (None,) + prefixes, rows, (None,) + flat, slots, scaled, constants[0], pairs, query_rows)
+
+    def write_queries(self, queries: torch.Tensor | None) -> None:
+        """A later forward's folded queries [R, D], times sqrt(D), into the rows the `queries` views read (their
+        last column stays 0; the same bits as `of` makes): one operation, so the views of a kept buffer serve
+        every forward's queries."""
+        if queries is not None:
+            torch.mul(queries, self.root_d, out=self.query_rows[:, :-1])
 
 
 def pad_query(q: torch.Tensor) -> torch.Tensor:
@@ -263,23 +273,26 @@ def pad_query(q: torch.Tensor) -> torch.Tensor:
 
 def step_buffer(embeddings: torch.Tensor, rows: int, eps: float, queries, shared: bool, runtime: dict | None):
     """The token-major buffer [B, T, rows, D + 1] of a few-token forward and its StepViews: the previous
-    forward's where it had the same shape and queries (making them is ~70 operations and views, which a
-    decoding step pays for: 0.4 ms of a SmolLM2 decoding step under cProfile). Kept in the model's `runtime`
-    per thread, so concurrent forwards never share one; a forward hands out no view of it (`current_stream`
-    copies), so reusing it in the next is safe. The partial-sum slots are zeroed again (outputs are added to
-    them)."""
+    forward's where it had the same shape (making them is ~70 operations and views, which a decoding step pays
+    for: 0.4 ms of a SmolLM2 decoding step under cProfile). Kept in the model's `runtime` per thread, so
+    concurrent forwards never share one; a forward hands out no view of it (`current_stream` copies), so reusing
+    it in the next is safe. Nothing in it derives from the weights across forwards: this forward's queries are
+    written into it (`StepViews.write_queries`) and the partial-sum slots are zeroed again (outputs are added to
+    them); what it keeps depends only on the key (shapes, eps, dtype, device, inference mode)."""
     d = embeddings.shape[-1]
     keep = runtime is not None and not torch.compiler.is_compiling()  # a traced forward allocates its own
     if keep:
         # Under inference_mode the buffer is an inference tensor, which a later forward outside it may not write.
         inference = torch.is_inference_mode_enabled()
-        key, thread = (tuple(embeddings.shape), embeddings.device, rows, shared, eps, inference), threading.get_ident()
-        kept = runtime.setdefault("steps", {})
+        readers = None if queries is None else tuple(queries.shape)
+        key = (tuple(embeddings.shape), embeddings.device, rows, shared, eps, inference, readers)
+        kept, thread = runtime.setdefault("steps", {}), threading.get_ident()
         entry = kept.get(thread)
-        if entry is not None and entry[0] == key and entry[1] is queries:
-            padded, step = entry[2], entry[3]
+        if entry is not None and entry[0] == key:
+            padded, step = entry[1], entry[2]
             if shared:
                 padded[..., :d].zero_()
+            step.write_queries(queries)
             return padded, step
     new = embeddings.new_zeros if shared else embeddings.new_empty
     padded = new(*embeddings.shape[:-1], rows, d + 1, dtype=torch.float32)
@@ -289,7 +302,7 @@ def step_buffer(embeddings: torch.Tensor, rows: int, eps: float, queries, shared
             alive = {t.ident for t in threading.enumerate()}
             for gone in [t for t in kept if t not in alive]:
                 del kept[gone]
-        kept[thread] = (key, queries, padded, step)
+        kept[thread] = (key, padded, step)
     return padded, step
 
 

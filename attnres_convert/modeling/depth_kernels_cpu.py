@@ -30,6 +30,7 @@ loaded from the Hub, see `source_text`).
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import logging
 import threading
@@ -170,29 +171,34 @@ NO_NORM = (NONE, 0.0, 8)  # the norm arguments of a reader that returns its mix
 _LANES = (8, 16, 4)
 
 
-def fused_norm(kernels, norm: torch.nn.Module, forward=None) -> tuple:
+def fused_norm(kernels, norm: torch.nn.Module) -> tuple:
     """(weight, eps, lanes) for the kernels to apply `norm` to a reader's mix in the same pass, or () where the
-    module must be called: it is fused only after its output on test rows matched the kernels' `rms_norm` bit for
-    bit (one row, as in a decoding step, and enough rows for torch to spread them over threads), so a converted
-    model gives the same bits with and without the fusion. That covers the RMSNorm of Llama-style families in
-    float32; any other norm (a LayerNorm, a (1 + weight) scale, a norm in another dtype) fails the check and is
-    called as before. So does a norm with hooks (they must see their call), a replaced `forward` (accelerate's
-    offloading) or under autocast. The verdict is kept on the module itself (with its class, which a conversion
-    may change); `forward`: what to compare with in place of `norm` itself (the final norm's own forward under
-    its mixin)."""
+    module must be called: it is fused only after its class's output on test rows matched the kernels' `rms_norm`
+    bit for bit (one row, as in a decoding step, and enough rows for torch to spread them over threads), so a
+    converted model gives the same bits with and without the fusion. That covers the RMSNorm of Llama-style
+    families in float32; any other norm (a LayerNorm, a (1 + weight) scale, a norm in another dtype) fails the
+    check and is called as before. So does a norm with hooks (they must see their call), a replaced `forward`
+    (accelerate's offloading) or under autocast.
+
+    The verdict is kept on the module itself, for what it was made from: the class (which a conversion may
+    change), the eps and the size. It never depends on the weight's values, which the check replaces by its own
+    probe weight (see `_verified`), and the weight is read at every call: changing it, in place or not, leaves
+    nothing stale."""
     if (
         norm._forward_hooks or norm._forward_pre_hooks or "forward" in norm.__dict__
         or _global_hooks() or torch.is_autocast_enabled("cpu")
     ):
         return ()
-    entry = norm.__dict__.get(_VERDICT)
-    if entry is None or entry[0] is not type(norm):
-        entry = (type(norm), _verified(kernels, norm, forward or norm))
-        norm.__dict__[_VERDICT] = entry
-    if entry[1] is None:
-        return ()
     weight = norm._parameters.get("weight")
     if weight is None or weight.dtype != torch.float32 or weight.device.type != "cpu" or not weight.is_contiguous():
+        return ()
+    fields = norm.__dict__
+    key = (type(norm), fields.get("variance_epsilon", fields.get("eps")), weight.shape)
+    entry = fields.get(_VERDICT)
+    if entry is None or entry[0] != key:
+        entry = (key, _verified(kernels, norm))
+        fields[_VERDICT] = entry
+    if entry[1] is None:
         return ()
     return (weight, *entry[1])
 
@@ -205,9 +211,13 @@ def _global_hooks() -> bool:
     return bool(module._global_forward_hooks or module._global_forward_pre_hooks)
 
 
-def _verified(kernels, norm: torch.nn.Module, forward) -> tuple | None:
-    """(eps, lanes) where the kernels' RMSNorm reproduces `forward` bit for bit; None otherwise."""
-    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+def _verified(kernels, norm: torch.nn.Module) -> tuple | None:
+    """(eps, lanes) where the kernels' RMSNorm reproduces `norm`'s class bit for bit; None otherwise. The check
+    runs the module's own forward on a shallow copy that holds a probe weight (random, seeded) in place of its
+    own, so the verdict says what the class computes, whatever the module's weight holds now or later (a weight
+    of ones, a weight changed in place after the check). The module itself is never modified: another thread
+    may be running it."""
+    eps = norm.__dict__.get("variance_epsilon", norm.__dict__.get("eps"))
     weight = norm._parameters.get("weight")
     if not isinstance(eps, float) or weight is None or weight.dim() != 1 or weight.dtype != torch.float32:
         return None
@@ -215,17 +225,21 @@ def _verified(kernels, norm: torch.nn.Module, forward) -> tuple | None:
     if d >= 1 << 15 or weight.device.type != "cpu":
         return None
     generator = torch.Generator().manual_seed(0)
+    probe = torch.nn.Parameter(torch.randn(d, generator=generator) * 0.5 + 1.0, requires_grad=False)
+    twin = copy.copy(norm)
+    twin.__dict__["_parameters"] = {**norm._parameters, "weight": probe}
     rows = 33 + (1 << 15) // d  # past torch's grain (32768 elements): a multi-threaded reduction
     x = torch.randn(1, rows, d, generator=generator) * torch.logspace(-4, 4, rows).view(1, rows, 1)
     with torch.no_grad():
         try:
-            expected = forward(x), forward(x[:, :1])
+            # The class's forward (a converted final norm's mixin passes a plain tensor on to the norm's own).
+            expected = type(norm).forward(twin, x), type(norm).forward(twin, x[:, :1])
         except Exception:  # noqa: BLE001 - a module that cannot run on plain float32 rows is not fused
             return None
         if not all(isinstance(e, torch.Tensor) and e.dtype == torch.float32 for e in expected):
             return None
         for lanes in _LANES:
-            got = kernels.rms_norm(x, weight, eps, lanes), kernels.rms_norm(x[:, :1].contiguous(), weight, eps, lanes)
+            got = kernels.rms_norm(x, probe, eps, lanes), kernels.rms_norm(x[:, :1].contiguous(), probe, eps, lanes)
             if all(g.shape == e.shape and torch.equal(g, e) for g, e in zip(got, expected)):
                 return eps, lanes
     logger.info("AttnRes: %s is not fused into the C++ depth mix (its output differs from an RMSNorm's)", type(norm).__name__)

@@ -54,8 +54,8 @@ class _LayerSpec(NamedTuple):
     param_names: tuple[tuple[str, str], ...]  # per sublayer: its query and key-norm modules' names
     tuple_output: bool  # return (state,): the base model takes element 0 of what a layer returns
     query_rank: int  # > 0: input-dependent queries (the plain BlockState path, see start_state)
-    # One per model, shared by its layers and final norm: what a forward without autograd keeps for the next
-    # (see `_all_queries`, start_state), the open recorders (`record_depth_weights`), the training-time depth
+    # One per model, shared by its layers and final norm: the decoding buffers a forward without autograd keeps
+    # for the next (see start_state), the open recorders (`record_depth_weights`), the training-time depth
     # gate (see `set_depth_gate`) and the config (where the C++ kernels' source is looked for).
     runtime: dict
 
@@ -150,42 +150,29 @@ def _decoder_layer(module: nn.Module) -> nn.Module:
 
 
 OUTPUT_NAMES = ("output_attn_res_proj", "output_attn_res_norm")  # on the base model
-_VERSION = torch.Tensor._version.__get__  # a tensor's version counter (bumped by every in-place update)
 
 
 def _all_queries(spec: _LayerSpec, like: torch.Tensor) -> torch.Tensor | None:
     """Every sublayer's folded pseudo-query in execution order, then the output aggregation's: [R + 1, D], for
     the score table (inference and eager training) or a decoding step, from which each reader takes its own
     row (the final norm the last); None where the parameters are not whole tensors on one device (sharded or
-    spread over devices). Folded in one operation, not one per reader; without autograd, kept in
-    `spec.runtime` for the next forward while no parameter changed (a decoding step pays for finding them:
-    measured inside a SmolLM2 decoding step, 0.34 ms of a 35 ms token, and checking the kept ones 0.18 ms)."""
-    keep = not (torch.is_grad_enabled() or torch.compiler.is_compiling())
-    if keep:
-        kept = spec.runtime.get("queries")
-        # Under inference_mode the folded queries are an inference tensor, which a forward outside it may not save.
-        if kept is not None and kept[0] == torch.is_inference_mode_enabled() and _unchanged(kept[1]):
-            return kept[2]
-    found = _query_parameters(spec, like, watch=keep)
+    spread over devices). Folded in one operation, not one per reader, from the parameters the model holds at
+    this call: nothing is kept for the next forward, so no way of changing a weight (in place, through `.data`,
+    by swapping modules or tensors, by loading or casting) can leave a stale copy. Keeping them did not pay
+    measurably: a SmolLM2 decoding step (~41 ms) took 0.2-0.3 ms longer without them, within its spread between
+    runs, and a check that would catch a `.data` update has to read the values, which costs what folding does."""
+    found = _query_parameters(spec, like)
     if found is None:
         return None
-    queries, key_norms, watched = found
-    folded = pseudo_query(torch.stack(queries), torch.stack(key_norms))
-    if keep and watched is not None:
-        spec.runtime["queries"] = (torch.is_inference_mode_enabled(), watched, folded)
-    return folded
+    queries, key_norms = found
+    return pseudo_query(torch.stack(queries), torch.stack(key_norms))
 
 
-def _query_parameters(spec: _LayerSpec, like: torch.Tensor, watch: bool = True):
-    """(queries, key norms, what to watch): every sublayer's query and key-norm weights, then the output
-    aggregation's, found through the wrappers the layers may have; None where they are not whole tensors on
-    `like`'s device. What to watch is what `_unchanged` checks: the layer list's entries, each depth module in
-    its parent, each weight in its module, and each weight's storage and version (an in-place update such as an
-    optimizer step or load_state_dict bumps a tensor's version); None (nothing kept) where a depth module is a
-    wrapper (PEFT's modules_to_save), whose active weight only the lookup itself finds, or where `watch` is False."""
-    queries, key_norms, members, weights, plain = [], [], [], [], True
+def _query_parameters(spec: _LayerSpec, like: torch.Tensor):
+    """(queries, key norms): every sublayer's query and key-norm weights, then the output aggregation's, found
+    through the wrappers the layers may have; None where they are not whole tensors on `like`'s device."""
+    queries, key_norms = [], []
     layers = module_at(spec.owner, spec.layers)
-    members += [(layers._modules, name, layer) for name, layer in layers._modules.items()]
     readers = [(layer, names) for layer in map(_decoder_layer, layers) for names in layer._attnres_spec.param_names]
     for layer, names in readers + [(spec.owner, OUTPUT_NAMES)]:
         query, key_norm = depth_params(layer, names)
@@ -198,26 +185,7 @@ def _query_parameters(spec: _LayerSpec, like: torch.Tensor, watch: bool = True):
             return None
         queries.append(query)
         key_norms.append(key_norm)
-        for name, weight in zip(names, (query, key_norm)):
-            module = layer._modules[name]
-            plain = plain and module._parameters.get("weight") is weight
-            members += [(layer._modules, name, module), (module._parameters, "weight", weight)]
-            weights.append(weight)
-    if not (plain and watch):
-        return queries, key_norms, None
-    parents, keys, children = zip(*members)  # the children are kept too: a live object's id is never reused
-    pointers, versions = tuple(map(torch.Tensor.data_ptr, weights)), tuple(map(_VERSION, weights))
-    return queries, key_norms, (parents, keys, tuple(map(id, children)), children, tuple(weights), pointers, versions)
-
-
-def _unchanged(watched) -> bool:
-    # About 400 entries for SmolLM2; inside the model each is a cache miss, 0.2 ms per decoding token in all.
-    parents, keys, child_ids, _, weights, pointers, versions = watched
-    return (
-        tuple(map(id, map(dict.get, parents, keys))) == child_ids  # ids, not ==: a tensor's == is elementwise
-        and tuple(map(_VERSION, weights)) == versions
-        and tuple(map(torch.Tensor.data_ptr, weights)) == pointers
-    )
+    return queries, key_norms
 
 
 class AttnResFinalNormMixin:
@@ -229,7 +197,7 @@ class AttnResFinalNormMixin:
             state, like = hidden_states, hidden_states.stream
             if getattr(state, "queries", None) is not None:  # folded with the sublayers' (see `_all_queries`)
                 native = getattr(state, "native", None) if runtime.get("gate", 1.0) == 1.0 else None
-                norm = () if native is None else fused_norm(native, self, super().forward)
+                norm = () if native is None else fused_norm(native, self)
                 hidden_states = depth_mix(state, None, None, eps, scaling, reader=-1, norm=norm)
                 if norm:
                     return hidden_states  # this norm's output, made with the mix
