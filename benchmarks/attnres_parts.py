@@ -6,8 +6,8 @@ a decoding step, on the eager path and with the C++ kernels (ATTNRES_KERNEL=cpu)
 
 The converted model is loaded as users load it (`from_pretrained(..., trust_remote_code=True)` of the folder
 `attnres convert` wrote, so the shipped modeling code runs), and the functions the converted layers call are
-wrapped with timers in that loaded module: `start_state`, `_all_queries` (the folded queries, or the kept
-ones' check), the readers' `depth_mix`, `add_output` and `close_block` (the same calls for a prefill and a decoding
+wrapped with timers in that loaded module: `start_state`, `_all_queries` (every sublayer's query folded
+with its key norm, once per forward), the readers' `depth_mix`, `add_output` and `close_block` (the same calls for a prefill and a decoding
 step). The timers cost a little themselves, so the parts are an upper bound; what they show is the split. The reference rows are a plain `torch.add` over the bytes a prefill reader moves and over 100 MB.
 """
 
