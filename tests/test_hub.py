@@ -106,7 +106,10 @@ def test_cli_push_reads_the_login_cache_and_never_shows_the_token(hub, converted
     assert set(repo.branches["v1"]) == CONTRACT and repo.branches["main"] == {}
     assert repo.commits[-1]["header"]["summary"] == "first"
     # The token travels in the Authorization header of hub calls, and nowhere else.
-    hub_calls = [r for r in hub.requests if not r.path.startswith("/lfs-upload/") and r.path not in PUBLIC]
+    # The reachability check (HEAD of the endpoint's root) is not a hub call and carries no token.
+    hub_calls = [r for r in hub.requests
+                 if not r.path.startswith("/lfs-upload/") and r.path not in PUBLIC and (r.method, r.path) != ("HEAD", "/")]
+    assert all("authorization" not in r.headers for r in hub.requests if (r.method, r.path) == ("HEAD", "/"))
     assert hub_calls and all(r.headers.get("authorization") == f"Bearer {TOKEN}" for r in hub_calls)
     assert not any(TOKEN.encode() in r.body for r in hub.requests)
     assert not any(TOKEN.encode() in data for data in repo.branches["v1"].values())
