@@ -106,6 +106,9 @@ def _worker(rank: int, world: int, init_file: str, out: str, variants: tuple[str
             results[variant] = {"loss": mean.item() / world, "grads": _full_grads(model, variant)}
         if rank == 0:
             Path(out).write_text(json.dumps(results))
+        # Both processes reach the end before either tears its gloo connections down: a peer that closes
+        # them while the other still uses them aborts it ("terminate called without an active exception").
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
