@@ -73,7 +73,7 @@ def resident(model):
     """The model with its weights copied into process memory. from_pretrained maps safetensors files, and a
     mapped weight runs at the speed of the page-cache pages the kernel gave that file: measured here, the
     same decoding loop ran 0.88-1.22x depending on which folder had been written or read last, while with
-    both models resident the three processes of the recorded run gave 1.030-1.047. Both models get this
+    both models resident the three processes of the recorded run gave 1.032-1.059. Both models get this
     copy, so it is still like for like.
     (Tied weights are one Parameter object: one copy keeps them tied.)"""
     for param in {id(p): p for p in model.parameters()}.values():
