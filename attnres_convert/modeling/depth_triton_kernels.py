@@ -54,15 +54,15 @@ def mix_kernel(
     inv, s_inv, t_inv,  # their 1 / rms (without a table)
     table, s_table, t_table,  # their scores for this reader (with a table)
     part, t_part,  # the partial sum, float32 (inference: the buffer slot) or model dtype (training)
-    new, t_new,  # the previous sublayer's output, applied first (HAS_NEW)
+    new, t_new,  # the previous sublayer's output, applied first (has_new)
     stream, t_stream,  # the residual stream before that output
-    stream_out, t_stream_out,  # the stream after it (HAS_NEW)
+    stream_out, t_stream_out,  # the stream after it (has_new)
     q,  # the folded query [D], float32
     out, t_out,  # the mix, in the stream's dtype
-    w_out, l_out, ip_out,  # weights [BT, n], scores [BT, n], the partial's 1 / rms [BT] (SAVE)
+    w_out, l_out, ip_out,  # weights [BT, n], scores [BT, n], the partial's 1 / rms [BT] (save)
     m, D, eps,
-    HAS_PART: tl.constexpr, HAS_NEW: tl.constexpr, INIT_PART: tl.constexpr, USE_TABLE: tl.constexpr,
-    COUNT: tl.constexpr, SAVE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    has_part, has_new, init_part, use_table, count, save,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_D)
@@ -70,7 +70,8 @@ def mix_kernel(
     slots = tl.arange(0, BLOCK_N)
     qv = tl.load(q + offs, mask=dmask, other=0.0)
     h = tl.load(stream + t * t_stream + offs, mask=dmask, other=0.0).to(tl.float32)
-    if HAS_NEW:
+    y = tl.zeros([BLOCK_D], tl.float32)
+    if has_new:
         y = tl.load(new + t * t_new + offs, mask=dmask, other=0.0).to(tl.float32)
         # The base model's residual add, rounded to its dtype: the stream stays its own bit for bit.
         rounded = _rounded(h + y, stream_out)
@@ -78,28 +79,30 @@ def mix_kernel(
         h = rounded.to(tl.float32)
     logits = tl.full([BLOCK_N], float("-inf"), tl.float32)
     for i in range(0, m):
-        if USE_TABLE:
+        if use_table:
             s = tl.load(table + i * s_table + t * t_table)
         else:
             k = tl.load(keys + i * s_keys + t * t_keys + offs, mask=dmask, other=0.0)
             s = tl.sum(k * qv, axis=0) * tl.load(inv + i * s_inv + t * t_inv)
         logits = tl.where(slots == i, s, logits)
     n = m
-    if HAS_PART:
-        if HAS_NEW and INIT_PART:
+    p = tl.zeros([BLOCK_D], tl.float32)
+    inv_p = tl.full([], 0.0, tl.float32)
+    if has_part:
+        if init_part:
             p = y
         else:
             p = tl.load(part + t * t_part + offs, mask=dmask, other=0.0).to(tl.float32)
-            if HAS_NEW:
+            if has_new:
                 p = p + y
-        if HAS_NEW:
+        if has_new:
             tl.store(part + t * t_part + offs, p, mask=dmask)
         inv_p = tl.rsqrt(tl.sum(p * p, axis=0) / D + eps)
         logits = tl.where(slots == m, tl.sum(p * qv, axis=0) * inv_p, logits)
         n = m + 1
     e = tl.exp(logits - tl.max(logits, axis=0))
     total = tl.sum(e, axis=0)
-    if COUNT:
+    if count:
         # n alpha_i - 1 = (n e_i - sum e) / sum e: exactly 0 for equal scores, whatever the rounding.
         coef = (e * n - total) / total
         acc = h
@@ -109,28 +112,28 @@ def mix_kernel(
     for i in range(0, m):
         k = tl.load(keys + i * s_keys + t * t_keys + offs, mask=dmask, other=0.0)
         acc += _select(coef, slots, i) * k
-    if HAS_PART:
+    if has_part:
         acc += _select(coef, slots, m) * p
     tl.store(out + t * t_out + offs, _rounded(acc, out), mask=dmask)
-    if SAVE:
+    if save:
         nmask = slots < n
         tl.store(w_out + t * n + slots, e / total, mask=nmask)
         tl.store(l_out + t * n + slots, logits, mask=nmask)
-        if HAS_PART:
+        if has_part:
             tl.store(ip_out + t, inv_p)
 
 
 @triton.jit
 def close_kernel(
     part, t_part,  # the partial sum (or the embedding)
-    new, t_new,  # the last output of the block, joined first (HAS_NEW)
-    stream, t_stream, stream_out, t_stream_out,  # the stream update that output makes (HAS_NEW)
+    new, t_new,  # the last output of the block, joined first (has_new)
+    stream, t_stream, stream_out, t_stream_out,  # the stream update that output makes (has_new)
     dst, t_dst,  # the completed source's float32 slot (may be `part` itself)
     inv_out, t_inv,  # its 1 / rms
-    queries, R,  # every sublayer's folded query [R, D], float32, contiguous (HAS_TABLE)
+    queries, R,  # every sublayer's folded query [R, D], float32, contiguous (has_table)
     table, t_table,  # the score table's rows for this source, [BT, R] with unit column stride
     D, eps,
-    HAS_NEW: tl.constexpr, INIT_PART: tl.constexpr, HAS_TABLE: tl.constexpr,
+    has_new, init_part, has_table,
     BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
@@ -141,11 +144,11 @@ def close_kernel(
     for start in range(0, D, BLOCK_D):  # D in chunks: the scores against all R queries accumulate per chunk
         offs = start + tl.arange(0, BLOCK_D)
         dmask = offs < D
-        if HAS_NEW:
+        if has_new:
             y = tl.load(new + t * t_new + offs, mask=dmask, other=0.0).to(tl.float32)
             h = tl.load(stream + t * t_stream + offs, mask=dmask, other=0.0).to(tl.float32)
             tl.store(stream_out + t * t_stream_out + offs, _rounded(h + y, stream_out), mask=dmask)
-            if INIT_PART:
+            if init_part:
                 k = y
             else:
                 k = tl.load(part + t * t_part + offs, mask=dmask, other=0.0).to(tl.float32) + y
@@ -153,12 +156,12 @@ def close_kernel(
             k = tl.load(part + t * t_part + offs, mask=dmask, other=0.0).to(tl.float32)
         tl.store(dst + t * t_dst + offs, k, mask=dmask)
         squares += k * k
-        if HAS_TABLE:
+        if has_table:
             qs = tl.load(queries + rows[:, None] * D + offs[None, :], mask=rmask[:, None] & dmask[None, :], other=0.0)
             scores += tl.sum(qs * k[None, :], axis=1)
     inv = tl.rsqrt(tl.sum(squares, axis=0) / D + eps)
     tl.store(inv_out + t * t_inv, inv)
-    if HAS_TABLE:
+    if has_table:
         tl.store(table + t * t_table + rows, scores * inv, mask=rmask)
 
 
@@ -173,14 +176,16 @@ def mix_backward_kernel(
     dpart, t_dpart,  # the partial sum's gradient, in its dtype
     dq, t_dq,  # per-token rows of the query's gradient, float32
     m, D,
-    HAS_PART: tl.constexpr, USE_TABLE: tl.constexpr, COUNT: tl.constexpr,
+    has_part, use_table, count,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_D)
     dmask = offs < D
     slots = tl.arange(0, BLOCK_N)
-    n = m + 1 if HAS_PART else m
+    n = m
+    if has_part:
+        n = m + 1
     nmask = slots < n
     gv = tl.load(g + t * t_g + offs, mask=dmask, other=0.0).to(tl.float32)
     qv = tl.load(q + offs, mask=dmask, other=0.0)
@@ -189,15 +194,16 @@ def mix_backward_kernel(
     for i in range(0, m):
         k = tl.load(keys + i * s_keys + t * t_keys + offs, mask=dmask, other=0.0)
         dw = tl.where(slots == i, tl.sum(gv * k, axis=0), dw)
-    if HAS_PART:
+    p = tl.zeros([BLOCK_D], tl.float32)
+    if has_part:
         p = tl.load(part + t * t_part + offs, mask=dmask, other=0.0).to(tl.float32)
         dw = tl.where(slots == m, tl.sum(gv * p, axis=0), dw)
-    if COUNT:
+    if count:
         dw = dw * n
     wv = tl.load(w + t * n + slots, mask=nmask, other=0.0)
     lv = tl.load(l + t * n + slots, mask=nmask, other=0.0)
     dl = wv * (dw - tl.sum(wv * dw, axis=0))
-    if COUNT:
+    if count:
         coef = wv * n - 1.0
     else:
         coef = wv
@@ -206,7 +212,7 @@ def mix_backward_kernel(
     for i in range(0, m):
         dli = _select(dl, slots, i)
         update = _select(coef, slots, i) * gv
-        if USE_TABLE:
+        if use_table:
             cell = score_grad + i * s_sg + t * t_sg
             tl.store(cell, tl.load(cell) + dli)
         else:
@@ -219,7 +225,7 @@ def mix_backward_kernel(
             dqv += via * k
         row = grad + i * s_grad + t * t_grad + offs
         tl.store(row, tl.load(row, mask=dmask, other=0.0) + update, mask=dmask)
-    if HAS_PART:
+    if has_part:
         inv_p = tl.load(ip + t)
         via = _select(dl, slots, m) * inv_p
         dqv += via * p
