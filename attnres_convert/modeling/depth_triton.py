@@ -104,10 +104,9 @@ class TritonBuffer(SourceBuffer):
         return self.stream
 
 
-# What one program holds, and so the largest inputs the kernels take: a token's row of D values (BLOCK_D) and its
-# scores over the sources (BLOCK_N) or against every sublayer's query (BLOCK_R). Wider rows, more sources or more
-# queries run the reference (depth_triton_reference.py) with a warning, as a variant that fails its self-check does.
-MAX_D = 16384  # Llama 3.1 405B's hidden size
+# One program per token holds the scores over at most MAX_SOURCES sources and walks its row of D values in chunks of
+# BLOCK_D (any D). More sources, or more sublayer queries than MAX_QUERIES for the score table, run the reference
+# (depth_triton_reference.py) with a warning, as a variant that fails its self-check does.
 MAX_SOURCES = 256  # Full AttnRes of a 127-layer model: 254 sublayers and the embedding
 MAX_QUERIES = 256
 # The kernels' floating-point policy, stated at every launch: no multiply and add contracted into an FMA, so each
@@ -116,7 +115,7 @@ FP_POLICY = {"enable_fp_fusion": False}
 
 
 class Unsupported(ValueError):
-    """Inputs beyond what one program holds (MAX_D, MAX_SOURCES, MAX_QUERIES)."""
+    """Inputs beyond what one program holds (MAX_SOURCES, MAX_QUERIES)."""
 
 
 def _tier(size: int, limit: int, what: str, tiers: tuple[int, ...]) -> int:
@@ -126,21 +125,14 @@ def _tier(size: int, limit: int, what: str, tiers: tuple[int, ...]) -> int:
 
 
 def row_config(d: int, n: int) -> dict:
-    """The block sizes and warps of `mix` and `mix_backward` for rows of d values and n sources. Few on purpose:
-    every configuration a launch can choose is compiled ahead of time by tests/test_kernels_aot.py."""
-    block = _tier(d, MAX_D, "the hidden size", (1024, 2048, 4096, 8192, 16384))
-    return {
-        "BLOCK_N": _tier(n, MAX_SOURCES, "the number of sources", (16, MAX_SOURCES)),
-        "BLOCK_D": block,
-        "num_warps": min(16, block // 256),
-    }
+    """The block sizes and warps of `mix` and `mix_backward` for rows of d values and n sources: one program whatever
+    the size, so that what a launch can choose is compiled ahead of time by tests/test_kernels_aot.py."""
+    return {"BLOCK_N": _tier(n, MAX_SOURCES, "the number of sources", (MAX_SOURCES,)), "BLOCK_D": 1024, "num_warps": 4}
 
 
 def close_config(d: int, r: int) -> dict:
     """The block sizes of `close` for rows of d values and r queries: D in chunks that keep the [R, chunk] tile of
     queries at 8192 values."""
-    if d > MAX_D:
-        raise Unsupported(f"the hidden size = {d} is over the kernels' limit of {MAX_D}")
     block_r = _tier(r, MAX_QUERIES, "the number of sublayer queries", (16, MAX_QUERIES))
     return {"BLOCK_R": block_r, "BLOCK_D": 8192 // block_r, "num_warps": 4}
 

@@ -48,7 +48,9 @@ def _rounded(x, ptr):
         return x.to(ptr.dtype.element_ty)
 
 
-@triton.jit
+# Sizes and the strides of tables (which can be 1 or not for the same call site) are not specialised on their value:
+# one compiled program per block sizes and dtypes, whatever the number of sources or tokens.
+@triton.jit(do_not_specialize=["s_inv", "t_inv", "s_table", "t_table", "m"])
 def mix_kernel(
     keys, s_keys, t_keys,  # completed source i of token t at keys + i * s_keys + t * t_keys
     inv, s_inv, t_inv,  # their 1 / rms (without a table)
@@ -65,65 +67,82 @@ def mix_kernel(
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK_D)
-    dmask = offs < D
     slots = tl.arange(0, BLOCK_N)
-    qv = tl.load(q + offs, mask=dmask, other=0.0)
-    h = tl.load(stream + t * t_stream + offs, mask=dmask, other=0.0).to(tl.float32)
-    y = tl.zeros([BLOCK_D], tl.float32)
-    if has_new:
-        y = tl.load(new + t * t_new + offs, mask=dmask, other=0.0).to(tl.float32)
-        # The base model's residual add, rounded to its dtype: the stream stays its own bit for bit.
-        rounded = _rounded(h + y, stream_out)
-        tl.store(stream_out + t * t_stream_out + offs, rounded, mask=dmask)
-        h = rounded.to(tl.float32)
-    logits = tl.full([BLOCK_N], float("-inf"), tl.float32)
-    for i in range(0, m):
-        if use_table:
-            s = tl.load(table + i * s_table + t * t_table)
-        else:
-            k = tl.load(keys + i * s_keys + t * t_keys + offs, mask=dmask, other=0.0)
-            s = tl.sum(k * qv, axis=0) * tl.load(inv + i * s_inv + t * t_inv)
-        logits = tl.where(slots == i, s, logits)
+    completed = slots < m
+    # Pass 1, D in chunks: the dot products of the scores, and the partial sum (the previous output joins it and
+    # it is written back).
+    dots = tl.zeros([BLOCK_N], tl.float32)
+    squares = tl.zeros([BLOCK_D], tl.float32)
+    part_dots = tl.zeros([BLOCK_D], tl.float32)
+    for start in range(0, D, BLOCK_D):
+        offs = start + tl.arange(0, BLOCK_D)
+        dmask = offs < D
+        qv = tl.load(q + offs, mask=dmask, other=0.0)
+        if not use_table:
+            for i in range(0, m):
+                k = tl.load(keys + i * s_keys + t * t_keys + offs, mask=dmask, other=0.0)
+                dots = tl.where(slots == i, dots + tl.sum(k * qv, axis=0), dots)
+        if has_part:
+            if has_new:
+                y = tl.load(new + t * t_new + offs, mask=dmask, other=0.0).to(tl.float32)
+                if init_part:
+                    p = y
+                else:
+                    p = tl.load(part + t * t_part + offs, mask=dmask, other=0.0).to(tl.float32) + y
+                tl.store(part + t * t_part + offs, p, mask=dmask)
+            else:
+                p = tl.load(part + t * t_part + offs, mask=dmask, other=0.0).to(tl.float32)
+            squares += p * p
+            part_dots += p * qv
+    if use_table:
+        logits = tl.load(table + slots * s_table + t * t_table, mask=completed, other=float("-inf"))
+    else:
+        logits = tl.where(completed, dots * tl.load(inv + slots * s_inv + t * t_inv, mask=completed, other=0.0), float("-inf"))
     n = m
-    p = tl.zeros([BLOCK_D], tl.float32)
     inv_p = tl.full([], 0.0, tl.float32)
     if has_part:
-        if init_part:
-            p = y
-        else:
-            p = tl.load(part + t * t_part + offs, mask=dmask, other=0.0).to(tl.float32)
-            if has_new:
-                p = p + y
-        if has_new:
-            tl.store(part + t * t_part + offs, p, mask=dmask)
-        inv_p = tl.rsqrt(tl.sum(p * p, axis=0) / D + eps)
-        logits = tl.where(slots == m, tl.sum(p * qv, axis=0) * inv_p, logits)
+        inv_p = tl.rsqrt(tl.sum(squares, axis=0) / D + eps)
+        logits = tl.where(slots == m, tl.sum(part_dots, axis=0) * inv_p, logits)
         n = m + 1
     e = tl.exp(logits - tl.max(logits, axis=0))
     total = tl.sum(e, axis=0)
     if count:
         # n alpha_i - 1 = (n e_i - sum e) / sum e: exactly 0 for equal scores, whatever the rounding.
         coef = (e * n - total) / total
-        acc = h
     else:
         coef = e / total
-        acc = tl.zeros([BLOCK_D], tl.float32)
-    for i in range(0, m):
-        k = tl.load(keys + i * s_keys + t * t_keys + offs, mask=dmask, other=0.0)
-        acc += _select(coef, slots, i) * k
-    if has_part:
-        acc += _select(coef, slots, m) * p
-    tl.store(out + t * t_out + offs, _rounded(acc, out), mask=dmask)
     if save:
         nmask = slots < n
         tl.store(w_out + t * n + slots, e / total, mask=nmask)
         tl.store(l_out + t * n + slots, logits, mask=nmask)
         if has_part:
             tl.store(ip_out + t, inv_p)
+    tl.debug_barrier()  # pass 2 reads the partial sum that pass 1 wrote
+    # Pass 2, D in chunks: the stream update and h = H + sum_i coef_i k_i (count) or sum_i alpha_i k_i.
+    for start in range(0, D, BLOCK_D):
+        offs = start + tl.arange(0, BLOCK_D)
+        dmask = offs < D
+        h = tl.load(stream + t * t_stream + offs, mask=dmask, other=0.0).to(tl.float32)
+        if has_new:
+            y = tl.load(new + t * t_new + offs, mask=dmask, other=0.0).to(tl.float32)
+            # The base model's residual add, rounded to its dtype: the stream stays its own bit for bit.
+            rounded = _rounded(h + y, stream_out)
+            tl.store(stream_out + t * t_stream_out + offs, rounded, mask=dmask)
+            h = rounded.to(tl.float32)
+        if count:
+            acc = h
+        else:
+            acc = tl.zeros([BLOCK_D], tl.float32)
+        for i in range(0, m):
+            k = tl.load(keys + i * s_keys + t * t_keys + offs, mask=dmask, other=0.0)
+            acc += _select(coef, slots, i) * k
+        if has_part:
+            p = tl.load(part + t * t_part + offs, mask=dmask, other=0.0).to(tl.float32)
+            acc += _select(coef, slots, m) * p
+        tl.store(out + t * t_out + offs, _rounded(acc, out), mask=dmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["t_inv", "R", "t_table"])
 def close_kernel(
     part, t_part,  # the partial sum (or the embedding)
     new, t_new,  # the last output of the block, joined first (has_new)
@@ -165,7 +184,7 @@ def close_kernel(
         tl.store(table + t * t_table + rows, scores * inv, mask=rmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["s_inv", "t_inv", "s_rms", "t_rms", "s_sg", "t_sg", "m"])
 def mix_backward_kernel(
     g, t_g,  # the mix's gradient
     keys, s_keys, t_keys, inv, s_inv, t_inv, part, t_part, q,  # as in mix_kernel
@@ -180,26 +199,27 @@ def mix_backward_kernel(
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK_D)
-    dmask = offs < D
     slots = tl.arange(0, BLOCK_N)
+    completed = slots < m
     n = m
     if has_part:
         n = m + 1
     nmask = slots < n
-    gv = tl.load(g + t * t_g + offs, mask=dmask, other=0.0).to(tl.float32)
-    qv = tl.load(q + offs, mask=dmask, other=0.0)
-    # d(mix)/d(alpha_i) = g . k_i (times n with count scaling), then the softmax's backward.
+    # Pass 1, D in chunks: d(mix)/d(alpha_i) = g . k_i (times n with count scaling).
     dw = tl.zeros([BLOCK_N], tl.float32)
-    for i in range(0, m):
-        k = tl.load(keys + i * s_keys + t * t_keys + offs, mask=dmask, other=0.0)
-        dw = tl.where(slots == i, tl.sum(gv * k, axis=0), dw)
-    p = tl.zeros([BLOCK_D], tl.float32)
-    if has_part:
-        p = tl.load(part + t * t_part + offs, mask=dmask, other=0.0).to(tl.float32)
-        dw = tl.where(slots == m, tl.sum(gv * p, axis=0), dw)
+    for start in range(0, D, BLOCK_D):
+        offs = start + tl.arange(0, BLOCK_D)
+        dmask = offs < D
+        gv = tl.load(g + t * t_g + offs, mask=dmask, other=0.0).to(tl.float32)
+        for i in range(0, m):
+            k = tl.load(keys + i * s_keys + t * t_keys + offs, mask=dmask, other=0.0)
+            dw = tl.where(slots == i, dw + tl.sum(gv * k, axis=0), dw)
+        if has_part:
+            p = tl.load(part + t * t_part + offs, mask=dmask, other=0.0).to(tl.float32)
+            dw = tl.where(slots == m, dw + tl.sum(gv * p, axis=0), dw)
     if count:
         dw = dw * n
+    # The softmax's backward.
     wv = tl.load(w + t * n + slots, mask=nmask, other=0.0)
     lv = tl.load(l + t * n + slots, mask=nmask, other=0.0)
     dl = wv * (dw - tl.sum(wv * dw, axis=0))
@@ -208,27 +228,43 @@ def mix_backward_kernel(
     else:
         coef = wv
     # A score s_i = (q . k_i) inv_i has d s_i / d k_i = inv_i q - s_i inv_i^2 k_i / D.
-    dqv = tl.zeros([BLOCK_D], tl.float32)
-    for i in range(0, m):
-        dli = _select(dl, slots, i)
-        update = _select(coef, slots, i) * gv
-        if use_table:
-            cell = score_grad + i * s_sg + t * t_sg
-            tl.store(cell, tl.load(cell) + dli)
-        else:
-            inv_i = tl.load(inv + i * s_inv + t * t_inv)
-            via = dli * inv_i
-            update += via * qv
-            cell = rms_grad + i * s_rms + t * t_rms
-            tl.store(cell, tl.load(cell) - via * _select(lv, slots, i) * inv_i / D)
-            k = tl.load(keys + i * s_keys + t * t_keys + offs, mask=dmask, other=0.0)
-            dqv += via * k
-        row = grad + i * s_grad + t * t_grad + offs
-        tl.store(row, tl.load(row, mask=dmask, other=0.0) + update, mask=dmask)
+    via = tl.zeros([BLOCK_N], tl.float32)
+    if use_table:
+        cells = score_grad + slots * s_sg + t * t_sg
+        tl.store(cells, tl.load(cells, mask=completed, other=0.0) + dl, mask=completed)
+    else:
+        inv_v = tl.load(inv + slots * s_inv + t * t_inv, mask=completed, other=0.0)
+        via = dl * inv_v
+        cells = rms_grad + slots * s_rms + t * t_rms
+        tl.store(cells, tl.load(cells, mask=completed, other=0.0) - via * lv * inv_v / D, mask=completed)
+    via_p = tl.full([], 0.0, tl.float32)
+    coef_p = tl.full([], 0.0, tl.float32)
+    l_p = tl.full([], 0.0, tl.float32)
+    inv_p = tl.full([], 0.0, tl.float32)
     if has_part:
         inv_p = tl.load(ip + t)
-        via = _select(dl, slots, m) * inv_p
-        dqv += via * p
-        dp = _select(coef, slots, m) * gv + via * qv - (via * _select(lv, slots, m) * inv_p / D) * p
-        tl.store(dpart + t * t_dpart + offs, _rounded(dp, dpart), mask=dmask)
-    tl.store(dq + t * t_dq + offs, dqv, mask=dmask)
+        via_p = _select(dl, slots, m) * inv_p
+        coef_p = _select(coef, slots, m)
+        l_p = _select(lv, slots, m)
+    # Pass 2, D in chunks: the blocks' gradients, the partial sum's and the query's.
+    for start in range(0, D, BLOCK_D):
+        offs = start + tl.arange(0, BLOCK_D)
+        dmask = offs < D
+        gv = tl.load(g + t * t_g + offs, mask=dmask, other=0.0).to(tl.float32)
+        qv = tl.load(q + offs, mask=dmask, other=0.0)
+        dqv = tl.zeros([BLOCK_D], tl.float32)
+        for i in range(0, m):
+            update = _select(coef, slots, i) * gv
+            if not use_table:
+                via_i = _select(via, slots, i)
+                update += via_i * qv
+                k = tl.load(keys + i * s_keys + t * t_keys + offs, mask=dmask, other=0.0)
+                dqv += via_i * k
+            row = grad + i * s_grad + t * t_grad + offs
+            tl.store(row, tl.load(row, mask=dmask, other=0.0) + update, mask=dmask)
+        if has_part:
+            p = tl.load(part + t * t_part + offs, mask=dmask, other=0.0).to(tl.float32)
+            dqv += via_p * p
+            dp = coef_p * gv + via_p * qv - (via_p * l_p * inv_p / D) * p
+            tl.store(dpart + t * t_dpart + offs, _rounded(dp, dpart), mask=dmask)
+        tl.store(dq + t * t_dq + offs, dqv, mask=dmask)
