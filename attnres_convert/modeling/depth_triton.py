@@ -271,10 +271,11 @@ def launch_mix_backward(
     return dpartial, dq.sum(0)
 
 
-def _variant(kernel: str, device: torch.device, config, flags: tuple, *tensors) -> tuple:
+def _variant(kernel: str, device: torch.device, config, flags: dict, *tensors) -> tuple:
     """What makes a launch a variant of its own: the kernel, its compiled program (block sizes, or why there is
-    none), its flags, its tensors' dtypes and the device."""
-    return (kernel, config, flags, tuple(None if x is None else x.dtype for x in tensors), str(device))
+    none), the flags it sets, its tensors' dtypes and the device."""
+    dtypes = tuple(None if x is None else x.dtype for x in tensors)
+    return (kernel, config, tuple(name for name, on in flags.items() if on), dtypes, str(device))
 
 
 def _config_or_reason(choose, *sizes):
@@ -311,9 +312,8 @@ def mix(keys, m, q, stream, eps, count, *, inv_rms=None, table=None, partial=Non
     has_part, has_new, use_table = partial is not None, new is not None, table is not None
     init = init_partial and has_new
     config = _config_or_reason(row_config, d, m + int(has_part))
-    flags = (has_part, has_new, init, use_table, bool(count), bool(save))
-    dtypes = (stream, partial, new, stream_out, keys)
-    key = _variant("mix_kernel", stream.device, config, flags, *dtypes)
+    flags = dict(has_part=has_part, has_new=has_new, init_part=init, use_table=use_table, count=count, save=save)
+    key = _variant("mix_kernel", stream.device, config, flags, stream, partial, new, stream_out, keys)
 
     def probe():
         make, tokens = _random(stream.device), PROBE_TOKENS
@@ -351,7 +351,8 @@ def close(source, dst, inv_out, eps, *, new=None, init_partial=False, stream=Non
     has_new, has_table = new is not None, queries is not None
     rows = queries.shape[0] if has_table else 1
     config = _config_or_reason(close_config, d, rows)
-    flags = (has_new, init_partial and has_new, has_table)
+    init = init_partial and has_new
+    flags = dict(has_new=has_new, init_part=init, has_table=has_table)
     key = _variant("close_kernel", dst.device, config, flags, source, new, stream, stream_out, queries)
 
     def probe():
@@ -359,7 +360,7 @@ def close(source, dst, inv_out, eps, *, new=None, init_partial=False, stream=Non
         inputs = dict(
             source=make(tokens, d, dtype=source.dtype), dst=torch.empty(tokens, d, device=dst.device),
             inv_out=torch.empty(tokens, device=dst.device), eps=eps,
-            new=make(tokens, d, dtype=new.dtype) if has_new else None, init_partial=flags[1],
+            new=make(tokens, d, dtype=new.dtype) if has_new else None, init_partial=init,
             stream=make(tokens, d, dtype=stream.dtype) if has_new else None,
             stream_out=torch.empty(tokens, d, dtype=stream_out.dtype, device=dst.device) if has_new else None,
             queries=make(rows, d, scale=0.5) if has_table else None,
@@ -382,7 +383,8 @@ def mix_backward(grad, keys, m, q, weights, logits, count, block_grad, *, inv_rm
     d, n = keys.shape[-1], weights.shape[-1]
     has_part, use_table = partial is not None, score_grad is not None
     config = _config_or_reason(row_config, d, n)
-    key = _variant("mix_backward_kernel", grad.device, config, (has_part, use_table, bool(count)), grad, partial, keys)
+    flags = dict(has_part=has_part, use_table=use_table, count=count)
+    key = _variant("mix_backward_kernel", grad.device, config, flags, grad, partial, keys)
 
     def probe():
         make, tokens, device = _random(grad.device), PROBE_TOKENS, grad.device

@@ -50,13 +50,21 @@ def _first_use(key: tuple, kernel: str, device: torch.device, probe) -> bool:
     if difference is None:
         return True
     warnings.warn(
-        f"attnres: the Triton kernel {kernel} (variant {key[1:-1]}) on {device_name(device)} does not match its "
+        f"attnres: the Triton kernel {kernel} ({describe(key)}) on {device_name(device)} does not match its "
         f"PyTorch reference: {difference}. This variant runs the reference (eager PyTorch) from now on; set "
         f"ATTNRES_KERNEL=eager to skip the kernels.",
         RuntimeWarning,
         stacklevel=2,
     )
     return False
+
+
+def describe(key: tuple) -> str:
+    """A variant key (kernel, block sizes or why there are none, flags set, dtypes, device) in words."""
+    _, config, flags, dtypes, _ = key
+    blocks = ", ".join(f"{name}={value}" for name, value in config) if isinstance(config, tuple) else config
+    names = sorted({str(dtype).removeprefix("torch.") for dtype in dtypes if dtype is not None})
+    return f"{blocks}; flags: {', '.join(flags) or 'none'}; dtypes: {', '.join(names)}"
 
 
 def device_name(device: torch.device) -> str:
