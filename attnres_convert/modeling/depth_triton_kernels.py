@@ -15,8 +15,13 @@ a decoding step is bound by launches. Here:
 * `mix_backward_kernel`: the reader's backward in one launch: gradients of the partial sum, of the completed
   blocks (added in place to the training cache's buffers) and per-token rows of the query's gradient.
 
-One program per token: a token's sources are a few rows of D values, read once or twice; everything a
-reader needs fits in one program and nothing crosses tokens, so the results are deterministic.
+One program per token: a token's sources are a few rows of D values; nothing crosses tokens, so the results are
+deterministic. A program walks its row in chunks of BLOCK_D, twice where a result needs the whole row first (the
+scores and the partial sum's statistic, then the mix), so one compiled program serves any hidden size. The flags
+(has_part, has_new, ...) are runtime arguments, not constexprs: each kernel compiles to one program per block sizes
+and dtypes, and tests/test_kernels_aot.py compiles every one of them ahead of time for sm_80 and sm_90. Every launch
+states enable_fp_fusion=False (depth_triton.FP_POLICY): no product and sum are contracted into an FMA, so each
+rounds as written, as in the PyTorch reference (depth_triton_reference.py) and in Triton's interpreter.
 
 The launchers, which size the programs and hand them tensors, are depth_triton.py's. This file ships next to
 converted weights and is imported only when `triton` is importable and selected (ATTNRES_KERNEL, see
@@ -48,9 +53,11 @@ def _rounded(x, ptr):
         return x.to(ptr.dtype.element_ty)
 
 
-# Sizes and the strides of tables (which can be 1 or not for the same call site) are not specialised on their value:
-# one compiled program per block sizes and dtypes, whatever the number of sources or tokens.
-@triton.jit(do_not_specialize=["s_inv", "t_inv", "s_table", "t_table", "m"])
+# Sizes, the strides of tables (which can be 1 or not for the same call site) and the flags (Triton 3.2 specialises a
+# False as an integer divisible by 16) are not specialised on their value: one compiled program per block sizes and
+# dtypes, whatever the number of sources or tokens and whichever flags are set.
+@triton.jit(do_not_specialize=["s_inv", "t_inv", "s_table", "t_table", "m", "has_part", "has_new", "init_part",
+                               "use_table", "count", "save"])
 def mix_kernel(
     keys, s_keys, t_keys,  # completed source i of token t at keys + i * s_keys + t * t_keys
     inv, s_inv, t_inv,  # their 1 / rms (without a table)
@@ -142,7 +149,7 @@ def mix_kernel(
         tl.store(out + t * t_out + offs, _rounded(acc, out), mask=dmask)
 
 
-@triton.jit(do_not_specialize=["t_inv", "R", "t_table"])
+@triton.jit(do_not_specialize=["t_inv", "R", "t_table", "has_new", "init_part", "has_table"])
 def close_kernel(
     part, t_part,  # the partial sum (or the embedding)
     new, t_new,  # the last output of the block, joined first (has_new)
@@ -184,7 +191,8 @@ def close_kernel(
         tl.store(table + t * t_table + rows, scores * inv, mask=rmask)
 
 
-@triton.jit(do_not_specialize=["s_inv", "t_inv", "s_rms", "t_rms", "s_sg", "t_sg", "m"])
+@triton.jit(do_not_specialize=["s_inv", "t_inv", "s_rms", "t_rms", "s_sg", "t_sg", "m", "has_part", "use_table",
+                               "count"])
 def mix_backward_kernel(
     g, t_g,  # the mix's gradient
     keys, s_keys, t_keys, inv, s_inv, t_inv, part, t_part, q,  # as in mix_kernel
