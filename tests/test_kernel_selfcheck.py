@@ -122,9 +122,12 @@ def test_a_kernel_that_does_not_compile_falls_back_with_one_warning(monkeypatch)
 
 def test_inputs_over_the_kernels_limits_run_the_reference(monkeypatch):
     inputs = _mix_inputs(m=depth_triton.MAX_SOURCES + 4, tokens=1)
-    with pytest.warns(RuntimeWarning, match="the number of sources = 260 is over the kernels' limit of 256"):
+    with pytest.warns(RuntimeWarning, match=r"mix_kernel \(more sources than the kernels' limit of 256; flags: count"):
         got = depth_triton.mix(**inputs)[0]
     assert torch.equal(got, depth_triton_reference.mix(**inputs)[0])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # another number of sources over the limit: the same variant, no warning
+        depth_triton.mix(**_mix_inputs(m=depth_triton.MAX_SOURCES + 5, tokens=1))
 
 
 def test_the_references_match_the_kernels(monkeypatch):

@@ -19,7 +19,8 @@ pytest.importorskip("triton", reason="the kernel tests need triton (make test in
 from attnres_convert import convert_model, save_converted  # noqa: E402
 from attnres_convert.modeling import depth_attention, depth_backends  # noqa: E402
 from test_structure import _reference_llama  # noqa: E402
-from tiny_models import randomize_queries, tiny_model, token_ids  # noqa: E402
+from tiny_models import randomize_queries, tiny_model, token_ids
+from tiny_models import with_kernels as _with  # noqa: E402
 
 LAYERS = 2  # four sublayers: S = 3 leaves a partial block, S = 1 is Full AttnRes
 
@@ -29,14 +30,6 @@ def _model(block_size: int, dtype=torch.float32, random_queries: bool = True):
     if random_queries:
         randomize_queries(model, 0.5, seed=block_size, key_norms=0.3)
     return model.to(dtype)
-
-
-def _with(mode: str, monkeypatch, fn):
-    monkeypatch.setenv("ATTNRES_KERNEL", mode)
-    try:
-        return fn()
-    finally:
-        monkeypatch.delenv("ATTNRES_KERNEL")
 
 
 def _state_types(model, run) -> list:

@@ -14,6 +14,7 @@ import torch
 
 from attnres_convert import convert_model
 from tiny_models import randomize_queries, tiny_model, token_ids
+from tiny_models import with_kernels as _with
 
 pytestmark = pytest.mark.cuda
 LAYERS = 2  # four sublayers: S = 3 leaves a partial block, S = 1 is Full AttnRes
@@ -44,14 +45,6 @@ def _model(block_size: int, dtype, random_queries: bool = True):
 
 def _original(dtype):
     return tiny_model("llama", num_hidden_layers=LAYERS).to("cuda", dtype)
-
-
-def _with(mode: str, monkeypatch, fn):
-    monkeypatch.setenv("ATTNRES_KERNEL", mode)
-    try:
-        return fn()
-    finally:
-        monkeypatch.delenv("ATTNRES_KERNEL")
 
 
 def _close(got, want, dtype, what=""):

@@ -106,3 +106,12 @@ def save_plain_and_converted(base: T.PreTrainedModel, tokenizer, root: Path, blo
     tokenizer.save_pretrained(root / "plain")
     save_converted(convert_model(copy.deepcopy(base), block_size=block_size), root / "attnres", tokenizer)
     return root / "plain", root / "attnres"
+
+
+def with_kernels(mode: str, monkeypatch, fn):
+    """fn() with ATTNRES_KERNEL=mode, which is unset again afterwards."""
+    monkeypatch.setenv("ATTNRES_KERNEL", mode)
+    try:
+        return fn()
+    finally:
+        monkeypatch.delenv("ATTNRES_KERNEL")

@@ -119,21 +119,21 @@ class Unsupported(ValueError):
 
 
 def _tier(size: int, limit: int, what: str, tiers: tuple[int, ...]) -> int:
-    if size > limit:
-        raise Unsupported(f"{what} = {size} is over the kernels' limit of {limit}")
+    if size > limit:  # the message is part of the variant's key: one warning for all sizes over the limit
+        raise Unsupported(f"more {what} than the kernels' limit of {limit}")
     return next(tier for tier in tiers if size <= tier)
 
 
 def row_config(d: int, n: int) -> dict:
     """The block sizes and warps of `mix` and `mix_backward` for rows of d values and n sources: one program whatever
     the size, so that what a launch can choose is compiled ahead of time by tests/test_kernels_aot.py."""
-    return {"BLOCK_N": _tier(n, MAX_SOURCES, "the number of sources", (MAX_SOURCES,)), "BLOCK_D": 1024, "num_warps": 4}
+    return {"BLOCK_N": _tier(n, MAX_SOURCES, "sources", (MAX_SOURCES,)), "BLOCK_D": 1024, "num_warps": 4}
 
 
 def close_config(d: int, r: int) -> dict:
     """The block sizes of `close` for rows of d values and r queries: D in chunks that keep the [R, chunk] tile of
     queries at 8192 values."""
-    block_r = _tier(r, MAX_QUERIES, "the number of sublayer queries", (16, MAX_QUERIES))
+    block_r = _tier(r, MAX_QUERIES, "sublayer queries", (16, MAX_QUERIES))
     return {"BLOCK_R": block_r, "BLOCK_D": 8192 // block_r, "num_warps": 4}
 
 
