@@ -115,3 +115,13 @@ def test_every_flag_combination_is_recorded():
         assert len(seen) == combinations, kernel
         assert all(kwargs["enable_fp_fusion"] is False for _, kwargs in launches)
         assert all(kwargs == {**kwargs, **depth_triton.FP_POLICY} for _, kwargs in launches)
+
+
+def test_the_hidden_size_does_not_choose_a_program():
+    """aot_compile.configs enumerates the sources and queries a launch can have; the hidden size, which it holds at
+    64, does not enter the choice (the kernels walk D in chunks), so those are every configuration."""
+    for d in (1, 64, 576, 2048, 4096, 7168, 16384, 65536):
+        for n in (1, 2, 17, 61, depth_triton.MAX_SOURCES):
+            assert depth_triton.row_config(d, n) == depth_triton.row_config(64, n)
+        for r in (1, 16, 17, 61, depth_triton.MAX_QUERIES):
+            assert depth_triton.close_config(d, r) == depth_triton.close_config(64, r)
