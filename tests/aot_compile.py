@@ -137,7 +137,6 @@ def resources(cubin: bytes, folder: Path) -> dict:
 
 def compile_all(out) -> None:
     import triton
-    import triton.language as tl  # noqa: F401 (imported before the kernels, as the JIT needs)
 
     from attnres_convert.modeling import depth_triton_kernels
 

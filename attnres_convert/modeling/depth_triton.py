@@ -13,7 +13,6 @@ This file ships next to converted weights and is imported only when `triton` is 
 from __future__ import annotations
 
 import torch
-import triton
 
 from .depth_eager import SourceBuffer
 from .depth_triton_check import PROBE_TOKENS, compare, run_both, trusted
