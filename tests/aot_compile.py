@@ -132,7 +132,18 @@ def resources(cubin: bytes, folder: Path) -> dict:
     path.write_bytes(cubin)
     usage = subprocess.run([str(CUOBJDUMP), "--dump-resource-usage", str(path)], capture_output=True, text=True, check=True)
     line = next(line for line in usage.stdout.splitlines() if "REG:" in line)
-    return {key.lower(): int(value) for key, value in re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", line)}
+    found = {key.lower(): int(value) for key, value in re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", line)}
+    return found
+
+
+def sass_fmas(cubin: bytes, folder: Path) -> list[str]:
+    """The float32 fused multiply-adds (FFMA) of the cubin's machine code: ptxas fuses a PTX mul and add itself
+    unless told not to (--fmad=false, which Triton passes when fusion is off). The kernels compute in float32; an
+    HFMA2.MMA of zeros is ptxas's way of setting a register, not arithmetic."""
+    path = folder / "kernel.cubin"
+    path.write_bytes(cubin)
+    sass = subprocess.run([str(CUOBJDUMP), "--dump-sass", str(path)], capture_output=True, text=True, check=True).stdout
+    return [line.strip() for line in sass.splitlines() if re.search(r"\bFFMA\b", line)]
 
 
 def compile_all(out) -> None:
@@ -164,6 +175,7 @@ def compile_all(out) -> None:
                     "local": usage["local"], "stack": usage["stack"], "enable_fp_fusion": program.metadata.enable_fp_fusion,
                     "fma": [line.strip() for line in ptx.splitlines() if "fma.rn" in line],
                     "muls": sum("mul.f32" in line or "mul.rn.f32" in line for line in ptx.splitlines()),
+                    "sass_fma": sass_fmas(program.asm["cubin"], folder),
                     "seconds": round(seconds, 3), "triton": triton.__version__,
                 }
                 out.write(json.dumps(record) + "\n")
@@ -173,7 +185,8 @@ def compile_all(out) -> None:
             key, source, options, target = jit_source(fn, args, {**kwargs, **configs(kernel)[-1], "enable_fp_fusion": True}, 90)
             program = triton.compile(source, target=target, options=options.__dict__)
             fused = [line.strip() for line in program.asm["ptx"].splitlines() if "fma.rn" in line]
-            out.write(json.dumps({"kernel": kernel, "control": True, "fma": fused}) + "\n")
+            sass = sass_fmas(program.asm["cubin"], folder)
+            out.write(json.dumps({"kernel": kernel, "control": True, "fma": fused, "sass_fma": sass}) + "\n")
 
 
 if __name__ == "__main__":

@@ -2,9 +2,9 @@
 a process of its own): every program a launcher of modeling/depth_triton.py can choose (its block sizes, from the
 launcher's own `row_config` and `close_config` over every size it takes; the pointer dtypes of every combination of
 its flags), in float32, bfloat16 and float16, for sm_80 (A100) and sm_90 (H100), specialised as the JIT specialises
-it. Each compiles to a cubin within the target's shared memory and registers, and its PTX holds no fused
-multiply-add: the launches state `enable_fp_fusion=False`, so every product and every sum rounds on its own, as in
-the PyTorch reference and in the interpreter that tests/test_kernels.py runs.
+it. Each compiles to a cubin within the target's shared memory and registers, and neither its PTX nor its machine
+code holds a fused multiply-add: the launches state `enable_fp_fusion=False`, so every product and every sum rounds
+on its own, as in the PyTorch reference and in the interpreter that tests/test_kernels.py runs.
 
 `make test-aot-triton TRITON=3.2.0` runs these under another Triton (3.2.0: the one torch 2.6, the lowest torch
 supported, requires)."""
@@ -93,7 +93,8 @@ def test_no_multiply_and_add_is_contracted(compiled, kernel, dtype, capability):
     assert programs
     for p in programs:
         assert p["enable_fp_fusion"] is False
-        assert p["fma"] == [], (p["config"], p["fma"][:3])
+        assert p["fma"] == [], (p["config"], p["fma"][:3])  # none in the PTX
+        assert p["sass_fma"] == [], (p["config"], p["sass_fma"][:3])  # nor fused by ptxas in the machine code
         assert p["muls"] > 0  # the products are there, each rounded on its own
 
 
@@ -104,6 +105,8 @@ def test_the_fusion_check_can_fail(compiled):
     assert set(controls) == set(aot_compile.KERNELS)
     for kernel, fused in controls.items():
         assert any(line.startswith("fma.rn.f32") for line in fused), kernel
+    sass = {r["kernel"]: r["sass_fma"] for r in compiled if r.get("control")}
+    assert all(any("FFMA" in line for line in lines) for lines in sass.values()), sass
 
 
 def test_every_flag_combination_is_recorded():
