@@ -51,7 +51,8 @@ def compiled(tmp_path_factory) -> list[dict]:
     )
     assert run.returncode == 0, run.stderr[-4000:]
     records = [json.loads(line) for line in (folder / "programs.jsonl").read_text().splitlines()]
-    print(f"\n{len(records)} programs compiled in {time.perf_counter() - start:.1f} s")
+    programs = sum(not r.get("control") for r in records)
+    print(f"\n{programs} programs (and {len(records) - programs} controls) compiled in {time.perf_counter() - start:.1f} s")
     return records
 
 
