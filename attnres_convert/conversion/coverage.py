@@ -29,6 +29,7 @@ import torch
 from ..errors import first_line
 from ..modeling.architectures import UnsupportedModelError, config_refusal
 from .single_thread import run_single_threaded
+from .tiny_configs import tiny_config
 
 STATUSES = ("converted", "refused", "not built")
 MAX_PARAMETERS = 8_000_000  # a tiny config that still has more did not shrink: not worth building
@@ -36,20 +37,6 @@ LOGIT_TOLERANCE = 1e-4
 PROMPT_TOKENS = 8
 LEFT_PADDING = 3
 NEW_TOKENS = 4
-
-# Overrides applied where the default config has the attribute (through its attribute_map too).
-SHRINK = dict(
-    hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-    intermediate_size=128, vocab_size=256, max_position_embeddings=256, num_experts=4, num_local_experts=4,
-    n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
-    shared_expert_intermediate_size=32, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=16,
-    qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16, n_group=1, topk_group=1, rotary_dim=16,
-    pad_token_id=0, bos_token_id=1, eos_token_id=2, sliding_window=4,
-)
-# What the generic shrink cannot guess: per-layer lists whose length is the number of layers.
-TYPE_OVERRIDES: dict[str, dict] = {
-    "gpt_neo": {"attention_types": [[["global", "local"], 1]]},
-}
 
 # Non-default settings worth their own row: (model type, label, overrides).
 VARIANTS: tuple[tuple[str, str, dict], ...] = (
@@ -105,23 +92,6 @@ def causal_lm_model_types() -> list[str]:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
-
-
-def tiny_config(model_type: str, **overrides):
-    """The default config of MODEL_TYPE, shrunk where it has the usual size attributes."""
-    from transformers import AutoConfig
-
-    default = AutoConfig.for_model(model_type)
-    shrink = {
-        key: value
-        for key, value in SHRINK.items()
-        if hasattr(default, key) and not isinstance(getattr(type(default), key, None), property)  # derived values
-    }
-    if hasattr(default, "kv_lora_rank") and "num_key_value_heads" in shrink:
-        shrink["num_key_value_heads"] = shrink["num_attention_heads"]  # multi-head latent attention: no GQA
-    if getattr(default, "sliding_window", None) is None:
-        shrink.pop("sliding_window", None)  # only shrink a window the default has
-    return AutoConfig.for_model(model_type, **{**shrink, **TYPE_OVERRIDES.get(model_type, {}), **overrides})
 
 
 def _short_error(error: BaseException) -> str:
