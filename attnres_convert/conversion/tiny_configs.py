@@ -31,7 +31,9 @@ ONLY_WHERE_SET = ("sliding_window", "hidden_size_per_layer_input")
 # Attributes of a sub-config that are not a language model's (vision and audio towers): shrunk there only.
 TOWER_SHRINK = dict(
     image_size=32, patch_size=8, num_channels=3, depth=2, num_layers=2, embed_dim=64, num_heads=4,
-    out_hidden_size=64, projection_dim=64, vision_output_dim=64, num_global_layers=1,
+    out_hidden_size=64, projection_dim=64, vision_output_dim=64, num_global_layers=1, num_blocks=2,
+    nemo_conv_channels=64, depthwise_separable_out_channel=64, ext_pw_out_channel=64, adapter_in_dim=64,
+    adapter_input_size=64, adapter_out_dim=64, hidden_size_global=64, downsample_hidden_size=32,
 )
 # Per-layer list attributes whose entries name a layer's kind: the layers to keep are chosen from these.
 KIND_LISTS = ("layer_types", "layers_block_type", "mlp_layer_types", "layers_type", "block_types")
@@ -39,6 +41,42 @@ KIND_LISTS = ("layer_types", "layers_block_type", "mlp_layer_types", "layers_typ
 # What the generic shrink cannot guess, by model type (of the config or of a sub-config).
 TYPE_OVERRIDES: dict[str, dict] = {
     "gpt_neo": {"attention_types": [[["global", "local"], 1]]},
+    "cohere_compass_text": {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}},
+    "dbrx": {"d_model": 64, "n_heads": 4, "n_layers": 2, "max_seq_len": 256,
+             "attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
+             "ffn_config": {"hidden_size": 64, "ffn_hidden_size": 128, "moe_num_experts": 4, "moe_top_k": 2}},
+    "dory": {"n_input_layers": 1, "n_recurrent_layers": 0, "n_output_layers": 1, "n_recurrent_loops": 1},
+    # sliding layers: head_dim = qk_nope_head_dim (32, their per-layer override) + qk_rope_head_dim (16)
+    "dots3_note_text": {"head_dim": 48, "index_head_dim": 16, "index_n_heads": 2, "index_topk": 4},
+    "gemma3n_text": {"num_kv_shared_layers": 0},
+    "gemma4_assistant": {"text_config": {"hidden_size_per_layer_input": 0, "vocab_size_per_layer_input": 0,
+                                         "num_kv_shared_layers": LAYERS}},
+    "gemma4_unified_assistant": {"text_config": {"hidden_size_per_layer_input": 0, "vocab_size_per_layer_input": 0,
+                                                 "num_kv_shared_layers": LAYERS}},
+    "blt": {"encoder_hash_byte_group_vocab": 64, "encoder_hash_byte_group_size": [3, 4],
+            "local_attention_window_len": 8, "num_hidden_layers": LAYERS},
+    "lfm2_moe": {"layer_types": ["conv", "full_attention"]},
+    "inkling2_text": {"unpadded_vocab_size": 256, "swa_num_attention_heads": 4, "swa_num_key_value_heads": 2,
+                      "swa_head_dim": 16, "sliding_window_size": 4, "d_rel": 4, "rel_extent": 8},
+    "inkling2_loop_text": {"unpadded_vocab_size": 256, "swa_num_attention_heads": 4, "swa_num_key_value_heads": 2,
+                           "swa_head_dim": 16, "sliding_window_size": 4, "d_rel": 4, "rel_extent": 8},
+    "longcat_flash": {"num_layers": 2, "ffn_hidden_size": 128, "expert_ffn_hidden_size": 32, "moe_topk": 2,
+                      "zero_expert_num": 2},
+    "mamba2": {"num_heads": 8, "head_dim": 16, "n_groups": 1, "state_size": 16, "chunk_size": 8},
+    "qwen4_exp_text": {"indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": 16, "indexer_budget": 8,
+                       "indexer_compress_ratio": 4, "hc_lowrank": 8, "ple_embed_dim": 16, "ngram_vocab_size_base": 256,
+                       "split_ngram_parts": 2, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+                       "linear_num_key_heads": 2, "linear_num_value_heads": 4},
+    "reformer": {"is_decoder": True, "axial_pos_embds_dim": [32, 32], "axial_pos_shape": [16, 16]},
+    "xlnet": {"d_model": 64, "n_layer": 2, "n_head": 4, "d_head": 16, "d_inner": 128, "mem_len": 8},
+    "zamba": {"num_hidden_layers": 3, "layers_block_type": ["linear_attention", "hybrid", "hybrid"]},  # a shared block tied
+    "zaya": {"num_experts_per_tok": 1},
+}
+
+# Default configs of the installed transformers that fail their own validators, and what makes them pass.
+DEFAULT_FIXES: dict[str, dict] = {
+    "gemma4_assistant": {"text_config": {"hidden_size_per_layer_input": 0, "vocab_size_per_layer_input": 0}},
 }
 
 
@@ -46,8 +84,13 @@ def tiny_config(model_type: str, **overrides):
     """The default config of MODEL_TYPE, shrunk to a tiny model (overrides applied last)."""
     from transformers import AutoConfig
 
-    default = AutoConfig.for_model(model_type)
+    default = AutoConfig.for_model(model_type, **_default_fixes(model_type))
     return AutoConfig.for_model(model_type, **{**shrunk_values(default), **overrides})
+
+
+def _default_fixes(model_type: str) -> dict:
+    """What a default config needs to pass its own validators (gemma4_assistant's default fails them)."""
+    return DEFAULT_FIXES.get(model_type, {})
 
 
 def shrunk_values(default, tower: bool = False) -> dict:
@@ -67,7 +110,16 @@ def shrunk_values(default, tower: bool = False) -> dict:
         sub = getattr(default, name, None)
         if hasattr(sub, "to_dict") and hasattr(sub, "model_type"):
             values[name] = {**sub.to_dict(), **shrunk_values(sub, tower=name != "text_config")}
-    return {**values, **TYPE_OVERRIDES.get(getattr(default, "model_type", ""), {})}
+    return _merged(values, TYPE_OVERRIDES.get(getattr(default, "model_type", ""), {}))
+
+
+def _merged(values: dict, overrides: dict) -> dict:
+    """VALUES with OVERRIDES applied, sub-config dicts merged key by key."""
+    merged = dict(values)
+    for key, value in overrides.items():
+        both_dicts = isinstance(value, dict) and isinstance(merged.get(key), dict)
+        merged[key] = _merged(merged[key], value) if both_dicts else value
+    return merged
 
 
 def _per_layer_values(default, layers: int) -> dict:
@@ -84,7 +136,7 @@ def _per_layer_values(default, layers: int) -> dict:
     per_layer = default.to_dict().get("per_layer_config")  # as written: layer index -> overrides
     if isinstance(per_layer, dict) and per_layer:
         values["per_layer_config"] = {
-            new: {k: _shrunk_per_layer(default, k, v) for k, v in per_layer[old].items()}
+            new: {k: _shrunk_per_layer(default, k, v, per_layer[old]) for k, v in per_layer[old].items()}
             for new, i in enumerate(keep)
             if (old := _layer_key(per_layer, i)) is not None
         }
@@ -109,12 +161,14 @@ def _shrunk_entry(key: str, value):
     return value
 
 
-def _shrunk_per_layer(default, key: str, value):
+def _shrunk_per_layer(default, key: str, value, overrides: dict | None = None):
     """A per-layer override of a size: the shrunk size, doubled or halved as the override is larger or smaller
     than the global value, so the layers still differ."""
     if key not in SHRINK or not isinstance(value, int):
         return value
     base = _peek(default, key)
+    if key == "num_key_value_heads" and value == (overrides or {}).get("num_attention_heads"):
+        return _shrunk_per_layer(default, "num_attention_heads", value)  # MLA: as many kv heads as heads
     if not isinstance(base, int) or value == base:
         return SHRINK[key]
     return SHRINK[key] * 2 if value > base else max(1, SHRINK[key] // 2)

@@ -321,6 +321,10 @@ REFUSED: dict[str, str] = {
     "olmo3": "OLMo-3 is post-norm like OLMo-2: the residual stream is read without a PreNorm",
     "olmo_hybrid": "OLMo-Hybrid is post-norm like OLMo-2 and mixes in linear-attention layers",
     "openai-gpt": "the original GPT is post-norm: each sublayer's LayerNorm is applied after the residual add",
+    "gemma4_assistant": "Gemma-4-Assistant is a drafter for speculative decoding: its layers read the KV states "
+    "of its target model (shared_kv_states), so it is not a causal LM on its own",
+    "gemma4_unified_assistant": "Gemma-4-Unified-Assistant is a drafter for speculative decoding: its layers read "
+    "the KV states of its target model (shared_kv_states), so it is not a causal LM on its own",
     "xlnet": "XLNet is a permutation-LM encoder with post-norm layers, not a decoder-only causal LM",
     "t5": "T5 is an encoder-decoder; only decoder-only causal LMs are supported",
     "bart": "BART is an encoder-decoder; only decoder-only causal LMs are supported",
