@@ -52,6 +52,8 @@ class _Branch:
     attention: bool = False
     tail: int = -1  # index of the call whose output is the branch's current value
     norm_call: int = -1
+    arguments: tuple | None = None  # how the module took the layer's arguments (trace.argument_map)
+    constants: tuple = ()
 
 
 
@@ -116,11 +118,13 @@ def discover_layer(layer: nn.Module, call: LayerCall, config, h0: torch.Tensor) 
             norm_owner = next((b for b in branches if b.norm_call == ref), None)
             if owner is not None and owner.module is None:
                 owner.module, owner.attention, owner.tail = entry.name, entry.extra, index
+                owner.arguments, owner.constants = entry.arguments, entry.constants
             elif owner is not None:
                 owner.post.append(entry.name)
                 owner.tail = index
             elif norm_owner is not None:  # a second module fed by one norm (GPT-J, Phi: parallel branches)
-                branches.append(_Branch(norm_owner.stream, norm_owner.norm, entry.name, [], entry.extra, index, ref))
+                branches.append(_Branch(norm_owner.stream, norm_owner.norm, entry.name, [], entry.extra, index, ref,
+                                        entry.arguments, entry.constants))
             else:
                 raise UnsupportedModelError(f"cannot place `{entry.name}` in the layer's data flow")
         if entry.y is not None:
@@ -150,7 +154,8 @@ def discover_layer(layer: nn.Module, call: LayerCall, config, h0: torch.Tensor) 
             name = f"{name}_{stream + 1}"
         used.add(name)
         sublayers.append(Sublayer(name, tuple(
-            Branch(b.norm, b.module, tuple(b.post), b.attention, scale) for b, scale in zip(group, scales)
+            Branch(b.norm, b.module, tuple(b.post), b.attention, scale, b.arguments, b.constants)
+            for b, scale in zip(group, scales)
         )))
     if not sublayers:
         raise UnsupportedModelError("the decoder layer adds nothing to the residual stream")

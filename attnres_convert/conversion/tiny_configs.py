@@ -25,6 +25,9 @@ SHRINK = dict(
     qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16, n_group=1, topk_group=1, rotary_dim=16,
     pad_token_id=0, bos_token_id=1, eos_token_id=2, sliding_window=4, vocab_size_per_layer_input=256,
     hidden_size_per_layer_input=16,
+    # state-space mixers (Mamba-2 style: heads x head size = expand x hidden)
+    mamba_n_heads=8, mamba_d_head=16, mamba_num_heads=8, mamba_head_dim=16, mamba_d_state=16, ssm_state_size=16,
+    mamba_chunk_size=8, mamba_dt_rank=8, mamba_d_ssm=128, moe_shared_expert_intermediate_size=32,
 )
 # Sizes shrunk only where the default sets them: None or 0 there switches the feature off.
 ONLY_WHERE_SET = ("sliding_window", "hidden_size_per_layer_input")
@@ -63,6 +66,13 @@ TYPE_OVERRIDES: dict[str, dict] = {
                            "swa_head_dim": 16, "sliding_window_size": 4, "d_rel": 4, "rel_extent": 8},
     "longcat_flash": {"num_layers": 2, "ffn_hidden_size": 128, "expert_ffn_hidden_size": 32, "moe_topk": 2,
                       "zero_expert_num": 2},
+    "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2, "expert_layer_offset": 1},
+    "bamba": {"attn_layer_indices": [1]},
+    "granitemoehybrid": {"layer_types": ["linear_attention", "full_attention"]},  # the default has no attention layer
+    "nemotron_h": {"chunk_size": 8, "num_hidden_layers": 4,  # one layer of each kind: Mamba-2, MoE, attention, MLP
+                   "layers_block_type": ["linear_attention", "moe", "full_attention", "mlp"]},
+    "recurrent_gemma": {"block_types": ["recurrent", "attention"], "lru_width": 64, "attention_window_size": 4},
+    "xlstm": {"num_blocks": LAYERS, "num_heads": 4, "qk_dim_factor": 1.0},  # its cache assumes qk = v head size
     "mamba2": {"num_heads": 8, "head_dim": 16, "n_groups": 1, "state_size": 16, "chunk_size": 8},
     "qwen4_exp_text": {"indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": 16, "indexer_budget": 8,
                        "indexer_compress_ratio": 4, "hc_lowrank": 8, "ple_embed_dim": 16, "ngram_vocab_size_base": 256,

@@ -43,6 +43,11 @@ class Branch:
     post: tuple[str, ...] = ()  # modules applied to the branch output before it joins the stream
     attention: bool = False  # receives the layer's call arguments (mask, positions, cache)
     scale: float | None = None  # residual multiplier applied to the branch output (Granite)
+    # Where the module takes the layer's arguments under other names (Falcon-H1's Mamba mixer gets the layer's
+    # `mamba_attention_mask` as `attention_mask`, its cache as `cache_params`): (module keyword, layer keyword)
+    # pairs, and (module keyword, value) constants the layer passes; None: the layer's arguments as they are.
+    arguments: tuple[tuple[str, str], ...] | None = None
+    constants: tuple[tuple[str, object], ...] = ()
 
     def to_dict(self) -> dict:
         data = {"norm": self.norm, "module": self.module}
@@ -52,12 +57,24 @@ class Branch:
             data["attention"] = True
         if self.scale is not None:
             data["scale"] = self.scale
+        if self.arguments is not None:
+            data["arguments"] = dict(self.arguments)
+        if self.constants:
+            data["constants"] = dict(self.constants)
         return data
 
     @classmethod
     def from_dict(cls, data: dict) -> Branch:
+        arguments = data.get("arguments")
         return cls(data["norm"], data["module"], tuple(data.get("post", ())), bool(data.get("attention", False)),
-                   data.get("scale"))
+                   data.get("scale"), None if arguments is None else tuple(arguments.items()),
+                   tuple(data.get("constants", {}).items()))
+
+    def call_kwargs(self, layer_kwargs: dict) -> dict:
+        """The keyword arguments the module takes, from those the decoder layer was called with."""
+        if self.arguments is None:
+            return layer_kwargs
+        return {**{name: layer_kwargs.get(source) for name, source in self.arguments}, **dict(self.constants)}
 
 
 @dataclass(frozen=True)
@@ -97,7 +114,7 @@ class ModelPlan:
     logit_scale: float | None = None  # logits * scale (Cohere)
     logit_divisor: float | None = None  # logits / divisor (Granite)
     logit_softcap: float | None = None  # tanh(logits / cap) * cap (Gemma 2)
-    tuple_output: bool = False  # the layers return a tuple and the base model takes its first element
+    tuple_output: int = 0  # the layers return a tuple of this length (True: 1) and the base model unpacks it; 0: a tensor
 
     def sublayers(self, layer_index: int) -> tuple[Sublayer, ...]:
         return self.kinds[self.layer_kinds[layer_index]]
@@ -124,7 +141,7 @@ class ModelPlan:
             if getattr(self, key) is not None:
                 data[key] = getattr(self, key)
         if self.tuple_output:
-            data["tuple_output"] = True
+            data["tuple_output"] = True if self.tuple_output == 1 else int(self.tuple_output)
         return data
 
     @classmethod
@@ -311,8 +328,6 @@ FAMILIES: tuple[Family, ...] = (
 )
 
 _ENCODER = "{} is an encoder (bidirectional attention, post-norm layers), not a decoder-only causal LM"
-_SSM = "{} is built of state-space layers ({}), whose cache is a recurrent state: not handled yet"
-_HYBRID = "{} mixes attention with {} layers in one stack: hybrid layers are not handled yet"
 
 # Known model types that cannot be converted exactly, and why (what discovery would only see as a failure).
 REFUSED: dict[str, str] = {
@@ -336,20 +351,16 @@ REFUSED: dict[str, str] = {
         ("roberta-prelayernorm", "RoBERTa-PreLayerNorm"), ("xlm-roberta-xl", "XLM-RoBERTa-XL"),
         ("modernbert-decoder", "ModernBERT-decoder"),
     )},
-    **{t: _SSM.format(n, k) for t, n, k in (
-        ("mamba", "Mamba", "Mamba mixers"), ("mamba2", "Mamba-2", "Mamba-2 mixers"),
-        ("falcon_mamba", "Falcon-Mamba", "Mamba mixers"), ("rwkv", "RWKV", "RWKV time mixing"),
-        ("xlstm", "xLSTM", "mLSTM blocks"),
-    )},
-    **{t: _HYBRID.format(n, k) for t, n, k in (
-        ("jamba", "Jamba", "Mamba"), ("bamba", "Bamba", "Mamba-2"), ("zamba", "Zamba", "Mamba"),
-        ("zamba2", "Zamba2", "Mamba-2"), ("falcon_h1", "Falcon-H1", "Mamba-2 (in parallel with attention)"),
-        ("granitemoehybrid", "GraniteMoeHybrid", "Mamba-2"), ("nemotron_h", "Nemotron-H", "Mamba-2"),
-        ("lfm2", "LFM2", "short-convolution"), ("lfm2_moe", "LFM2-MoE", "short-convolution"),
-        ("qwen3_next", "Qwen3-Next", "gated delta-net linear-attention"),
-        ("kimi_linear", "Kimi-Linear", "KDA linear-attention"), ("recurrent_gemma", "RecurrentGemma", "RG-LRU recurrent"),
-        ("bailing_hybrid", "Bailing-Hybrid", "linear-attention"), ("minimax", "MiniMax", "lightning linear-attention"),
-    )},
+    "rwkv": "RWKV's first block replaces the residual stream by its LayerNorm (`pre_ln`), so the stream is not the "
+    "sum of the embeddings and the sublayer outputs that AttnRes mixes",
+    "xlstm": "xLSTM blocks return their recurrent state to the base model, which copies it into the cache itself: "
+    "a layer whose output is more than the residual stream is not rewritten",
+    "zamba": "Zamba's shared attention block reads the residual stream concatenated with the input embeddings, "
+    "and its output feeds the next Mamba layer's input instead of adding to the stream: not a PreNorm sublayer",
+    "zamba2": "Zamba2's shared attention block reads the residual stream concatenated with the input embeddings, "
+    "and its output feeds the next Mamba layer's input instead of adding to the stream: not a PreNorm sublayer",
+    "minimax": "MiniMax adds each sublayer's output to the normalised stream (its residual is taken after "
+    "input_layernorm), so the stream is re-normalised at every sublayer: post-norm, not PreNorm",
 }
 
 # Config settings that make an otherwise convertible model type post-norm or not a plain decoder:

@@ -52,7 +52,7 @@ class _LayerSpec(NamedTuple):
     owner: nn.Module  # the base model (a plain reference), whose layers hold every sublayer's query
     layers: str  # the attribute path, from the owner, of the decoder layers
     param_names: tuple[tuple[str, str], ...]  # per sublayer: its query and key-norm modules' names
-    tuple_output: bool  # return (state,): the base model takes element 0 of what a layer returns
+    tuple_output: int  # > 0: return (state, None, ...) of this length, as the base model unpacks a layer's output
     query_rank: int  # > 0: input-dependent queries (the plain BlockState path, see start_state)
     # One per model, shared by its layers and final norm: the decoding buffers a forward without autograd keeps
     # for the next (see start_state), the open recorders (`record_depth_weights`), the training-time depth
@@ -95,7 +95,9 @@ class AttnResDecoderLayerMixin:
             if gate != 1.0:
                 h = gated(state, h, gate)
             state = add_output(state, run_sublayer(self, sublayer, h, call_kwargs, normed=bool(norm)))
-        return (state,) if spec.tuple_output else state
+        if not spec.tuple_output:
+            return state
+        return (state,) + (None,) * (int(spec.tuple_output) - 1)  # (hidden, attention weights) where unpacked
 
 
 def _sublayer_norm(layer: nn.Module, sublayer: Sublayer, native) -> tuple:
@@ -119,7 +121,7 @@ def run_sublayer(layer: nn.Module, sublayer: Sublayer, h: torch.Tensor, call_kwa
         norm = module_at(layer, branch.norm) if norm is None else norm
         module = module_at(layer, branch.module) if module is None else module
         x = h if normed else norm(h)
-        y = module(x, **call_kwargs) if branch.attention else module(x)
+        y = module(x, **branch.call_kwargs(call_kwargs)) if branch.attention else module(x)
         if isinstance(y, tuple):  # attention returns (output, weights); some MoE blocks (output, router)
             y = y[0]
         for post in branch.post:
