@@ -20,6 +20,7 @@ transformers only. Load with `AutoModelForCausalLM.from_pretrained(path, trust_r
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from typing import NamedTuple
 
@@ -380,6 +381,26 @@ class AttnResPreTrainedModel(PreTrainedModel):
             for module in self.modules():
                 if isinstance(module, (AttnResQuery, AttnResKeyNorm)):
                     init_depth_module(module, skip_loaded=True)
+            fill_unsaved_buffers(self)
+
+
+def fill_unsaved_buffers(model: nn.Module) -> None:
+    """Runs the base model's own init on itself and on each module holding a non-persistent buffer: a checkpoint
+    does not hold those (Falcon-H1's `mup_vector`), and transformers skips a module of custom code (this class)
+    whose parameters all loaded, leaving them as uninitialised memory. Loaded tensors carry `_is_hf_initialized`,
+    which transformers' init functions respect."""
+    plan = model.__dict__.get("_attnres_plan")
+    base = module_at(model, plan.base_model) if plan is not None else None
+    if not isinstance(base, PreTrainedModel):
+        return
+    try:  # torch.nn.init calls made to respect `_is_hf_initialized` too, as transformers' own init does
+        from transformers.initialization import guard_torch_init_functions
+    except ImportError:
+        guard_torch_init_functions = contextlib.nullcontext
+    with guard_torch_init_functions():
+        for module in base.modules():
+            if module is base or getattr(module, "_non_persistent_buffers_set", None):
+                base._init_weights(module)
 
 
 class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
