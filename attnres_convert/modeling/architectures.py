@@ -199,6 +199,15 @@ def norm_eps(module) -> float | None:
     return None
 
 
+def _decoder_of(model) -> nn.Module | None:
+    """The language model of a composite model (`get_decoder`), or None."""
+    try:
+        decoder = model.get_decoder()
+    except Exception:  # noqa: BLE001 - models without one, or whose get_decoder needs what they lack
+        return None
+    return decoder if isinstance(decoder, nn.Module) else None
+
+
 def locate(model) -> Where:
     """The base model, its decoder stack (the ModuleList of num_hidden_layers layers with the most parameters),
     the LM head, and the final norm where the base model has exactly one norm outside its layers. From the
@@ -214,12 +223,17 @@ def locate(model) -> Where:
         if len(others) != 1:
             raise UnsupportedModelError(f"{type(model).__name__}: cannot tell which module is the base model ({others})")
         prefix, base = others[0], getattr(model, others[0])
-    want = getattr(model.config, "num_hidden_layers", None)
+    text_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    want = getattr(text_config, "num_hidden_layers", None)
     stacks = [
         (name, module)
         for name, module in base.named_modules()
         if isinstance(module, nn.ModuleList) and len(module) > 0 and (want is None or len(module) == want)
     ]
+    # An image-text model has a vision tower beside its language model: the stack is the language model's.
+    decoder = _decoder_of(model)
+    in_decoder = [(n, m) for n, m in stacks if decoder is not None and any(m is d for d in decoder.modules())]
+    stacks = in_decoder or stacks
     if not stacks:
         raise UnsupportedModelError(f"{type(model).__name__}: found no list of {want} decoder layers in {type(base).__name__}")
     layers, stack = max(stacks, key=lambda item: sum(p.numel() for p in item[1].parameters()))
