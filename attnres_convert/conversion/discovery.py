@@ -54,7 +54,21 @@ class _Branch:
     norm_call: int = -1
     arguments: tuple | None = None  # how the module took the layer's arguments (trace.argument_map)
     constants: tuple = ()
+    adds_residual: bool = False  # the module adds the stream to its output itself (Bloom)
 
+
+
+def _copy_of(ref, calls, streams) -> torch.Tensor | None:
+    """The values of tensor REF as the layer held them: a stream, or a child's recorded input or output."""
+    for stream in streams:
+        if stream is ref:
+            return stream
+    for entry in calls:
+        if entry.x_ref is ref:
+            return entry.x
+        if entry.y_ref is ref:
+            return entry.y
+    return ref if isinstance(ref, torch.Tensor) else None
 
 
 def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
@@ -119,6 +133,12 @@ def discover_layer(layer: nn.Module, call: LayerCall, config, h0: torch.Tensor) 
             if owner is not None and owner.module is None:
                 owner.module, owner.attention, owner.tail = entry.name, entry.extra, index
                 owner.arguments, owner.constants = entry.arguments, entry.constants
+                if entry.residual is not None:
+                    if not _same(_copy_of(entry.residual, calls, streams), streams[owner.stream]):
+                        raise UnsupportedModelError(
+                            f"`{entry.name}` takes a second tensor like its input that is not the residual stream"
+                        )
+                    owner.adds_residual = True
             elif owner is not None:
                 owner.post.append(entry.name)
                 owner.tail = index
@@ -127,7 +147,13 @@ def discover_layer(layer: nn.Module, call: LayerCall, config, h0: torch.Tensor) 
                                         entry.arguments, entry.constants))
             else:
                 raise UnsupportedModelError(f"cannot place `{entry.name}` in the layer's data flow")
-        if entry.y is not None:
+        if entry.y is not None and entry.residual is not None and kind != "stream":
+            # Its output already holds the stream: it is the next residual stream.
+            streams.append(entry.y)
+            produced.append(("stream", len(streams) - 1))
+            values.append(entry.y)
+            refs.append(entry.y_ref)
+        elif entry.y is not None:
             produced.append(("call", index))
             values.append(entry.y)
             refs.append(entry.y_ref)
@@ -145,6 +171,8 @@ def discover_layer(layer: nn.Module, call: LayerCall, config, h0: torch.Tensor) 
         scales: list[float | None] = [None] * len(group)
         if len(group) == 1:
             y = calls[group[0].tail].y.double()
+            if group[0].adds_residual:
+                y = y - streams[stream].double()
             delta = streams[stream + 1].double() - streams[stream].double()
             denominator = (y * y).sum().item()
             if denominator > 0:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..modeling.architectures import UnsupportedModelError, Where, is_norm, module_at
+from ..modeling.architectures import INPUT, RESIDUAL, UnsupportedModelError, Where, is_norm, module_at
 from ..modeling.cache_names import cache_keyword, cache_of
 from ..modeling.modeling_attnres import positional_argnames
 from .single_thread import run_single_threaded
@@ -170,6 +170,7 @@ class ChildCall:
     # How it took the layer's arguments where not under their own names (see `argument_map`), else None.
     arguments: tuple[tuple[str, str], ...] | None = None
     constants: tuple[tuple[str, object], ...] = ()
+    residual: object = None  # the tensor passed as RESIDUAL (discovery checks that it is the residual stream)
 
 
 def probe_hidden(call: LayerCall, seed: int) -> torch.Tensor:
@@ -191,8 +192,8 @@ def trace_layer(layer: nn.Module, call: LayerCall, h0: torch.Tensor) -> tuple[li
             extra = len(args) > 1 or any(k != "hidden_states" for k in kwargs)
             copy_ = x.detach().clone() if isinstance(x, torch.Tensor) else None
             mapped = argument_map(name, module, args, kwargs, layer_kwargs) if extra else None
-            arguments, constants = mapped or (None, ())
-            calls.append(ChildCall(name, copy_, x, extra, arguments=arguments, constants=constants))
+            arguments, constants, residual = mapped or (None, (), None)
+            calls.append(ChildCall(name, copy_, x, extra, arguments=arguments, constants=constants, residual=residual))
 
         return hook
 
@@ -236,7 +237,8 @@ def argument_map(child: str, module: nn.Module, args: tuple, kwargs: dict, layer
         for k, v in received.items()
     ):
         return None
-    pairs, constants = [], []
+    pairs, constants, residual = [], [], None
+    x = args[0] if args else kwargs.get("hidden_states")
     for name, value in received.items():
         same = [k for k, v in layer_kwargs.items() if v is value and (value is not None or k == name)]
         own = f"{child}_{name}"  # a layer argument named for the module: Falcon-H1's `mamba_attention_mask`
@@ -246,9 +248,14 @@ def argument_map(child: str, module: nn.Module, args: tuple, kwargs: dict, layer
             pairs.append((name, name if name in same else same[0]))
         elif value is None or isinstance(value, _LITERALS):
             constants.append((name, value))
+        elif value is x:
+            pairs.append((name, INPUT))
+        elif residual is None and isinstance(value, torch.Tensor) and isinstance(x, torch.Tensor) and value.shape == x.shape:
+            pairs.append((name, RESIDUAL))
+            residual = value
         else:
             return None
-    return tuple(pairs), tuple(constants)
+    return tuple(pairs), tuple(constants), residual
 
 
 @contextlib.contextmanager

@@ -70,11 +70,27 @@ class Branch:
                    data.get("scale"), None if arguments is None else tuple(arguments.items()),
                    tuple(data.get("constants", {}).items()))
 
-    def call_kwargs(self, layer_kwargs: dict) -> dict:
-        """The keyword arguments the module takes, from those the decoder layer was called with."""
+    def call_kwargs(self, layer_kwargs: dict, x) -> dict:
+        """The keyword arguments the module takes, from those the decoder layer was called with (X: the module's
+        input, for the markers below)."""
         if self.arguments is None:
             return layer_kwargs
-        return {**{name: layer_kwargs.get(source) for name, source in self.arguments}, **dict(self.constants)}
+        kwargs = {name: _argument(source, layer_kwargs, x) for name, source in self.arguments}
+        return {**kwargs, **dict(self.constants)}
+
+
+# Sources of a module argument that are not the layer's: the module's own input again (CTRL's attention takes
+# v, k, q), or the residual stream that the module adds to its output itself (Bloom, MPT's MLP): zeros stand in
+# for it, so the module returns its own output, which AttnRes adds as a source.
+INPUT, RESIDUAL = "<input>", "<residual>"
+
+
+def _argument(source: str, layer_kwargs: dict, x):
+    if source == INPUT:
+        return x
+    if source == RESIDUAL:
+        return x.new_zeros(x.shape)
+    return layer_kwargs.get(source)
 
 
 @dataclass(frozen=True)

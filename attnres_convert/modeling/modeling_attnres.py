@@ -122,7 +122,7 @@ def run_sublayer(layer: nn.Module, sublayer: Sublayer, h: torch.Tensor, call_kwa
         norm = module_at(layer, branch.norm) if norm is None else norm
         module = module_at(layer, branch.module) if module is None else module
         x = h if normed else norm(h)
-        y = module(x, **branch.call_kwargs(call_kwargs)) if branch.attention else module(x)
+        y = module(x, **branch.call_kwargs(call_kwargs, x)) if branch.attention else module(x)
         if isinstance(y, tuple):  # attention returns (output, weights); some MoE blocks (output, router)
             y = y[0]
         for post in branch.post:
