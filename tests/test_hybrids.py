@@ -1,7 +1,8 @@
 """State-space and hybrid stacks converted, saved and loaded in a Python without this package: a pure SSM
 (Mamba), a hybrid of Mamba and attention layers with MoE (Jamba), a hybrid of gated delta-net and attention layers
 (Qwen3-Next) and one with Mamba-2 and attention in parallel (Falcon-H1). Their recurrent and convolution states
-travel in the cache the base model passes to each layer, so the rewritten layers carry them as they are.
+travel in the cache the base model passes to each layer, so the rewritten layers carry them as they are. The same
+for layers whose modules take the residual and add it themselves (Bloom, MPT) or take their input twice (CTRL).
 
 Each reloaded folder gives the original's logits (fp32, within the tolerance of `attnres convert`'s check) and,
 with its own cache, the original's greedy tokens; cached and uncached generation agree."""
@@ -20,6 +21,7 @@ from tiny_models import tiny_model, token_ids
 pytestmark = pytest.mark.slow  # each case saves a folder and loads it in a fresh Python
 
 HYBRIDS = ("mamba", "jamba", "qwen3_next", "falcon_h1")
+LONG_TAIL = ("bloom", "mpt", "ctrl")
 NEW_TOKENS = 8
 
 
@@ -29,7 +31,7 @@ def _greedy(model, ids, use_cache=True):
     return out[:, ids.shape[1]:]
 
 
-@pytest.mark.parametrize("family", HYBRIDS)
+@pytest.mark.parametrize("family", HYBRIDS + LONG_TAIL)
 def test_hybrid_converts_exactly_and_reloads_without_this_package(family, tmp_path):
     original = tiny_model(family)
     ids = token_ids(batch=1, length=12, seed=3)

@@ -2,7 +2,8 @@
 the 14 of the architecture table, and families whose structure only discovery finds (Granite's multipliers,
 GLM-4's sandwich norms, OPT's MLP as a chain of modules, Cohere's parallel residual with qk-norm and a logit
 scale, DeepSeek-V3's latent attention with a dense first layer then MoE with a shared expert, Falcon's new
-decoder architecture with two norms in parallel), and state-space and hybrid stacks (Mamba; Jamba's Mamba and
+decoder architecture with two norms in parallel), modules that add the residual themselves or take their input
+twice (Bloom, MPT, CTRL), and state-space and hybrid stacks (Mamba; Jamba's Mamba and
 attention layers with MoE every other layer; Falcon-H1's Mamba-2 and attention in parallel; Qwen3-Next's gated delta-net and attention layers)."""
 
 from __future__ import annotations
@@ -43,6 +44,10 @@ CONFIGS = {
         qk_nope_head_dim=16, v_head_dim=16, n_group=1, topk_group=1,
     ),
     "falcon_new": lambda: T.FalconConfig(**_NEOX, new_decoder_architecture=True, num_kv_heads=2),
+    # modules that add the residual themselves (Bloom's attention and MLP, MPT's MLP), or take their input twice (CTRL)
+    "bloom": lambda: T.BloomConfig(**_IDS, hidden_size=64, n_layer=3, n_head=4),
+    "mpt": lambda: T.MptConfig(**_IDS, d_model=64, n_layers=3, n_heads=4, max_seq_len=256),
+    "ctrl": lambda: T.CTRLConfig(**_IDS, n_embd=64, n_layer=3, n_head=4, dff=128, n_positions=256),
     # state-space and hybrid stacks: recurrent and convolution states travel in the cache
     "mamba": lambda: T.MambaConfig(**_IDS, hidden_size=64, num_hidden_layers=3, state_size=8, time_step_rank=8),
     "jamba": lambda: T.JambaConfig(
