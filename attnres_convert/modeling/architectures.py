@@ -250,6 +250,9 @@ def locate(model) -> Where:
     decoder = _decoder_of(model)
     in_decoder = [(n, m) for n, m in stacks if decoder is not None and any(m is d for d in decoder.modules())]
     stacks = in_decoder or stacks
+    if len(stacks) > 1:  # towers inside the language model's embeddings sit deeper than its stack (Phi-4-MM)
+        depth = min(name.count(".") for name, _ in stacks)
+        stacks = [(n, m) for n, m in stacks if n.count(".") == depth]
     if not stacks:
         raise UnsupportedModelError(f"{type(model).__name__}: found no list of {want} decoder layers in {type(base).__name__}")
     layers, stack = max(stacks, key=lambda item: sum(p.numel() for p in item[1].parameters()))
