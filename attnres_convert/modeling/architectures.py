@@ -361,6 +361,11 @@ FAMILIES: tuple[Family, ...] = (
 )
 
 _ENCODER = "{} is an encoder (bidirectional attention, post-norm layers), not a decoder-only causal LM"
+_HYPER = ("{} uses hyper-connections: several residual streams mixed by learned matrices, read at the end by "
+          "`{}`; AttnRes replaces one residual stream")
+_OWN_ATTNRES = "{} already mixes its blocks' outputs with attention over depth (its own attention residuals)"
+_SCALED = ("{} scales the residual stream itself at every sublayer by {}: the stream is not a sum of sublayer "
+           "outputs")
 
 # Known model types that cannot be converted exactly, and why (what discovery would only see as a failure).
 REFUSED: dict[str, str] = {
@@ -392,6 +397,28 @@ REFUSED: dict[str, str] = {
     "and its output feeds the next Mamba layer's input instead of adding to the stream: not a PreNorm sublayer",
     "zamba2": "Zamba2's shared attention block reads the residual stream concatenated with the input embeddings, "
     "and its output feeds the next Mamba layer's input instead of adding to the stream: not a PreNorm sublayer",
+    **{t: _HYPER.format(n, m) for t, n, m in (
+        ("deepseek_v4", "DeepSeek-V4", "hc_head"), ("hy_v4", "HY-V4", "hc_head"),
+        ("qwen4_exp", "Qwen4-Exp", "hyper_connection_mixer"), ("qwen4_exp_text", "Qwen4-Exp", "hyper_connection_mixer"),
+    )},
+    **{t: _OWN_ATTNRES.format(n) for t, n in (("inkling2_text", "Inkling-2"), ("inkling2_loop_text", "Inkling-2-Loop"))},
+    **{t: _SCALED.format(n, how) for t, n, how in (
+        ("doge", "Doge", "a learned per-channel vector (input_residual, post_attention_residual)"),
+        ("zaya", "ZAYA", "a learned per-channel scale and bias (ZayaResidualScaling)"),
+        ("beam", "Beam", "sqrt((k-1)/k) at the k-th add (depth_scaled_residual_add)"),
+    )},
+    "dory": "Dory moves the stream towards each sublayer's output (hidden + alpha * (output - hidden), nGPT style) "
+    "and loops its middle layers: the stream is not a sum of sublayer outputs",
+    **{t: "Gemma-3n keeps several residual streams (AltUp) that learned coefficients predict and correct around "
+       "each layer: not one PreNorm residual stream" for t in ("gemma3n", "gemma3n_text")},
+    "hrm_text": "HRM-Text runs its two layer stacks several times per token (H and L cycles): a layer is not one "
+    "step of one residual stream",
+    "blt": "BLT is a byte-level model of a local encoder, a global transformer over patches and a local decoder "
+    "joined by cross-attention: not one decoder stack",
+    "reformer": "Reformer's layers are reversible: two residual streams, each updated from the other",
+    "git": "GIT's layers are post-norm (BERT-style LayerNorm(output + residual))",
+    "trocr": "TrOCR's decoder layers are post-norm (LayerNorm after each residual add) with cross-attention to "
+    "the image encoder",
     "minimax": "MiniMax adds each sublayer's output to the normalised stream (its residual is taken after "
     "input_layernorm), so the stream is re-normalised at every sublayer: post-norm, not PreNorm",
 }
