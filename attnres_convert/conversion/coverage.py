@@ -1,14 +1,15 @@
 """Which causal-LM model types of the installed transformers convert exactly: the coverage walk.
 
 For every model type of transformers' causal-LM mapping (and a few non-default config variants), build a
-tiny random model (hidden 64, 2 layers, small vocabulary), convert it with `convert_model` (structure
+tiny random model (hidden 64, 2 layers of different kinds where the model mixes kinds, small vocabulary; image-text
+models with their towers shrunk too: tiny_configs.py), convert it with `convert_model` (structure
 discovery and the per-layer proof) and check the result against the original: logits within 1e-4, greedy
 generation with the KV cache identical (cached and uncached), logits within 1e-4 on a left-padded batch. Each
 row is one of
 
 * converted: the conversion is exact (also on a left-padded batch, where the original takes one);
 * refused:   the conversion refuses, with its reason (also when the whole-model check fails);
-* not built: transformers could not build a tiny model from the generic shrink of the default config.
+* not built: transformers could not build or run a tiny model from the type's tiny config.
 
 `attnres architectures` prints the walk; tests/test_coverage.py runs it and keeps docs/architectures.md's
 table current. Nothing is downloaded: configs come from transformers' defaults.
@@ -55,6 +56,10 @@ VARIANTS: tuple[tuple[str, str, dict], ...] = (
     ("gemma2", "no soft caps", {"final_logit_softcapping": None, "attn_logit_softcapping": None}),
     ("granite", "residual and embedding multipliers", {"residual_multiplier": 0.22, "embedding_multiplier": 12.0, "logits_scaling": 8.0}),
     ("deepseek_v3", "dense first layer, then MoE with a shared expert", {"first_k_dense_replace": 1, "n_shared_experts": 1}),
+    ("lfm2", "short-convolution and attention layers", {"layer_types": ["conv", "full_attention"], "full_attn_idxs": [1]}),
+    ("qwen3_next", "dense MLPs", {"mlp_only_layers": [0, 1]}),
+    ("jamba", "MoE in every layer", {"expert_layer_period": 1, "expert_layer_offset": 0}),
+    ("nemotron_h", "Mamba-2 and attention layers", {"num_hidden_layers": 2, "layers_block_type": ["linear_attention", "full_attention"]}),
 )
 
 
@@ -274,7 +279,7 @@ def markdown(report: CoverageReport) -> str:
         "",
         f"transformers {report.transformers_version}: {len(report.defaults())} causal-LM model types, "
         f"**{default_counts['converted']} converted exactly**, {default_counts['refused']} refused, "
-        f"{default_counts['not built']} not built from a generic tiny config; plus {len(report.rows) - len(report.defaults())} "
+        f"{default_counts['not built']} not built from a tiny config; plus {len(report.rows) - len(report.defaults())} "
         f"config variants ({counts['converted'] - default_counts['converted']} converted).",
         "",
         "| model type | status | structure found (per decoder layer) or reason |",
