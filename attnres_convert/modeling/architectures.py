@@ -215,6 +215,20 @@ def norm_eps(module) -> float | None:
     return None
 
 
+def _head_by_shape(model) -> str | None:
+    """The LM head of a model whose class names none (no `get_output_embeddings`, a head not called `lm_head`):
+    its one direct child that is a Linear from the hidden size to the vocabulary."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    vocab = getattr(config, "vocab_size", None)
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    hidden = getattr(embeddings, "embedding_dim", None) or getattr(config, "hidden_size", None)
+    found = [
+        name for name, child in model.named_children()
+        if isinstance(child, nn.Linear) and child.out_features == vocab and (hidden is None or child.in_features == hidden)
+    ]
+    return found[0] if len(found) == 1 else None
+
+
 def _decoder_of(model) -> nn.Module | None:
     """The language model of a composite model (`get_decoder`), or None."""
     try:
@@ -229,7 +243,7 @@ def locate(model) -> Where:
     the LM head, and the final norm where the base model has exactly one norm outside its layers. From the
     module tree alone: works on the meta device, before any weights are loaded."""
     head = model.get_output_embeddings()
-    lm_head = _child_name(model, head) if head is not None else None
+    lm_head = _child_name(model, head) if head is not None else _head_by_shape(model)
     if lm_head is None:
         raise UnsupportedModelError(f"{type(model).__name__} has no LM head among its direct modules")
     prefix = getattr(model, "base_model_prefix", "")
