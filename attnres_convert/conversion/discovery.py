@@ -55,6 +55,7 @@ class _Branch:
     arguments: tuple | None = None  # how the module took the layer's arguments (trace.argument_map)
     constants: tuple = ()
     adds_residual: bool = False  # the module adds the stream to its output itself (Bloom)
+    post_arguments: list = field(default_factory=list)  # post-modules called with the layer's arguments
 
 
 
@@ -142,6 +143,8 @@ def discover_layer(layer: nn.Module, call: LayerCall, config, h0: torch.Tensor) 
             elif owner is not None:
                 owner.post.append(entry.name)
                 owner.tail = index
+                if entry.extra:
+                    owner.post_arguments.append((entry.name, entry.arguments, entry.constants))
             elif norm_owner is not None:  # a second module fed by one norm (GPT-J, Phi: parallel branches)
                 branches.append(_Branch(norm_owner.stream, norm_owner.norm, entry.name, [], entry.extra, index, ref,
                                         entry.arguments, entry.constants))
@@ -182,7 +185,7 @@ def discover_layer(layer: nn.Module, call: LayerCall, config, h0: torch.Tensor) 
             name = f"{name}_{stream + 1}"
         used.add(name)
         sublayers.append(Sublayer(name, tuple(
-            Branch(b.norm, b.module, tuple(b.post), b.attention, scale, b.arguments, b.constants)
+            Branch(b.norm, b.module, tuple(b.post), b.attention, scale, b.arguments, b.constants, tuple(b.post_arguments))
             for b, scale in zip(group, scales)
         )))
     if not sublayers:

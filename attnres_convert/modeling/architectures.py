@@ -48,6 +48,9 @@ class Branch:
     # pairs, and (module keyword, value) constants the layer passes; None: the layer's arguments as they are.
     arguments: tuple[tuple[str, str], ...] | None = None
     constants: tuple[tuple[str, object], ...] = ()
+    # Post-modules that take the layer's arguments too (Inkling's short convolutions after attention and the MLP
+    # keep their state in the cache): (post name, arguments as above, constants).
+    post_arguments: tuple[tuple[str, tuple | None, tuple], ...] = ()
 
     def to_dict(self) -> dict:
         data = {"norm": self.norm, "module": self.module}
@@ -61,22 +64,42 @@ class Branch:
             data["arguments"] = dict(self.arguments)
         if self.constants:
             data["constants"] = dict(self.constants)
+        if self.post_arguments:
+            data["post_arguments"] = {
+                name: {"arguments": None if args is None else dict(args), "constants": dict(constants)}
+                for name, args, constants in self.post_arguments
+            }
         return data
 
     @classmethod
     def from_dict(cls, data: dict) -> Branch:
         arguments = data.get("arguments")
+        post_arguments = tuple(
+            (name, None if spec["arguments"] is None else tuple(spec["arguments"].items()), tuple(spec["constants"].items()))
+            for name, spec in data.get("post_arguments", {}).items()
+        )
         return cls(data["norm"], data["module"], tuple(data.get("post", ())), bool(data.get("attention", False)),
                    data.get("scale"), None if arguments is None else tuple(arguments.items()),
-                   tuple(data.get("constants", {}).items()))
+                   tuple(data.get("constants", {}).items()), post_arguments)
 
     def call_kwargs(self, layer_kwargs: dict, x) -> dict:
         """The keyword arguments the module takes, from those the decoder layer was called with (X: the module's
         input, for the markers below)."""
-        if self.arguments is None:
-            return layer_kwargs
-        kwargs = {name: _argument(source, layer_kwargs, x) for name, source in self.arguments}
-        return {**kwargs, **dict(self.constants)}
+        return _kwargs(self.arguments, self.constants, layer_kwargs, x)
+
+    def post_kwargs(self, post: str, layer_kwargs: dict, x) -> dict | None:
+        """The keyword arguments post-module POST takes, or None where it takes only the branch's output."""
+        for name, arguments, constants in self.post_arguments:
+            if name == post:
+                return _kwargs(arguments, constants, layer_kwargs, x)
+        return None
+
+
+def _kwargs(arguments, constants, layer_kwargs: dict, x) -> dict:
+    if arguments is None:
+        return layer_kwargs
+    kwargs = {name: _argument(source, layer_kwargs, x) for name, source in arguments}
+    return {**kwargs, **dict(constants)}
 
 
 # Sources of a module argument that are not the layer's: the module's own input again (CTRL's attention takes

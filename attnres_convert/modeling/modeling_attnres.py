@@ -126,7 +126,8 @@ def run_sublayer(layer: nn.Module, sublayer: Sublayer, h: torch.Tensor, call_kwa
         if isinstance(y, tuple):  # attention returns (output, weights); some MoE blocks (output, router)
             y = y[0]
         for post in branch.post:
-            y = module_at(layer, post)(y)
+            extra = branch.post_kwargs(post, call_kwargs, y) if branch.post_arguments else None
+            y = module_at(layer, post)(y) if extra is None else module_at(layer, post)(y, **extra)
             if isinstance(y, tuple):
                 y = y[0]
         if y.shape != h.shape:  # a branch that returns its tokens flattened (Llama-4's MoE)
