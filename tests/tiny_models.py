@@ -47,6 +47,9 @@ CONFIGS = {
     # modules that add the residual themselves (Bloom's attention and MLP, MPT's MLP), or take their input twice (CTRL)
     "bloom": lambda: T.BloomConfig(**_IDS, hidden_size=64, n_layer=3, n_head=4),
     "mpt": lambda: T.MptConfig(**_IDS, d_model=64, n_layers=3, n_heads=4, max_seq_len=256),
+    "gpt_neox_japanese": lambda: T.GPTNeoXJapaneseConfig(  # its last attention returns a bias the layer adds
+        **_IDS, hidden_size=64, intermediate_multiple_size=2, num_hidden_layers=3, num_attention_heads=4,
+    ),
     "ctrl": lambda: T.CTRLConfig(**_IDS, n_embd=64, n_layer=3, n_head=4, dff=128, n_positions=256),
     # state-space and hybrid stacks: recurrent and convolution states travel in the cache
     "mamba": lambda: T.MambaConfig(**_IDS, hidden_size=64, num_hidden_layers=3, state_size=8, time_step_rank=8),

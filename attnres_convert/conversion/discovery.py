@@ -56,7 +56,20 @@ class _Branch:
     constants: tuple = ()
     adds_residual: bool = False  # the module adds the stream to its output itself (Bloom)
     post_arguments: list = field(default_factory=list)  # post-modules called with the layer's arguments
+    output_bias: int = 0  # index of a bias in the module's output tuple that the layer adds (GPT-NeoX-Japanese)
 
+
+
+def _output_bias(entry, y: torch.Tensor, delta: torch.Tensor) -> int:
+    """The index of a vector in ENTRY's output tuple that the layer adds to its output Y (the stream's step is
+    DELTA = Y + that vector), or 0."""
+    if (delta - y).abs().max() <= 1e-6 * y.abs().max():
+        return 0
+    for index, value in enumerate(entry.outputs[1:], start=1):
+        if isinstance(value, torch.Tensor) and value.dim() == 1 and value.shape[-1] == y.shape[-1]:
+            if torch.allclose(y + value.double(), delta, rtol=1e-5, atol=1e-6):
+                return index
+    return 0
 
 
 def _copy_of(ref, calls, streams) -> torch.Tensor | None:
@@ -174,9 +187,13 @@ def discover_layer(layer: nn.Module, call: LayerCall, config, h0: torch.Tensor) 
         scales: list[float | None] = [None] * len(group)
         if len(group) == 1:
             y = calls[group[0].tail].y.double()
+            delta = streams[stream + 1].double() - streams[stream].double()
             if group[0].adds_residual:
                 y = y - streams[stream].double()
-            delta = streams[stream + 1].double() - streams[stream].double()
+            elif not group[0].post:
+                group[0].output_bias = _output_bias(calls[group[0].tail], y, delta)
+                if group[0].output_bias:
+                    y = y + calls[group[0].tail].outputs[group[0].output_bias].double()
             denominator = (y * y).sum().item()
             if denominator > 0:
                 scales[0] = _snap((delta * y).sum().item() / denominator, config)
@@ -185,7 +202,8 @@ def discover_layer(layer: nn.Module, call: LayerCall, config, h0: torch.Tensor) 
             name = f"{name}_{stream + 1}"
         used.add(name)
         sublayers.append(Sublayer(name, tuple(
-            Branch(b.norm, b.module, tuple(b.post), b.attention, scale, b.arguments, b.constants, tuple(b.post_arguments))
+            Branch(b.norm, b.module, tuple(b.post), b.attention, scale, b.arguments, b.constants, tuple(b.post_arguments),
+                   b.output_bias)
             for b, scale in zip(group, scales)
         )))
     if not sublayers:

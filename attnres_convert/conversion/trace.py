@@ -171,6 +171,7 @@ class ChildCall:
     arguments: tuple[tuple[str, str], ...] | None = None
     constants: tuple[tuple[str, object], ...] = ()
     residual: object = None  # the tensor passed as RESIDUAL (discovery checks that it is the residual stream)
+    outputs: tuple = ()  # copies of the tensors of its output tuple (None elsewhere), where it returns one
 
 
 def probe_hidden(call: LayerCall, seed: int) -> torch.Tensor:
@@ -203,6 +204,8 @@ def trace_layer(layer: nn.Module, call: LayerCall, h0: torch.Tensor) -> tuple[li
             if entry.y is None:
                 entry.y = y.detach().clone() if isinstance(y, torch.Tensor) else None
                 entry.y_ref = y
+                if isinstance(output, tuple):
+                    entry.outputs = tuple(v.detach().clone() if isinstance(v, torch.Tensor) else None for v in output)
                 break
 
     for name, child in layer.named_children():

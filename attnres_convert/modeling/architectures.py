@@ -51,6 +51,9 @@ class Branch:
     # Post-modules that take the layer's arguments too (Inkling's short convolutions after attention and the MLP
     # keep their state in the cache): (post name, arguments as above, constants).
     post_arguments: tuple[tuple[str, tuple | None, tuple], ...] = ()
+    # > 0: the module returns a bias at this index of its output tuple, which the layer adds to its output
+    # (GPT-NeoX-Japanese's attention).
+    output_bias: int = 0
 
     def to_dict(self) -> dict:
         data = {"norm": self.norm, "module": self.module}
@@ -64,6 +67,8 @@ class Branch:
             data["arguments"] = dict(self.arguments)
         if self.constants:
             data["constants"] = dict(self.constants)
+        if self.output_bias:
+            data["output_bias"] = self.output_bias
         if self.post_arguments:
             data["post_arguments"] = {
                 name: {"arguments": None if args is None else dict(args), "constants": dict(constants)}
@@ -80,7 +85,7 @@ class Branch:
         )
         return cls(data["norm"], data["module"], tuple(data.get("post", ())), bool(data.get("attention", False)),
                    data.get("scale"), None if arguments is None else tuple(arguments.items()),
-                   tuple(data.get("constants", {}).items()), post_arguments)
+                   tuple(data.get("constants", {}).items()), post_arguments, int(data.get("output_bias", 0)))
 
     def call_kwargs(self, layer_kwargs: dict, x) -> dict:
         """The keyword arguments the module takes, from those the decoder layer was called with (X: the module's

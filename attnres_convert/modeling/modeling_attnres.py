@@ -124,7 +124,7 @@ def run_sublayer(layer: nn.Module, sublayer: Sublayer, h: torch.Tensor, call_kwa
         x = h if normed else norm(h)
         y = module(x, **branch.call_kwargs(call_kwargs, x)) if branch.attention else module(x)
         if isinstance(y, tuple):  # attention returns (output, weights); some MoE blocks (output, router)
-            y = y[0]
+            y = y[0] if not branch.output_bias or y[branch.output_bias] is None else y[0] + y[branch.output_bias]
         for post in branch.post:
             extra = branch.post_kwargs(post, call_kwargs, y) if branch.post_arguments else None
             y = module_at(layer, post)(y) if extra is None else module_at(layer, post)(y, **extra)
