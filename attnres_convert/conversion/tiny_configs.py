@@ -52,6 +52,7 @@ TYPE_OVERRIDES: dict[str, dict] = {
     "dory": {"n_input_layers": 1, "n_recurrent_layers": 0, "n_output_layers": 1, "n_recurrent_loops": 1},
     # sliding layers: head_dim = qk_nope_head_dim (32, their per-layer override) + qk_rope_head_dim (16)
     "dots3_note_text": {"head_dim": 48, "index_head_dim": 16, "index_n_heads": 2, "index_topk": 4},
+    "gemma3": {"mm_tokens_per_image": 4},  # 4 x 4 patches of the tiny tower pooled to 2 x 2 image tokens
     "gemma3n_text": {"num_kv_shared_layers": 0},
     "gemma4_assistant": {"text_config": {"hidden_size_per_layer_input": 0, "vocab_size_per_layer_input": 0,
                                          "num_kv_shared_layers": LAYERS}},
