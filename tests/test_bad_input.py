@@ -116,8 +116,9 @@ def _opt_post_norm():
                        word_embed_proj_dim=32, do_layer_norm_before=False)
 
 
-def _bloom():
-    return T.BloomConfig(hidden_size=32, n_layer=2, n_head=4, vocab_size=128)
+def _exaone4():
+    return T.Exaone4Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, vocab_size=128)
 
 
 def _olmo2():
@@ -157,15 +158,16 @@ def test_refused_architectures(tmp_path, make, needles):
 
 
 def test_unsupported_architecture_with_weights(tmp_path):
-    """A complete tiny BLOOM (weights too): its attention adds the residual itself, so no structure reproduces
-    its layers; the refusal names the layer and sublayer, after loading, and nothing is written."""
+    """A complete tiny EXAONE-4 (weights too): its attention reads the residual stream without a norm before it
+    (post-norm), so no structure reproduces its layers; the refusal names the layer and why, after loading, and
+    nothing is written."""
     from transformers import AutoModelForCausalLM
 
-    folder = tmp_path / "tiny-bloom"
-    AutoModelForCausalLM.from_config(_bloom()).save_pretrained(folder)
+    folder = tmp_path / "tiny-exaone4"
+    AutoModelForCausalLM.from_config(_exaone4()).save_pretrained(folder)
     out = tmp_path / "out"
     result = run_cli("convert", folder, "-o", out)
-    assert_user_error(result, str(folder), "bloom", "decoder layer 0, sublayer 1", "attnres architectures", out=out)
+    assert_user_error(result, str(folder), "exaone4", "decoder layer 0", "post-norm", "attnres architectures", out=out)
 
 
 def test_made_up_model_type(tmp_path, tiny_llama_folder):

@@ -40,8 +40,8 @@ def test_refusals_say_why(report):
     assert "post-norm" in by_label["olmo2"].detail
     assert "encoder-decoder" in by_label["bart"].detail
     assert "encoder" in by_label["bert"].detail
-    assert "state-space" in by_label["mamba"].detail
-    assert "Mamba" in by_label["jamba"].detail and "hybrid" in by_label["jamba"].detail
+    assert "concatenated with the input embeddings" in by_label["zamba"].detail
+    assert "re-normalised at every sublayer" in by_label["minimax"].detail
     assert "do_layer_norm_before=False" in by_label["opt (post-norm (do_layer_norm_before=False))"].detail
 
 

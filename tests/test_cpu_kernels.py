@@ -386,7 +386,8 @@ def test_a_layer_norm_family_at_zero_queries():
 
 
 # Norms the C++ readers fuse: the Llama-style RMSNorms. Not fused: Gemma's (1 + weight) and the LayerNorms.
-FUSED_NORMS = {"llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "phi3", "granite", "glm4", "deepseek_v3"}
+FUSED_NORMS = {"llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "phi3", "granite", "glm4", "deepseek_v3", "mamba", "jamba",
+               "falcon_h1"}
 
 
 @pytest.mark.parametrize("family", sorted(CONFIGS))

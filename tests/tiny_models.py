@@ -2,7 +2,9 @@
 the 14 of the architecture table, and families whose structure only discovery finds (Granite's multipliers,
 GLM-4's sandwich norms, OPT's MLP as a chain of modules, Cohere's parallel residual with qk-norm and a logit
 scale, DeepSeek-V3's latent attention with a dense first layer then MoE with a shared expert, Falcon's new
-decoder architecture with two norms in parallel)."""
+decoder architecture with two norms in parallel), modules that add the residual themselves or take their input
+twice (Bloom, MPT, CTRL), and state-space and hybrid stacks (Mamba; Jamba's Mamba and
+attention layers with MoE every other layer; Falcon-H1's Mamba-2 and attention in parallel; Qwen3-Next's gated delta-net and attention layers)."""
 
 from __future__ import annotations
 
@@ -42,6 +44,27 @@ CONFIGS = {
         qk_nope_head_dim=16, v_head_dim=16, n_group=1, topk_group=1,
     ),
     "falcon_new": lambda: T.FalconConfig(**_NEOX, new_decoder_architecture=True, num_kv_heads=2),
+    # modules that add the residual themselves (Bloom's attention and MLP, MPT's MLP), or take their input twice (CTRL)
+    "bloom": lambda: T.BloomConfig(**_IDS, hidden_size=64, n_layer=3, n_head=4),
+    "mpt": lambda: T.MptConfig(**_IDS, d_model=64, n_layers=3, n_heads=4, max_seq_len=256),
+    "gpt_neox_japanese": lambda: T.GPTNeoXJapaneseConfig(  # its last attention returns a bias the layer adds
+        **_IDS, hidden_size=64, intermediate_multiple_size=2, num_hidden_layers=3, num_attention_heads=4,
+    ),
+    "ctrl": lambda: T.CTRLConfig(**_IDS, n_embd=64, n_layer=3, n_head=4, dff=128, n_positions=256),
+    # state-space and hybrid stacks: recurrent and convolution states travel in the cache
+    "mamba": lambda: T.MambaConfig(**_IDS, hidden_size=64, num_hidden_layers=3, state_size=8, time_step_rank=8),
+    "jamba": lambda: T.JambaConfig(
+        **_DECODER, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
+        num_experts=4, num_experts_per_tok=2, mamba_d_state=8, mamba_dt_rank=8, use_mamba_kernels=False,
+    ),
+    "falcon_h1": lambda: T.FalconH1Config(  # Mamba-2 in parallel with attention, the mixer's mask under its own name
+        **_DECODER, head_dim=16, mamba_d_ssm=128, mamba_n_heads=8, mamba_d_head=16, mamba_d_state=8, mamba_chunk_size=8,
+    ),
+    "qwen3_next": lambda: T.Qwen3NextConfig(
+        **_DECODER, head_dim=16, layer_types=["linear_attention", "full_attention", "linear_attention"],
+        linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+    ),
 }
 
 

@@ -119,7 +119,7 @@ def convert(
     if opts.verify:
         with stage("Running the original model"):
             tokens, new_tokens = fit_to_context(base.config, opts.verify_tokens, opts.verify_new_tokens)
-            ids = sample_input_ids(tokenizer, opts.verify_text, tokens, base.config.vocab_size)
+            ids = sample_input_ids(tokenizer, opts.verify_text, tokens, base.config.get_text_config().vocab_size)
             reference = capture_reference(base, ids, new_tokens)
     with stage("Converting"):  # finds and proves the layer structure, then converts
         try:

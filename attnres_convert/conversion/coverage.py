@@ -1,14 +1,15 @@
 """Which causal-LM model types of the installed transformers convert exactly: the coverage walk.
 
 For every model type of transformers' causal-LM mapping (and a few non-default config variants), build a
-tiny random model (hidden 64, 2 layers, small vocabulary), convert it with `convert_model` (structure
+tiny random model (hidden 64, 2 layers of different kinds where the model mixes kinds, small vocabulary; image-text
+models with their towers shrunk too: tiny_configs.py), convert it with `convert_model` (structure
 discovery and the per-layer proof) and check the result against the original: logits within 1e-4, greedy
 generation with the KV cache identical (cached and uncached), logits within 1e-4 on a left-padded batch. Each
 row is one of
 
 * converted: the conversion is exact (also on a left-padded batch, where the original takes one);
 * refused:   the conversion refuses, with its reason (also when the whole-model check fails);
-* not built: transformers could not build a tiny model from the generic shrink of the default config.
+* not built: transformers could not build or run a tiny model from the type's tiny config.
 
 `attnres architectures` prints the walk; tests/test_coverage.py runs it and keeps docs/architectures.md's
 table current. Nothing is downloaded: configs come from transformers' defaults.
@@ -29,6 +30,7 @@ import torch
 from ..errors import first_line
 from ..modeling.architectures import UnsupportedModelError, config_refusal
 from .single_thread import run_single_threaded
+from .tiny_configs import tiny_config
 
 STATUSES = ("converted", "refused", "not built")
 MAX_PARAMETERS = 8_000_000  # a tiny config that still has more did not shrink: not worth building
@@ -36,20 +38,6 @@ LOGIT_TOLERANCE = 1e-4
 PROMPT_TOKENS = 8
 LEFT_PADDING = 3
 NEW_TOKENS = 4
-
-# Overrides applied where the default config has the attribute (through its attribute_map too).
-SHRINK = dict(
-    hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-    intermediate_size=128, vocab_size=256, max_position_embeddings=256, num_experts=4, num_local_experts=4,
-    n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
-    shared_expert_intermediate_size=32, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=16,
-    qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16, n_group=1, topk_group=1, rotary_dim=16,
-    pad_token_id=0, bos_token_id=1, eos_token_id=2, sliding_window=4,
-)
-# What the generic shrink cannot guess: per-layer lists whose length is the number of layers.
-TYPE_OVERRIDES: dict[str, dict] = {
-    "gpt_neo": {"attention_types": [[["global", "local"], 1]]},
-}
 
 # Non-default settings worth their own row: (model type, label, overrides).
 VARIANTS: tuple[tuple[str, str, dict], ...] = (
@@ -68,6 +56,10 @@ VARIANTS: tuple[tuple[str, str, dict], ...] = (
     ("gemma2", "no soft caps", {"final_logit_softcapping": None, "attn_logit_softcapping": None}),
     ("granite", "residual and embedding multipliers", {"residual_multiplier": 0.22, "embedding_multiplier": 12.0, "logits_scaling": 8.0}),
     ("deepseek_v3", "dense first layer, then MoE with a shared expert", {"first_k_dense_replace": 1, "n_shared_experts": 1}),
+    ("lfm2", "short-convolution and attention layers", {"layer_types": ["conv", "full_attention"], "full_attn_idxs": [1]}),
+    ("qwen3_next", "dense MLPs", {"mlp_only_layers": [0, 1]}),
+    ("jamba", "MoE in every layer", {"expert_layer_period": 1, "expert_layer_offset": 0}),
+    ("nemotron_h", "Mamba-2 and attention layers", {"num_hidden_layers": 2, "layers_block_type": ["linear_attention", "full_attention"]}),
 )
 
 
@@ -105,23 +97,6 @@ def causal_lm_model_types() -> list[str]:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
-
-
-def tiny_config(model_type: str, **overrides):
-    """The default config of MODEL_TYPE, shrunk where it has the usual size attributes."""
-    from transformers import AutoConfig
-
-    default = AutoConfig.for_model(model_type)
-    shrink = {
-        key: value
-        for key, value in SHRINK.items()
-        if hasattr(default, key) and not isinstance(getattr(type(default), key, None), property)  # derived values
-    }
-    if hasattr(default, "kv_lora_rank") and "num_key_value_heads" in shrink:
-        shrink["num_key_value_heads"] = shrink["num_attention_heads"]  # multi-head latent attention: no GQA
-    if getattr(default, "sliding_window", None) is None:
-        shrink.pop("sliding_window", None)  # only shrink a window the default has
-    return AutoConfig.for_model(model_type, **{**shrink, **TYPE_OVERRIDES.get(model_type, {}), **overrides})
 
 
 def _short_error(error: BaseException) -> str:
@@ -304,7 +279,7 @@ def markdown(report: CoverageReport) -> str:
         "",
         f"transformers {report.transformers_version}: {len(report.defaults())} causal-LM model types, "
         f"**{default_counts['converted']} converted exactly**, {default_counts['refused']} refused, "
-        f"{default_counts['not built']} not built from a generic tiny config; plus {len(report.rows) - len(report.defaults())} "
+        f"{default_counts['not built']} not built from a tiny config; plus {len(report.rows) - len(report.defaults())} "
         f"config variants ({counts['converted'] - default_counts['converted']} converted).",
         "",
         "| model type | status | structure found (per decoder layer) or reason |",

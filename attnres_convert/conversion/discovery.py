@@ -52,7 +52,37 @@ class _Branch:
     attention: bool = False
     tail: int = -1  # index of the call whose output is the branch's current value
     norm_call: int = -1
+    arguments: tuple | None = None  # how the module took the layer's arguments (trace.argument_map)
+    constants: tuple = ()
+    adds_residual: bool = False  # the module adds the stream to its output itself (Bloom)
+    post_arguments: list = field(default_factory=list)  # post-modules called with the layer's arguments
+    output_bias: int = 0  # index of a bias in the module's output tuple that the layer adds (GPT-NeoX-Japanese)
 
+
+
+def _output_bias(entry, y: torch.Tensor, delta: torch.Tensor) -> int:
+    """The index of a vector in ENTRY's output tuple that the layer adds to its output Y (the stream's step is
+    DELTA = Y + that vector), or 0."""
+    if (delta - y).abs().max() <= 1e-6 * y.abs().max():
+        return 0
+    for index, value in enumerate(entry.outputs[1:], start=1):
+        if isinstance(value, torch.Tensor) and value.dim() == 1 and value.shape[-1] == y.shape[-1]:
+            if torch.allclose(y + value.double(), delta, rtol=1e-5, atol=1e-6):
+                return index
+    return 0
+
+
+def _copy_of(ref, calls, streams) -> torch.Tensor | None:
+    """The values of tensor REF as the layer held them: a stream, or a child's recorded input or output."""
+    for stream in streams:
+        if stream is ref:
+            return stream
+    for entry in calls:
+        if entry.x_ref is ref:
+            return entry.x
+        if entry.y_ref is ref:
+            return entry.y
+    return ref if isinstance(ref, torch.Tensor) else None
 
 
 def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
@@ -116,14 +146,30 @@ def discover_layer(layer: nn.Module, call: LayerCall, config, h0: torch.Tensor) 
             norm_owner = next((b for b in branches if b.norm_call == ref), None)
             if owner is not None and owner.module is None:
                 owner.module, owner.attention, owner.tail = entry.name, entry.extra, index
+                owner.arguments, owner.constants = entry.arguments, entry.constants
+                if entry.residual is not None:
+                    if not _same(_copy_of(entry.residual, calls, streams), streams[owner.stream]):
+                        raise UnsupportedModelError(
+                            f"`{entry.name}` takes a second tensor like its input that is not the residual stream"
+                        )
+                    owner.adds_residual = True
             elif owner is not None:
                 owner.post.append(entry.name)
                 owner.tail = index
+                if entry.extra:
+                    owner.post_arguments.append((entry.name, entry.arguments, entry.constants))
             elif norm_owner is not None:  # a second module fed by one norm (GPT-J, Phi: parallel branches)
-                branches.append(_Branch(norm_owner.stream, norm_owner.norm, entry.name, [], entry.extra, index, ref))
+                branches.append(_Branch(norm_owner.stream, norm_owner.norm, entry.name, [], entry.extra, index, ref,
+                                        entry.arguments, entry.constants))
             else:
                 raise UnsupportedModelError(f"cannot place `{entry.name}` in the layer's data flow")
-        if entry.y is not None:
+        if entry.y is not None and entry.residual is not None and kind != "stream":
+            # Its output already holds the stream: it is the next residual stream.
+            streams.append(entry.y)
+            produced.append(("stream", len(streams) - 1))
+            values.append(entry.y)
+            refs.append(entry.y_ref)
+        elif entry.y is not None:
             produced.append(("call", index))
             values.append(entry.y)
             refs.append(entry.y_ref)
@@ -142,6 +188,12 @@ def discover_layer(layer: nn.Module, call: LayerCall, config, h0: torch.Tensor) 
         if len(group) == 1:
             y = calls[group[0].tail].y.double()
             delta = streams[stream + 1].double() - streams[stream].double()
+            if group[0].adds_residual:
+                y = y - streams[stream].double()
+            elif not group[0].post:
+                group[0].output_bias = _output_bias(calls[group[0].tail], y, delta)
+                if group[0].output_bias:
+                    y = y + calls[group[0].tail].outputs[group[0].output_bias].double()
             denominator = (y * y).sum().item()
             if denominator > 0:
                 scales[0] = _snap((delta * y).sum().item() / denominator, config)
@@ -150,7 +202,9 @@ def discover_layer(layer: nn.Module, call: LayerCall, config, h0: torch.Tensor) 
             name = f"{name}_{stream + 1}"
         used.add(name)
         sublayers.append(Sublayer(name, tuple(
-            Branch(b.norm, b.module, tuple(b.post), b.attention, scale) for b, scale in zip(group, scales)
+            Branch(b.norm, b.module, tuple(b.post), b.attention, scale, b.arguments, b.constants, tuple(b.post_arguments),
+                   b.output_bias)
+            for b, scale in zip(group, scales)
         )))
     if not sublayers:
         raise UnsupportedModelError("the decoder layer adds nothing to the residual stream")

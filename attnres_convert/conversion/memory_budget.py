@@ -133,7 +133,7 @@ def verify_saved(source, folder, budget: VerifyBudget, dtype: str, tokenizer, te
         else:
             original = load_model(source, dtype, trust_remote_code, **budget.load_kwargs(str(offload / "original")))
         tokens, new_tokens = fit_to_context(original.config, budget.tokens, budget.new_tokens)
-        ids = sample_input_ids(tokenizer, text, tokens, original.config.vocab_size)
+        ids = sample_input_ids(tokenizer, text, tokens, original.config.get_text_config().vocab_size)
         reference = capture_reference(original, ids, new_tokens)
         del original
         gc.collect()

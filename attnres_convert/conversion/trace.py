@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..modeling.architectures import UnsupportedModelError, Where, is_norm, module_at
+from ..modeling.architectures import INPUT, RESIDUAL, UnsupportedModelError, Where, is_norm, module_at
 from ..modeling.cache_names import cache_keyword, cache_of
 from ..modeling.modeling_attnres import positional_argnames
 from .single_thread import run_single_threaded
@@ -70,7 +70,7 @@ class ModelTrace:
     final_reader: str | None  # what reads the last layer's output when that is not a norm
     logits: torch.Tensor
     last_hidden: torch.Tensor
-    tuple_output: bool  # the layers return tuples
+    tuple_output: int  # the length of the tuples the layers return (0: a tensor)
     step_logits: torch.Tensor | None = None  # one decoding step after the probe, with the KV cache
 
 
@@ -91,7 +91,7 @@ def trace_model(model: nn.Module, where: Where) -> ModelTrace:
     inside = {id(m) for layer in layers for m in layer.modules()}
     calls: list[LayerCall] = []
     last_output: list[torch.Tensor] = []
-    tuple_output: list[bool] = []
+    tuple_output: list[int] = []
     readers: list[str] = []
     last_hidden: list[torch.Tensor] = []
     hooks = []
@@ -106,7 +106,7 @@ def trace_model(model: nn.Module, where: Where) -> ModelTrace:
 
     def after_last(module, args, kwargs, output):
         last_output.append(first_tensor(output).detach().clone())
-        tuple_output.append(isinstance(output, tuple))
+        tuple_output.append(len(output) if isinstance(output, tuple) else 0)
 
     def reader(name):
         def hook(module, args, kwargs):
@@ -141,7 +141,7 @@ def trace_model(model: nn.Module, where: Where) -> ModelTrace:
     final_norm = name if name is not None and is_norm(module_at(base, name)) else None
     return ModelTrace(
         calls, final_norm, name, output.logits.float(), (last_hidden or head_input)[0],
-        bool(tuple_output and tuple_output[0]), one_more_token_logits(model, output),
+        tuple_output[0] if tuple_output else 0, one_more_token_logits(model, output),
     )
 
 
@@ -167,6 +167,11 @@ class ChildCall:
     extra: bool  # called with more than the hidden states (the layer's mask, positions, cache...)
     y: torch.Tensor | None = None
     y_ref: object = None
+    # How it took the layer's arguments where not under their own names (see `argument_map`), else None.
+    arguments: tuple[tuple[str, str], ...] | None = None
+    constants: tuple[tuple[str, object], ...] = ()
+    residual: object = None  # the tensor passed as RESIDUAL (discovery checks that it is the residual stream)
+    outputs: tuple = ()  # copies of the tensors of its output tuple (None elsewhere), where it returns one
 
 
 def probe_hidden(call: LayerCall, seed: int) -> torch.Tensor:
@@ -187,7 +192,9 @@ def trace_layer(layer: nn.Module, call: LayerCall, h0: torch.Tensor) -> tuple[li
             x = args[0] if args else kwargs.get("hidden_states", next((v for v in kwargs.values() if isinstance(v, torch.Tensor)), None))
             extra = len(args) > 1 or any(k != "hidden_states" for k in kwargs)
             copy_ = x.detach().clone() if isinstance(x, torch.Tensor) else None
-            calls.append(ChildCall(name, copy_, x, extra))
+            mapped = argument_map(name, module, args, kwargs, layer_kwargs) if extra else None
+            arguments, constants, residual = mapped or (None, (), None)
+            calls.append(ChildCall(name, copy_, x, extra, arguments=arguments, constants=constants, residual=residual))
 
         return hook
 
@@ -197,18 +204,61 @@ def trace_layer(layer: nn.Module, call: LayerCall, h0: torch.Tensor) -> tuple[li
             if entry.y is None:
                 entry.y = y.detach().clone() if isinstance(y, torch.Tensor) else None
                 entry.y_ref = y
+                if isinstance(output, tuple):
+                    entry.outputs = tuple(v.detach().clone() if isinstance(v, torch.Tensor) else None for v in output)
                 break
 
     for name, child in layer.named_children():
         hooks.append(child.register_forward_pre_hook(pre(name), with_kwargs=True))
         hooks.append(child.register_forward_hook(post, with_kwargs=True))
+    args, kwargs = call.fresh()
+    layer_kwargs = call.call_kwargs(args, kwargs)
     try:
-        args, kwargs = call.fresh()
         out = first_tensor(layer(h0, *args, **kwargs))
     finally:
         for hook in hooks:
             hook.remove()
     return calls, out
+
+
+_LITERALS = (bool, int, float, str)
+
+
+def argument_map(child: str, module: nn.Module, args: tuple, kwargs: dict, layer_kwargs: dict):
+    """How MODULE (the layer's child CHILD) took the decoder layer's arguments (LAYER_KWARGS) besides the hidden states: None where it took
+    them under their own names (the layer's keywords are passed on as they are), else (pairs, constants): for
+    each argument, the layer's keyword of the very same object, or a literal value (None, a flag) to pass as is.
+    None too where an argument is something the layer computed (the proof then judges the plain pass-on)."""
+    received = {k: v for k, v in kwargs.items() if k != "hidden_states"}
+    if len(args) > 1:
+        names = positional_argnames(type(module))
+        if len(names) < len(args) - 1:
+            return None
+        received.update(zip(names, args[1:]))
+    if len(args) <= 1 and all(
+        k in layer_kwargs and layer_kwargs[k] is v and not (v is None and f"{child}_{k}" in layer_kwargs)
+        for k, v in received.items()
+    ):
+        return None
+    pairs, constants, residual = [], [], None
+    x = args[0] if args else kwargs.get("hidden_states")
+    for name, value in received.items():
+        same = [k for k, v in layer_kwargs.items() if v is value and (value is not None or k == name)]
+        own = f"{child}_{name}"  # a layer argument named for the module: Falcon-H1's `mamba_attention_mask`
+        if own in layer_kwargs and layer_kwargs[own] is value:
+            pairs.append((name, own))
+        elif same:
+            pairs.append((name, name if name in same else same[0]))
+        elif value is None or isinstance(value, _LITERALS):
+            constants.append((name, value))
+        elif value is x:
+            pairs.append((name, INPUT))
+        elif residual is None and isinstance(value, torch.Tensor) and isinstance(x, torch.Tensor) and value.shape == x.shape:
+            pairs.append((name, RESIDUAL))
+            residual = value
+        else:
+            return None
+    return tuple(pairs), tuple(constants), residual
 
 
 @contextlib.contextmanager

@@ -43,6 +43,17 @@ class Branch:
     post: tuple[str, ...] = ()  # modules applied to the branch output before it joins the stream
     attention: bool = False  # receives the layer's call arguments (mask, positions, cache)
     scale: float | None = None  # residual multiplier applied to the branch output (Granite)
+    # Where the module takes the layer's arguments under other names (Falcon-H1's Mamba mixer gets the layer's
+    # `mamba_attention_mask` as `attention_mask`, its cache as `cache_params`): (module keyword, layer keyword)
+    # pairs, and (module keyword, value) constants the layer passes; None: the layer's arguments as they are.
+    arguments: tuple[tuple[str, str], ...] | None = None
+    constants: tuple[tuple[str, object], ...] = ()
+    # Post-modules that take the layer's arguments too (Inkling's short convolutions after attention and the MLP
+    # keep their state in the cache): (post name, arguments as above, constants).
+    post_arguments: tuple[tuple[str, tuple | None, tuple], ...] = ()
+    # > 0: the module returns a bias at this index of its output tuple, which the layer adds to its output
+    # (GPT-NeoX-Japanese's attention).
+    output_bias: int = 0
 
     def to_dict(self) -> dict:
         data = {"norm": self.norm, "module": self.module}
@@ -52,12 +63,62 @@ class Branch:
             data["attention"] = True
         if self.scale is not None:
             data["scale"] = self.scale
+        if self.arguments is not None:
+            data["arguments"] = dict(self.arguments)
+        if self.constants:
+            data["constants"] = dict(self.constants)
+        if self.output_bias:
+            data["output_bias"] = self.output_bias
+        if self.post_arguments:
+            data["post_arguments"] = {
+                name: {"arguments": None if args is None else dict(args), "constants": dict(constants)}
+                for name, args, constants in self.post_arguments
+            }
         return data
 
     @classmethod
     def from_dict(cls, data: dict) -> Branch:
+        arguments = data.get("arguments")
+        post_arguments = tuple(
+            (name, None if spec["arguments"] is None else tuple(spec["arguments"].items()), tuple(spec["constants"].items()))
+            for name, spec in data.get("post_arguments", {}).items()
+        )
         return cls(data["norm"], data["module"], tuple(data.get("post", ())), bool(data.get("attention", False)),
-                   data.get("scale"))
+                   data.get("scale"), None if arguments is None else tuple(arguments.items()),
+                   tuple(data.get("constants", {}).items()), post_arguments, int(data.get("output_bias", 0)))
+
+    def call_kwargs(self, layer_kwargs: dict, x) -> dict:
+        """The keyword arguments the module takes, from those the decoder layer was called with (X: the module's
+        input, for the markers below)."""
+        return _kwargs(self.arguments, self.constants, layer_kwargs, x)
+
+    def post_kwargs(self, post: str, layer_kwargs: dict, x) -> dict | None:
+        """The keyword arguments post-module POST takes, or None where it takes only the branch's output."""
+        for name, arguments, constants in self.post_arguments:
+            if name == post:
+                return _kwargs(arguments, constants, layer_kwargs, x)
+        return None
+
+
+def _kwargs(arguments, constants, layer_kwargs: dict, x) -> dict:
+    if arguments is None:
+        return layer_kwargs
+    kwargs = {name: _argument(source, layer_kwargs, x) for name, source in arguments}
+    return {**kwargs, **dict(constants)}
+
+
+# Sources of a module argument that are not the layer's: the module's own input again (CTRL's attention takes
+# v, k, q), or the residual stream that the module adds to its output itself (Bloom, MPT's MLP): zeros stand in
+# for it, so the module returns its own output, which AttnRes adds as a source.
+INPUT, RESIDUAL = "<input>", "<residual>"
+
+
+def _argument(source: str, layer_kwargs: dict, x):
+    if source == INPUT:
+        return x
+    if source == RESIDUAL:
+        return x.new_zeros(x.shape)
+    return layer_kwargs.get(source)
 
 
 @dataclass(frozen=True)
@@ -97,7 +158,7 @@ class ModelPlan:
     logit_scale: float | None = None  # logits * scale (Cohere)
     logit_divisor: float | None = None  # logits / divisor (Granite)
     logit_softcap: float | None = None  # tanh(logits / cap) * cap (Gemma 2)
-    tuple_output: bool = False  # the layers return a tuple and the base model takes its first element
+    tuple_output: int = 0  # the layers return a tuple of this length (True: 1) and the base model unpacks it; 0: a tensor
 
     def sublayers(self, layer_index: int) -> tuple[Sublayer, ...]:
         return self.kinds[self.layer_kinds[layer_index]]
@@ -124,7 +185,7 @@ class ModelPlan:
             if getattr(self, key) is not None:
                 data[key] = getattr(self, key)
         if self.tuple_output:
-            data["tuple_output"] = True
+            data["tuple_output"] = True if self.tuple_output == 1 else int(self.tuple_output)
         return data
 
     @classmethod
@@ -182,12 +243,35 @@ def norm_eps(module) -> float | None:
     return None
 
 
+def _head_by_shape(model) -> str | None:
+    """The LM head of a model whose class names none (no `get_output_embeddings`, a head not called `lm_head`):
+    its one direct child that is a Linear from the hidden size to the vocabulary."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    vocab = getattr(config, "vocab_size", None)
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    hidden = getattr(embeddings, "embedding_dim", None) or getattr(config, "hidden_size", None)
+    found = [
+        name for name, child in model.named_children()
+        if isinstance(child, nn.Linear) and child.out_features == vocab and (hidden is None or child.in_features == hidden)
+    ]
+    return found[0] if len(found) == 1 else None
+
+
+def _decoder_of(model) -> nn.Module | None:
+    """The language model of a composite model (`get_decoder`), or None."""
+    try:
+        decoder = model.get_decoder()
+    except Exception:  # noqa: BLE001 - models without one, or whose get_decoder needs what they lack
+        return None
+    return decoder if isinstance(decoder, nn.Module) else None
+
+
 def locate(model) -> Where:
     """The base model, its decoder stack (the ModuleList of num_hidden_layers layers with the most parameters),
     the LM head, and the final norm where the base model has exactly one norm outside its layers. From the
     module tree alone: works on the meta device, before any weights are loaded."""
     head = model.get_output_embeddings()
-    lm_head = _child_name(model, head) if head is not None else None
+    lm_head = _child_name(model, head) if head is not None else _head_by_shape(model)
     if lm_head is None:
         raise UnsupportedModelError(f"{type(model).__name__} has no LM head among its direct modules")
     prefix = getattr(model, "base_model_prefix", "")
@@ -197,12 +281,20 @@ def locate(model) -> Where:
         if len(others) != 1:
             raise UnsupportedModelError(f"{type(model).__name__}: cannot tell which module is the base model ({others})")
         prefix, base = others[0], getattr(model, others[0])
-    want = getattr(model.config, "num_hidden_layers", None)
+    text_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    want = getattr(text_config, "num_hidden_layers", None)
     stacks = [
         (name, module)
         for name, module in base.named_modules()
         if isinstance(module, nn.ModuleList) and len(module) > 0 and (want is None or len(module) == want)
     ]
+    # An image-text model has a vision tower beside its language model: the stack is the language model's.
+    decoder = _decoder_of(model)
+    in_decoder = [(n, m) for n, m in stacks if decoder is not None and any(m is d for d in decoder.modules())]
+    stacks = in_decoder or stacks
+    if len(stacks) > 1:  # towers inside the language model's embeddings sit deeper than its stack (Phi-4-MM)
+        depth = min(name.count(".") for name, _ in stacks)
+        stacks = [(n, m) for n, m in stacks if n.count(".") == depth]
     if not stacks:
         raise UnsupportedModelError(f"{type(model).__name__}: found no list of {want} decoder layers in {type(base).__name__}")
     layers, stack = max(stacks, key=lambda item: sum(p.numel() for p in item[1].parameters()))
@@ -311,8 +403,11 @@ FAMILIES: tuple[Family, ...] = (
 )
 
 _ENCODER = "{} is an encoder (bidirectional attention, post-norm layers), not a decoder-only causal LM"
-_SSM = "{} is built of state-space layers ({}), whose cache is a recurrent state: not handled yet"
-_HYBRID = "{} mixes attention with {} layers in one stack: hybrid layers are not handled yet"
+_HYPER = ("{} uses hyper-connections: several residual streams mixed by learned matrices, read at the end by "
+          "`{}`; AttnRes replaces one residual stream")
+_OWN_ATTNRES = "{} already mixes its blocks' outputs with attention over depth (its own attention residuals)"
+_SCALED = ("{} scales the residual stream itself at every sublayer by {}: the stream is not a sum of sublayer "
+           "outputs")
 
 # Known model types that cannot be converted exactly, and why (what discovery would only see as a failure).
 REFUSED: dict[str, str] = {
@@ -321,6 +416,10 @@ REFUSED: dict[str, str] = {
     "olmo3": "OLMo-3 is post-norm like OLMo-2: the residual stream is read without a PreNorm",
     "olmo_hybrid": "OLMo-Hybrid is post-norm like OLMo-2 and mixes in linear-attention layers",
     "openai-gpt": "the original GPT is post-norm: each sublayer's LayerNorm is applied after the residual add",
+    "gemma4_assistant": "Gemma-4-Assistant is a drafter for speculative decoding: its layers read the KV states "
+    "of its target model (shared_kv_states), so it is not a causal LM on its own",
+    "gemma4_unified_assistant": "Gemma-4-Unified-Assistant is a drafter for speculative decoding: its layers read "
+    "the KV states of its target model (shared_kv_states), so it is not a causal LM on its own",
     "xlnet": "XLNet is a permutation-LM encoder with post-norm layers, not a decoder-only causal LM",
     "t5": "T5 is an encoder-decoder; only decoder-only causal LMs are supported",
     "bart": "BART is an encoder-decoder; only decoder-only causal LMs are supported",
@@ -332,20 +431,38 @@ REFUSED: dict[str, str] = {
         ("roberta-prelayernorm", "RoBERTa-PreLayerNorm"), ("xlm-roberta-xl", "XLM-RoBERTa-XL"),
         ("modernbert-decoder", "ModernBERT-decoder"),
     )},
-    **{t: _SSM.format(n, k) for t, n, k in (
-        ("mamba", "Mamba", "Mamba mixers"), ("mamba2", "Mamba-2", "Mamba-2 mixers"),
-        ("falcon_mamba", "Falcon-Mamba", "Mamba mixers"), ("rwkv", "RWKV", "RWKV time mixing"),
-        ("xlstm", "xLSTM", "mLSTM blocks"),
+    "rwkv": "RWKV's first block replaces the residual stream by its LayerNorm (`pre_ln`), so the stream is not the "
+    "sum of the embeddings and the sublayer outputs that AttnRes mixes",
+    "xlstm": "xLSTM blocks return their recurrent state to the base model, which copies it into the cache itself: "
+    "a layer whose output is more than the residual stream is not rewritten",
+    "zamba": "Zamba's shared attention block reads the residual stream concatenated with the input embeddings, "
+    "and its output feeds the next Mamba layer's input instead of adding to the stream: not a PreNorm sublayer",
+    "zamba2": "Zamba2's shared attention block reads the residual stream concatenated with the input embeddings, "
+    "and its output feeds the next Mamba layer's input instead of adding to the stream: not a PreNorm sublayer",
+    **{t: _HYPER.format(n, m) for t, n, m in (
+        ("deepseek_v4", "DeepSeek-V4", "hc_head"), ("hy_v4", "HY-V4", "hc_head"),
+        ("qwen4_exp", "Qwen4-Exp", "hyper_connection_mixer"), ("qwen4_exp_text", "Qwen4-Exp", "hyper_connection_mixer"),
     )},
-    **{t: _HYBRID.format(n, k) for t, n, k in (
-        ("jamba", "Jamba", "Mamba"), ("bamba", "Bamba", "Mamba-2"), ("zamba", "Zamba", "Mamba"),
-        ("zamba2", "Zamba2", "Mamba-2"), ("falcon_h1", "Falcon-H1", "Mamba-2 (in parallel with attention)"),
-        ("granitemoehybrid", "GraniteMoeHybrid", "Mamba-2"), ("nemotron_h", "Nemotron-H", "Mamba-2"),
-        ("lfm2", "LFM2", "short-convolution"), ("lfm2_moe", "LFM2-MoE", "short-convolution"),
-        ("qwen3_next", "Qwen3-Next", "gated delta-net linear-attention"),
-        ("kimi_linear", "Kimi-Linear", "KDA linear-attention"), ("recurrent_gemma", "RecurrentGemma", "RG-LRU recurrent"),
-        ("bailing_hybrid", "Bailing-Hybrid", "linear-attention"), ("minimax", "MiniMax", "lightning linear-attention"),
+    **{t: _OWN_ATTNRES.format(n) for t, n in (("inkling2_text", "Inkling-2"), ("inkling2_loop_text", "Inkling-2-Loop"))},
+    **{t: _SCALED.format(n, how) for t, n, how in (
+        ("doge", "Doge", "a learned per-channel vector (input_residual, post_attention_residual)"),
+        ("zaya", "ZAYA", "a learned per-channel scale and bias (ZayaResidualScaling)"),
+        ("beam", "Beam", "sqrt((k-1)/k) at the k-th add (depth_scaled_residual_add)"),
     )},
+    "dory": "Dory moves the stream towards each sublayer's output (hidden + alpha * (output - hidden), nGPT style) "
+    "and loops its middle layers: the stream is not a sum of sublayer outputs",
+    **{t: "Gemma-3n keeps several residual streams (AltUp) that learned coefficients predict and correct around "
+       "each layer: not one PreNorm residual stream" for t in ("gemma3n", "gemma3n_text")},
+    "hrm_text": "HRM-Text runs its two layer stacks several times per token (H and L cycles): a layer is not one "
+    "step of one residual stream",
+    "blt": "BLT is a byte-level model of a local encoder, a global transformer over patches and a local decoder "
+    "joined by cross-attention: not one decoder stack",
+    "reformer": "Reformer's layers are reversible: two residual streams, each updated from the other",
+    "git": "GIT's layers are post-norm (BERT-style LayerNorm(output + residual))",
+    "trocr": "TrOCR's decoder layers are post-norm (LayerNorm after each residual add) with cross-attention to "
+    "the image encoder",
+    "minimax": "MiniMax adds each sublayer's output to the normalised stream (its residual is taken after "
+    "input_layernorm), so the stream is re-normalised at every sublayer: post-norm, not PreNorm",
 }
 
 # Config settings that make an otherwise convertible model type post-norm or not a plain decoder:

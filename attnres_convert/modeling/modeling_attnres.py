@@ -20,6 +20,7 @@ transformers only. Load with `AutoModelForCausalLM.from_pretrained(path, trust_r
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from typing import NamedTuple
 
@@ -52,7 +53,7 @@ class _LayerSpec(NamedTuple):
     owner: nn.Module  # the base model (a plain reference), whose layers hold every sublayer's query
     layers: str  # the attribute path, from the owner, of the decoder layers
     param_names: tuple[tuple[str, str], ...]  # per sublayer: its query and key-norm modules' names
-    tuple_output: bool  # return (state,): the base model takes element 0 of what a layer returns
+    tuple_output: int  # > 0: return (state, None, ...) of this length, as the base model unpacks a layer's output
     query_rank: int  # > 0: input-dependent queries (the plain BlockState path, see start_state)
     # One per model, shared by its layers and final norm: the decoding buffers a forward without autograd keeps
     # for the next (see start_state), the open recorders (`record_depth_weights`), the training-time depth
@@ -95,7 +96,9 @@ class AttnResDecoderLayerMixin:
             if gate != 1.0:
                 h = gated(state, h, gate)
             state = add_output(state, run_sublayer(self, sublayer, h, call_kwargs, normed=bool(norm)))
-        return (state,) if spec.tuple_output else state
+        if not spec.tuple_output:
+            return state
+        return (state,) + (None,) * (int(spec.tuple_output) - 1)  # (hidden, attention weights) where unpacked
 
 
 def _sublayer_norm(layer: nn.Module, sublayer: Sublayer, native) -> tuple:
@@ -119,11 +122,12 @@ def run_sublayer(layer: nn.Module, sublayer: Sublayer, h: torch.Tensor, call_kwa
         norm = module_at(layer, branch.norm) if norm is None else norm
         module = module_at(layer, branch.module) if module is None else module
         x = h if normed else norm(h)
-        y = module(x, **call_kwargs) if branch.attention else module(x)
+        y = module(x, **branch.call_kwargs(call_kwargs, x)) if branch.attention else module(x)
         if isinstance(y, tuple):  # attention returns (output, weights); some MoE blocks (output, router)
-            y = y[0]
+            y = y[0] if not branch.output_bias or y[branch.output_bias] is None else y[0] + y[branch.output_bias]
         for post in branch.post:
-            y = module_at(layer, post)(y)
+            extra = branch.post_kwargs(post, call_kwargs, y) if branch.post_arguments else None
+            y = module_at(layer, post)(y) if extra is None else module_at(layer, post)(y, **extra)
             if isinstance(y, tuple):
                 y = y[0]
         if y.shape != h.shape:  # a branch that returns its tokens flattened (Llama-4's MoE)
@@ -275,7 +279,7 @@ def attach_depth_attention(causal_lm: nn.Module, config: AttnResConfig, plan: Mo
     eps = plan.eps
     reference = base.get_input_embeddings().weight
     factory = {"device": reference.device, "dtype": reference.dtype}
-    hidden = text_config.hidden_size
+    hidden = text_config.get_text_config().hidden_size  # a composite's (image-text) language model
     rank = config.query_rank
     # One per model: what its forwards keep (see _LayerSpec.runtime); the config says where the model was loaded from.
     runtime = {"config": config}
@@ -378,6 +382,26 @@ class AttnResPreTrainedModel(PreTrainedModel):
             for module in self.modules():
                 if isinstance(module, (AttnResQuery, AttnResKeyNorm)):
                     init_depth_module(module, skip_loaded=True)
+            fill_unsaved_buffers(self)
+
+
+def fill_unsaved_buffers(model: nn.Module) -> None:
+    """Runs the base model's own init on itself and on each module holding a non-persistent buffer: a checkpoint
+    does not hold those (Falcon-H1's `mup_vector`), and transformers skips a module of custom code (this class)
+    whose parameters all loaded, leaving them as uninitialised memory. Loaded tensors carry `_is_hf_initialized`,
+    which transformers' init functions respect."""
+    plan = model.__dict__.get("_attnres_plan")
+    base = module_at(model, plan.base_model) if plan is not None else None
+    if not isinstance(base, PreTrainedModel):
+        return
+    try:  # torch.nn.init calls made to respect `_is_hf_initialized` too, as transformers' own init does
+        from transformers.initialization import guard_torch_init_functions
+    except ImportError:
+        guard_torch_init_functions = contextlib.nullcontext
+    with guard_torch_init_functions():
+        for module in base.modules():
+            if module is base or getattr(module, "_non_persistent_buffers_set", None):
+                base._init_weights(module)
 
 
 class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
@@ -467,7 +491,7 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
         loss = None
         if labels is not None:
             loss = self.loss_function(
-                logits=logits, labels=labels, vocab_size=self.config.text_config.vocab_size, **kwargs
+                logits=logits, labels=labels, vocab_size=self.config.text_config.get_text_config().vocab_size, **kwargs
             )
         return CausalLMOutputWithPast(
             loss=loss,

@@ -1,0 +1,69 @@
+"""A model with its own code whose class names no LM head (no `get_output_embeddings`, a head not called
+`lm_head`), keeps its stack under its own names and its layer count under its own config key: discovery finds
+the head from the modules (the one Linear from the hidden size to the vocabulary) and the stack from the
+module tree, and the conversion is exact (logits, greedy generation with the cache)."""
+
+import torch
+from torch import nn
+from transformers import GenerationMixin, PreTrainedModel
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from attnres_convert.conversion.surgery import convert_model
+from remote_code_model.configuration_tiny_prenorm import TinyPreNormConfig
+from remote_code_model.modeling_tiny_prenorm import TinyPreNormModel
+
+
+class OwnNamesForCausalLM(PreTrainedModel, GenerationMixin):
+    config_class = TinyPreNormConfig
+    base_model_prefix = ""  # no prefix either: the base model is the one child besides the head
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.backbone = TinyPreNormModel(config)
+        self.to_logits = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.backbone.embed
+
+    def get_output_embeddings(self):
+        return None
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, past_key_values=None,
+                inputs_embeds=None, use_cache=None, logits_to_keep=0, **kwargs):
+        past_key_values = cache if cache is not None else past_key_values
+        out = self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                            past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache)
+        hidden = out.last_hidden_state
+        logits = self.to_logits(hidden[:, -logits_to_keep:] if logits_to_keep else hidden)
+        return CausalLMOutputWithPast(logits=logits, past_key_values=out.past_key_values)
+
+
+def _model():
+    config = TinyPreNormConfig(vocab_size=96, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
+                               intermediate_size=64)
+    config.n_blocks = config.num_hidden_layers  # its own key as well
+    torch.manual_seed(0)
+    model = OwnNamesForCausalLM(config).eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn(param.shape) * 0.1)
+    return model
+
+
+def test_head_and_stack_are_found_without_get_output_embeddings():
+    original = _model()
+    assert original.get_output_embeddings() is None
+    ids = torch.randint(0, 96, (1, 10), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        logits = original(ids).logits
+    tokens = original.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False, pad_token_id=0)
+
+    converted = convert_model(_model(), block_size=2).eval()
+    plan = converted._attnres_plan
+    assert (plan.base_model, plan.layers, plan.lm_head, plan.final_norm) == ("backbone", "blocks", "to_logits", "final_norm")
+    with torch.no_grad():
+        assert (converted(ids).logits - logits).abs().max().item() <= 1e-4
+    kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert torch.equal(converted.generate(ids, **kwargs), tokens)
+    assert torch.equal(converted.generate(ids, use_cache=False, **kwargs), tokens)

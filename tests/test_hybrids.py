@@ -1,0 +1,93 @@
+"""State-space and hybrid stacks converted, saved and loaded in a Python without this package: a pure SSM
+(Mamba), a hybrid of Mamba and attention layers with MoE (Jamba), a hybrid of gated delta-net and attention layers
+(Qwen3-Next) and one with Mamba-2 and attention in parallel (Falcon-H1). Their recurrent and convolution states
+travel in the cache the base model passes to each layer, so the rewritten layers carry them as they are. The same
+for layers whose modules take the residual and add it themselves (Bloom, MPT) or take their input twice (CTRL).
+
+Each reloaded folder gives the original's logits (fp32, within the tolerance of `attnres convert`'s check) and,
+with its own cache, the original's greedy tokens; cached and uncached generation agree."""
+
+import json
+
+import pytest
+import torch
+
+from attnres_convert import save_converted
+from attnres_convert.conversion.surgery import convert_model
+from attnres_convert.conversion.coverage import LOGIT_TOLERANCE  # 1e-4, as the coverage table
+from test_save_load import run_isolated
+from tiny_models import tiny_model, token_ids
+
+pytestmark = pytest.mark.slow  # each case saves a folder and loads it in a fresh Python
+
+HYBRIDS = ("mamba", "jamba", "qwen3_next", "falcon_h1")
+LONG_TAIL = ("bloom", "mpt", "ctrl")
+NEW_TOKENS = 8
+
+
+def _greedy(model, ids, use_cache=True):
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                         do_sample=False, use_cache=use_cache, pad_token_id=0)
+    return out[:, ids.shape[1]:]
+
+
+@pytest.mark.parametrize("family", HYBRIDS + LONG_TAIL)
+def test_hybrid_converts_exactly_and_reloads_without_this_package(family, tmp_path):
+    original = tiny_model(family)
+    ids = token_ids(batch=1, length=12, seed=3)
+    with torch.no_grad():
+        logits = original(ids).logits
+    tokens = _greedy(original, ids)
+
+    converted = convert_model(tiny_model(family), block_size=3).eval()
+    with torch.no_grad():
+        assert (converted(ids).logits - logits).abs().max().item() <= LOGIT_TOLERANCE
+    assert torch.equal(_greedy(converted, ids), tokens)
+    assert torch.equal(_greedy(converted, ids, use_cache=False), tokens)
+
+    folder = save_converted(converted, tmp_path / "converted")
+    config = json.loads((folder / "config.json").read_text())
+    assert config["model_type"] == "attnres" and config["base_model_type"] == original.config.model_type
+    torch.save({"ids": ids, "logits": logits, "tokens": tokens}, tmp_path / "expected.pt")
+    result = run_isolated(
+        f"""
+        import torch
+        from transformers import AutoModelForCausalLM
+        data = torch.load({str(tmp_path / "expected.pt")!r})
+        model = AutoModelForCausalLM.from_pretrained({str(folder)!r}, trust_remote_code=True).eval()
+        assert "transformers_modules" in type(model).__module__, type(model).__module__
+        ids = data["ids"]
+        with torch.no_grad():
+            delta = (model(ids).logits - data["logits"]).abs().max().item()
+        assert delta <= {LOGIT_TOLERANCE!r}, delta
+        for use_cache in (True, False):
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens={NEW_TOKENS},
+                                 min_new_tokens={NEW_TOKENS}, do_sample=False, use_cache=use_cache, pad_token_id=0)
+            assert torch.equal(out[:, ids.shape[1]:], data["tokens"]), (use_cache, out, data["tokens"])
+        print("REMOTE-OK", delta)
+        """
+    )
+    assert "REMOTE-OK" in result.stdout, result.stderr[-3000:]
+
+
+def test_finetune_trains_a_converted_hybrid_on_cpu(tmp_path):
+    """`attnres finetune` converts a Jamba folder (Mamba and attention layers, MoE) and trains it: every loss
+    finite, the held-out loss falls, the base weights and the AttnRes parameters all move."""
+    from safetensors.torch import load_file
+
+    from attnres_convert.finetune.recipe import parse_recipe
+    from attnres_convert.finetune.training import finetune
+    from finetune_helpers import tiny_model_folder, tiny_recipe, write_corpus
+
+    model_dir = tiny_model_folder(tmp_path / "tiny-jamba", family="jamba")
+    corpus = write_corpus(tmp_path / "corpus")
+    recipe = tiny_recipe(model_dir, corpus, tmp_path / "run", train={"trainable": "full", "steps": 8, "lr": 3e-3})
+    result = finetune(parse_recipe(recipe))
+    losses = [r["loss"] for r in result.records if r["kind"] == "train"]
+    assert len(losses) == 8 and all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0], losses
+    assert result.metrics["eval_loss"] < result.metrics["eval_loss_start"] - 0.1, result.metrics
+    trained, original = load_file(result.model_dir / "model.safetensors"), load_file(model_dir / "model.safetensors")
+    mamba = [name for name in original if ".mamba." in name and name.endswith("weight")]
+    assert mamba and all(not torch.equal(trained[name], original[name]) for name in mamba)
+    queries = [name for name in trained if name.endswith("_res_proj.weight") and trained[name].abs().sum() > 0]
+    assert queries
