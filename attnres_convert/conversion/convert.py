@@ -55,6 +55,7 @@ class ConvertResult:
     model: AttnResForCausalLM | None = field(default=None, repr=False)
     tokenizer: object | None = field(default=None, repr=False)
     verification_budget: str | None = None  # how a streamed conversion's check kept to its memory budget
+    budget_mattered: bool = False  # the check streamed layers from the files, or ran under a given --max-memory
 
 
 def convert(
@@ -209,6 +210,7 @@ def _convert_streamed(
     return ConvertResult(
         model_source.name, output, result["summary"], result["report"],
         verification_budget=budget.describe() if budget else None,
+        budget_mattered=bool(budget and (budget.streamed or not budget.chosen)),
     )
 
 

@@ -287,13 +287,19 @@ def _run_one(data: dict, common: list[str], arm: Arm, seed: int, workdir: str, r
 def _one_thread() -> None:
     """Worker processes of `jobs > 1`: one thread each (the arms share the cores)."""
     import torch
-    import transformers
 
     # The pool's initializer runs in each worker process: the thread count it sets is that worker's own
     # (a spawned process), never the parent's or another arm's.
     torch.set_num_threads(1)
-    transformers.utils.logging.disable_progress_bar()
-    transformers.utils.logging.set_verbosity_error()
+    from ..io.console import quiet_libraries
+
+    # The worker is ours for its whole life: the libraries stay quiet in it (kept referenced, so that the
+    # context is never closed by garbage collection).
+    _WORKER_QUIET.append(quiet_libraries())
+    _WORKER_QUIET[-1].__enter__()
+
+
+_WORKER_QUIET: list = []
 
 
 def run_ab(
