@@ -88,11 +88,18 @@ class ConvertOptions(BaseModel):
                 return cls(**overrides)
             return cls(**{**options.model_dump(), **overrides}) if overrides else options
         except ValidationError as error:
-            problems = "; ".join(
-                f"{'.'.join(map(str, e['loc']))}: {e['msg']} (got {e['input']!r})" if e["loc"] else e["msg"].removeprefix("Value error, ")
-                for e in error.errors()
-            )
+            problems = "; ".join(map(_problem, error.errors()))
             raise OptionsError(f"invalid convert option: {problems}") from None
+
+
+def _problem(error: dict) -> str:
+    """One pydantic error in words, named by its field (the command line turns names into --flags)."""
+    if not error["loc"]:  # a check across fields
+        return error["msg"].removeprefix("Value error, ")
+    name = ".".join(map(str, error["loc"]))
+    if error["type"] == "greater_than_equal":
+        return f"{name} must be >= {error['ctx']['ge']}, got {error['input']!r}"
+    return f"{name}: {error['msg']} (got {error['input']!r})"
 
 
 def parse_size(value: int | str, what: str) -> int:
