@@ -229,12 +229,21 @@ def push(
 
 
 def depth_table(depth) -> Table:
-    table = Table(title=f"Depth-attention weights (mean over {depth.tokens} tokens; blank: not a source of that reader)")
-    table.add_column("reader")
+    """Compact enough for 80 columns with 8 blocks: short labels, no vertical rules."""
+    from rich import box
+
+    table = Table(
+        title=f"Depth-attention weights (mean over {depth.tokens} tokens)",
+        caption="L3 attn: layer 3's attention reads; emb: embedding, bK/sK: block/sublayer K; blank: not read",
+        box=box.SIMPLE_HEAD, pad_edge=False,
+    )
+    table.add_column("reader", no_wrap=True)
     for column in depth.columns:
-        table.add_column(column.replace("embedding", "emb"), justify="right")
+        short = column.replace("embedding", "emb").replace("block ", "b").replace("sublayer ", "s")
+        table.add_column(short, justify="right", no_wrap=True)
     for reader, row in zip(depth.readers, depth.matrix):
-        table.add_row(reader, *("" if value != value else f"{value:.2f}" for value in row))
+        label = reader.replace("layer ", "L").replace("attention", "attn")
+        table.add_row(label, *("" if value != value else f"{value:.2f}" for value in row))
     return table
 
 
@@ -291,6 +300,19 @@ def _is_main_process() -> bool:
     return int(os.environ.get("RANK", "0")) == 0
 
 
+def eval_table(result) -> Table:
+    from attnres_convert.io.console import shorten_middle
+
+    table = Table(title=f"Held-out evaluation ({result.sequences} x {result.seq_len} tokens, {result.dtype})")
+    for column in ("model", "AttnRes", "tokens", "loss (nats)", "perplexity"):
+        table.add_column(column, justify="left" if column == "model" else "right", no_wrap=True)
+    table.add_row(
+        escape(shorten_middle(result.model, 30)), "yes" if result.converted else "no", f"{result.tokens:,}",
+        f"{result.loss:.4f}", f"{result.perplexity:.3f}",
+    )
+    return table
+
+
 @app.command("eval")
 def eval_command(
     model: Annotated[
@@ -330,12 +352,7 @@ def eval_command(
     if as_json:
         print(json.dumps(result.to_dict(), indent=2))
         return
-    table = Table(title=f"Held-out evaluation ({result.sequences} x {result.seq_len} tokens, {result.dtype})")
-    for column in ("model", "AttnRes", "tokens scored", "loss (nats/token)", "perplexity"):
-        table.add_column(column, justify="left" if column == "model" else "right")
-    table.add_row(
-        result.model, "yes" if result.converted else "no", f"{result.tokens:,}", f"{result.loss:.4f}", f"{result.perplexity:.3f}"
-    )
+    table = eval_table(result)
     console.print(table)
 
 
@@ -371,12 +388,7 @@ def finetune_command(
     if not main:
         return
     metrics = result.metrics
-    table = Table(title=f"Fine-tuned {metrics['steps']} steps, {metrics['tokens']:,} tokens ({metrics['processes']} process(es))")
-    for column in ("", "held-out loss", "perplexity"):
-        table.add_column(column, justify="right")
-    if metrics["eval_loss_start"] is not None:
-        table.add_row("before (step 0)", f"{metrics['eval_loss_start']:.4f}", f"{metrics['eval_perplexity_start']:.2f}")
-    table.add_row("after", f"{metrics['eval_loss']:.4f}", f"{metrics['eval_perplexity']:.2f}")
+    table = finetune_table(metrics)
     console.print(table)
     if metrics["tokens_per_s"]:
         console.print(f"training throughput: {metrics['tokens_per_s']:,.0f} tokens/s", highlight=False)
@@ -385,6 +397,17 @@ def finetune_command(
         console.print(f"[green]Model[/] [bold]{escape(str(result.model_dir))}[/]")
     if result.pushed is not None:
         console.print(f"[green]Pushed[/] to [bold]{result.pushed.url}[/]")
+
+
+def finetune_table(metrics: dict) -> Table:
+    title = f"Fine-tuned {metrics['steps']} steps, {metrics['tokens']:,} tokens, {metrics['processes']} process(es)"
+    table = Table(title=title, min_width=len(title))  # a title never wraps over a narrow table
+    for column in ("", "held-out loss", "perplexity"):
+        table.add_column(column, justify="right", no_wrap=True)
+    if metrics["eval_loss_start"] is not None:
+        table.add_row("before (step 0)", f"{metrics['eval_loss_start']:.4f}", f"{metrics['eval_perplexity_start']:.2f}")
+    table.add_row("after", f"{metrics['eval_loss']:.4f}", f"{metrics['eval_perplexity']:.2f}")
+    return table
 
 
 @app.command("ab")

@@ -74,13 +74,13 @@ def quiet_libraries() -> Iterator[None]:
 
 class AverageTimeRemaining(ProgressColumn):
     """ETA from the average pace since the task started (Rich's own column uses the last 30 seconds, which
-    shows nothing when one step takes longer than that). A task added with `start=N` (resumed at N) counts
+    shows nothing when one step takes longer than that). A task added with `resumed_at=N` counts
     its pace from N."""
 
     def render(self, task: Task) -> Text:
         if task.total is None or task.elapsed is None:
             return Text("-:--:--", style="progress.remaining")
-        done = task.completed - task.fields.get("start", 0)
+        done = task.completed - task.fields.get("resumed_at", 0)
         if task.finished:
             return Text("0:00:00", style="progress.remaining")
         if done <= 0 or task.elapsed <= 0:
