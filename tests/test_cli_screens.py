@@ -305,3 +305,33 @@ def test_ctrl_c_says_what_stopped_and_leaves_nothing(tmp_path, tiny_llama_folder
     assert "Traceback" not in stderr, stderr
     assert not SPINNER & set(stderr), f"a spinner frame was left on the screen:\n{stderr}"
     assert leftovers(out) == []
+
+
+# ---------------------------------------------------------------- finetune: concise unless --verbose
+
+
+def test_recipe_headline_names_what_matters():
+    from attnres_convert.finetune.recipe import load_recipe
+
+    line = load_recipe("quickstart-cpu", ["train.steps=7", "output.dir=outputs/x"]).headline()
+    for piece in ("the embedded SmolLM2-135M-Instruct", "shakespeare:", "7 steps", "trains lora", "output outputs/x"):
+        assert piece in line, line
+
+
+@pytest.mark.slow
+def test_finetune_prints_the_whole_recipe_only_with_verbose(tmp_path):
+    from finetune_helpers import tiny_model_folder, tiny_recipe, write_corpus
+
+    from attnres_convert.finetune.recipe import parse_recipe
+    from attnres_convert.finetune.training import finetune
+
+    model, corpus = tiny_model_folder(tmp_path / "tiny"), write_corpus(tmp_path / "corpus")
+    shown = {}
+    for verbose in (False, True):
+        console = Console(width=80, file=io.StringIO(), record=True, color_system=None)
+        recipe = parse_recipe(tiny_recipe(model, corpus, tmp_path / f"run-{verbose}", train={"steps": 2}, eval={"every": 0}))
+        finetune(recipe, console=console, verbose=verbose)
+        shown[verbose] = console.export_text()
+    assert "Fine-tuning" in shown[False] and "2 steps" in shown[False] and "Resolved recipe" not in shown[False]
+    assert "Resolved recipe" in shown[True] and "checkpoint:" in shown[True]
+    assert len(shown[False].splitlines()) < len(shown[True].splitlines()) - 20
