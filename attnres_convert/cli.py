@@ -400,7 +400,7 @@ def finetune_command(
 
 
 def finetune_table(metrics: dict) -> Table:
-    title = f"Fine-tuned {metrics['steps']} steps, {metrics['tokens']:,} tokens, {metrics['processes']} process(es)"
+    title = f"Fine-tuned {metrics['steps']} steps, {metrics['tokens']:,} tokens ({metrics['processes']} process(es))"
     table = Table(title=title, min_width=len(title))  # a title never wraps over a narrow table
     for column in ("", "held-out loss", "perplexity"):
         table.add_column(column, justify="right", no_wrap=True)

@@ -200,7 +200,7 @@ def test_eval_and_finetune_tables_fit_80_columns():
     assert any("…" in line for line in lines)  # shortened in the middle, not wrapped
     metrics = {"steps": 1000, "tokens": 1_024_000, "processes": 1, "eval_loss_start": 3.28, "eval_perplexity_start": 26.6,
                "eval_loss": 3.01, "eval_perplexity": 20.3}
-    assert_unwrapped(render(cli.finetune_table(metrics)), "Fine-tuned 1000 steps, 1,024,000 tokens, 1 process(es)")
+    assert_unwrapped(render(cli.finetune_table(metrics)), "Fine-tuned 1000 steps, 1,024,000 tokens (1 process(es))")
 
 
 def test_progress_lines_fit_80_columns():
