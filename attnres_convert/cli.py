@@ -472,7 +472,11 @@ def architectures_command(
     known = set(coverage.causal_lm_model_types())
     unknown = [t for t in model_types or [] if t not in known]
     if unknown:
-        fail(f"not a causal-LM model type of this transformers: {', '.join(unknown)}. Run without arguments for all.")
+        import difflib
+
+        close = [match for name in unknown for match in difflib.get_close_matches(name, sorted(known), n=2)]
+        hint = f"Did you mean {' or '.join(close)}? " if close else ""
+        fail(f"not a causal-LM model type of this transformers: {', '.join(unknown)}. {hint}Run without arguments for all.")
     if write is not None and model_types:
         fail("--write rewrites the whole table: run it without model types.")
     if write is not None and not write.is_file():

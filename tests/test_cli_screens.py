@@ -335,3 +335,8 @@ def test_finetune_prints_the_whole_recipe_only_with_verbose(tmp_path):
     assert "Fine-tuning" in shown[False] and "2 steps" in shown[False] and "Resolved recipe" not in shown[False]
     assert "Resolved recipe" in shown[True] and "checkpoint:" in shown[True]
     assert len(shown[False].splitlines()) < len(shown[True].splitlines()) - 20
+
+
+def test_misspelt_model_type_gets_a_suggestion():
+    result = runner.invoke(cli.app, ["architectures", "lamma"])
+    assert result.exit_code == 2 and "Did you mean llama" in " ".join(result.output.split()), result.output
