@@ -26,7 +26,6 @@ from rich.progress import (
     SpinnerColumn,
     TextColumn,
     TimeElapsedColumn,
-    TransferSpeedColumn,
 )
 from rich.text import Text
 
@@ -154,24 +153,27 @@ class _ForBytes(ProgressColumn):
         return self.column.render(task) if task.fields.get("bytes") else Text("")
 
 
+def stage_columns() -> list[ProgressColumn]:
+    """A stage's line: spinner, name, elapsed; a byte-counting stage adds bar, size and an ETA from its average
+    pace (80 columns hold the longest stage name with all of them)."""
+    from attnres_convert.io.console import AverageTimeRemaining
+
+    for_bytes = [BarColumn(bar_width=12), DownloadColumn(), AverageTimeRemaining()]
+    return [SpinnerColumn(), TextColumn("{task.description}"), *map(_ForBytes, for_bytes), TimeElapsedColumn()]
+
+
 @contextlib.contextmanager
 def stages(what: str = "the command", left_behind: str = "nothing was written") -> Iterator:
     """A Rich progress display with one line per stage of a long job, the libraries it drives kept quiet
     (io.console.quiet_libraries); `stage.progress(name, total)` adds a line with a bar over TOTAL bytes,
     whose context value advances it. Ctrl-C removes the running lines (no frozen spinner) and says which
     stage of WHAT stopped and what is LEFT_BEHIND."""
-    from attnres_convert.io.console import AverageTimeRemaining, quiet_libraries
+    from attnres_convert.io.console import quiet_libraries
 
-    columns = [BarColumn(bar_width=20), DownloadColumn(), TransferSpeedColumn(), AverageTimeRemaining()]
     running: list[str] = []
     with contextlib.ExitStack() as stack:
         stack.enter_context(interrupts(lambda: f"{what} ({running[-1].lower()})" if running else what, left_behind))
-        progress = stack.enter_context(
-            Progress(
-                SpinnerColumn(), TextColumn("{task.description}"), *map(_ForBytes, columns), TimeElapsedColumn(),
-                console=err_console, transient=False,
-            )
-        )
+        progress = stack.enter_context(Progress(*stage_columns(), console=err_console, transient=False))
         stack.enter_context(quiet_libraries())
 
         @contextlib.contextmanager

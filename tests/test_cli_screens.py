@@ -340,3 +340,17 @@ def test_finetune_prints_the_whole_recipe_only_with_verbose(tmp_path):
 def test_misspelt_model_type_gets_a_suggestion():
     result = runner.invoke(cli.app, ["architectures", "lamma"])
     assert result.exit_code == 2 and "Did you mean llama" in " ".join(result.output.split()), result.output
+
+
+def test_stage_lines_with_a_byte_bar_fit_80_columns():
+    from rich.progress import Progress
+
+    from attnres_convert.cli_kit import stage_columns
+
+    console = Console(width=80, file=io.StringIO(), color_system=None)
+    progress = Progress(*stage_columns(), console=console)
+    progress.add_task("Verifying against the original", total=1)
+    progress.add_task("Writing shards", total=538_100_000, completed=200_000_000, bytes=True)
+    lines = render(progress.make_tasks_table(progress.tasks))
+    assert_unwrapped(lines, "Verifying against the original", "200.0/538.1 MB")
+    assert len(lines) == 2
