@@ -158,7 +158,7 @@ def stage_columns() -> list[ProgressColumn]:
     pace (80 columns hold the longest stage name with all of them)."""
     from attnres_convert.io.console import AverageTimeRemaining
 
-    for_bytes = [BarColumn(bar_width=12), DownloadColumn(), AverageTimeRemaining()]
+    for_bytes = [BarColumn(bar_width=12), DownloadColumn(), AverageTimeRemaining(prefix="ETA ")]
     return [SpinnerColumn(), TextColumn("{task.description}"), *map(_ForBytes, for_bytes), TimeElapsedColumn()]
 
 

@@ -77,17 +77,25 @@ class AverageTimeRemaining(ProgressColumn):
     shows nothing when one step takes longer than that). A task added with `resumed_at=N` counts
     its pace from N."""
 
+    def __init__(self, prefix: str = ""):
+        super().__init__()
+        self.prefix = prefix  # e.g. "ETA ", where an elapsed time stands beside it
+
     def render(self, task: Task) -> Text:
+        return Text(self.prefix + self._remaining(task), style="progress.remaining")
+
+    @staticmethod
+    def _remaining(task: Task) -> str:
         if task.total is None or task.elapsed is None:
-            return Text("-:--:--", style="progress.remaining")
-        done = task.completed - task.fields.get("resumed_at", 0)
+            return "-:--:--"
         if task.finished:
-            return Text("0:00:00", style="progress.remaining")
+            return "0:00:00"
+        done = task.completed - task.fields.get("resumed_at", 0)
         if done <= 0 or task.elapsed <= 0:
-            return Text("-:--:--", style="progress.remaining")
+            return "-:--:--"
         seconds = int(task.elapsed * (task.total - task.completed) / done)
         hours, rest = divmod(seconds, 3600)
-        return Text(f"{hours}:{rest // 60:02d}:{rest % 60:02d}", style="progress.remaining")
+        return f"{hours}:{rest // 60:02d}:{rest % 60:02d}"
 
 
 def shorten_middle(text: str, width: int) -> str:
