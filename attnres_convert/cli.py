@@ -434,11 +434,14 @@ def ab_command(
     """A/B: the recipe trained as a baseline (model.convert=false, same trainable budget) and as AttnRes,
     plus sweep arms, from the same start and data order; writes ab.json, ab.md and ab.png."""
     from attnres_convert.finetune.ab import run_ab
+    from attnres_convert.finetune.recipe import load_recipe
     from attnres_convert.io.console import quiet_libraries
 
     main = _is_main_process()
     arms = [[o for o in entry.replace(",", " ").split() if o] for entry in (sweep or [])]
     interrupted = "Finished arms are kept in the work folder: run the same command with --reuse to train only the others."
+    with training_errors(main):  # the recipe and overrides: answered before torch is imported
+        load_recipe(recipe, list(overrides or []))
     with training_errors(main, lambda error: f"{escape(str(error).split(';')[0])}. {interrupted}"), quiet_libraries():
         result = run_ab(
             recipe, list(overrides or []), sweep=arms, seeds=seeds, output=output, workdir=workdir, plain=not no_plain,

@@ -38,6 +38,7 @@ CASES = {
     "recipes validate: misspelt key": ["recipes", "validate", "quickstart-cpu", "train.stpes=3"],
     "finetune: misspelt key": ["finetune", "quickstart-cpu", "train.stpes=3"],
     "finetune: missing data file": ["finetune", "quickstart-cpu", "data.train.files=[missing.txt]"],
+    "ab: misspelt key": ["ab", "quickstart-cpu", "train.stpes=3"],
 }
 
 

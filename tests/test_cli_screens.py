@@ -109,6 +109,7 @@ ARGUMENT_ERRORS = {
     "inspect: no such path": (["inspect", "./nowhere"], "no such file or folder: ./nowhere"),
     "recipes validate: misspelt key": (["recipes", "validate", "quickstart-cpu", "train.stpes=3"], "did you mean steps?"),
     "finetune: misspelt key": (["finetune", "quickstart-cpu", "train.stpes=3"], "did you mean steps?"),
+    "ab: misspelt key": (["ab", "quickstart-cpu", "train.stpes=3"], "did you mean steps?"),
     "finetune: missing data": (["finetune", "quickstart-cpu", "data.train.files=[missing.txt]"], "missing.txt does not exist"),
 }
 

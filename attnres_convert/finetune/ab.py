@@ -325,8 +325,6 @@ def run_ab(
     `throughput > 0` also times that many training steps of every arm interleaved in one process (on the
     CPU; `tokens_per_s_interleaved` in the report).
     Under `accelerate launch` every process takes part in every arm (jobs must be 1); the main one writes."""
-    from accelerate import PartialState
-
     overrides = list(overrides or [])
     path = find_recipe(recipe)
     data = read_yaml(path)
@@ -340,6 +338,8 @@ def run_ab(
         raise RecipeError(f"--seeds: must be >= 1 (got {seeds})")
     if jobs < 1:
         raise RecipeError(f"--jobs: must be >= 1 (got {jobs})")
+    from accelerate import PartialState  # imports torch: after the checks above, which answer at once
+
     state = PartialState()
     if jobs > 1 and state.num_processes > 1:
         raise RecipeError("--jobs: under accelerate launch every process trains every arm together; use --jobs 1")
