@@ -123,7 +123,7 @@ def push_saved(folder: Path, repo_id: str, **kwargs) -> None:
     """Push a saved folder and say where it went (errors: exit 2, the folder stays saved locally)."""
     from attnres_convert.hub.push import push_folder
 
-    with user_errors(), stages(f"pushing to {repo_id}", f"{folder} is unchanged; the hub repo holds no partial commit") as stage, stage(f"Pushing {folder} to {repo_id}"):
+    with user_errors(), stages(f"pushing to {repo_id}", f"{folder} is unchanged, and a hub commit is made whole or not at all") as stage, stage(f"Pushing {folder} to {repo_id}"):
         result = push_folder(folder, repo_id, **kwargs)
     console.print(f"[green]Pushed[/] {len(result.files)} files to [bold]{result.url}[/] ({result.revision})")
     if result.commit_url:
