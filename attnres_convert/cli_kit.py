@@ -21,6 +21,7 @@ from rich.markup import escape
 from rich.progress import (
     BarColumn,
     DownloadColumn,
+    MofNCompleteColumn,
     Progress,
     ProgressColumn,
     SpinnerColumn,
@@ -142,24 +143,30 @@ def training_errors(main: bool, interrupted: Callable[[Exception], str] = lambda
         raise typer.Exit(code) from None
 
 
-class _ForBytes(ProgressColumn):
-    """A column shown only on tasks that count bytes (a bar with size and speed); stage lines stay plain."""
+class _WhenCounting(ProgressColumn):
+    """A column shown only on tasks that count something: bytes (`bytes=True`) or items (`items=True`, a
+    library's bar); plain stage lines show none. AMOUNT: the bytes column for bytes, the items one for items."""
 
-    def __init__(self, column: ProgressColumn):
+    def __init__(self, column: ProgressColumn, items: ProgressColumn | None = None):
         super().__init__()
-        self.column = column
+        self.column, self.items = column, items
 
     def render(self, task):
+        if task.fields.get("items"):
+            return (self.items or self.column).render(task)
         return self.column.render(task) if task.fields.get("bytes") else Text("")
 
 
 def stage_columns() -> list[ProgressColumn]:
-    """A stage's line: spinner, name, elapsed; a byte-counting stage adds bar, size and an ETA from its average
-    pace (80 columns hold the longest stage name with all of them)."""
+    """A stage's line: spinner, name, elapsed; a counting line adds a bar, bytes or items done, and an ETA
+    from its average pace (80 columns hold the longest stage name with all of them)."""
     from attnres_convert.io.console import AverageTimeRemaining
 
-    for_bytes = [BarColumn(bar_width=12), DownloadColumn(), AverageTimeRemaining(prefix="ETA ")]
-    return [SpinnerColumn(), TextColumn("{task.description}"), *map(_ForBytes, for_bytes), TimeElapsedColumn()]
+    return [
+        SpinnerColumn(), TextColumn("{task.description}"), _WhenCounting(BarColumn(bar_width=12)),
+        _WhenCounting(DownloadColumn(), items=MofNCompleteColumn()), _WhenCounting(AverageTimeRemaining(prefix="ETA ")),
+        TimeElapsedColumn(),
+    ]
 
 
 @contextlib.contextmanager
@@ -168,7 +175,7 @@ def stages(what: str = "the command", left_behind: str = "nothing was written") 
     (io.console.quiet_libraries); `stage.progress(name, total)` adds a line with a bar over TOTAL bytes,
     whose context value advances it. Ctrl-C removes the running lines (no frozen spinner) and says which
     stage of WHAT stopped and what is LEFT_BEHIND."""
-    from attnres_convert.io.console import quiet_libraries
+    from attnres_convert.io.console import library_bars_to, quiet_libraries, shorten_middle
 
     running: list[str] = []
     with contextlib.ExitStack() as stack:
@@ -191,6 +198,11 @@ def stages(what: str = "the command", left_behind: str = "nothing was written") 
                 running.remove(name)
                 progress.update(task, completed=1)
 
+        def library_bar(description: str, total: int | None):  # a tqdm bar of transformers, datasets, ...
+            task = progress.add_task(f"  {shorten_middle(description, 28)}", total=total, items=True)
+            return (lambda n: progress.advance(task, n)), (lambda: progress.update(task, visible=False))
+
+        stack.enter_context(library_bars_to(library_bar))
         stage.progress = bytes_bar
         try:
             yield stage

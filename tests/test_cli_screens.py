@@ -265,6 +265,31 @@ def test_quiet_libraries_silences_bars_logs_and_library_deprecations_then_restor
     assert logging.get_verbosity() == verbosity
 
 
+def test_library_bars_reach_our_display_while_quiet():
+    from tqdm.auto import tqdm
+
+    from attnres_convert.io.console import library_bars_to, quiet_libraries
+
+    seen = []
+
+    def add_bar(description, total):
+        line = {"description": description, "total": total, "done": 0, "finished": False}
+        seen.append(line)
+        return (lambda n: line.update(done=line["done"] + n)), (lambda: line.update(finished=True))
+
+    sink = io.StringIO()
+    with quiet_libraries(), library_bars_to(add_bar):
+        assert list(tqdm(range(5), desc="Converting and de-quantizing GGUF tensors...", file=sink)) == list(range(5))
+        with tqdm(total=10, desc="Writing model shards", file=sink) as bar:
+            bar.update(4)
+            bar.update(6)
+    assert sink.getvalue() == ""
+    assert seen == [
+        {"description": "Converting and de-quantizing GGUF tensors", "total": 5, "done": 5, "finished": True},
+        {"description": "Writing model shards", "total": 10, "done": 10, "finished": True},
+    ]
+
+
 def test_converting_prints_no_foreign_bar_or_warning(tmp_path, tiny_llama_folder):
     result = runner.invoke(cli.app, ["convert", str(tiny_llama_folder), "-o", str(tmp_path / "out")], env={"COLUMNS": "80"})
     assert result.exit_code == 0, result.output
@@ -352,6 +377,7 @@ def test_stage_lines_with_a_byte_bar_fit_80_columns():
     progress = Progress(*stage_columns(), console=console)
     progress.add_task("Verifying against the original", total=1)
     progress.add_task("Writing shards", total=538_100_000, completed=200_000_000, bytes=True)
+    progress.add_task("  Converting and de…F tensors", total=273, completed=100, items=True)
     lines = render(progress.make_tasks_table(progress.tasks))
-    assert_unwrapped(lines, "Verifying against the original", "200.0/538.1 MB ETA 0:")
-    assert len(lines) == 2
+    assert_unwrapped(lines, "Verifying against the original", "200.0/538.1 MB ETA 0:", "100/273")
+    assert len(lines) == 3

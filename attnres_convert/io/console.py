@@ -1,17 +1,17 @@
 """What the libraries we drive may print while an attnres command runs, and the progress columns we show.
 
-`quiet_libraries()` is scoped: on entry it turns off tqdm bars (transformers' "Loading weights", the GGUF
-de-quantisation, shard writing, datasets' map bars, huggingface_hub downloads), transformers' info and
-warning logs, and the deprecation and future warnings raised inside these libraries; on exit it restores
-all of it, so a program that uses attnres as a library keeps its own settings. Our Rich display shows the
-long steps instead. Warnings raised by our own code, and any other warning, still reach the user.
+`quiet_libraries()` is scoped: on entry it stops tqdm bars from drawing (transformers' "Loading weights", the
+GGUF de-quantisation, shard writing, datasets' map bars, huggingface_hub downloads) and sends their progress
+to our Rich display when one takes it (`library_bars_to`), and turns off transformers' info and warning logs
+and the deprecation and future warnings raised inside these libraries; on exit it restores all of it, so a
+program that uses attnres as a library keeps its own settings. Warnings raised by our own code, and any other warning, still reach the user.
 """
 
 from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from rich.progress import ProgressColumn, Task
 from rich.text import Text
@@ -20,27 +20,72 @@ from rich.text import Text
 DRIVEN_LIBRARIES = ("transformers", "torch", "accelerate", "peft", "datasets", "huggingface_hub", "safetensors", "gguf", "tqdm")
 
 
+# Where the libraries' bars go while quiet_libraries() is active: the innermost display that takes them
+# (`library_bars_to`), else nowhere. A list, not one value: displays nest (a push inside a convert).
+_BAR_DISPLAYS: list[Callable[[str, int | None], tuple[Callable[[int], None], Callable[[], None]]]] = []
+
+
 @contextlib.contextmanager
-def _no_tqdm_bars() -> Iterator[None]:
-    """Every tqdm bar created meanwhile is disabled: it still iterates, it draws nothing. tqdm subclasses
-    (tqdm.auto, huggingface_hub's, transformers') all pass through tqdm.std.tqdm.__init__, including
-    those of modules imported later (transformers imports its GGUF loader on first use)."""
+def library_bars_to(add_bar: Callable[[str, int | None], tuple[Callable[[int], None], Callable[[], None]]]) -> Iterator[None]:
+    """While the block runs, each tqdm bar a library opens calls ADD_BAR(description, total) for a line in our
+    display, and drives it with the returned (advance(n), finish()) instead of drawing itself."""
+    _BAR_DISPLAYS.append(add_bar)
+    try:
+        yield
+    finally:
+        _BAR_DISPLAYS.remove(add_bar)
+
+
+@contextlib.contextmanager
+def _tqdm_bars_redirected() -> Iterator[None]:
+    """Every tqdm bar created meanwhile draws nothing (it still iterates); its progress goes to our display
+    when one takes it. tqdm subclasses (tqdm.auto, huggingface_hub's, the bars transformers opens for the
+    GGUF de-quantisation, weight loading and shard writing, datasets' map bars) all pass through
+    tqdm.std.tqdm, including those of modules imported later."""
     try:
         from tqdm import std
     except ImportError:
         yield
         return
-    original = std.tqdm.__init__
+    patched = ("__init__", "__iter__", "update", "close")
+    originals = {name: getattr(std.tqdm, name) for name in patched}
 
-    def disabled(self, *args, **kwargs):
+    def __init__(self, *args, **kwargs):
         kwargs["disable"] = True
-        original(self, *args, **kwargs)
+        originals["__init__"](self, *args, **kwargs)
+        if _BAR_DISPLAYS:
+            description = str(kwargs.get("desc") or (args[1] if len(args) > 1 else "") or "working").rstrip(". :")
+            self._attnres_bar = _BAR_DISPLAYS[-1](description, self.total)
 
-    std.tqdm.__init__ = disabled
+    def __iter__(self):
+        bar = getattr(self, "_attnres_bar", None)
+        if bar is None:
+            yield from originals["__iter__"](self)
+            return
+        try:
+            for item in self.iterable:
+                yield item
+                bar[0](1)
+        finally:
+            bar[1]()
+
+    def update(self, n=1):
+        if (bar := getattr(self, "_attnres_bar", None)) is not None:
+            bar[0](n)
+        return originals["update"](self, n)
+
+    def close(self):
+        if (bar := getattr(self, "_attnres_bar", None)) is not None:
+            bar[1]()
+        return originals["close"](self)
+
+    for name, method in zip(patched, (__init__, __iter__, update, close)):
+        setattr(std.tqdm, name, method)
     try:
         yield
     finally:
-        std.tqdm.__init__ = original
+        for name, method in originals.items():
+            setattr(std.tqdm, name, method)
 
 
 @contextlib.contextmanager
@@ -48,15 +93,12 @@ def _transformers_errors_only() -> Iterator[None]:
     """transformers' own logger shows errors only (its load reports and info lines are not for our users)."""
     from transformers.utils import logging
 
-    verbosity, bars = logging.get_verbosity(), logging.is_progress_bar_enabled()
-    logging.set_verbosity_error()
-    logging.disable_progress_bar()
+    verbosity = logging.get_verbosity()
+    logging.set_verbosity_error()  # its bars stay on: they reach our display through tqdm (_tqdm_bars_redirected)
     try:
         yield
     finally:
         logging.set_verbosity(verbosity)
-        if bars:
-            logging.enable_progress_bar()
 
 
 @contextlib.contextmanager
@@ -67,7 +109,7 @@ def quiet_libraries() -> Iterator[None]:
         for library in DRIVEN_LIBRARIES:
             for category in (DeprecationWarning, FutureWarning):
                 warnings.filterwarnings("ignore", category=category, module=rf"{library}(\.|$)")
-        stack.enter_context(_no_tqdm_bars())
+        stack.enter_context(_tqdm_bars_redirected())
         stack.enter_context(_transformers_errors_only())
         yield
 
