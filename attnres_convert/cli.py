@@ -381,7 +381,11 @@ def finetune_command(
         from attnres_convert.finetune.preflight import check_recipe
 
         check_recipe(parsed, resume=resume, token=token)
-    with training_errors(main), quiet_libraries():  # one progress bar: the training one
+    left = (  # a Ctrl-C before the first step, or a second one (the first saves a checkpoint and stops cleanly)
+        f"this stop saved no checkpoint; earlier ones, if any, are in {parsed.output.dir}/checkpoints "
+        "(--resume continues from the last)"
+    )
+    with training_errors(main), interrupts("finetune", left), quiet_libraries():  # one progress bar: the training one
         from attnres_convert.finetune.training import finetune
 
         result = finetune(parsed, resume=resume, console=err_console if main else None, token=token, verbose=verbose)
@@ -442,7 +446,8 @@ def ab_command(
     interrupted = "Finished arms are kept in the work folder: run the same command with --reuse to train only the others."
     with training_errors(main):  # the recipe and overrides: answered before torch is imported
         load_recipe(recipe, list(overrides or []))
-    with training_errors(main, lambda error: f"{escape(str(error).split(';')[0])}. {interrupted}"), quiet_libraries():
+    with training_errors(main, lambda error: f"{escape(str(error).split(';')[0])}. {interrupted}"), \
+            interrupts("ab", "f" + interrupted[1:].rstrip(".")), quiet_libraries():
         result = run_ab(
             recipe, list(overrides or []), sweep=arms, seeds=seeds, output=output, workdir=workdir, plain=not no_plain,
             jobs=jobs, reuse=reuse, overwrite=overwrite, throughput=throughput, console=err_console if main else None,
