@@ -257,8 +257,8 @@ def inspect_command(
         Optional[Path],
         typer.Option(
             "--plot", metavar="OUT.png",
-            help="Write the depth weights to OUT.png, the same against uniform to OUT-relative.png and, for a plain "
-            "model (converted here, so its original is at hand), magnitudes and gradients to OUT-magnitudes.png.",
+            help="Write the depth weights to OUT.png, the same against uniform to OUT-relative.png, and per-sublayer "
+            "magnitudes and gradients (residual sum against AttnRes) to OUT-magnitudes.png.",
         ),
     ] = None,
     text: Annotated[Optional[Path], typer.Option("--text", help="Text to average over (default: a built-in sample).")] = None,

@@ -61,7 +61,7 @@ def test_every_help_is_true_and_fits_80_columns(command):
 
 
 def test_inspect_plot_help_names_the_files_it_writes(tmp_path):
-    """The help's three names are what `inspect --plot` writes (a plain model: converted here, with its original)."""
+    """The help's three names are what `inspect --plot` writes."""
     from tiny_models import tiny_model
 
     from attnres_convert.analysis.inspection import inspect_source

@@ -100,7 +100,7 @@ def test_cli_inspect_converted_folder(tmp_path):
     text.write_text("unused without a tokenizer, but it must exist")
     result = runner.invoke(app, ["inspect", str(folder), "--plot", str(tmp_path / "out.png"), "--text", str(text), "--max-tokens", "24"])
     assert result.exit_code == 0, result.output
-    for expected in ("qwen3", "block size S", "parameters added", "layer 2 mlp", "output", "pseudo-random"):
+    for expected in ("qwen3", "block size S", "parameters added", "L2 mlp", "output", "pseudo-random"):
         assert expected in result.output
     for name in ("out.png", "out-relative.png", "out-magnitudes.png"):
         assert (tmp_path / name).stat().st_size > 10_000, name

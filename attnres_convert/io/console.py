@@ -22,11 +22,12 @@ DRIVEN_LIBRARIES = ("transformers", "torch", "accelerate", "peft", "datasets", "
 
 # Where the libraries' bars go while quiet_libraries() is active: the innermost display that takes them
 # (`library_bars_to`), else nowhere. A list, not one value: displays nest (a push inside a convert).
-_BAR_DISPLAYS: list[Callable[[str, int | None], tuple[Callable[[int], None], Callable[[], None]]]] = []
+AddBar = Callable[[str, "int | None"], tuple[Callable[[int], None], Callable[[], None]]]  # -> (advance(n), finish())
+_BAR_DISPLAYS: list[AddBar] = []
 
 
 @contextlib.contextmanager
-def library_bars_to(add_bar: Callable[[str, int | None], tuple[Callable[[int], None], Callable[[], None]]]) -> Iterator[None]:
+def library_bars_to(add_bar: AddBar) -> Iterator[None]:
     """While the block runs, each tqdm bar a library opens calls ADD_BAR(description, total) for a line in our
     display, and drives it with the returned (advance(n), finish()) instead of drawing itself."""
     _BAR_DISPLAYS.append(add_bar)
