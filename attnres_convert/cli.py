@@ -147,7 +147,9 @@ def options_from(model: type, parameter: str = "options", panel: str = "Options"
         description, metavar = field.description, None
         if get_origin(annotation) is Literal:  # a short metavar keeps the help readable at 80 columns
             annotation = Enum(name, {value: value for value in get_args(annotation)}, type=str)
-            description, metavar = f"{description} One of: {', '.join(get_args(field.annotation))}.", name.upper()
+            metavar = name.upper()
+            if not all(choice in description for choice in get_args(field.annotation)):  # the help names the choices
+                description = f"{description} One of: {', '.join(get_args(field.annotation))}."
         info = typer.Option(
             flag, help=description, metavar=metavar, show_default=field.default is not None, rich_help_panel=panel
         )

@@ -44,7 +44,7 @@ class ConvertOptions(BaseModel):
         description="Rank r of input-dependent queries, w + B A x per token (B zero at conversion: still exact; A and B "
         "train with the AttnRes parameters); 0: static queries. Runs the plain PyTorch depth mix.",
     )
-    dtype: DTypeName = Field("auto", description="auto keeps the checkpoint's dtype.")
+    dtype: DTypeName = Field("auto", description="auto keeps the checkpoint's dtype; or float32, bfloat16, float16.")
     verify: bool = Field(True, description="Check logits and greedy generation against the original.")
     verify_tokens: int = Field(256, ge=1, description="Tokens of the sample text the check runs on.")
     verify_new_tokens: int = Field(32, ge=1, description="Greedy tokens generated (with the KV cache) by the check.")
