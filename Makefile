@@ -26,14 +26,14 @@ install: $(STAMP)
 
 demo: install
 	$(BIN)/attnres convert --output outputs/smollm2-attnres --overwrite
-	# Continued pretraining on Shakespeare (a few minutes on 2 cores): held-out perplexity before and after.
+	# Continued pretraining on Shakespeare: held-out perplexity before and after (`time make demo`, both steps: 2 min 20 s on 2 cores).
 	$(BIN)/attnres finetune quickstart-cpu output.overwrite=true
 
 # The GPU tests (marker cuda) are left out: `make test-gpu` runs them where there is a GPU.
 test: install
 	$(BIN)/python -m pytest -q -m "not cuda" $(PYTEST_ARGS)
 
-# Everything but the tests marked slow (real weights, process launches, wheel builds, trainings): a few minutes.
+# Everything but the tests marked slow (real weights, process launches, wheel builds, trainings): 2 min 51 s on 2 cores (`time make test-fast`).
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not slow and not cuda" $(PYTEST_ARGS)
 

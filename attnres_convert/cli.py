@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
+import re
 import shlex
 import signal
 import sys
-import warnings
-from collections.abc import Callable, Iterator
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Literal, Optional, get_args, get_origin
@@ -16,19 +14,21 @@ from typing import Annotated, Literal, Optional, get_args, get_origin
 import typer
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import (
-    BarColumn,
-    DownloadColumn,
-    Progress,
-    ProgressColumn,
-    SpinnerColumn,
-    TextColumn,
-    TimeElapsedColumn,
-    TransferSpeedColumn,
-)
-from rich.text import Text
+from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from attnres_convert.cli_kit import (  # noqa: F401 - shared by every command
+    EXIT_BAD_INPUT,
+    EXIT_FAILED_CHECK,
+    err_console,
+    fail,
+    interrupts,
+    scrubbed,
+    stages,
+    training_errors,
+    user_error_kinds,
+    user_errors,
+)
 from attnres_convert.conversion.options import ConvertOptions, DTypeName, OptionsError
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -43,119 +43,26 @@ app = typer.Typer(
 console = Console()
 
 
-@app.callback()
-def _root() -> None:
-    """Keep `attnres` a command group even while it has one command."""
-err_console = Console(stderr=True)
 
-EXIT_BAD_INPUT = 2
-EXIT_FAILED_CHECK = 1
+
+def _print_version(value: bool) -> None:
+    if value:
+        from attnres_convert import __version__
+
+        print(f"attnres {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool, typer.Option("--version", help="Print the attnres version and exit.", is_eager=True, callback=_print_version)
+    ] = False,
+) -> None:
+    """Keep `attnres` a command group even while it has one command."""
 
 
 DType = Enum("DType", {name: name for name in get_args(DTypeName)}, type=str)
-
-
-def scrubbed(text: str) -> str:
-    """TEXT without a HuggingFace token (HF_TOKEN's value or anything shaped like one)."""
-    from attnres_convert.errors import scrub
-
-    return scrub(text, os.environ.get("HF_TOKEN") or os.environ.get("HUGGING_FACE_HUB_TOKEN") or None)
-
-
-def fail(message: str, code: int = EXIT_BAD_INPUT) -> None:
-    # Escaped: a path or an upstream message with [brackets] is text, not Rich markup.
-    err_console.print(f"[bold red]error:[/] {escape(scrubbed(message))}", highlight=False)
-    raise typer.Exit(code)
-
-
-def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
-    err_console.print(f"[yellow]warning:[/] {escape(scrubbed(str(message)))}", highlight=False)
-
-
-@contextlib.contextmanager
-def user_errors() -> Iterator[None]:
-    """Errors the user can fix: a message, exit code 2, no traceback."""
-    from attnres_convert import AttnResError, BlockSizeError, UnsupportedModelError, VerificationError
-
-    try:
-        with warnings.catch_warnings():
-            warnings.showwarning = _show_warning  # "warning: ..." lines, e.g. for a pickle-only checkpoint
-            yield
-    except VerificationError as error:
-        fail(str(error), EXIT_FAILED_CHECK)
-    except (AttnResError, BlockSizeError, UnsupportedModelError) as error:
-        fail(str(error))
-
-
-def quiet_transformers() -> None:
-    """No transformers progress bars or info logs: the command shows its own progress."""
-    import transformers
-
-    transformers.utils.logging.disable_progress_bar()
-    transformers.utils.logging.set_verbosity_error()
-
-
-@contextlib.contextmanager
-def training_errors(main: bool, interrupted: Callable[[Exception], str] = lambda error: escape(str(error))) -> Iterator[None]:
-    """Errors of a training command, raised in every process of a launch; only the main process prints.
-
-    Interrupted (a checkpoint was saved, or a run replacing an earlier one was discarded): exit 128 + signal,
-    like an interrupted shell job, with INTERRUPTED(error) as the message. A failed training check: exit 1;
-    other user errors: exit 2.
-    """
-    from attnres_convert import AttnResError, BlockSizeError, UnsupportedModelError
-    from attnres_convert.finetune.training import TrainingError, TrainingInterrupted
-
-    try:
-        yield
-    except TrainingInterrupted as error:
-        if main:
-            err_console.print(f"[yellow]interrupted:[/] {interrupted(error)}", highlight=False)
-        raise typer.Exit(128 + error.signum) from None
-    except (AttnResError, BlockSizeError, UnsupportedModelError) as error:
-        code = EXIT_FAILED_CHECK if isinstance(error, TrainingError) else EXIT_BAD_INPUT
-        if main:
-            fail(str(error), code)
-        raise typer.Exit(code) from None
-
-
-class _ForBytes(ProgressColumn):
-    """A column shown only on tasks that count bytes (a bar with size and speed); stage lines stay plain."""
-
-    def __init__(self, column: ProgressColumn):
-        super().__init__()
-        self.column = column
-
-    def render(self, task):
-        return self.column.render(task) if task.fields.get("bytes") else Text("")
-
-
-@contextlib.contextmanager
-def stages() -> Iterator:
-    """A Rich progress display with one line per stage of a long job; `stage.progress(name, total)` adds a
-    line with a bar over TOTAL bytes, whose context value advances it."""
-    quiet_transformers()
-    columns = [BarColumn(), DownloadColumn(), TransferSpeedColumn()]
-    with Progress(
-        SpinnerColumn(), TextColumn("{task.description}"), *map(_ForBytes, columns), TimeElapsedColumn(),
-        console=err_console, transient=False,
-    ) as progress:
-
-        @contextlib.contextmanager
-        def bytes_bar(name: str, total: int) -> Iterator:
-            task = progress.add_task(name, total=total, bytes=True)
-            yield lambda nbytes: progress.advance(task, nbytes)
-
-        @contextlib.contextmanager
-        def stage(name: str) -> Iterator[None]:
-            task = progress.add_task(name, total=1)
-            try:
-                yield
-            finally:
-                progress.update(task, completed=1)
-
-        stage.progress = bytes_bar
-        yield stage
 
 
 def verification_table(report) -> Table:
@@ -194,6 +101,7 @@ PushToHubOption = Annotated[
     Optional[str], typer.Option("--push-to-hub", metavar="REPO_ID", help="Upload the saved folder to this hub repo.")
 ]
 PrivateOption = Annotated[bool, typer.Option("--private", help="Create the hub repo as private.")]
+VerboseOption = Annotated[bool, typer.Option("--verbose", "-v", help="Show every setting and detail, not only the result.")]
 TokenOption = Annotated[
     Optional[str],
     typer.Option("--token", help="HuggingFace token with write access (default: HF_TOKEN, else the `hf auth login` cache)."),
@@ -215,7 +123,7 @@ def push_saved(folder: Path, repo_id: str, **kwargs) -> None:
     """Push a saved folder and say where it went (errors: exit 2, the folder stays saved locally)."""
     from attnres_convert.hub.push import push_folder
 
-    with user_errors(), stages() as stage, stage(f"Pushing {folder} to {repo_id}"):
+    with user_errors(), stages(f"pushing to {repo_id}", f"{folder} is unchanged, and a hub commit is made whole or not at all") as stage, stage(f"Pushing {folder} to {repo_id}"):
         result = push_folder(folder, repo_id, **kwargs)
     console.print(f"[green]Pushed[/] {len(result.files)} files to [bold]{result.url}[/] ({result.revision})")
     if result.commit_url:
@@ -236,9 +144,15 @@ def options_from(model: type, parameter: str = "options", panel: str = "Options"
         annotation = field.annotation
         if annotation is bool:
             flag = f"{flag}/--no-{name.replace('_', '-')}" if field.default else flag
-        elif get_origin(annotation) is Literal:
+        description, metavar = field.description, None
+        if get_origin(annotation) is Literal:  # a short metavar keeps the help readable at 80 columns
             annotation = Enum(name, {value: value for value in get_args(annotation)}, type=str)
-        info = typer.Option(flag, help=field.description, show_default=field.default is not None, rich_help_panel=panel)
+            metavar = name.upper()
+            if not all(choice in description for choice in get_args(field.annotation)):  # the help names the choices
+                description = f"{description} One of: {', '.join(get_args(field.annotation))}."
+        info = typer.Option(
+            flag, help=description, metavar=metavar, show_default=field.default is not None, rich_help_panel=panel
+        )
         default = annotation(field.default) if isinstance(annotation, type) and issubclass(annotation, Enum) else field.default
         return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=Annotated[annotation, info], default=default)
 
@@ -255,8 +169,11 @@ def options_from(model: type, parameter: str = "options", panel: str = "Options"
             values = {name: v.value if isinstance(v, Enum) else v for name, v in values.items()}
             try:  # a value out of range (--query-rank -1) is a usage error with the field's name, not a traceback
                 options = model.build(**values) if hasattr(model, "build") else model(**values)
-            except OptionsError as error:
-                fail(str(error))
+            except OptionsError as error:  # named as typed: --num-blocks, not num_blocks
+                message = str(error)
+                for name in fields:
+                    message = re.sub(rf"(?<![\w-]){name}(?![\w-])", "--" + name.replace("_", "-"), message)
+                fail(message)
             return command(*args, **kwargs, **{parameter: options})
 
         wrapper.__signature__ = signature.replace(parameters=kept + added)
@@ -271,24 +188,27 @@ def convert(
     source: Annotated[
         Optional[str], typer.Argument(help="Hub id, local model folder or .gguf file. Default: embedded SmolLM2-135M-Instruct.")
     ] = None,
-    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Output folder.")] = None,
+    output: Annotated[Path, typer.Option("--output", "-o", help="Output folder (written only once the model is complete).")] = ...,
     push_to_hub: PushToHubOption = None,
     private: PrivateOption = False,
     token: TokenOption = None,
+    verbose: VerboseOption = False,
     options: ConvertOptions = None,
 ) -> None:
     """Convert a PreNorm causal LM to Block AttnRes and check it reproduces the original."""
-    if output is None:
-        fail("missing --output/-o OUT: the folder to write the converted model to.")
-    check_push_options(push_to_hub, token)
-    from attnres_convert import convert as run_convert
+    from attnres_convert.conversion.arguments import check_arguments
 
-    with user_errors(), stages() as stage:
+    with user_errors():  # before torch is imported: a wrong path or a taken folder is answered at once
+        check_arguments(source, output, options)
+    check_push_options(push_to_hub, token)
+    with user_errors(), stages("convert", f"nothing was written to {output}") as stage:
+        from attnres_convert import convert as run_convert
+
         result = run_convert(source, output, options, stage=stage, progress=stage.progress)
     console.print(summary_table(result.summary))
     if result.verification is not None:
         console.print(verification_table(result.verification))
-    if result.verification_budget:
+    if result.verification_budget and (verbose or result.budget_mattered):
         console.print(f"verification {result.verification_budget}", highlight=False)
     console.print(f"[green]Saved[/] {result.source} as Block AttnRes to [bold]{result.output}[/]")
     if push_to_hub:
@@ -311,12 +231,21 @@ def push(
 
 
 def depth_table(depth) -> Table:
-    table = Table(title=f"Depth-attention weights (mean over {depth.tokens} tokens; blank: not a source of that reader)")
-    table.add_column("reader")
+    """Compact enough for 80 columns with 8 blocks: short labels, no vertical rules."""
+    from rich import box
+
+    table = Table(
+        title=f"Depth-attention weights (mean over {depth.tokens} tokens)",
+        caption="L3 attn: layer 3's attention reads; emb: embedding, bK/sK: block/sublayer K; blank: not read",
+        box=box.SIMPLE_HEAD, pad_edge=False,
+    )
+    table.add_column("reader", no_wrap=True)
     for column in depth.columns:
-        table.add_column(column.replace("embedding", "emb"), justify="right")
+        short = column.replace("embedding", "emb").replace("block ", "b").replace("sublayer ", "s")
+        table.add_column(short, justify="right", no_wrap=True)
     for reader, row in zip(depth.readers, depth.matrix):
-        table.add_row(reader, *("" if value != value else f"{value:.2f}" for value in row))
+        label = reader.replace("layer ", "L").replace("attention", "attn")
+        table.add_row(label, *("" if value != value else f"{value:.2f}" for value in row))
     return table
 
 
@@ -327,18 +256,27 @@ def inspect_command(
         typer.Argument(help="A converted folder, or a plain model (hub id, folder, .gguf) to convert in memory. Default: embedded SmolLM2."),
     ] = None,
     plot: Annotated[
-        Optional[Path], typer.Option("--plot", help="Write depth heatmaps to OUT.png and magnitudes to OUT-magnitudes.png.")
+        Optional[Path],
+        typer.Option(
+            "--plot", metavar="OUT.png",
+            help="Write the depth weights to OUT.png, the same against uniform to OUT-relative.png, and per-sublayer "
+            "magnitudes and gradients (residual sum against AttnRes) to OUT-magnitudes.png.",
+        ),
     ] = None,
     text: Annotated[Optional[Path], typer.Option("--text", help="Text to average over (default: a built-in sample).")] = None,
-    max_tokens: Annotated[int, typer.Option("--max-tokens", help="Use at most this many tokens of the text.")] = 256,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", min=2, help="Use at most this many tokens of the text.")] = 256,
     trust_remote_code: Annotated[bool, typer.Option("--trust-remote-code", help="Allow a plain model's own code to run.")] = False,
 ) -> None:
     """Show the AttnRes structure and the learned depth-attention weights; plot them with --plot."""
-    from attnres_convert.analysis.inspection import inspect_source
+    from attnres_convert.io.paths import resolve_source
 
     if text is not None and not text.is_file():
         fail(f"--text {text}: no such file.")
-    with user_errors(), stages() as stage, stage("Inspecting"):
+    with user_errors():  # before torch is imported
+        resolve_source(model)
+    with user_errors(), stages("inspect", "nothing was written") as stage, stage("Inspecting"):
+        from attnres_convert.analysis.inspection import inspect_source
+
         result = inspect_source(
             model,
             text=text.read_text(errors="replace") if text else None,
@@ -364,6 +302,19 @@ def _is_main_process() -> bool:
     return int(os.environ.get("RANK", "0")) == 0
 
 
+def eval_table(result) -> Table:
+    from attnres_convert.io.console import shorten_middle
+
+    table = Table(title=f"Held-out evaluation ({result.sequences} x {result.seq_len} tokens, {result.dtype})")
+    for column in ("model", "AttnRes", "tokens", "loss (nats)", "perplexity"):
+        table.add_column(column, justify="left" if column == "model" else "right", no_wrap=True)
+    table.add_row(
+        escape(shorten_middle(result.model, 30)), "yes" if result.converted else "no", f"{result.tokens:,}",
+        f"{result.loss:.4f}", f"{result.perplexity:.3f}",
+    )
+    return table
+
+
 @app.command("eval")
 def eval_command(
     model: Annotated[
@@ -371,10 +322,10 @@ def eval_command(
         typer.Argument(help="A converted folder, hub id, model folder or .gguf file. Default: embedded SmolLM2-135M-Instruct."),
     ] = None,
     data: Annotated[
-        Optional[list[str]],
+        list[str],
         typer.Option("--data", help="Held-out text: .txt/.md, .jsonl/.json, .parquet files, globs, or shakespeare:NAME (repeatable)."),
-    ] = None,
-    seq_len: Annotated[int, typer.Option("--seq-len", help="Tokens per sequence.")] = 512,
+    ] = ...,
+    seq_len: Annotated[int, typer.Option("--seq-len", help="Tokens per sequence.")] = 256,
     max_tokens: Annotated[Optional[int], typer.Option("--max-tokens", help="Read at most this many tokens of text.")] = None,
     batch_size: Annotated[int, typer.Option("--batch-size", help="Sequences per forward pass.")] = 1,
     dtype: Annotated[DType, typer.Option(help="auto keeps the checkpoint's dtype.")] = DType.auto,
@@ -384,12 +335,16 @@ def eval_command(
     """Held-out loss and perplexity of a plain or converted model, to compare the two with one tool."""
     import json
 
-    from attnres_convert.analysis.evaluate import evaluate
+    from attnres_convert.io.files import checked_files
 
-    with user_errors(), stages() as stage, stage("Evaluating"):
+    with user_errors():  # before torch is imported
+        checked_files(data, "--data")
+    with user_errors(), stages("eval") as stage, stage("Evaluating"):
+        from attnres_convert.analysis.evaluate import evaluate
+
         result = evaluate(
             model,
-            data or [],
+            data,
             seq_len=seq_len,
             max_tokens=max_tokens,
             batch_size=batch_size,
@@ -399,12 +354,7 @@ def eval_command(
     if as_json:
         print(json.dumps(result.to_dict(), indent=2))
         return
-    table = Table(title=f"Held-out evaluation ({result.sequences} x {result.seq_len} tokens, {result.dtype})")
-    for column in ("model", "AttnRes", "tokens scored", "loss (nats/token)", "perplexity"):
-        table.add_column(column, justify="left" if column == "model" else "right")
-    table.add_row(
-        result.model, "yes" if result.converted else "no", f"{result.tokens:,}", f"{result.loss:.4f}", f"{result.perplexity:.3f}"
-    )
+    table = eval_table(result)
     console.print(table)
 
 
@@ -418,28 +368,33 @@ def finetune_command(
     push_to_hub: PushToHubOption = None,
     private: PrivateOption = False,
     token: TokenOption = None,
+    verbose: VerboseOption = False,
 ) -> None:
     """Continued pretraining of a converted model (or, with model.convert=false, of the original)."""
     from attnres_convert.finetune.recipe import load_recipe
-    from attnres_convert.finetune.training import finetune
+    from attnres_convert.io.console import quiet_libraries
 
-    quiet_transformers()  # one progress bar: the training one
     overrides = list(overrides or [])
     if push_to_hub:
         overrides += [f"output.push_to_hub={push_to_hub}"] + (["output.private=true"] if private else [])
     main = _is_main_process()
-    with training_errors(main):
-        parsed = load_recipe(recipe, overrides)
-        result = finetune(parsed, resume=resume, console=err_console if main else None, token=token)
+    with training_errors(main), interrupts("finetune (before training started)"):
+        parsed = load_recipe(recipe, overrides)  # schema and overrides: answered before torch is imported
+        from attnres_convert.finetune.preflight import check_recipe
+
+        check_recipe(parsed, resume=resume, token=token)
+    left = (  # a Ctrl-C before the first step, or a second one (the first saves a checkpoint and stops cleanly)
+        f"this stop saved no checkpoint; earlier ones, if any, are in {parsed.output.dir}/checkpoints "
+        "(--resume continues from the last)"
+    )
+    with training_errors(main), interrupts("finetune", left), quiet_libraries():  # one progress bar: the training one
+        from attnres_convert.finetune.training import finetune
+
+        result = finetune(parsed, resume=resume, console=err_console if main else None, token=token, verbose=verbose)
     if not main:
         return
     metrics = result.metrics
-    table = Table(title=f"Fine-tuned {metrics['steps']} steps, {metrics['tokens']:,} tokens ({metrics['processes']} process(es))")
-    for column in ("", "held-out loss", "perplexity"):
-        table.add_column(column, justify="right")
-    if metrics["eval_loss_start"] is not None:
-        table.add_row("before (step 0)", f"{metrics['eval_loss_start']:.4f}", f"{metrics['eval_perplexity_start']:.2f}")
-    table.add_row("after", f"{metrics['eval_loss']:.4f}", f"{metrics['eval_perplexity']:.2f}")
+    table = finetune_table(metrics)
     console.print(table)
     if metrics["tokens_per_s"]:
         console.print(f"training throughput: {metrics['tokens_per_s']:,.0f} tokens/s", highlight=False)
@@ -448,6 +403,17 @@ def finetune_command(
         console.print(f"[green]Model[/] [bold]{escape(str(result.model_dir))}[/]")
     if result.pushed is not None:
         console.print(f"[green]Pushed[/] to [bold]{result.pushed.url}[/]")
+
+
+def finetune_table(metrics: dict) -> Table:
+    title = f"Fine-tuned {metrics['steps']} steps, {metrics['tokens']:,} tokens ({metrics['processes']} process(es))"
+    table = Table(title=title, min_width=len(title))  # a title never wraps over a narrow table
+    for column in ("", "held-out loss", "perplexity"):
+        table.add_column(column, justify="right", no_wrap=True)
+    if metrics["eval_loss_start"] is not None:
+        table.add_row("before (step 0)", f"{metrics['eval_loss_start']:.4f}", f"{metrics['eval_perplexity_start']:.2f}")
+    table.add_row("after", f"{metrics['eval_loss']:.4f}", f"{metrics['eval_perplexity']:.2f}")
+    return table
 
 
 @app.command("ab")
@@ -474,12 +440,16 @@ def ab_command(
     """A/B: the recipe trained as a baseline (model.convert=false, same trainable budget) and as AttnRes,
     plus sweep arms, from the same start and data order; writes ab.json, ab.md and ab.png."""
     from attnres_convert.finetune.ab import run_ab
+    from attnres_convert.finetune.recipe import load_recipe
+    from attnres_convert.io.console import quiet_libraries
 
-    quiet_transformers()
     main = _is_main_process()
     arms = [[o for o in entry.replace(",", " ").split() if o] for entry in (sweep or [])]
     interrupted = "Finished arms are kept in the work folder: run the same command with --reuse to train only the others."
-    with training_errors(main, lambda error: f"{escape(str(error).split(';')[0])}. {interrupted}"):
+    with training_errors(main):  # the recipe and overrides: answered before torch is imported
+        load_recipe(recipe, list(overrides or []))
+    with training_errors(main, lambda error: f"{escape(str(error).split(';')[0])}. {interrupted}"), \
+            interrupts("ab", "f" + interrupted[1:].rstrip(".")), quiet_libraries():
         result = run_ab(
             recipe, list(overrides or []), sweep=arms, seeds=seeds, output=output, workdir=workdir, plain=not no_plain,
             jobs=jobs, reuse=reuse, overwrite=overwrite, throughput=throughput, console=err_console if main else None,
@@ -512,7 +482,11 @@ def architectures_command(
     known = set(coverage.causal_lm_model_types())
     unknown = [t for t in model_types or [] if t not in known]
     if unknown:
-        fail(f"not a causal-LM model type of this transformers: {', '.join(unknown)}. Run without arguments for all.")
+        import difflib
+
+        close = [match for name in unknown for match in difflib.get_close_matches(name, sorted(known), n=2)]
+        hint = f"Did you mean {' or '.join(close)}? " if close else ""
+        fail(f"not a causal-LM model type of this transformers: {', '.join(unknown)}. {hint}Run without arguments for all.")
     if write is not None and model_types:
         fail("--write rewrites the whole table: run it without model types.")
     if write is not None and not write.is_file():
@@ -587,7 +561,7 @@ def recipes_validate(
     overrides: Annotated[Optional[list[str]], typer.Argument(help="key.path=value overrides.", show_default=False)] = None,
 ) -> None:
     """Check a recipe (schema, data files, model source, sequence length) without loading or writing anything."""
-    from attnres_convert.finetune.preflight import check_recipe
+    from attnres_convert.finetune.preflight import check_recipe, existing_output_problem
     from attnres_convert.finetune.recipe import load_recipe
 
     with user_errors():
@@ -595,6 +569,8 @@ def recipes_validate(
         check_recipe(parsed, check_output=False)
     console.print(escape(parsed.to_yaml()), highlight=False)
     console.print(f"[green]valid:[/] {escape(recipe)}")
+    if (taken := existing_output_problem(parsed)) is not None:
+        console.print(f"[yellow]note:[/] `attnres finetune` refuses it as it stands: {escape(taken)}", highlight=False)
 
 
 def _terminate(signum, frame) -> None:

@@ -231,13 +231,13 @@ def test_hub_id_without_network_fails_fast(tmp_path, kind, request):
 
 
 BLOCK_SIZE_CASES = [
-    (["--block-size", "0"], ["block size", ">= 1", "got 0"]),
-    (["--block-size", "-2"], ["block size", ">= 1", "got -2"]),
+    (["--block-size", "0"], ["--block-size must be >= 1", "got 0"]),
+    (["--block-size", "-2"], ["--block-size must be >= 1", "got -2"]),
     (["--block-size", "2.5"], ["--block-size", "valid integer"]),
     (["--block-size", "two"], ["--block-size", "valid integer"]),
     (["--block-size", "7"], ["block size 7", "6 sublayers", "at most 6"]),
-    (["--num-blocks", "0"], ["number of blocks", ">= 1", "got 0"]),
-    (["--num-blocks", "-3"], ["number of blocks", ">= 1"]),
+    (["--num-blocks", "0"], ["--num-blocks must be >= 1", "got 0"]),
+    (["--num-blocks", "-3"], ["--num-blocks must be >= 1"]),
     (["--num-blocks", "1.5"], ["--num-blocks", "valid integer"]),
     (["--num-blocks", "99"], ["99 blocks", "6 sublayers", "at most 6"]),
     (["--block-size", "2", "--full"], ["only one of", "--block-size", "--full"]),

@@ -56,7 +56,7 @@ def test_full_and_num_blocks(tiny_llama_folder, tmp_path):
     [
         (["--block-size", "2", "--full"], "only one of"),
         (["--block-size", "3", "--num-blocks", "2"], "only one of"),
-        (["--block-size", "0"], "block size must be >= 1"),
+        (["--block-size", "0"], "--block-size must be >= 1, got 0"),
         (["--block-size", "7"], "larger than the model's 6 sublayers"),
         (["--num-blocks", "9"], "more than the model's 6 sublayers"),
     ],

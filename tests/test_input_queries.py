@@ -184,10 +184,10 @@ def test_negative_or_fractional_ranks_are_refused(tmp_path):
             AttnResConfig(text_config={"model_type": "llama"}, query_rank=bad)
     with pytest.raises(ValueError, match=r"query rank -2 is not valid: give a whole number >= 0"):
         convert_model(tiny_model("llama"), query_rank=-2)
-    with pytest.raises(OptionsError, match=r"invalid convert option: query_rank: Input should be greater than or equal to 0"):
+    with pytest.raises(OptionsError, match=r"invalid convert option: query_rank must be >= 0, got -1"):
         convert(None, tmp_path / "out", query_rank=-1)
     result = CliRunner().invoke(app, ["convert", "-o", str(tmp_path / "cli"), "--query-rank", "-1"])
-    assert result.exit_code == 2 and "query_rank" in result.output, result.output
+    assert result.exit_code == 2 and "--query-rank must be >= 0" in result.output, result.output  # named as typed
     assert not (tmp_path / "out").exists() and not (tmp_path / "cli").exists()
     assert "--query-rank" in CliRunner().invoke(app, ["convert", "--help"]).output
     with pytest.raises(RecipeError, match=r"model\.query_rank: must be >= 0"):

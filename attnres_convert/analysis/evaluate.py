@@ -18,7 +18,7 @@ from ..io.loading import LoadedModel, load_any
 from ..io.text import Sequences, TokenBudget, expand_files, file_documents, pack, pad_token_id, token_loss, tokenize
 from ..io.text import perplexity as perplexity_of  # `perplexity` is also a field of EvalResult
 
-DEFAULT_SEQ_LEN = 512
+DEFAULT_SEQ_LEN = 256  # what the README examples pass
 
 
 class EvalError(AttnResError):

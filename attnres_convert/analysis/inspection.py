@@ -272,10 +272,16 @@ def inspect_source(
     from ..conversion.surgery import convert_model
     from ..conversion.verify import fit_to_context, sample_input_ids
 
-    loaded = load_any(model, dtype, trust_remote_code)
-    network = loaded.model
-    if not loaded.converted:
-        network = convert_model(network).eval()
+    from ..conversion.convert import SEE_COVERAGE
+    from ..modeling.architectures import UnsupportedModelError
+
+    try:
+        loaded = load_any(model, dtype, trust_remote_code)
+        network = loaded.model
+        if not loaded.converted:
+            network = convert_model(network).eval()
+    except UnsupportedModelError as error:
+        raise UnsupportedModelError(f"cannot inspect {model or 'the embedded model'}: {error} {SEE_COVERAGE}") from error
     if max_tokens < 2:
         raise SourceError(f"--max-tokens must be at least 2, got {max_tokens}")
     tokens, _ = fit_to_context(network.config.text_config, max_tokens, 0)

@@ -19,12 +19,13 @@ import torch
 
 from ..io.card import conversion_card
 from ..modeling.architectures import UnsupportedModelError
-from ..errors import OutputError, VerificationError
+from ..errors import VerificationError
 from ..modeling.modeling_attnres import AttnResForCausalLM
 from .memory_budget import plan_verification, verify_saved
+from .arguments import check_arguments
 from .options import ConvertOptions, options_doc, parse_size
-from ..io.saving import atomic_folder, check_output, save_converted
-from ..io.sources import ModelSource, load_config, load_model, load_tokenizer, resolve_source
+from ..io.saving import atomic_folder, save_converted
+from ..io.sources import ModelSource, load_config, load_model, load_tokenizer
 from .streaming import BackgroundPlan, NotStreamable, largest_layer_bytes, stream_input, write_streamed
 from .surgery import ConversionSummary, convert_model, resolve_block_size, structure_of, summarize
 from .verify import VerificationReport, capture_reference, compare, fit_to_context, sample_input_ids
@@ -54,14 +55,7 @@ class ConvertResult:
     model: AttnResForCausalLM | None = field(default=None, repr=False)
     tokenizer: object | None = field(default=None, repr=False)
     verification_budget: str | None = None  # how a streamed conversion's check kept to its memory budget
-
-
-def _check_not_source(source: ModelSource, out: str | os.PathLike) -> None:
-    """Writing the output over the input folder would replace the model being read."""
-    if source.kind != "folder":
-        return
-    if Path(os.path.abspath(Path(out).expanduser())).resolve() == Path(source.location).resolve():
-        raise OutputError(f"output {out} is the input model folder {source.name}. Choose another output path.")
+    budget_mattered: bool = False  # the check streamed layers from the files, or ran under a given --max-memory
 
 
 def convert(
@@ -87,13 +81,8 @@ def convert(
     """
     opts = ConvertOptions.build(options, **option_values)
     block_size, num_blocks, full = opts.block_size, opts.num_blocks, opts.full
-    model_source: ModelSource = resolve_source(None if source is None else os.fspath(source))
+    model_source: ModelSource = check_arguments(source, out, opts)
     shard_bytes = parse_size(opts.max_shard_size, "--max-shard-size")
-    if opts.max_memory is not None:
-        parse_size(opts.max_memory, "--max-memory")
-    if out is not None:
-        _check_not_source(model_source, out)
-        check_output(out, opts.overwrite)
     with stage("Reading config"):
         config = load_config(model_source, opts.trust_remote_code)
         try:
@@ -221,6 +210,7 @@ def _convert_streamed(
     return ConvertResult(
         model_source.name, output, result["summary"], result["report"],
         verification_budget=budget.describe() if budget else None,
+        budget_mattered=bool(budget and (budget.streamed or not budget.chosen)),
     )
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Literal
 
 from huggingface_hub.serialization._base import parse_size_to_int
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ..errors import AttnResError
 from ..io.samples import SAMPLE_TEXT
@@ -32,10 +32,10 @@ class ConvertOptions(BaseModel):
     # block_size, num_blocks, full, query_rank and trust_remote_code are also a fine-tuning recipe's `model.*`
     # settings, which take these declarations (finetune.recipe.ModelSection).
     block_size: int | None = Field(
-        None, description="Sublayers per block S (give at most one of block_size, num_blocks, full)."
+        None, ge=1, description="Sublayers per block S (give at most one of the block size, number of blocks, full)."
     )
     num_blocks: int | None = Field(
-        None, description="At most this many blocks, S in whole layers (default: 8)."
+        None, ge=1, description="At most this many blocks, S in whole layers (default: 8)."
     )
     full: bool = Field(False, description="Full AttnRes (S = 1).")
     query_rank: int = Field(
@@ -44,7 +44,7 @@ class ConvertOptions(BaseModel):
         description="Rank r of input-dependent queries, w + B A x per token (B zero at conversion: still exact; A and B "
         "train with the AttnRes parameters); 0: static queries. Runs the plain PyTorch depth mix.",
     )
-    dtype: DTypeName = Field("auto", description="auto keeps the checkpoint's dtype.")
+    dtype: DTypeName = Field("auto", description="auto keeps the checkpoint's dtype; or float32, bfloat16, float16.")
     verify: bool = Field(True, description="Check logits and greedy generation against the original.")
     verify_tokens: int = Field(256, ge=1, description="Tokens of the sample text the check runs on.")
     verify_new_tokens: int = Field(32, ge=1, description="Greedy tokens generated (with the KV cache) by the check.")
@@ -55,8 +55,8 @@ class ConvertOptions(BaseModel):
     trust_remote_code: bool = Field(False, description="Allow the source model's own code (auto_map) to run.")
     stream: bool = Field(
         True,
-        description="Convert a safetensors checkpoint file to file without loading the model; --no-stream loads it "
-        "in memory (GGUF and pickle inputs always are).",
+        description="Write the converted folder from the input's files, tensor by tensor, without loading the model "
+        "(safetensors copied, GGUF de-quantised); --no-stream loads it in memory (pickle checkpoints always are).",
     )
     max_shard_size: str = Field(
         DEFAULT_MAX_SHARD_SIZE, description="Largest weight file written, e.g. 5GB or 500MB (the hub refuses files over 50GB)."
@@ -73,6 +73,13 @@ class ConvertOptions(BaseModel):
         # The library also takes a number of bytes; the flag is text ("5GB"), parsed where it is used.
         return str(value) if isinstance(value, int) and not isinstance(value, bool) else value
 
+    @model_validator(mode="after")
+    def _one_block_choice(self):
+        chosen = [name for name in ("block_size", "num_blocks") if getattr(self, name) is not None] + (["full"] if self.full else [])
+        if len(chosen) > 1:
+            raise ValueError(f"give only one of block_size, num_blocks, full (got {', '.join(chosen)})")
+        return self
+
     @classmethod
     def build(cls, options: ConvertOptions | None = None, **overrides) -> ConvertOptions:
         """OPTIONS (or the defaults) with OVERRIDES applied; a misspelt or mistyped option is an OptionsError."""
@@ -81,10 +88,18 @@ class ConvertOptions(BaseModel):
                 return cls(**overrides)
             return cls(**{**options.model_dump(), **overrides}) if overrides else options
         except ValidationError as error:
-            problems = "; ".join(
-                f"{'.'.join(map(str, e['loc']))}: {e['msg']} (got {e['input']!r})" for e in error.errors()
-            )
+            problems = "; ".join(map(_problem, error.errors()))
             raise OptionsError(f"invalid convert option: {problems}") from None
+
+
+def _problem(error: dict) -> str:
+    """One pydantic error in words, named by its field (the command line turns names into --flags)."""
+    if not error["loc"]:  # a check across fields
+        return error["msg"].removeprefix("Value error, ")
+    name = ".".join(map(str, error["loc"]))
+    if error["type"] == "greater_than_equal":
+        return f"{name} must be >= {error['ctx']['ge']}, got {error['input']!r}"
+    return f"{name}: {error['msg']} (got {error['input']!r})"
 
 
 def parse_size(value: int | str, what: str) -> int:

@@ -287,13 +287,19 @@ def _run_one(data: dict, common: list[str], arm: Arm, seed: int, workdir: str, r
 def _one_thread() -> None:
     """Worker processes of `jobs > 1`: one thread each (the arms share the cores)."""
     import torch
-    import transformers
 
     # The pool's initializer runs in each worker process: the thread count it sets is that worker's own
     # (a spawned process), never the parent's or another arm's.
     torch.set_num_threads(1)
-    transformers.utils.logging.disable_progress_bar()
-    transformers.utils.logging.set_verbosity_error()
+    from ..io.console import quiet_libraries
+
+    # The worker is ours for its whole life: the libraries stay quiet in it (kept referenced, so that the
+    # context is never closed by garbage collection).
+    _WORKER_QUIET.append(quiet_libraries())
+    _WORKER_QUIET[-1].__enter__()
+
+
+_WORKER_QUIET: list = []
 
 
 def run_ab(
@@ -319,8 +325,6 @@ def run_ab(
     `throughput > 0` also times that many training steps of every arm interleaved in one process (on the
     CPU; `tokens_per_s_interleaved` in the report).
     Under `accelerate launch` every process takes part in every arm (jobs must be 1); the main one writes."""
-    from accelerate import PartialState
-
     overrides = list(overrides or [])
     path = find_recipe(recipe)
     data = read_yaml(path)
@@ -334,6 +338,8 @@ def run_ab(
         raise RecipeError(f"--seeds: must be >= 1 (got {seeds})")
     if jobs < 1:
         raise RecipeError(f"--jobs: must be >= 1 (got {jobs})")
+    from accelerate import PartialState  # imports torch: after the checks above, which answer at once
+
     state = PartialState()
     if jobs > 1 and state.num_processes > 1:
         raise RecipeError("--jobs: under accelerate launch every process trains every arm together; use --jobs 1")

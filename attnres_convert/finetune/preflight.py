@@ -6,14 +6,19 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ..io.saving import is_converted_folder, write_problem
-from ..io.sources import cached_config, resolve_source
+from ..io.paths import is_converted_folder, resolve_source, write_problem
+from ..io.paths import max_positions as positions_on_file
 from ..errors import AttnResError
-from ..io.text import expand_files
+from ..io.files import expand_files
 from .recipe import Recipe, RecipeError
 
 
 def _max_positions(source, converted: bool, trust_remote_code: bool) -> int | None:
+    """From the config file or GGUF header when it says (no torch import); else from transformers' config."""
+    if (positions := positions_on_file(source)) is not None:
+        return positions
+    from ..io.sources import cached_config
+
     config = cached_config(source, converted, trust_remote_code)
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
     return getattr(text_config, "max_position_embeddings", None) or getattr(text_config, "n_positions", None)
@@ -22,6 +27,27 @@ def _max_positions(source, converted: bool, trust_remote_code: bool) -> int | No
 def is_run_folder(path: Path) -> bool:
     """A folder `attnres finetune` wrote: the only kind output.overwrite may delete."""
     return (path / "recipe.yaml").is_file() and (path / "metrics.jsonl").is_file()
+
+
+def existing_output_problem(recipe: Recipe, resume: bool = False) -> str | None:
+    """Why `attnres finetune` (with or without --resume) cannot write the recipe's output.dir as it stands, or None."""
+    out = Path(recipe.output.dir).expanduser()
+    if not (out.is_dir() and any(out.iterdir())):
+        return None
+    if not is_run_folder(out):
+        return (
+            f"output.dir: {out} already exists and is not an attnres run folder (no recipe.yaml and metrics.jsonl); "
+            "choose another folder (output.overwrite only replaces earlier runs, never other folders)"
+        )
+    if not (resume or recipe.output.overwrite):
+        return (
+            f"output.dir: {out} already holds a run; pass --resume to continue it, "
+            "output.overwrite=true to replace it, or choose another folder"
+        )
+    if not resume and (unwritable := write_problem(Path(os.path.realpath(out)).parent)) is not None:
+        # The new run is written beside the earlier one and renamed into its place once finished.
+        return f"output.dir: cannot replace the run in {out}: {unwritable}; choose an output.dir in a folder you can write to"
+    return None
 
 
 def check_recipe(recipe: Recipe, resume: bool = False, check_output: bool = True, token: str | None = None) -> None:
@@ -79,19 +105,7 @@ def check_recipe(recipe: Recipe, resume: bool = False, check_output: bool = True
         problems.append(f"output.dir: {out} is a file, not a folder")
     elif (unwritable := write_problem(out)) is not None:
         problems.append(f"output.dir: cannot write {out}: {unwritable}; choose a folder you can write to")
-    elif check_output and out.is_dir() and any(out.iterdir()):
-        if not is_run_folder(out):
-            problems.append(
-                f"output.dir: {out} already exists and is not an attnres run folder (no recipe.yaml and metrics.jsonl); "
-                "choose another folder (output.overwrite only replaces earlier runs, never other folders)"
-            )
-        elif not (resume or recipe.output.overwrite):
-            problems.append(
-                f"output.dir: {out} already holds a run; pass --resume to continue it, "
-                "output.overwrite=true to replace it, or choose another folder"
-            )
-        elif not resume and (unwritable := write_problem(Path(os.path.realpath(out)).parent)) is not None:
-            # The new run is written beside the earlier one and renamed into its place once finished.
-            problems.append(f"output.dir: cannot replace the run in {out}: {unwritable}; choose an output.dir in a folder you can write to")
+    elif check_output and (taken := existing_output_problem(recipe, resume)) is not None:
+        problems.append(taken)
     if problems:
         raise RecipeError("\n".join(problems))

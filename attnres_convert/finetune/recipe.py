@@ -14,6 +14,7 @@ Every problem is reported as `field.path: what is wrong` in one RecipeError (exi
 from __future__ import annotations
 
 import copy
+import difflib
 import os
 from pathlib import Path
 from typing import Literal
@@ -274,6 +275,17 @@ class Recipe(_Section):
             )
         return self
 
+    def headline(self) -> str:
+        """The fields that matter, in one line: model, data, steps, what trains, output."""
+        model = "the embedded SmolLM2-135M-Instruct" if self.model.is_default else self.model.source
+        train = self.data.train
+        data = ", ".join(train.files) if train.files else (train.dataset or "?")
+        return (
+            f"Fine-tuning {model}{'' if self.model.convert else ' (original, not converted)'} on {data}: "
+            f"{self.train.steps} steps of {self.train.micro_batch * self.train.grad_accum} x {self.data.seq_len} tokens, "
+            f"trains {self.train.trainable}, output {self.output.dir}"
+        )
+
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
 
@@ -306,8 +318,12 @@ def _message(error: dict, model: type[BaseModel]) -> str:
     kind = error["type"]
     if kind == "extra_forbidden":
         parent = _section_at(model, [p for p in error["loc"][:-1] if isinstance(p, str)])
-        known = ", ".join(parent.model_fields) if parent else ""
-        return f"unknown key{f' (known keys: {known})' if known else ''}"
+        if not parent:
+            return "unknown key"
+        close = difflib.get_close_matches(str(error["loc"][-1]), list(parent.model_fields), n=2)
+        if close:
+            return f"unknown key; did you mean {' or '.join(close)}? (`attnres recipes show quickstart-cpu` shows a commented recipe)"
+        return f"unknown key (known keys: {', '.join(parent.model_fields)})"
     if kind == "literal_error":
         return f"must be one of {error['ctx']['expected']} (got {error['input']!r})"
     if kind == "value_error":

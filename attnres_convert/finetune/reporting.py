@@ -10,8 +10,9 @@ class Reporter:
     """Console output of the main process: stage lines, the Rich progress bar, evaluation lines. Every
     method does nothing in the other processes (or without a console)."""
 
-    def __init__(self, console, enabled: bool):
+    def __init__(self, console, enabled: bool, verbose: bool = False):
         self.console = console if enabled else None
+        self.verbose = verbose  # the whole resolved recipe, not only the fields that matter
         self.progress = None
         self.task = None
 
@@ -24,22 +25,25 @@ class Reporter:
         if self.console is None:
             yield
             return
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+        from ..io.console import AverageTimeRemaining
+
+        # Fits 80 columns; the ETA is the average pace of the run (a CPU step can take longer than Rich's window).
         self.progress = Progress(
             TextColumn("step"),
             MofNCompleteColumn(),
-            BarColumn(),
+            BarColumn(bar_width=12),
             TextColumn("loss {task.fields[loss]}"),
             TextColumn("lr {task.fields[lr]}"),
             TextColumn("{task.fields[speed]} tok/s"),
             TimeElapsedColumn(),
             TextColumn("ETA"),
-            TimeRemainingColumn(),
+            AverageTimeRemaining(),
             console=self.console,
         )
         with self.progress:
-            self.task = self.progress.add_task("train", total=total, completed=start, loss="-", lr="-", speed="-")
+            self.task = self.progress.add_task("train", total=total, completed=start, resumed_at=start, loss="-", lr="-", speed="-")
             yield
         self.progress = None
 

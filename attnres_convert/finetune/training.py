@@ -74,13 +74,16 @@ class FinetuneRecipe:
     A run replacing an earlier one writes into `folder`, a staging folder beside `out`, which `save` swaps
     in at the end; `run` removes it if anything fails (after `setup` alone: call `discard`)."""
 
-    def __init__(self, recipe: Recipe, *, resume: bool = False, console=None, stop_at_step: int | None = None, token: str | None = None):
+    def __init__(
+        self, recipe: Recipe, *, resume: bool = False, console=None, stop_at_step: int | None = None, token: str | None = None,
+        verbose: bool = False,
+    ):
         self.recipe, self.resume, self.stop_at_step, self.token = recipe, resume, stop_at_step, token
         self.out = Path(recipe.output.dir).expanduser()
         self.folder = self.out  # where the run is written: a staging folder while it replaces an earlier run
         self.accelerator = make_accelerator(recipe)
         self.main = self.accelerator.is_main_process
-        self.report = Reporter(console, self.main)
+        self.report = Reporter(console, self.main, verbose)
         self.state = TrainerState()
 
     def run(self) -> FinetuneResult:
@@ -128,7 +131,10 @@ class FinetuneRecipe:
         from rich.markup import escape
 
         report = self.report
-        report.say(f"[bold]Resolved recipe[/]\n{escape(recipe.to_yaml())}")
+        if report.verbose:
+            report.say(f"[bold]Resolved recipe[/]\n{escape(recipe.to_yaml())}")
+        else:
+            report.say(escape(recipe.headline()) + " [dim](--verbose: the whole recipe)[/]")
         report.say(
             f"Accelerate: {self.distributed}, {self.accelerator.num_processes} process(es) on {self.accelerator.device}, "
             f"mixed precision {self.accelerator.mixed_precision}"
@@ -392,6 +398,7 @@ def finetune(
     console=None,
     stop_at_step: int | None = None,
     token: str | None = None,
+    verbose: bool = False,
 ) -> FinetuneResult:
-    """Run RECIPE (see FinetuneRecipe.run)."""
-    return FinetuneRecipe(recipe, resume=resume, console=console, stop_at_step=stop_at_step, token=token).run()
+    """Run RECIPE (see FinetuneRecipe.run); VERBOSE prints the whole resolved recipe, not only its headline."""
+    return FinetuneRecipe(recipe, resume=resume, console=console, stop_at_step=stop_at_step, token=token, verbose=verbose).run()

@@ -7,11 +7,9 @@ output path, and an existing output is untouched until its replacement is comple
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import errno
 import hashlib
-import json
 import os
 import secrets
 import shutil
@@ -29,6 +27,7 @@ from ..errors import OutputError, SourceError
 from ..modeling.modeling_attnres import AttnResForCausalLM
 from ..modeling.remote_code import GENERATED
 from .hub_access import DEFAULT_MAX_SHARD_SIZE
+from .paths import check_output, is_attnres_output, is_converted_folder, write_problem  # noqa: F401 - re-exported
 
 
 def register_auto_classes() -> None:
@@ -44,84 +43,6 @@ def register_auto_classes() -> None:
     AttnResForCausalLM.register_for_auto_class("AutoModelForCausalLM")
     AutoConfig.register("attnres", AttnResConfig, exist_ok=True)
     AutoModelForCausalLM.register(AttnResConfig, AttnResForCausalLM, exist_ok=True)
-
-
-def check_output(out: str | os.PathLike, overwrite: bool = False, owned: bool = False) -> Path:
-    """Fail early, before any work, if the output cannot be written. Writes and leaves nothing.
-
-    Returns the output as an absolute path. With `overwrite`, only an empty folder or an earlier attnres
-    output is replaced: a typo such as `-o ~ --overwrite` must never delete a user's folder. `owned`: the
-    caller made OUT itself (a fine-tune's OUT/model, possibly a plain baseline model): replace it whatever it holds.
-    """
-    path = Path(os.path.abspath(Path(out).expanduser()))
-    if not path.name:
-        raise OutputError(f"output {out} is not a folder name. Pass a new folder, for example -o ./my-model-attnres.")
-    if path.is_symlink():
-        raise OutputError(f"output {out} is a symbolic link. Pass the real folder path, or choose another path.")
-    if path.exists() and not path.is_dir():
-        raise OutputError(f"output {out} is a file, not a folder. Choose another output path.")
-    if path.is_dir() and _has_entries(path) and not owned:
-        if not overwrite:
-            raise OutputError(f"output folder {out} already exists. Pass --overwrite to replace it, or choose another path.")
-        if not is_attnres_output(path):
-            raise OutputError(
-                f"output folder {out} exists and is not an attnres model folder (no config.json with model_type "
-                "'attnres'); --overwrite only replaces earlier attnres outputs. Choose another path, or remove it yourself."
-            )
-    existing = path.parent
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    if not existing.is_dir():
-        raise OutputError(f"cannot create {out}: {existing} is a file, not a folder. Choose another output path.")
-    _probe_writable(existing, out)
-    return path
-
-
-def write_problem(path: str | os.PathLike) -> str | None:
-    """Why the folder PATH (to be created, or written into) cannot be written, or None. Creates and removes
-    a probe entry in PATH or its nearest existing parent; permission bits alone say nothing for root."""
-    path = Path(os.path.abspath(Path(path).expanduser()))
-    existing = path
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    if not existing.is_dir():
-        return f"{existing} is a file, not a folder"
-    try:
-        _probe_writable(existing, path)
-    except OutputError as error:
-        reason = getattr(error.__cause__, "strerror", None) or "refused"
-        return f"{existing} is not writable ({reason}; read-only, immutable or not yours)"
-    return None
-
-
-def _has_entries(folder: Path) -> bool:
-    try:
-        return any(folder.iterdir())
-    except OSError as error:
-        raise OutputError(f"cannot read output folder {folder} ({error.strerror}). Choose another output path.") from error
-
-
-def _probe_writable(folder: Path, out) -> None:
-    """Really create (and remove) an entry: permission bits alone say nothing for root, read-only mounts,
-    immutable folders or /proc and /sys."""
-    probe = folder / f".attnres-write-test-{os.getpid()}-{secrets.token_hex(4)}"
-    try:
-        os.mkdir(probe, 0o700)
-    except OSError as error:
-        reason = error.strerror or type(error).__name__
-        raise OutputError(
-            f"cannot write {out}: {folder} is not writable ({reason}; read-only, immutable or not yours). "
-            "Choose an output path you can write to."
-        ) from error
-    finally:
-        with contextlib.suppress(OSError):
-            os.rmdir(probe)
-
-
-def is_attnres_output(path: str | os.PathLike) -> bool:
-    """An empty folder or a folder attnres wrote (config.json with model_type 'attnres')."""
-    path = Path(path)
-    return path.is_dir() and (not any(path.iterdir()) or is_converted_folder(path))
 
 
 # Temporary folders are named .NAME.partial-<host>-<pid>-<random>: a later run on the same host can tell
@@ -347,14 +268,6 @@ def save_converted(
     max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
 ) -> Path:
     return atomic_folder(Path(out), lambda tmp: write_converted(model, tmp, tokenizer, extra, max_shard_size), overwrite)
-
-
-def is_converted_folder(path: str | os.PathLike) -> bool:
-    config = Path(path) / "config.json"
-    try:
-        return json.loads(config.read_text()).get("model_type") == "attnres"
-    except (OSError, ValueError):
-        return False
 
 
 def load_converted(path: str | os.PathLike, trust_remote_code: bool = False, **kwargs) -> AttnResForCausalLM:

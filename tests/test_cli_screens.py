@@ -1,0 +1,383 @@
+"""What the command line shows: help that states the product's facts, argument errors answered before
+torch is imported, every table and bar readable at 80 columns, an ETA from the run's average pace, the
+libraries we drive kept quiet (and restored after), and Ctrl-C that says what stopped and leaves nothing.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import signal
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from reliability_helpers import ONE_THREAD_ENV, ROOT, leftovers, squash
+from rich.console import Console
+from typer.testing import CliRunner
+
+import attnres_convert
+from attnres_convert import cli
+
+runner = CliRunner()
+SPINNER = set("⠋⠙⠹⠸⠼⠴⠦⠧⠇⠏")
+
+
+def flat(text: str) -> str:
+    """TEXT without whitespace and box rules: a help sentence reads whole even where Rich wrapped it in a panel."""
+    return squash(text.translate({ord(c): None for c in "│╭╮╰╯─"}))
+
+
+def help_of(*command: str) -> str:
+    result = runner.invoke(cli.app, [*command, "--help"], env={"COLUMNS": "80"})
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+COMMANDS = [("convert",), ("push",), ("inspect",), ("eval",), ("finetune",), ("ab",), ("architectures",),
+            ("recipes", "list"), ("recipes", "show"), ("recipes", "validate")]
+
+# A short reference of facts each --help must state (squashed: Rich wraps anywhere a space is).
+HELP_FACTS = {
+    ("convert",): ["*--output-o", "[required]", "GGUFde-quantised", "--verbose"],
+    ("eval",): ["*--data", "[required]", "--seq-len<int>Tokenspersequence.[default:256]"],
+    ("inspect",): ["OUT.png", "OUT-relative.png", "OUT-magnitudes.png"],
+    ("finetune",): ["--verbose", "--resume"],
+}
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=" ".join)
+def test_every_help_is_true_and_fits_80_columns(command):
+    text = help_of(*command)
+    assert "<bool>" not in text  # a flag takes no value
+    assert all(len(line) <= 80 for line in text.splitlines()), text
+    for fact in HELP_FACTS.get(command, []):
+        assert squash(fact) in flat(text), f"{fact!r} missing from `attnres {' '.join(command)} --help`:\n{text}"
+
+
+def test_inspect_plot_help_names_the_files_it_writes(tmp_path):
+    """The help's three names are what `inspect --plot` writes."""
+    from tiny_models import tiny_model
+
+    from attnres_convert.analysis.inspection import inspect_source
+
+    tiny_model("llama").save_pretrained(tmp_path / "plain")
+    result = inspect_source(str(tmp_path / "plain"), plot=str(tmp_path / "OUT.png"), max_tokens=16)
+    written = sorted(Path(p).name for p in result.plots)
+    assert written == ["OUT-magnitudes.png", "OUT-relative.png", "OUT.png"]
+    text = flat(help_of("inspect"))
+    assert all(name in text for name in written)
+
+
+def test_version():
+    result = runner.invoke(cli.app, ["--version"])
+    assert result.exit_code == 0 and result.output.strip() == f"attnres {attnres_convert.__version__}"
+
+
+def test_misspelt_command_gets_a_suggestion():
+    result = runner.invoke(cli.app, ["convrt"])
+    assert result.exit_code == 2 and "Did you mean 'convert'?" in result.output
+
+
+# ---------------------------------------------------------------- argument errors before torch
+
+
+def _cli_in_subprocess(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    """`attnres ARGS` in a fresh interpreter that reports, on exit, whether torch / transformers were imported."""
+    code = (
+        "import sys\nfrom attnres_convert.cli import main\nsys.argv = ['attnres', *sys.argv[1:]]\n"
+        "try:\n    main()\n    status = 0\nexcept SystemExit as stop:\n    status = stop.code\n"
+        "print('IMPORTED', 'torch' in sys.modules, 'transformers' in sys.modules, file=sys.stderr)\nsys.exit(status)\n"
+    )
+    env = {**os.environ, **ONE_THREAD_ENV, "PYTHONPATH": str(ROOT), "COLUMNS": "200"}
+    return subprocess.run([sys.executable, "-c", code, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+
+
+ARGUMENT_ERRORS = {
+    "convert: no such path": (["convert", "/nonexistent/folder", "-o", "out"], "no such file or folder: /nonexistent/folder"),
+    "convert: output taken": (["convert", "-o", "taken"], "output folder taken already exists"),
+    "convert: --num-blocks 0": (["convert", "--num-blocks", "0", "-o", "out"], "--num-blocks must be >= 1"),
+    "convert: two block choices": (["convert", "--full", "--block-size", "2", "-o", "out"], "only one of --block-size, --num-blocks, --full (got --block-size, --full)"),
+    "convert: bad shard size": (["convert", "--max-shard-size", "huge", "-o", "out"], "--max-shard-size 'huge' is not a size"),
+    "eval: misspelt play": (["eval", "--data", "shakespeare:hamlett"], "did you mean 'shakespeare:hamlet'?"),
+    "eval: missing file": (["eval", "--data", "missing.txt"], "file missing.txt does not exist"),
+    "inspect: no such path": (["inspect", "./nowhere"], "no such file or folder: ./nowhere"),
+    "recipes validate: misspelt key": (["recipes", "validate", "quickstart-cpu", "train.stpes=3"], "did you mean steps?"),
+    "finetune: misspelt key": (["finetune", "quickstart-cpu", "train.stpes=3"], "did you mean steps?"),
+    "ab: misspelt key": (["ab", "quickstart-cpu", "train.stpes=3"], "did you mean steps?"),
+    "finetune: missing data": (["finetune", "quickstart-cpu", "data.train.files=[missing.txt]"], "missing.txt does not exist"),
+}
+
+
+@pytest.mark.parametrize("case", list(ARGUMENT_ERRORS))
+def test_argument_errors_are_answered_without_importing_torch(tmp_path, case):
+    args, message = ARGUMENT_ERRORS[case]
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "keep.txt").write_text("a user's file")
+    result = _cli_in_subprocess(args, tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert message in result.stderr, result.stderr
+    assert "IMPORTED False False" in result.stderr, f"torch or transformers imported before the error:\n{result.stderr}"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["taken"]  # nothing written
+
+
+def test_valid_recipe_is_validated_without_importing_torch(tmp_path):
+    """The embedded GGUF's context length comes from its header, read without the gguf package or transformers."""
+    result = _cli_in_subprocess(["recipes", "validate", "quickstart-cpu", f"output.dir={tmp_path / 'run'}"], tmp_path)
+    assert result.returncode == 0 and "valid: quickstart-cpu" in result.stdout, result.stderr
+    assert "IMPORTED False False" in result.stderr
+
+
+def test_gguf_header_context_length_matches_transformers(smollm2_path):
+    from transformers import AutoConfig
+
+    from attnres_convert.io.paths import max_positions, resolve_source
+
+    config = AutoConfig.from_pretrained(smollm2_path.parent, gguf_file=smollm2_path.name)
+    assert max_positions(resolve_source(str(smollm2_path))) == config.max_position_embeddings
+
+
+def test_validate_reports_an_output_dir_that_holds_a_run(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "recipe.yaml").write_text("{}")
+    (run / "metrics.jsonl").write_text("")
+    result = runner.invoke(cli.app, ["recipes", "validate", "quickstart-cpu", f"output.dir={run}"])
+    assert result.exit_code == 0, result.output
+    assert "alreadyholdsarun" in squash(result.output)
+    assert "--resume" in result.output
+
+
+# ---------------------------------------------------------------- 80 columns
+
+
+def render(renderable, width: int = 80) -> list[str]:
+    console = Console(width=width, file=io.StringIO(), record=True, color_system=None)
+    console.print(renderable)
+    return console.export_text().splitlines()
+
+
+def assert_unwrapped(lines: list[str], *pieces: str) -> None:
+    """Every line fits 80 columns and each PIECE (a title, a cell) stands whole on one line."""
+    assert all(len(line) <= 80 for line in lines), "\n".join(lines)
+    for piece in pieces:
+        assert any(piece in line for line in lines), f"{piece!r} wrapped or missing:\n" + "\n".join(lines)
+
+
+def test_conversion_tables_fit_80_columns():
+    summary = SimpleNamespace(
+        model_type="llama", num_layers=30, num_sublayers=60, block_size=8, num_blocks=8,
+        sources_per_sublayer=[1, 9], output_sources=9, params_added=34_560, params_total=134_550_000, query_rank=0,
+    )
+    report = SimpleNamespace(
+        tokens=256, dtype="float32", new_tokens=32, max_abs_logit_diff=1.2e-5, kl=3.4e-9, top1_agreement=1.0,
+        greedy_identical=True, first_divergence=None, passed=True,
+    )
+    assert_unwrapped(render(cli.summary_table(summary)), "Block AttnRes structure", "34,560 (0.0257%)")
+    assert_unwrapped(render(cli.verification_table(report)), "Verification against the original (256 tokens, float32)", "PASS")
+
+
+def test_depth_table_of_smollm2_shape_fits_80_columns():
+    readers = [f"layer {layer} {kind}" for layer in range(30) for kind in ("attention", "mlp")] + ["output"]
+    columns = ["embedding"] + [f"block {k}" for k in range(1, 9)]
+    depth = SimpleNamespace(readers=readers, columns=columns, matrix=np.full((61, 9), 0.11), tokens=256)
+    lines = render(cli.depth_table(depth))
+    assert_unwrapped(lines, "L29 attn", "emb", "b8")
+    assert len(lines) < 61 + 12  # one line per reader, a few for title, header and caption
+
+
+def test_eval_and_finetune_tables_fit_80_columns():
+    result = SimpleNamespace(
+        model="SmolLM2-135M-Instruct (embedded, SmolLM2-135M-Instruct.Q4_1.gguf)", converted=False, tokens=1023,
+        loss=3.2809, perplexity=26.601, sequences=4, seq_len=256, dtype="float32",
+    )
+    lines = render(cli.eval_table(result))
+    assert_unwrapped(lines, "Held-out evaluation (4 x 256 tokens, float32)", "SmolLM2-135M-", "Q4_1.gguf)", "26.601")
+    assert any("…" in line for line in lines)  # shortened in the middle, not wrapped
+    metrics = {"steps": 1000, "tokens": 1_024_000, "processes": 1, "eval_loss_start": 3.28, "eval_perplexity_start": 26.6,
+               "eval_loss": 3.01, "eval_perplexity": 20.3}
+    assert_unwrapped(render(cli.finetune_table(metrics)), "Fine-tuned 1000 steps, 1,024,000 tokens (1 process(es))")
+
+
+def test_progress_lines_fit_80_columns():
+    from attnres_convert.finetune.reporting import Reporter
+
+    console = Console(width=80, file=io.StringIO(), record=True, color_system=None)
+    reporter = Reporter(console, True)
+    with reporter.bar(total=1000, start=0):
+        reporter.step(500, 3.1234, 1e-4, 12345.0)
+        lines = render(reporter.progress.make_tasks_table(reporter.progress.tasks))
+    assert_unwrapped(lines, "500/1000", "loss 3.1234", "ETA")
+
+
+# ---------------------------------------------------------------- ETA
+
+
+def test_eta_is_the_average_pace_of_the_run():
+    from rich.progress import Progress
+
+    from attnres_convert.io.console import AverageTimeRemaining
+
+    now = [0.0]
+    column = AverageTimeRemaining()
+    progress = Progress(column, get_time=lambda: now[0], console=Console(file=io.StringIO()))
+    task_id = progress.add_task("train", total=10, completed=2, resumed_at=2)
+    task = progress.tasks[0]
+    assert column.render(task).plain == "-:--:--"  # no step done yet
+    now[0] = 80.0
+    progress.update(task_id, completed=4)  # 2 steps in 80 s: 40 s a step, 6 to go
+    assert column.render(task).plain == "0:04:00"
+    now[0] = 100.0  # a quick step moves the average only a little: 3 steps in 100 s, 5 to go
+    progress.update(task_id, completed=5)
+    assert column.render(task).plain == "0:02:46"
+
+
+# ---------------------------------------------------------------- quiet libraries
+
+
+def test_quiet_libraries_silences_bars_logs_and_library_deprecations_then_restores_them():
+    from tqdm.auto import tqdm
+    from transformers.utils import logging
+
+    from attnres_convert.io.console import quiet_libraries
+
+    def bar_output() -> str:
+        sink = io.StringIO()
+        for _ in tqdm(range(3), desc="Loading weights", file=sink):
+            pass
+        return sink.getvalue()
+
+    verbosity = logging.get_verbosity()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with quiet_libraries():
+            assert bar_output() == ""
+            assert logging.get_verbosity() == logging.ERROR
+            warnings.warn_explicit("old API", DeprecationWarning, "x.py", 1, module="transformers.generation.utils")
+            warnings.warn_explicit("ours", UserWarning, "x.py", 1, module="attnres_convert.io.sources")
+        assert [str(w.message) for w in caught] == ["ours"]
+    assert "Loading weights" in bar_output()
+    assert logging.get_verbosity() == verbosity
+
+
+def test_library_bars_reach_our_display_while_quiet():
+    from tqdm.auto import tqdm
+
+    from attnres_convert.io.console import library_bars_to, quiet_libraries
+
+    seen = []
+
+    def add_bar(description, total):
+        line = {"description": description, "total": total, "done": 0, "finished": False}
+        seen.append(line)
+        return (lambda n: line.update(done=line["done"] + n)), (lambda: line.update(finished=True))
+
+    sink = io.StringIO()
+    with quiet_libraries(), library_bars_to(add_bar):
+        assert list(tqdm(range(5), desc="Converting and de-quantizing GGUF tensors...", file=sink)) == list(range(5))
+        with tqdm(total=10, desc="Writing model shards", file=sink) as bar:
+            bar.update(4)
+            bar.update(6)
+    assert sink.getvalue() == ""
+    assert seen == [
+        {"description": "Converting and de-quantizing GGUF tensors", "total": 5, "done": 5, "finished": True},
+        {"description": "Writing model shards", "total": 10, "done": 10, "finished": True},
+    ]
+
+
+def test_converting_prints_no_foreign_bar_or_warning(tmp_path, tiny_llama_folder):
+    result = runner.invoke(cli.app, ["convert", str(tiny_llama_folder), "-o", str(tmp_path / "out")], env={"COLUMNS": "80"})
+    assert result.exit_code == 0, result.output
+    for noise in ("it/s]", "Warning", "warn(", "DynamicCache(", "Loading weights", "Writing model shards"):
+        assert noise not in result.output, result.output
+    assert "memory budget" not in result.output  # only with --verbose or when it matters
+
+
+# ---------------------------------------------------------------- Ctrl-C
+
+
+def _libtorch_loaded(pid: int) -> bool:
+    try:
+        return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return False
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs /proc to see when torch is loaded")
+@pytest.mark.parametrize("command", ["convert", "eval"])
+def test_ctrl_c_says_what_stopped_and_leaves_nothing(tmp_path, tiny_llama_folder, command):
+    out = tmp_path / "out"
+    text = tmp_path / "held_out.txt"
+    text.write_text("To be, or not to be, that is the question. " * 50)
+    args = ["-o", str(out)] if command == "convert" else ["--data", str(text)]
+    env = {**os.environ, **ONE_THREAD_ENV, "PYTHONPATH": str(ROOT), "COLUMNS": "80"}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "attnres_convert.cli", command, str(tiny_llama_folder), *args],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    deadline = time.monotonic() + 60
+    while not _libtorch_loaded(process.pid) and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    process.send_signal(signal.SIGINT)
+    stdout, stderr = process.communicate(timeout=60)
+    assert process.returncode == 130, stderr
+    assert f"interrupted: {command}" in stderr and "stopped;nothingwas" in squash(stderr), stderr
+    assert "Traceback" not in stderr, stderr
+    assert not SPINNER & set(stderr), f"a spinner frame was left on the screen:\n{stderr}"
+    assert leftovers(out) == []
+
+
+# ---------------------------------------------------------------- finetune: concise unless --verbose
+
+
+def test_recipe_headline_names_what_matters():
+    from attnres_convert.finetune.recipe import load_recipe
+
+    line = load_recipe("quickstart-cpu", ["train.steps=7", "output.dir=outputs/x"]).headline()
+    for piece in ("the embedded SmolLM2-135M-Instruct", "shakespeare:", "7 steps", "trains lora", "output outputs/x"):
+        assert piece in line, line
+
+
+@pytest.mark.slow
+def test_finetune_prints_the_whole_recipe_only_with_verbose(tmp_path):
+    from finetune_helpers import tiny_model_folder, tiny_recipe, write_corpus
+
+    from attnres_convert.finetune.recipe import parse_recipe
+    from attnres_convert.finetune.training import finetune
+
+    model, corpus = tiny_model_folder(tmp_path / "tiny"), write_corpus(tmp_path / "corpus")
+    shown = {}
+    for verbose in (False, True):
+        console = Console(width=80, file=io.StringIO(), record=True, color_system=None)
+        recipe = parse_recipe(tiny_recipe(model, corpus, tmp_path / f"run-{verbose}", train={"steps": 2}, eval={"every": 0}))
+        finetune(recipe, console=console, verbose=verbose)
+        shown[verbose] = console.export_text()
+    assert "Fine-tuning" in shown[False] and "2 steps" in shown[False] and "Resolved recipe" not in shown[False]
+    assert "Resolved recipe" in shown[True] and "checkpoint:" in shown[True]
+    assert len(shown[False].splitlines()) < len(shown[True].splitlines()) - 20
+
+
+def test_misspelt_model_type_gets_a_suggestion():
+    result = runner.invoke(cli.app, ["architectures", "lamma"])
+    assert result.exit_code == 2 and "Did you mean llama" in " ".join(result.output.split()), result.output
+
+
+def test_stage_lines_with_a_byte_bar_fit_80_columns():
+    from rich.progress import Progress
+
+    from attnres_convert.cli_kit import stage_columns
+
+    console = Console(width=80, file=io.StringIO(), color_system=None)
+    progress = Progress(*stage_columns(), console=console)
+    progress.add_task("Verifying against the original", total=1)
+    progress.add_task("Writing shards", total=538_100_000, completed=200_000_000, bytes=True)
+    progress.add_task("  Converting and de…F tensors", total=273, completed=100, items=True)
+    lines = render(progress.make_tasks_table(progress.tasks))
+    assert_unwrapped(lines, "Verifying against the original", "200.0/538.1 MB ETA 0:", "100/273")
+    assert len(lines) == 3
