@@ -28,7 +28,6 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from .architectures import ModelPlan, Sublayer, module_at, plan_for
 from .cache_names import INSTALLED, cache_keyword, cache_of
@@ -38,6 +37,7 @@ from .depth_core import pseudo_query
 from .depth_kernels_cpu import fused_norm
 from .depth_modules import AttnResKeyNorm, AttnResQuery, depth_params, init_depth_module, placed
 from .depth_plan import SublayerPlan, output_num_sources, plan_sublayers
+from .transformers_compat import MODEL_FOR_CAUSAL_LM_MAPPING
 from .remote_code import ship_base_code
 from .weight_names import default_save_conversions, guard_all
 
