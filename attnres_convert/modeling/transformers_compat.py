@@ -12,8 +12,6 @@ This file ships next to converted weights: it imports transformers and the stand
 
 from __future__ import annotations
 
-import importlib
-
 # The transformers releases the suite runs on (pyproject.toml's range; `make test-lowest` and `make test-latest`
 # test both ends). tests/test_transformers_compat.py checks that the two say the same.
 TESTED_TRANSFORMERS = ">=5.23,<6"
@@ -40,6 +38,82 @@ INTERNALS: dict[str, tuple[str, str]] = {
 }
 
 
+# The modules INTERNALS names, each imported by a static import statement: the shipped code imports nothing by a
+# computed name (tests/test_security.py).
+def _configuration_utils():
+    from transformers import configuration_utils
+
+    return configuration_utils
+
+
+def _conversion_mapping():
+    from transformers import conversion_mapping
+
+    return conversion_mapping
+
+
+def _core_model_loading():
+    from transformers import core_model_loading
+
+    return core_model_loading
+
+
+def _modeling_utils():
+    from transformers import modeling_utils
+
+    return modeling_utils
+
+
+def _dynamic_module_utils():
+    from transformers import dynamic_module_utils
+
+    return dynamic_module_utils
+
+
+def _modeling_auto():
+    from transformers.models.auto import modeling_auto
+
+    return modeling_auto
+
+
+def _configuration_auto():
+    from transformers.models.auto import configuration_auto
+
+    return configuration_auto
+
+
+def _gguf_reader():
+    from transformers.integrations.gguf import reader
+
+    return reader
+
+
+def _gguf_utils():
+    from transformers.integrations.gguf import utils
+
+    return utils
+
+
+def _modeling_gguf_pytorch_utils():
+    from transformers import modeling_gguf_pytorch_utils
+
+    return modeling_gguf_pytorch_utils
+
+
+MODULES = {
+    "transformers.configuration_utils": _configuration_utils,
+    "transformers.conversion_mapping": _conversion_mapping,
+    "transformers.core_model_loading": _core_model_loading,
+    "transformers.modeling_utils": _modeling_utils,
+    "transformers.dynamic_module_utils": _dynamic_module_utils,
+    "transformers.models.auto.modeling_auto": _modeling_auto,
+    "transformers.models.auto.configuration_auto": _configuration_auto,
+    "transformers.integrations.gguf.reader": _gguf_reader,
+    "transformers.integrations.gguf.utils": _gguf_utils,
+    "transformers.modeling_gguf_pytorch_utils": _modeling_gguf_pytorch_utils,
+}
+
+
 class MissingTransformersInternal(ImportError):
     """An internal of transformers that the installed release does not have where attnres looks for it."""
 
@@ -48,8 +122,8 @@ def internal(name: str):
     """The object INTERNALS names, imported from its module; MissingTransformersInternal naming it otherwise."""
     module_name, purpose = INTERNALS[name]
     try:
-        return getattr(importlib.import_module(module_name), name)
-    except (ImportError, AttributeError) as error:
+        return getattr(MODULES[module_name](), name)
+    except (ImportError, AttributeError, KeyError) as error:
         import transformers
 
         raise MissingTransformersInternal(
