@@ -10,7 +10,7 @@ import pytest
 import transformers
 
 from attnres_convert.modeling import transformers_compat
-from attnres_convert.modeling.transformers_compat import INTERNALS, MissingTransformersInternal, internal
+from attnres_convert.modeling.transformers_compat import INTERNALS, MODULES, MissingTransformersInternal, internal
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "attnres_convert"
@@ -36,6 +36,19 @@ def test_a_moved_internal_fails_naming_it(monkeypatch):
         internal("NoSuchName")
     with pytest.raises(AttributeError):
         transformers_compat.not_an_internal
+
+
+def test_a_module_that_no_longer_imports_fails_naming_the_internal(monkeypatch):
+    def moved():
+        raise ModuleNotFoundError("No module named 'transformers.core_model_loading'")
+
+    monkeypatch.setitem(MODULES, "transformers.core_model_loading", moved)
+    with pytest.raises(MissingTransformersInternal, match=r"no transformers\.core_model_loading\.PrefixChange.*transformers>=5\.23"):
+        internal("PrefixChange")
+
+
+def test_every_internal_has_its_module_importer():
+    assert {module for module, _ in INTERNALS.values()} == set(MODULES)
 
 
 def test_tested_range_is_pyprojects():
