@@ -1,5 +1,6 @@
-"""The tokenizer of a converted folder loads with plain `AutoTokenizer` in a fresh Python, as the original's does,
-for a folder, a GGUF and a hub-cache source; a broken tokenizer is reported with its file; a model without one
+"""The tokenizer of a converted folder loads with plain `AutoTokenizer`, and its processor (for a text-only model,
+that tokenizer) with `AutoProcessor`, in a fresh Python, as the original's do, for a folder, a GGUF and a hub-cache
+source; a broken tokenizer is reported with its file; a model without one
 still converts and says so."""
 
 from __future__ import annotations
@@ -24,28 +25,30 @@ from reliability_helpers import ONE_THREAD_ENV, leftovers, run_cli, squash
 ROOT = Path(__file__).resolve().parent.parent
 TEXT = SAMPLE_TEXT[:400]
 
-# A fresh Python that loads a tokenizer as a user would and prints its ids for TEXT. Its stdin is closed, so a
-# "Do you wish to run the custom code? [y/N]" prompt cannot be answered: it shows in the output, and
-# transformers falls back to a generic config with a "model of type `attnres`" warning.
+# A fresh Python that loads a tokenizer (or processor) as a user would and prints its class and its ids for TEXT.
+# Its stdin is closed, so a "Do you wish to run the custom code? [y/N]" prompt cannot be answered: it shows in the
+# output, and transformers falls back to a generic config with a "model of type `attnres`" warning.
 CHILD = textwrap.dedent(
     """
     import json, sys
-    from transformers import AutoTokenizer
-    location, kwargs, text = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
-    tokenizer = AutoTokenizer.from_pretrained(location, **kwargs)
-    print("IDS " + json.dumps(tokenizer(text).input_ids))
+    import transformers
+    location, kwargs, text, loader = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3], sys.argv[4]
+    tokenizer = getattr(transformers, loader).from_pretrained(location, **kwargs)
+    print("IDS " + json.dumps([type(tokenizer).__name__, tokenizer(text)["input_ids"]]))
     """
 )
+LOADERS = ("AutoTokenizer", "AutoProcessor")
 # What a prompt or the fallback's warning prints; none of it may appear.
 NOISE = ("[y/N]", "custom code", "trust_remote_code", "attnres", "model of type")
 TRUST = [
     True,
     pytest.param(None, marks=pytest.mark.xfail(strict=True, reason=(
-        "transformers 5.24's AutoTokenizer reads the model config (AutoConfig) before tokenizer_config.json, "
-        "whatever the folder's tokenizer_class says, and a config whose model type only the shipped code knows "
-        "asks whether to run that code (then warns when the answer is no)"))),
+        "transformers (5.23 to 5.24) AutoTokenizer and AutoProcessor read the model config (AutoConfig) before "
+        "tokenizer_config.json, whatever the folder's tokenizer_class says, and a config whose model type only the "
+        "shipped code knows asks whether to run that code (then warns when the answer is no); transformers has no "
+        "setting in the folder that answers it, and the model type must stay attnres (docs/design.md)"))),
     pytest.param(False, marks=pytest.mark.xfail(strict=True, reason=(
-        "transformers 5.24 falls back to a generic config for the refused model type and warns "
+        "transformers (5.23 to 5.24) falls back to a generic config for the refused model type and warns "
         "'You are using a model of type `attnres` to instantiate a model of type ``'"))),
 ]
 
@@ -57,11 +60,11 @@ def _child_env(extra: dict | None = None) -> dict:
     return env
 
 
-def load_in_child(location, env: dict | None = None, **kwargs) -> tuple[list[int], str]:
-    """The ids a fresh Python's AutoTokenizer.from_pretrained(LOCATION, **KWARGS) gives TEXT, and everything
-    else it printed."""
+def load_in_child(location, env: dict | None = None, loader: str = "AutoTokenizer", **kwargs) -> tuple[list, str]:
+    """The class LOADER.from_pretrained(LOCATION, **KWARGS) returns in a fresh Python and the ids it gives TEXT,
+    and everything else it printed."""
     run = subprocess.run(
-        [sys.executable, "-c", CHILD, str(location), json.dumps(kwargs), TEXT], capture_output=True, text=True,
+        [sys.executable, "-c", CHILD, str(location), json.dumps(kwargs), TEXT, loader], capture_output=True, text=True,
         env=_child_env(env), stdin=subprocess.DEVNULL, timeout=300,
     )
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
@@ -71,12 +74,14 @@ def load_in_child(location, env: dict | None = None, **kwargs) -> tuple[list[int
     return ids, other
 
 
-def assert_loads_like_the_original(converted: Path, original_ids: list[int], trust, env: dict | None = None) -> None:
+def assert_loads_like_the_original(
+    converted: Path, original_ids: list, trust, env: dict | None = None, loader: str = "AutoTokenizer"
+) -> None:
     kwargs = {} if trust is None else {"trust_remote_code": trust}
-    ids, output = load_in_child(converted, env, **kwargs)
+    ids, output = load_in_child(converted, env, loader, **kwargs)
     noise = [needle for needle in NOISE if needle.lower() in output.lower()]
-    assert not noise, f"{noise} printed while loading the tokenizer:\n{output}"
-    assert ids == original_ids
+    assert not noise, f"{noise} printed by {loader}.from_pretrained:\n{output}"
+    assert ids == original_ids  # the same class, the same ids
 
 
 def _tokenizer_class(folder: Path) -> str | None:
@@ -112,16 +117,19 @@ def from_folder(tmp_path_factory):
     root = tmp_path_factory.mktemp("tokenizer-folder")
     tiny_model_folder(root / "plain")
     convert(root / "plain", root / "converted", verify=False)
-    ids, output = load_in_child(root / "plain")
-    assert ids and not any(needle.lower() in output.lower() for needle in NOISE), output  # the original is quiet
+    ids = {}
+    for loader in LOADERS:
+        ids[loader], output = load_in_child(root / "plain", loader=loader)
+        assert ids[loader] and not any(needle.lower() in output.lower() for needle in NOISE), output  # quiet original
     return root, ids
 
 
+@pytest.mark.parametrize("loader", LOADERS)
 @pytest.mark.parametrize("trust", TRUST)
-def test_tokenizer_of_a_converted_folder_loads_like_the_original(from_folder, trust):
+def test_tokenizer_of_a_converted_folder_loads_like_the_original(from_folder, trust, loader):
     root, original_ids = from_folder
     assert _tokenizer_class(root / "converted") == _tokenizer_class(root / "plain")
-    assert_loads_like_the_original(root / "converted", original_ids, trust)
+    assert_loads_like_the_original(root / "converted", original_ids[loader], trust, loader=loader)
 
 
 def test_tokenizer_of_a_folder_converted_from_the_hub_cache_loads_like_the_original(tmp_path):
@@ -129,9 +137,10 @@ def test_tokenizer_of_a_folder_converted_from_the_hub_cache_loads_like_the_origi
     env, _ = _cached_hub_repo(tmp_path)
     run = _convert_from_the_hub_cache(env, tmp_path / "converted")
     assert run.returncode == 0, run.stderr[-3000:]
-    original_ids, output = load_in_child("tiny-org/tiny-llama", env)
-    assert not any(needle.lower() in output.lower() for needle in NOISE), output
-    assert_loads_like_the_original(tmp_path / "converted", original_ids, True)
+    for loader in LOADERS:
+        original_ids, output = load_in_child("tiny-org/tiny-llama", env, loader)
+        assert not any(needle.lower() in output.lower() for needle in NOISE), output
+        assert_loads_like_the_original(tmp_path / "converted", original_ids, True, loader=loader)
 
 
 @pytest.mark.slow
@@ -139,9 +148,10 @@ def test_tokenizer_of_a_folder_converted_from_a_gguf_loads_like_the_original(smo
     """The embedded SmolLM2 GGUF: its tokenizer is rebuilt from the GGUF's metadata, saved with the converted
     folder, and encodes as transformers' own reading of the GGUF does."""
     convert(smollm2_path, tmp_path / "converted", verify=False)
-    original_ids, output = load_in_child(smollm2_path.parent, gguf_file=smollm2_path.name)
-    assert not any(needle.lower() in output.lower() for needle in NOISE), output
-    assert_loads_like_the_original(tmp_path / "converted", original_ids, True)
+    for loader in LOADERS:
+        original_ids, output = load_in_child(smollm2_path.parent, loader=loader, gguf_file=smollm2_path.name)
+        assert not any(needle.lower() in output.lower() for needle in NOISE), output
+        assert_loads_like_the_original(tmp_path / "converted", original_ids, True, loader=loader)
 
 
 # ---------------------------------------------------------------- tokenizers that do not load, and none
@@ -198,7 +208,8 @@ def test_tokenizer_of_a_fine_tuned_folder_loads_like_the_original(from_folder, t
     recipe = tiny_recipe(root / "plain", write_corpus(tmp_path / "corpus"), tmp_path / "run", train={"steps": 2})
     result = finetune(parse_recipe(recipe))
     assert _tokenizer_class(result.model_dir) == _tokenizer_class(root / "plain")
-    assert_loads_like_the_original(result.model_dir, original_ids, True)
+    for loader in LOADERS:
+        assert_loads_like_the_original(result.model_dir, original_ids[loader], True, loader=loader)
 
 
 def test_hub_cache_sources_without_or_with_a_broken_tokenizer(tmp_path):

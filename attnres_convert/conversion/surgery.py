@@ -172,7 +172,7 @@ def _check_base_code(base_model: PreTrainedModel) -> None:
     """A base model's own code is shipped beside the converted model's (remote_code.py) and registered under its
     model type: no file may share a name with ours, and the type must not be one transformers ships (the folder
     would then build transformers' implementation, not the model's own)."""
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    from ..modeling.transformers_compat import CONFIG_MAPPING_NAMES
 
     files = base_code_files(type(base_model.config), type(base_model))
     model_type = base_model.config.model_type

@@ -139,7 +139,7 @@ def _config_problems(folder: Path) -> tuple[list[str], str | None]:
     # An auto_map entry is "module.Class", or "repo--module.Class" once it points into a hub repo.
     code = set(SHIPPED_CODE) | {f"{str(ref).split('--')[-1].split('.')[0]}.py" for ref in auto_map.values()}
     if (folder / GENERATED).is_file():  # a base model's own code, imported by base_code.py
-        from transformers.dynamic_module_utils import get_relative_imports
+        from ..modeling.transformers_compat import get_relative_imports
 
         code |= {f"{name}.py" for name in get_relative_imports(folder / GENERATED)}
     problems += [f"shipped code {name} is missing" for name in sorted(code) if not (folder / name).is_file()]

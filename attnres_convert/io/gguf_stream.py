@@ -58,7 +58,8 @@ def _file_tensors(path: Path) -> tuple[str, list[tuple[str, np.ndarray, object, 
     them: rows of blocks), type and offset in the file. Read with transformers' GGUF header reader, which skips the vocabulary
     (gguf's GGUFReader parses every token string: seconds per read)."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-    from transformers.integrations.gguf.reader import GgufHeader, load_gguf_state_dict
+
+    from ..modeling.transformers_compat import GgufHeader, load_gguf_state_dict
 
     try:
         header = GgufHeader.from_file(str(path))
@@ -111,8 +112,7 @@ def gguf_base_tensors(path: Path, config: PreTrainedConfig, dtype: str = "auto",
     """The GGUF's tensors under their transformers names, in file order, each computed when written: float32
     (the in-memory path's dtype for a GGUF) or DTYPE. NotStreamable when transformers would not load the file
     tensor by tensor."""
-    from transformers.integrations.gguf.utils import is_gguf_arch_supported
-    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
+    from ..modeling.transformers_compat import TENSOR_PROCESSORS, TensorProcessor, is_gguf_arch_supported
 
     architecture, file_tensors = _file_tensors(path)
     if is_gguf_arch_supported(architecture):

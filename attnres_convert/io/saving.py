@@ -283,7 +283,7 @@ def load_converted(path: str | os.PathLike, trust_remote_code: bool = False, **k
 def _register_base_code(folder: Path, trust_remote_code: bool) -> None:
     """Import the base model's own code shipped in FOLDER (its base_code.py registers it), as
     from_pretrained(trust_remote_code=True) would."""
-    from transformers.dynamic_module_utils import get_class_from_dynamic_module, get_relative_imports
+    from ..modeling.transformers_compat import get_class_from_dynamic_module, get_relative_imports
 
     generated = folder / GENERATED
     if not generated.is_file() or not get_relative_imports(generated):

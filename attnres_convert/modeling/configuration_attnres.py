@@ -12,10 +12,10 @@ model's own code, where it has some).
 from __future__ import annotations
 
 from transformers import AutoConfig, PreTrainedConfig
-from transformers.configuration_utils import SubConfigSpec
 
 from .base_code import BASE_CLASSES  # noqa: F401 - registers a base model's own code shipped in the folder
 from .remote_code import ship_kernel_source
+from .transformers_compat import SubConfigSpec
 
 
 class AttnResConfig(PreTrainedConfig):

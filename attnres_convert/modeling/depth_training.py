@@ -112,6 +112,20 @@ class TrainState(NamedTuple):
     def current_stream(self) -> torch.Tensor:
         return self.stream
 
+    def received(self) -> TrainState:
+        """This state as a decoder layer takes it in. FSDP2 passes a wrapped layer's inputs through an autograd
+        Function (its post-backward hook) that returns them as views, so a layer handing its handles and queries
+        on unchanged would return views, which FSDP2 rejects with a warning that gradients may be wrong (an
+        in-place op on one would skip its pre-backward all-gather). Own copies instead: the handles are empty
+        and the queries one [R, D] tensor, so copying them costs nothing; without FSDP2 nothing is a view here."""
+        if self.queries is None or self.queries._base is None:
+            if all(handle._base is None for handle in self.handles):
+                return self
+        return self._replace(
+            handles=tuple(handle if handle._base is None else handle.clone() for handle in self.handles),
+            queries=self.queries if self.queries is None or self.queries._base is None else self.queries.clone(),
+        )
+
 
 class _CloseBlock(torch.autograd.Function):
     """A completed block enters the TrainState's cache (and, with queries [R, D], is scored by every

@@ -29,16 +29,16 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from .architectures import ModelPlan, Sublayer, module_at, plan_for
 from .cache_names import INSTALLED, cache_keyword, cache_of
 from .configuration_attnres import AttnResConfig
-from .depth_attention import STATE_TYPES, add_output, close_block, current_stream, depth_mix, start_state, wants_queries
+from .depth_attention import STATE_TYPES, TrainState, add_output, close_block, current_stream, depth_mix, start_state, wants_queries
 from .depth_core import pseudo_query
 from .depth_kernels_cpu import fused_norm
 from .depth_modules import AttnResKeyNorm, AttnResQuery, depth_params, init_depth_module, placed
 from .depth_plan import SublayerPlan, output_num_sources, plan_sublayers
+from .transformers_compat import MODEL_FOR_CAUSAL_LM_MAPPING
 from .remote_code import ship_base_code
 from .weight_names import default_save_conversions, guard_all
 
@@ -74,7 +74,9 @@ class AttnResDecoderLayerMixin:
         call_kwargs = dict(zip(spec.argnames, args), **kwargs) if args else kwargs
         if isinstance(hidden_states, tuple) and len(hidden_states) == 1 and isinstance(hidden_states[0], STATE_TYPES):
             hidden_states = hidden_states[0]  # passed on as returned
-        if isinstance(hidden_states, STATE_TYPES):
+        if isinstance(hidden_states, TrainState):
+            state = hidden_states.received()  # no views of the layer's inputs handed on (FSDP2)
+        elif isinstance(hidden_states, STATE_TYPES):
             state = hidden_states
         else:
             queries = _all_queries(spec, hidden_states) if wants_queries() and not spec.query_rank else None

@@ -16,9 +16,8 @@ import inspect
 import shutil
 from pathlib import Path
 
-from transformers.dynamic_module_utils import get_relative_import_files
-
 from .depth_kernels_cpu import SOURCE_NAME, source_text
+from .transformers_compat import get_relative_import_files
 
 GENERATED = "base_code.py"
 

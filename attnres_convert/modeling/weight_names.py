@@ -71,10 +71,7 @@ def guard_all(transforms):
 def default_save_conversions(model):
     """What transformers reverts when it saves a model that from_pretrained did not load: the registered rules of
     every base model inside (no legacy rules, no prefix changes), or None where there are none."""
-    try:
-        from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import PrefixChange
-    except ImportError:  # a transformers without checkpoint conversion: nothing is renamed
-        return None
+    from .transformers_compat import PrefixChange, get_model_conversion_mapping
+
     conversions = [c for c in get_model_conversion_mapping(model, add_legacy=False) if not isinstance(c, PrefixChange)]
     return conversions or None

@@ -1,0 +1,138 @@
+"""The transformers internals attnres uses, reached through this one module.
+
+transformers' public API (`AutoConfig`, `PreTrainedModel`, `GenerationMixin`, `modeling_outputs`, `utils.logging`)
+is imported where it is used. Everything else lives in modules transformers may move or rename in any release:
+each such name is listed once in INTERNALS with the module it comes from and what attnres needs it for, and is
+imported from here (`from .transformers_compat import SubConfigSpec`, resolved lazily on first use). When an
+upgrade moves one, the import fails here, naming the internal, and tests/test_transformers_compat.py fails with
+one test per internal.
+
+This file ships next to converted weights: it imports transformers and the standard library only.
+"""
+
+from __future__ import annotations
+
+# The transformers releases the suite runs on (pyproject.toml's range; `make test-lowest` and `make test-latest`
+# test both ends). tests/test_transformers_compat.py checks that the two say the same.
+TESTED_TRANSFORMERS = ">=5.23,<6"
+
+# name: (module, what attnres needs it for)
+INTERNALS: dict[str, tuple[str, str]] = {
+    "SubConfigSpec": ("transformers.configuration_utils", "declaring the converted config's text_config sub-config"),
+    "get_model_conversion_mapping": ("transformers.conversion_mapping", "the checkpoint renaming rules a save reverts"),
+    "PrefixChange": ("transformers.core_model_loading", "telling prefix changes from renaming rules"),
+    "revert_weight_conversion": ("transformers.core_model_loading", "the names a streamed save writes"),
+    "remove_tied_weights_from_state_dict": ("transformers.modeling_utils", "the tensors a streamed save writes"),
+    "custom_object_save": ("transformers.dynamic_module_utils", "copying a base model's own code into the folder"),
+    "get_relative_import_files": ("transformers.dynamic_module_utils", "the files a base model's own code imports"),
+    "get_relative_imports": ("transformers.dynamic_module_utils", "the files base_code.py imports"),
+    "get_class_from_dynamic_module": ("transformers.dynamic_module_utils", "registering a base model's own code"),
+    "MODEL_FOR_CAUSAL_LM_MAPPING": ("transformers.models.auto.modeling_auto", "building the base model from its config"),
+    "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES": ("transformers.models.auto.modeling_auto", "the model types the coverage walk checks"),
+    "CONFIG_MAPPING_NAMES": ("transformers.models.auto.configuration_auto", "the model types transformers ships"),
+    "GgufHeader": ("transformers.integrations.gguf.reader", "reading a GGUF header without its vocabulary"),
+    "load_gguf_state_dict": ("transformers.integrations.gguf.reader", "a GGUF's tensors as transformers reads them"),
+    "is_gguf_arch_supported": ("transformers.integrations.gguf.utils", "which GGUF files transformers converts itself"),
+    "TENSOR_PROCESSORS": ("transformers.modeling_gguf_pytorch_utils", "per-architecture GGUF tensor fixes"),
+    "TensorProcessor": ("transformers.modeling_gguf_pytorch_utils", "the default GGUF tensor processing"),
+}
+
+
+# The modules INTERNALS names, each imported by a static import statement: the shipped code imports nothing by a
+# computed name (tests/test_security.py).
+def _configuration_utils():
+    from transformers import configuration_utils
+
+    return configuration_utils
+
+
+def _conversion_mapping():
+    from transformers import conversion_mapping
+
+    return conversion_mapping
+
+
+def _core_model_loading():
+    from transformers import core_model_loading
+
+    return core_model_loading
+
+
+def _modeling_utils():
+    from transformers import modeling_utils
+
+    return modeling_utils
+
+
+def _dynamic_module_utils():
+    from transformers import dynamic_module_utils
+
+    return dynamic_module_utils
+
+
+def _modeling_auto():
+    from transformers.models.auto import modeling_auto
+
+    return modeling_auto
+
+
+def _configuration_auto():
+    from transformers.models.auto import configuration_auto
+
+    return configuration_auto
+
+
+def _gguf_reader():
+    from transformers.integrations.gguf import reader
+
+    return reader
+
+
+def _gguf_utils():
+    from transformers.integrations.gguf import utils
+
+    return utils
+
+
+def _modeling_gguf_pytorch_utils():
+    from transformers import modeling_gguf_pytorch_utils
+
+    return modeling_gguf_pytorch_utils
+
+
+MODULES = {
+    "transformers.configuration_utils": _configuration_utils,
+    "transformers.conversion_mapping": _conversion_mapping,
+    "transformers.core_model_loading": _core_model_loading,
+    "transformers.modeling_utils": _modeling_utils,
+    "transformers.dynamic_module_utils": _dynamic_module_utils,
+    "transformers.models.auto.modeling_auto": _modeling_auto,
+    "transformers.models.auto.configuration_auto": _configuration_auto,
+    "transformers.integrations.gguf.reader": _gguf_reader,
+    "transformers.integrations.gguf.utils": _gguf_utils,
+    "transformers.modeling_gguf_pytorch_utils": _modeling_gguf_pytorch_utils,
+}
+
+
+class MissingTransformersInternal(ImportError):
+    """An internal of transformers that the installed release does not have where attnres looks for it."""
+
+
+def internal(name: str):
+    """The object INTERNALS names, imported from its module; MissingTransformersInternal naming it otherwise."""
+    module_name, purpose = INTERNALS[name]
+    try:
+        return getattr(MODULES[module_name](), name)
+    except (ImportError, AttributeError, KeyError) as error:
+        import transformers
+
+        raise MissingTransformersInternal(
+            f"transformers {transformers.__version__} has no {module_name}.{name}, which attnres uses for {purpose}: "
+            f"install a transformers release attnres was tested with (transformers{TESTED_TRANSFORMERS})"
+        ) from error
+
+
+def __getattr__(name: str):
+    if name in INTERNALS:
+        return internal(name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
