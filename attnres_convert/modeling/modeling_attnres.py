@@ -38,7 +38,7 @@ from .depth_core import pseudo_query
 from .depth_kernels_cpu import fused_norm
 from .depth_modules import AttnResKeyNorm, AttnResQuery, depth_params, init_depth_module, placed
 from .depth_plan import SublayerPlan, output_num_sources, plan_sublayers
-from .transformers_compat import MODEL_FOR_CAUSAL_LM_MAPPING
+from .transformers_compat import MODEL_FOR_CAUSAL_LM_MAPPING, MissingTransformersInternal, internal
 from .remote_code import ship_base_code
 from .weight_names import default_save_conversions, guard_all
 
@@ -397,8 +397,8 @@ def fill_unsaved_buffers(model: nn.Module) -> None:
     if not isinstance(base, PreTrainedModel):
         return
     try:  # torch.nn.init calls made to respect `_is_hf_initialized` too, as transformers' own init does
-        from transformers.initialization import guard_torch_init_functions
-    except ImportError:
+        guard_torch_init_functions = internal("guard_torch_init_functions")
+    except MissingTransformersInternal:
         guard_torch_init_functions = contextlib.nullcontext
     with guard_torch_init_functions():
         for module in base.modules():

@@ -35,6 +35,10 @@ INTERNALS: dict[str, tuple[str, str]] = {
     "is_gguf_arch_supported": ("transformers.integrations.gguf.utils", "which GGUF files transformers converts itself"),
     "TENSOR_PROCESSORS": ("transformers.modeling_gguf_pytorch_utils", "per-architecture GGUF tensor fixes"),
     "TensorProcessor": ("transformers.modeling_gguf_pytorch_utils", "the default GGUF tensor processing"),
+    "guard_torch_init_functions": (
+        "transformers.initialization",
+        "initialising the buffers a checkpoint does not hold without touching loaded weights",
+    ),
 }
 
 
@@ -100,6 +104,12 @@ def _modeling_gguf_pytorch_utils():
     return modeling_gguf_pytorch_utils
 
 
+def _initialization():
+    from transformers import initialization
+
+    return initialization
+
+
 MODULES = {
     "transformers.configuration_utils": _configuration_utils,
     "transformers.conversion_mapping": _conversion_mapping,
@@ -111,6 +121,7 @@ MODULES = {
     "transformers.integrations.gguf.reader": _gguf_reader,
     "transformers.integrations.gguf.utils": _gguf_utils,
     "transformers.modeling_gguf_pytorch_utils": _modeling_gguf_pytorch_utils,
+    "transformers.initialization": _initialization,
 }
 
 
