@@ -355,6 +355,80 @@ def inspect_command(
         console.print(f"[green]Wrote[/] {path}")
 
 
+class BenchDevice(str, Enum):
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+class BenchKernels(str, Enum):
+    eager = "eager"
+    triton = "triton"
+    cpu = "cpu"
+
+
+@app.command("bench")
+def bench_command(
+    model: Annotated[
+        Optional[str], typer.Argument(help="Hub id, local model folder or .gguf file. Default: embedded SmolLM2-135M-Instruct.")
+    ] = None,
+    device: Annotated[BenchDevice, typer.Option(help="Where both models run.")] = BenchDevice.cpu,
+    dtype: Annotated[
+        Optional[str], typer.Option(help="float32, bfloat16 or float16 [default: float32 on cpu, bfloat16 on cuda].", show_default=False)
+    ] = None,
+    kernels: Annotated[
+        Optional[BenchKernels], typer.Option(help="The converted model's depth mix (ATTNRES_KERNEL) [default: as set, auto].", show_default=False)
+    ] = None,
+    compile_: Annotated[bool, typer.Option("--compile", help="Run both models under torch.compile.")] = False,
+    batch: Annotated[int, typer.Option(help="Sequences per prefill and training step.")] = 1,
+    seq_len: Annotated[int, typer.Option(help="Tokens per sequence of a prefill and a training step.")] = 512,
+    decode_tokens: Annotated[int, typer.Option(help="Greedy tokens generated with the KV cache, after a 32-token prompt.")] = 64,
+    rounds: Annotated[int, typer.Option(help="Timed rounds (each runs both models once, after one warm-up).")] = 5,
+    threads: Annotated[Optional[int], typer.Option(help="torch threads on CPU [default: torch's].", show_default=False)] = None,
+    measure: Annotated[str, typer.Option(help="What to measure, comma-separated: prefill, decode, train, memory.")] = "prefill,decode,train,memory",
+    block_size: Annotated[Optional[int], typer.Option(help="Convert with this block size S [default: convert's].", show_default=False)] = None,
+    full: Annotated[bool, typer.Option("--full", help="Convert to Full AttnRes (S = 1).")] = False,
+    json_file: Annotated[Optional[Path], typer.Option("--json", metavar="FILE", help="Write the results as JSON to FILE.")] = None,
+    markdown: Annotated[bool, typer.Option("--markdown", help="Print the results as Markdown (the docs' tables).")] = False,
+) -> None:
+    """Convert MODEL and measure it against the original: prefill, decoding, a training step, peak memory."""
+    from attnres_convert.analysis.bench import BenchSettings, run_bench, runs_total
+    from attnres_convert.analysis.bench_report import console_table, markdown as to_markdown, write_json
+    from attnres_convert.io.saving import write_problem
+
+    if json_file is not None:
+        problem = json_file.is_dir() and f"{json_file} is a folder" or write_problem(json_file.parent)
+        if problem:
+            fail(f"--json {json_file}: cannot write there ({problem}).")
+    settings = BenchSettings(
+        device=device.value, dtype=dtype, kernels=kernels.value if kernels else None, compile=compile_, batch=batch,
+        seq_len=seq_len, decode_tokens=decode_tokens, rounds=rounds, threads=threads,
+        measure=tuple(m.strip() for m in measure.split(",") if m.strip()), block_size=block_size, full=full,
+    )
+    command = "attnres " + shlex.join(sys.argv[2:]) if len(sys.argv) > 1 and sys.argv[1] == "bench" else None
+    quiet_transformers()
+    with user_errors(), Progress(
+        SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+        TimeElapsedColumn(), console=err_console,
+    ) as progress:
+
+        @contextlib.contextmanager
+        def stage(name: str) -> Iterator[None]:
+            task = progress.add_task(name, total=1)
+            yield
+            progress.update(task, completed=1)
+
+        runs = progress.add_task("timed runs (both models)", total=runs_total(settings))
+        result = run_bench(model, settings, stage=stage, on_run=lambda name: progress.advance(runs), command=command)
+    data = result.to_dict()
+    if markdown:
+        print(to_markdown(data), end="")
+    else:
+        console.print(console_table(data))
+    if json_file is not None:
+        write_json(data, json_file)
+        err_console.print(f"[green]Wrote[/] {escape(str(json_file))}")
+
+
 recipes_app = typer.Typer(help="Fine-tuning recipes: list, show and validate them.", no_args_is_help=True)
 app.add_typer(recipes_app, name="recipes")
 

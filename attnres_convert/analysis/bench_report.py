@@ -1,0 +1,89 @@
+"""`attnres bench` results as a console table, as JSON, and as the Markdown the docs carry.
+
+All three read the same dict (`BenchResult.to_dict()`, or the JSON file it was written to), so a page made
+from a results file shows exactly what the run printed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+from rich.table import Table
+
+RATIO_MEANING = "ratio: converted / original time or memory; above 1 is slower or bigger"
+
+
+def value_text(row: dict, side: str) -> str:
+    """One side's number in the unit a reader expects: tokens/s for decoding, seconds, MiB."""
+    if row["name"] == "decode":
+        return f"{row[f'{side}_tokens_per_s']:.1f} tok/s"
+    if row["unit"] == "MiB":
+        return f"{row[side]:,.0f} MiB"
+    return f"{row[side]:.3f} s"
+
+
+def title(result: dict) -> str:
+    s = result["settings"]
+    compiled = ", compiled" if s.get("compile") else ""
+    return f"{result['model']}: {s['device']} {s['dtype']}, depth mix {s['kernels']}{compiled}, {s['rounds']} rounds"
+
+
+def console_table(result: dict) -> Table:
+    """Medians side by side; fits 80 columns."""
+    table = Table(title=title(result), caption=f"medians of interleaved runs; {RATIO_MEANING}")
+    for column in ("measure", "original", "converted", "ratio", "per round"):
+        table.add_column(column, justify="left" if column == "measure" else "right")
+    for row in result["rows"]:
+        paired = f"{row['paired_ratio']:.3f}" if "paired_ratio" in row else ""
+        table.add_row(row["label"], value_text(row, "original"), value_text(row, "converted"), f"{row['ratio']:.3f}", paired)
+    return table
+
+
+def machine_line(result: dict) -> str:
+    m = result["machine"]
+    where = m.get("gpu") or f"{m['processor']}, {m['cpu_count']} cores"
+    return (f"{where}, {m['torch_threads']} torch threads; torch {m['torch']}, transformers {m['transformers']}; "
+            f"{m['date']}")
+
+
+def markdown(result: dict) -> str:
+    """The result as a Markdown table with the command that produced it and the machine it ran on."""
+    lines = [
+        "```bash",
+        result.get("command") or "attnres bench",
+        "```",
+        "",
+        f"{title(result)}; {machine_line(result)}.",
+        "",
+        "| measure | original | converted | converted / original | per-round ratio |",
+        "|---|---|---|---|---|",
+    ]
+    for row in result["rows"]:
+        paired = f"{row['paired_ratio']:.3f}" if "paired_ratio" in row else ""
+        lines.append(f"| {row['label']} | {value_text(row, 'original')} | {value_text(row, 'converted')} | "
+                     f"{row['ratio']:.3f} | {paired} |")
+    lines += [f"\n{note}" for note in result.get("notes", [])]
+    return "\n".join(lines) + "\n"
+
+
+def write_json(result: dict, path: str | os.PathLike) -> Path:
+    """RESULT written to PATH whole or not at all (a temporary file beside it, renamed into place)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(result, f, indent=2)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def read_json(path: str | os.PathLike) -> dict:
+    return json.loads(Path(path).read_text())
