@@ -407,7 +407,7 @@ def bench_command(
     command = "attnres " + shlex.join(sys.argv[2:]) if len(sys.argv) > 1 and sys.argv[1] == "bench" else None
     quiet_transformers()
     with user_errors(), Progress(
-        SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+        SpinnerColumn(), TextColumn("{task.description}"), BarColumn(bar_width=20), TextColumn("{task.completed}/{task.total}"),
         TimeElapsedColumn(), console=err_console,
     ) as progress:
 
@@ -417,8 +417,14 @@ def bench_command(
             yield
             progress.update(task, completed=1)
 
-        runs = progress.add_task("timed runs (both models)", total=runs_total(settings))
-        result = run_bench(model, settings, stage=stage, on_run=lambda name: progress.advance(runs), command=command)
+        runs: list = []  # the bar of timed runs, shown from the first run on
+
+        def on_run(name: str) -> None:
+            if not runs:
+                runs.append(progress.add_task("runs (both models, warm-up first)", total=runs_total(settings)))
+            progress.advance(runs[0])
+
+        result = run_bench(model, settings, stage=stage, on_run=on_run, command=command)
     data = result.to_dict()
     if markdown:
         print(to_markdown(data), end="")

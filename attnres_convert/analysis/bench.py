@@ -21,6 +21,7 @@ import os
 import platform
 import tempfile
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -243,17 +244,19 @@ def run_bench(
                     original_folder = _original_folder(source, work)
             else:
                 original_folder = Path(source.location)
-            with stage("Converting"):
+            with stage("Converting"), warnings.catch_warnings():
+                # The temporary converted folder needs no tokenizer: convert's advice about one is not for this.
+                warnings.filterwarnings("ignore", message=".*has no tokenizer")
                 converted = convert(
                     str(original_folder), work / "converted", verify=False, block_size=settings.block_size, full=settings.full
                 )
-            with stage("Loading both models with from_pretrained"):
+            with stage("Loading both models"):
                 original = _load(original_folder, settings, remote_code=False)
                 attnres = _load(work / "converted", settings, remote_code=True)
             machine = machine_info(settings.device)
             rows, notes = _measure(original, attnres, settings, stage, on_run)
             if "memory" in settings.measure:
-                with stage("Peak memory of a training step, one fresh process per model"):
+                with stage("peak memory of a training step (a process per model)"):
                     memory = _memory_row(original_folder, work / "converted", settings)
                 if memory is None:
                     notes.append("peak memory: this system has no /proc/self/clear_refs to reset the peak resident size")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from rich.table import Table
 
-RATIO_MEANING = "ratio: converted / original time or memory; above 1 is slower or bigger"
+RATIO_MEANING = "ratio: converted / original (time, memory)"
 
 
 def value_text(row: dict, side: str) -> str:
