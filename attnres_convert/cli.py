@@ -435,6 +435,28 @@ def bench_command(
         err_console.print(f"[green]Wrote[/] {escape(str(json_file))}")
 
 
+kernels_app = typer.Typer(help="The depth-mix kernels: build the C++ ones ahead of time.", no_args_is_help=True)
+app.add_typer(kernels_app, name="kernels")
+
+
+@kernels_app.command("build")
+def kernels_build() -> None:
+    """Compile the C++ depth-mix kernels (ATTNRES_KERNEL=cpu) into torch's extension cache now, not on first use."""
+    import time
+
+    from attnres_convert.modeling import depth_kernels_cpu
+
+    start = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.showwarning = _show_warning  # a compiler without OpenMP: what to install
+        with stages() as stage, stage("Building the C++ depth-mix kernels (once per machine)"):
+            try:
+                kernels = depth_kernels_cpu.build()
+            except RuntimeError as error:
+                fail(str(error), EXIT_FAILED_CHECK)
+    console.print(f"[green]C++ depth-mix kernels ready[/] ({time.perf_counter() - start:.0f} s): {escape(str(kernels.__file__))}", highlight=False)
+
+
 recipes_app = typer.Typer(help="Fine-tuning recipes: list, show and validate them.", no_args_is_help=True)
 app.add_typer(recipes_app, name="recipes")
 

@@ -29,6 +29,8 @@ from pathlib import Path
 import torch
 
 from ..errors import AttnResError, first_line
+from ..modeling.architectures import UnsupportedModelError
+from ..conversion.surgery import BlockSizeError
 from ..io.sources import DTYPES, ModelSource, load_model, load_tokenizer, resolve_source
 from . import step_memory
 from .timing import compared, device_sync, interleaved, kernel_env, resident
@@ -198,6 +200,17 @@ def _original_folder(source: ModelSource, work: Path) -> Path:
     return folder
 
 
+@contextlib.contextmanager
+def _naming(source: ModelSource, folder: Path) -> Iterator[None]:
+    """Errors about FOLDER, the temporary copy of SOURCE, name what the user gave instead."""
+    try:
+        yield
+    except (AttnResError, UnsupportedModelError, BlockSizeError) as error:
+        if source.kind == "folder":
+            raise
+        raise type(error)(str(error).replace(str(folder), source.name)) from error
+
+
 def _load(folder: Path, settings: BenchSettings, remote_code: bool):
     """FOLDER's model as `AutoModelForCausalLM.from_pretrained` gives it to a user. With REMOTE_CODE, the class
     is the one the folder ships (what trust_remote_code=True loads in a fresh process), even where this process
@@ -244,7 +257,7 @@ def run_bench(
                     original_folder = _original_folder(source, work)
             else:
                 original_folder = Path(source.location)
-            with stage("Converting"), warnings.catch_warnings():
+            with stage("Converting"), warnings.catch_warnings(), _naming(source, original_folder):
                 # The temporary converted folder needs no tokenizer: convert's advice about one is not for this.
                 warnings.filterwarnings("ignore", message=".*has no tokenizer")
                 converted = convert(
