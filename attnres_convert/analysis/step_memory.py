@@ -33,7 +33,7 @@ def cpu_peak_supported() -> bool:
 
 def measure_in_child(
     folder: Path, *, device: str, dtype: str, batch: int, seq_len: int, kernels: str | None,
-    remote_code: bool, threads: int | None,
+    remote_code: bool, threads: int | None, checkpointing: bool = False,
 ) -> int:
     """Bytes a training step of FOLDER's model adds at its peak, measured in a fresh process."""
     package_root = str(Path(__file__).resolve().parents[2])
@@ -44,6 +44,7 @@ def measure_in_child(
     cmd = [sys.executable, "-m", "attnres_convert.analysis.step_memory", str(folder), "--device", device,
            "--dtype", dtype, "--batch", str(batch), "--seq-len", str(seq_len)]
     cmd += ["--remote-code"] if remote_code else []
+    cmd += ["--checkpointing"] if checkpointing else []
     cmd += ["--threads", str(threads)] if threads else []
     done = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if done.returncode != 0:
@@ -68,6 +69,7 @@ def _main() -> None:
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--threads", type=int)
     parser.add_argument("--remote-code", action="store_true")
+    parser.add_argument("--checkpointing", action="store_true", help="non-reentrant activation checkpointing")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -76,6 +78,12 @@ def _main() -> None:
         args.folder, dtype=getattr(torch, args.dtype), trust_remote_code=args.remote_code
     ).to(device)
     model.train()
+    if args.checkpointing:  # non-reentrant: the only kind AttnRes models accept (under transformers' newer name too)
+        kwargs = {"use_reentrant": False}
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     vocab = model.config.get_text_config().vocab_size
     batch = torch.randint(0, vocab, (args.batch, args.seq_len), generator=torch.Generator().manual_seed(0)).to(device)
 
