@@ -1,4 +1,7 @@
-"""What AttnRes costs: converted vs original SmolLM2-135M, fp32, 2 threads, both models in one process, interleaved runs.
+"""What AttnRes costs beyond `attnres bench`: converted vs original SmolLM2-135M, fp32, 2 threads, both models in one
+process, interleaved runs, with Full AttnRes, gradient checkpointing, several processes and `attnres convert` itself.
+The timing and peak-memory code is the library's (attnres_convert/analysis/timing.py, step_memory.py), which
+`attnres bench` runs too.
 
     python benchmarks/overhead.py [--repeats 7] [--processes 3] [--cpu-kernels] [--compile] [--skip-train]
                                   [--skip-memory] [--skip-convert] [--mapped]
