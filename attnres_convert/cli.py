@@ -404,7 +404,7 @@ def bench_command(
         seq_len=seq_len, decode_tokens=decode_tokens, rounds=rounds, threads=threads,
         measure=tuple(m.strip() for m in measure.split(",") if m.strip()), block_size=block_size, full=full,
     )
-    command = "attnres " + shlex.join(sys.argv[2:]) if len(sys.argv) > 1 and sys.argv[1] == "bench" else None
+    command = "attnres bench " + shlex.join(sys.argv[2:]) if len(sys.argv) > 1 and sys.argv[1] == "bench" else None
     quiet_transformers()
     with user_errors(), Progress(
         SpinnerColumn(), TextColumn("{task.description}"), BarColumn(bar_width=20), TextColumn("{task.completed}/{task.total}"),

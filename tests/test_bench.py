@@ -6,7 +6,8 @@ seconds: they are whatever this machine gives."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
+import shlex
+import sys
 
 import pytest
 import torch
@@ -50,13 +51,16 @@ def test_bench_measures_both_models_loaded_from_their_folders(tiny_llama_folder)
 
 
 @pytest.mark.slow
-def test_bench_command_writes_json_that_renders_the_docs_table(tiny_llama_folder, tmp_path):
+def test_bench_command_writes_json_that_renders_the_docs_table(tiny_llama_folder, tmp_path, monkeypatch):
     """`attnres bench --json`: every measure (peak memory from a fresh process per model), the command and the
     machine recorded; the JSON read back renders the Markdown table with both numbers and the ratio."""
     out = tmp_path / "results" / "bench.json"
-    result = run_cli("bench", tiny_llama_folder, *TINY, "--kernels", "eager", "--json", out)
+    args = ["bench", str(tiny_llama_folder), *TINY, "--kernels", "eager", "--json", str(out)]
+    monkeypatch.setattr(sys, "argv", ["attnres", *args])  # what the command records as how it was run
+    result = run_cli(*args)
     assert result.exit_code == 0, result.output
     data = read_json(out)
+    assert data["command"] == "attnres " + shlex.join(args)
     _check_rows(data, ["prefill", "decode", "train_step", "train_step_peak_memory"])
     assert data["settings"]["kernels"] == "eager" and data["settings"]["batch"] == 2
     assert data["rows"][-1]["unit"] == "MiB"
