@@ -355,15 +355,8 @@ def inspect_command(
         console.print(f"[green]Wrote[/] {path}")
 
 
-class BenchDevice(str, Enum):
-    cpu = "cpu"
-    cuda = "cuda"
-
-
-class BenchKernels(str, Enum):
-    eager = "eager"
-    triton = "triton"
-    cpu = "cpu"
+BenchDevice = Enum("BenchDevice", {name: name for name in ("cpu", "cuda")}, type=str)
+BenchKernels = Enum("BenchKernels", {name: name for name in ("eager", "triton", "cpu")}, type=str)
 
 
 @app.command("bench")
@@ -392,13 +385,10 @@ def bench_command(
 ) -> None:
     """Convert MODEL and measure it against the original: prefill, decoding, a training step, peak memory."""
     from attnres_convert.analysis.bench import BenchSettings, run_bench, runs_total
-    from attnres_convert.analysis.bench_report import console_table, markdown as to_markdown, write_json
-    from attnres_convert.io.saving import write_problem
+    from attnres_convert.analysis.bench_report import console_table, markdown as to_markdown, output_problem, write_json
 
-    if json_file is not None:
-        problem = json_file.is_dir() and f"{json_file} is a folder" or write_problem(json_file.parent)
-        if problem:
-            fail(f"--json {json_file}: cannot write there ({problem}).")
+    if json_file is not None and (problem := output_problem(json_file)):
+        fail(f"--json {json_file}: cannot write there ({problem}).")
     settings = BenchSettings(
         device=device.value, dtype=dtype, kernels=kernels.value if kernels else None, compile=compile_, batch=batch,
         seq_len=seq_len, decode_tokens=decode_tokens, rounds=rounds, threads=threads,
@@ -426,10 +416,7 @@ def bench_command(
 
         result = run_bench(model, settings, stage=stage, on_run=on_run, command=command)
     data = result.to_dict()
-    if markdown:
-        print(to_markdown(data), end="")
-    else:
-        console.print(console_table(data))
+    print(to_markdown(data), end="") if markdown else console.print(console_table(data))
     if json_file is not None:
         write_json(data, json_file)
         err_console.print(f"[green]Wrote[/] {escape(str(json_file))}")

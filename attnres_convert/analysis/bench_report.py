@@ -14,7 +14,7 @@ from pathlib import Path
 
 from rich.table import Table
 
-from ..io.saving import current_umask
+from ..io.saving import current_umask, write_problem
 
 RATIO_MEANING = "ratio: converted / original (time, memory)"
 
@@ -48,8 +48,10 @@ def console_table(result: dict) -> Table:
 def machine_line(result: dict) -> str:
     m = result["machine"]
     where = m.get("gpu") or f"{m['processor']}, {m['cpu_count']} cores"
-    return (f"{where}, {m['torch_threads']} torch threads; torch {m['torch']}, transformers {m['transformers']}; "
-            f"{m['date']}")
+    load = f"; load average {m['load_average_start'][0]:.1f} at the start" if m.get("load_average_start") else ""
+    threads = f"{m['torch_threads']} torch thread" + ("s" if m["torch_threads"] != 1 else "")
+    return (f"{where}, {threads}; torch {m['torch']}, transformers {m['transformers']}; "
+            f"{m['date']}{load}")
 
 
 def markdown(result: dict, json_path: str | None = None) -> str:
@@ -74,6 +76,11 @@ def markdown(result: dict, json_path: str | None = None) -> str:
                      f"{row['ratio']:.3f} | {paired} |")
     lines += [f"\n{note}" for note in result.get("notes", [])]
     return "\n".join(lines) + "\n"
+
+
+def output_problem(path: Path) -> str | None:
+    """Why a results file cannot be written at PATH, or None (checked before a run, not after it)."""
+    return f"{path} is a folder" if path.is_dir() else write_problem(path.parent)
 
 
 def write_json(result: dict, path: str | os.PathLike) -> Path:
