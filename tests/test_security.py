@@ -249,7 +249,10 @@ SAVE_TIME_WRITERS = {"remote_code.py": {"shutil", "pathlib", "write_text"}}
 # (test_cpu_kernel_build_compiles_only_its_own_source checks what it builds).
 # The source is depth_kernels_cpu.cpp, read next to the file, in the folder the model was loaded from, or from its
 # Hub repository (huggingface_hub, a dependency of transformers).
-NATIVE_BUILDERS = {"depth_kernels_cpu.py": {"cpp_extension", "pathlib", "huggingface_hub"}}
+# Its build lock (fcntl: an flock the kernel releases when its holder dies) sits in the extension's build folder,
+# where it also removes (unlink) torch's own lock file left by a build killed midway, which would block every
+# later load of the extension forever.
+NATIVE_BUILDERS = {"depth_kernels_cpu.py": {"cpp_extension", "pathlib", "huggingface_hub", "fcntl", "unlink"}}
 # triton: the fused kernels, imported only where it is installed.
 ALLOWED_THIRD_PARTY = {"torch", "transformers", "triton"}
 FORBIDDEN_CALLS = {"open", "eval", "exec", "compile", "__import__", "breakpoint", "input"}

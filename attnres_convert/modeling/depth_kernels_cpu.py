@@ -30,11 +30,14 @@ loaded from the Hub, see `source_text`).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import logging
+import os
 import threading
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -58,10 +61,25 @@ _VECTOR_FLAGS = {
 }
 
 
-def _flags() -> list[str]:
+def _flags(openmp: bool = True) -> list[str]:
     vector = _VECTOR_FLAGS.get(torch.backends.cpu.get_cpu_capability(), [])
     # -ffp-contract=off: a fused norm rounds each product and sum as torch's kernels do (no FMA contraction).
-    return ["-O3", "-ffp-contract=off", "-fopenmp", *vector, "-mtune=native"]
+    return ["-O3", "-ffp-contract=off", *(["-fopenmp"] if openmp else []), *vector, "-mtune=native"]
+
+
+# How long a process waits for another one building the same kernels (ATTNRES_BUILD_TIMEOUT, seconds): a build
+# takes about 25 s on 2 cores, a loaded machine several times that.
+BUILD_TIMEOUT_ENV = "ATTNRES_BUILD_TIMEOUT"
+DEFAULT_BUILD_TIMEOUT = 600.0
+LOCK_NAME = "attnres-build.lock"
+
+
+def _build_timeout() -> float:
+    text = os.environ.get(BUILD_TIMEOUT_ENV, "").strip()
+    try:
+        return float(text) if text else DEFAULT_BUILD_TIMEOUT
+    except ValueError:
+        raise RuntimeError(f"{BUILD_TIMEOUT_ENV}={text!r} is not a number of seconds") from None
 
 
 def source_text(config=None) -> str:
@@ -99,31 +117,66 @@ def build(config=None):
     (see `source_text`). Raises RuntimeError saying what is missing where the build fails."""
     with _LOCK:
         if not _BUILT:
-            _BUILT.append(_build(source_text(config)))
+            built = _build(source_text(config))
+            if isinstance(built, BuildLockTimeout):
+                raise built  # another process's build: the next call may find it done, so it is not kept
+            _BUILT.append(built)
     if isinstance(_BUILT[0], Exception):
         raise _BUILT[0]
     return _BUILT[0]
 
 
 def _build(source: str):
+    """The compiled module, or the RuntimeError that says what is missing. With a compiler that has no OpenMP
+    (Apple's clang), the kernels are built without it, single-threaded, and a warning says what to install."""
+    try:
+        return _compile(source, openmp=True)
+    except Exception as error:  # noqa: BLE001 - compiler missing, headers missing, ...: all mean the same to a user
+        if not _refuses_openmp(error):
+            return _build_error(error)
+    compiler = os.environ.get("CXX", "c++")
+    warnings.warn(
+        f"AttnRes: the C++ compiler ({compiler}) does not take -fopenmp, so the C++ depth-mix kernels are built "
+        f"without OpenMP and run on one thread. For threaded kernels install OpenMP and use a compiler that "
+        f"supports it (macOS: brew install libomp llvm, then CXX=$(brew --prefix llvm)/bin/clang++), or unset "
+        f"ATTNRES_KERNEL to run the eager path.",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+    try:
+        return _compile(source, openmp=False)
+    except Exception as error:  # noqa: BLE001 - as above
+        return _build_error(error)
+
+
+def _refuses_openmp(error: Exception) -> bool:
+    """Whether a failed build failed on OpenMP: the flag, its header or its runtime library."""
+    text = str(error).lower()
+    return any(word in text for word in ("fopenmp", "omp.h", "openmp", "-lgomp", "-lomp"))
+
+
+def _build_error(error: Exception) -> RuntimeError:
+    if isinstance(error, BuildLockTimeout):
+        return error
+    return RuntimeError(
+        f"ATTNRES_KERNEL=cpu: building the C++ depth-mix kernels failed ({type(error).__name__}: "
+        f"{str(error).strip()[-500:]}). They need a C++ compiler (g++ or clang++), ninja on the PATH and the "
+        f"Python headers (python3-dev); install them, or unset ATTNRES_KERNEL to run the eager path."
+    )
+
+
+def _compile(source: str, openmp: bool):
     from torch.utils.cpp_extension import load_inline
 
-    flags = _flags()
+    flags = _flags(openmp)
     # The torch install is in the name too: a build is made against its headers, and two environments sharing one
     # cache would otherwise rebuild it in turn.
     digest = hashlib.sha1("\0".join([source, torch.__version__, torch.__file__, *flags]).encode()).hexdigest()[:12]
+    name = f"attnres_depth_cpu_{digest}"
     logger.info("AttnRes: loading the C++ depth-mix kernels (compiled on their first use on a machine)")
     start = time.perf_counter()
-    try:
-        kernels = load_inline(
-            f"attnres_depth_cpu_{digest}", cpp_sources=[source], extra_cflags=flags, extra_ldflags=["-fopenmp"]
-        )
-    except Exception as error:  # noqa: BLE001 - compiler missing, headers missing, ...: all mean the same to a user
-        return RuntimeError(
-            f"ATTNRES_KERNEL=cpu: building the C++ depth-mix kernels failed ({type(error).__name__}: "
-            f"{str(error).strip()[-500:]}). They need a C++ compiler (g++ or clang++), ninja on the PATH and the "
-            f"Python headers (python3-dev); install them, or unset ATTNRES_KERNEL to run the eager path."
-        )
+    with _build_lock(name):
+        kernels = load_inline(name, cpp_sources=[source], extra_cflags=flags, extra_ldflags=["-fopenmp"] if openmp else [])
     seconds = time.perf_counter() - start
     if seconds > 5:
         logger.warning(
@@ -131,6 +184,50 @@ def _build(source: str):
             "its extension cache, TORCH_EXTENSIONS_DIR)", seconds
         )
     return kernels
+
+
+class BuildLockTimeout(RuntimeError):
+    """Another process held the build lock for longer than ATTNRES_BUILD_TIMEOUT."""
+
+
+@contextlib.contextmanager
+def _build_lock(name: str):
+    """Exclusive use of extension NAME's build folder across processes, waited for at most ATTNRES_BUILD_TIMEOUT
+    seconds. torch's own lock there is a file whose presence means "a build is running": a build killed midway
+    leaves it, and every later load of that extension waits for it forever. This lock is an flock(2) on a file
+    beside it, which the kernel releases when its holder dies, so a lock left by a killed process never blocks;
+    whoever holds it knows that no build is running, and removes a torch lock file left behind. (Without fcntl,
+    on Windows, torch's lock is taken as it is.)"""
+    try:
+        import fcntl
+        from torch.utils.cpp_extension import _get_build_directory
+    except ImportError:
+        yield
+        return
+    folder = Path(_get_build_directory(name, False))
+    timeout = _build_timeout()
+    deadline = time.monotonic() + timeout
+    with (folder / LOCK_NAME).open("a") as lock:
+        while True:
+            try:
+                fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise BuildLockTimeout(
+                        f"ATTNRES_KERNEL=cpu: waited {timeout:.0f} s for another process building the C++ depth-mix "
+                        f"kernels (it holds {folder / LOCK_NAME}). Let it finish and run again, raise "
+                        f"{BUILD_TIMEOUT_ENV} (seconds), or unset ATTNRES_KERNEL to run the eager path."
+                    ) from None
+                time.sleep(0.2)
+        try:
+            left = folder / "lock"
+            if left.exists():
+                logger.warning("AttnRes: removing %s, left by a build that was killed midway", left)
+                left.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
 
 
 def buffer_mix(

@@ -1,0 +1,105 @@
+"""Timing two models side by side in one process: interleaved runs, medians, ratios.
+
+Used by `attnres bench` (analysis/bench.py) and the scripts in benchmarks/. Nothing here is a pass/fail
+check: it measures and returns numbers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import statistics
+import time
+from collections.abc import Callable, Iterator
+
+import torch
+
+KERNEL_ENV = "ATTNRES_KERNEL"
+
+
+def resident(model):
+    """MODEL with its weights copied into process memory. from_pretrained maps safetensors files, and a
+    mapped weight runs at the speed of the page-cache pages the kernel gave that file: measured on SmolLM2,
+    the same decoding loop ran 0.88-1.22x depending on which folder had been written or read last. Both
+    models get this copy, so it is still like for like. (Tied weights are one Parameter object: one copy
+    keeps them tied.)"""
+    for param in {id(p): p for p in model.parameters()}.values():
+        param.data = param.data.clone()
+    return model
+
+
+@contextlib.contextmanager
+def kernel_env(mode: str | None) -> Iterator[None]:
+    """ATTNRES_KERNEL=MODE while the block runs (a converted model reads it at every forward); None: as set."""
+    if mode is None:
+        yield
+        return
+    before = os.environ.get(KERNEL_ENV)
+    os.environ[KERNEL_ENV] = mode
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(KERNEL_ENV, None)
+        else:
+            os.environ[KERNEL_ENV] = before
+
+
+def with_kernel(mode: str | None, fn: Callable[[], object]) -> Callable[[], object]:
+    """FN run with ATTNRES_KERNEL=MODE."""
+
+    def run():
+        with kernel_env(mode):
+            return fn()
+
+    return run
+
+
+def interleaved(
+    fns: dict[str, Callable[[], object]],
+    rounds: int,
+    warmup: int = 1,
+    sync: Callable[[], None] = lambda: None,
+    after_run: Callable[[str], None] = lambda name: None,
+) -> dict[str, list[float]]:
+    """Seconds of each callable per round, alternating them so drift hits all alike, in reversed order
+    every other round: a run leaves the allocator and caches in its own state for the next one (measured:
+    the original's decoding step ran 0.5 ms slower right after a converted model's than after its own),
+    so each callable follows each other one equally often. WARMUP untimed runs each first. SYNC waits for
+    the device (CUDA runs asynchronously); AFTER_RUN(name) is told of every run, for a progress bar."""
+    for _ in range(warmup):
+        for name, fn in fns.items():
+            fn()
+            sync()
+            after_run(name)
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    names = list(fns)
+    for round_ in range(rounds):
+        for name in names if round_ % 2 == 0 else names[::-1]:
+            sync()
+            start = time.perf_counter()
+            fns[name]()
+            sync()
+            times[name].append(time.perf_counter() - start)
+            after_run(name)
+    return times
+
+
+def compared(original: list[float], converted: list[float]) -> dict:
+    """Medians of paired runs, their ratio (converted / original), and the median of the per-round ratios
+    (a slow phase of the machine that spans a round hits both runs of it, so this one moves less)."""
+    return {
+        "original": statistics.median(original),
+        "converted": statistics.median(converted),
+        "ratio": statistics.median(converted) / statistics.median(original),
+        "paired_ratio": statistics.median(b / a for a, b in zip(original, converted)),
+        "original_runs": list(original),
+        "converted_runs": list(converted),
+    }
+
+
+def device_sync(device: torch.device | str) -> Callable[[], None]:
+    """A function that waits for DEVICE's queued work (nothing to wait for on CPU)."""
+    if torch.device(device).type == "cuda":
+        return torch.cuda.synchronize
+    return lambda: None
