@@ -322,6 +322,10 @@ def bench_command(
     markdown: Annotated[bool, typer.Option("--markdown", help="Print the results as Markdown (the docs' tables).")] = False,
 ) -> None:
     """Convert MODEL and measure it against the original: prefill, decoding, a training step, peak memory."""
+    from attnres_convert.io.paths import resolve_source
+
+    with user_errors():
+        resolve_source(model)  # a missing path is answered before torch is imported
     from attnres_convert.analysis.bench import BenchSettings, run_bench, runs_total
     from attnres_convert.analysis.bench_report import console_table, markdown as to_markdown, output_problem, write_json
 
@@ -333,24 +337,13 @@ def bench_command(
         measure=tuple(m.strip() for m in measure.split(",") if m.strip()), block_size=block_size, full=full,
     )
     command = "attnres bench " + shlex.join(sys.argv[2:]) if len(sys.argv) > 1 and sys.argv[1] == "bench" else None
-    quiet_transformers()
-    with user_errors(), Progress(
-        SpinnerColumn(), TextColumn("{task.description}"), BarColumn(bar_width=20), TextColumn("{task.completed}/{task.total}"),
-        TimeElapsedColumn(), console=err_console,
-    ) as progress:
-
-        @contextlib.contextmanager
-        def stage(name: str) -> Iterator[None]:
-            task = progress.add_task(name, total=1)
-            yield
-            progress.update(task, completed=1)
-
-        runs: list = []  # the bar of timed runs, shown from the first run on
+    with user_errors(), stages("bench") as stage:
+        runs: list = []  # the line of timed runs, shown from the first run on
 
         def on_run(name: str) -> None:
             if not runs:
-                runs.append(progress.add_task("runs (both models, warm-up first)", total=runs_total(settings)))
-            progress.advance(runs[0])
+                runs.append(stage.items("timed runs (both models)", runs_total(settings)))
+            runs[0]()
 
         result = run_bench(model, settings, stage=stage, on_run=on_run, command=command)
     data = result.to_dict()

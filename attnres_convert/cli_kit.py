@@ -173,7 +173,8 @@ def stage_columns() -> list[ProgressColumn]:
 def stages(what: str = "the command", left_behind: str = "nothing was written") -> Iterator:
     """A Rich progress display with one line per stage of a long job, the libraries it drives kept quiet
     (io.console.quiet_libraries); `stage.progress(name, total)` adds a line with a bar over TOTAL bytes,
-    whose context value advances it. Ctrl-C removes the running lines (no frozen spinner) and says which
+    whose context value advances it, and `stage.items(name, total)` a line counting items, returning the
+function that advances it. Ctrl-C removes the running lines (no frozen spinner) and says which
     stage of WHAT stopped and what is LEFT_BEHIND."""
     from attnres_convert.io.console import library_bars_to, quiet_libraries, shorten_middle
 
@@ -202,8 +203,13 @@ def stages(what: str = "the command", left_behind: str = "nothing was written") 
             task = progress.add_task(f"  {shorten_middle(description, 28)}", total=total, items=True)
             return (lambda n: progress.advance(task, n)), (lambda: progress.update(task, visible=False))
 
+        def items_bar(name: str, total: int):  # a line counting items (runs, steps) with its average-pace ETA
+            task = progress.add_task(name, total=total, items=True)
+            return lambda n=1: progress.advance(task, n)
+
         stack.enter_context(library_bars_to(library_bar))
         stage.progress = bytes_bar
+        stage.items = items_bar
         try:
             yield stage
         except KeyboardInterrupt:

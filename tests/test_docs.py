@@ -30,7 +30,8 @@ def _generator():
 
 
 # docs/cli.md is Typer's rendering of the CLI, which changes with Typer's release: generated with the lock's.
-GENERATED = [pytest.param("cli.md", marks=pytest.mark.locked_versions), "recipes.md"]
+# README.md and performance.md carry tables made from `attnres bench` results (benchmarks/results).
+GENERATED = [pytest.param("cli.md", marks=pytest.mark.locked_versions), "recipes.md", "README.md", "performance.md"]
 
 
 @pytest.mark.parametrize("name", GENERATED)
