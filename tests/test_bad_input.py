@@ -344,3 +344,16 @@ def test_check_output_does_not_trust_os_access(tmp_path, monkeypatch):
         check_output("/sys/attnres-out")
     assert check_output(tmp_path / "fine") == tmp_path / "fine"
     assert list(tmp_path.iterdir()) == []  # the probe is gone
+
+
+def test_model_that_fails_in_the_middle_of_conversion_writes_nothing(tmp_path):
+    """A tiny CPM-Ant loads and runs, but its forward fails on the structure probes (its position bias does not
+    fit them) after the weights are read: a refusal naming the model and the upstream error, exit 2, and no
+    output folder, complete or partial, nor a temporary one beside it."""
+    from attnres_convert.conversion.coverage import _build
+
+    folder = tmp_path / "tiny-cpmant"
+    _build("cpmant", {}).save_pretrained(folder)
+    out = tmp_path / "out"
+    result = run_cli("convert", folder, "-o", out, "--dtype", "float32")
+    assert_user_error(result, str(folder), "failed while its layers were traced", "RuntimeError", "attnres architectures", out=out)

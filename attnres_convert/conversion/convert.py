@@ -19,7 +19,7 @@ import torch
 
 from ..io.card import conversion_card
 from ..modeling.architectures import UnsupportedModelError
-from ..errors import OutputError, VerificationError
+from ..errors import OutputError, VerificationError, first_line
 from ..modeling.modeling_attnres import AttnResForCausalLM
 from .memory_budget import plan_verification, verify_saved
 from .options import ConvertOptions, options_doc, parse_size
@@ -126,6 +126,13 @@ def convert(
             model = convert_model(base, block_size=block_size, num_blocks=num_blocks, full=full, query_rank=opts.query_rank)
         except UnsupportedModelError as error:
             raise UnsupportedModelError(f"cannot convert {model_source.name}: {error} {SEE_COVERAGE}") from error
+        except (RuntimeError, ValueError, TypeError, IndexError) as error:
+            # The model's own forward failed on the structure probes (CPM-Ant's position bias does not fit
+            # them): a refusal of this model, with nothing written, not a crash.
+            raise UnsupportedModelError(
+                f"cannot convert {model_source.name}: the model failed while its layers were traced "
+                f"({type(error).__name__}: {first_line(error)}). {SEE_COVERAGE}"
+            ) from error
         del base
     report = None
     if reference is not None:

@@ -151,7 +151,14 @@ def one_more_token_logits(model: nn.Module, prefill) -> torch.Tensor | None:
     if cache is None:
         return None
     ids = probe_ids(model, PROBE_TOKENS + 1)
-    return model(input_ids=ids[:, -1:], use_cache=True, **{cache_keyword(model.forward): cache}).logits.float()
+    keyword = cache_keyword(model.forward)
+    unused = copy.deepcopy(cache)  # a step that fails may have written to the cache already
+    try:
+        return model(input_ids=ids[:, -1:], use_cache=True, **{keyword: cache}).logits.float()
+    except (RuntimeError, ValueError, IndexError):
+        # A model whose forward slices the cached prefix off itself takes the whole sequence at every step
+        # (CPM-Ant: its prompt and position bias are built from all the tokens).
+        return model(input_ids=ids, use_cache=True, **{keyword: unused}).logits.float()[:, -1:]
 
 
 # --- one layer's children, in call order -----------------------------------------------------------
