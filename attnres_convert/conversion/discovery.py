@@ -109,16 +109,20 @@ def _snap(value: float, config) -> float | None:
     return value
 
 
-def discover_layer(layer: nn.Module, call: LayerCall, config, h0: torch.Tensor) -> tuple[Sublayer, ...]:
-    """The sublayers of one decoder layer, from its children's data flow on hidden states h0."""
-    calls, out = trace_layer(layer, call, h0)
+def discover_layer(
+    layer: nn.Module, call: LayerCall, config, h0: torch.Tensor, expand: tuple[str, ...] = ()
+) -> tuple[Sublayer, ...]:
+    """The sublayers of one decoder layer, from its children's data flow on hidden states h0. A child that
+    reads the stream itself and holds a norm (a block with its norm, mixer and residual add inside: CPM-Ant)
+    is looked into: its children are the branch's norm and module (EXPAND names such children)."""
+    calls, out = trace_layer(layer, call, h0, expand)
     streams: list[torch.Tensor] = [h0]
     branches: list[_Branch] = []
     produced: list[tuple[str, int]] = [("stream", 0)]  # in order: what each value is
     values: list[torch.Tensor] = [h0]
     refs: list[object] = [h0]
     for index, entry in enumerate(calls):
-        module = getattr(layer, entry.name)
+        module = module_at(layer, entry.name)
         source = next((produced[i] for i in range(len(refs) - 1, -1, -1) if entry.x_ref is refs[i]), None)
         if source is None:  # not the same object: the same values (a view, a copy)
             for kind_index in range(len(values) - 1, -1, -1):
@@ -135,6 +139,8 @@ def discover_layer(layer: nn.Module, call: LayerCall, config, h0: torch.Tensor) 
             source = produced[-1]
         kind, ref = source
         if kind == "stream":
+            if not is_norm(module) and "." not in entry.name and any(is_norm(inner) for inner in module.children()):
+                return discover_layer(layer, call, config, h0, (*expand, entry.name))
             if not is_norm(module):
                 raise UnsupportedModelError(
                     f"the residual stream is read by `{entry.name}` ({type(module).__name__}) directly, not through "

@@ -189,8 +189,11 @@ def probe_hidden(call: LayerCall, seed: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def trace_layer(layer: nn.Module, call: LayerCall, h0: torch.Tensor) -> tuple[list[ChildCall], torch.Tensor]:
-    """The layer's direct children, in call order, with their inputs and outputs; and the layer's output."""
+def trace_layer(
+    layer: nn.Module, call: LayerCall, h0: torch.Tensor, expand: tuple[str, ...] = ()
+) -> tuple[list[ChildCall], torch.Tensor]:
+    """The layer's direct children, in call order, with their inputs and outputs; and the layer's output. A
+    child named in EXPAND is traced through its own children instead (`block.norm`, `block.attention`)."""
     calls: list[ChildCall] = []
     hooks = []
 
@@ -215,7 +218,12 @@ def trace_layer(layer: nn.Module, call: LayerCall, h0: torch.Tensor) -> tuple[li
                     entry.outputs = tuple(v.detach().clone() if isinstance(v, torch.Tensor) else None for v in output)
                 break
 
-    for name, child in layer.named_children():
+    traced = [
+        (f"{name}.{inner}" if name in expand else name, module)
+        for name, child in layer.named_children()
+        for inner, module in (child.named_children() if name in expand else [(name, child)])
+    ]
+    for name, child in traced:
         hooks.append(child.register_forward_pre_hook(pre(name), with_kwargs=True))
         hooks.append(child.register_forward_hook(post, with_kwargs=True))
     args, kwargs = call.fresh()

@@ -226,12 +226,13 @@ def _child_name(parent, child) -> str | None:
 
 
 def is_norm(module) -> bool:
-    """A normalisation module: LayerNorm / RMSNorm by type, or a class named *Norm* whose parameters are all
-    per-channel vectors (weight, bias)."""
+    """A normalisation module: LayerNorm / RMSNorm by type, or a class named *Norm* whose parameters, its
+    children's included, are all per-channel vectors (weight, bias): DBRX's NormAttentionNorm, a block that
+    holds an attention between two norms, is no norm."""
     if isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
         return True
     name = type(module).__name__.lower()
-    return "norm" in name and all(p.dim() == 1 for p in module.parameters(recurse=False))
+    return "norm" in name and all(p.dim() == 1 for p in module.parameters())
 
 
 def norm_eps(module) -> float | None:
