@@ -24,7 +24,7 @@ from ..modeling.modeling_attnres import AttnResForCausalLM
 from .memory_budget import plan_verification, verify_saved
 from .options import ConvertOptions, options_doc, parse_size
 from ..io.saving import atomic_folder, check_output, save_converted
-from ..io.sources import ModelSource, load_config, load_model, load_tokenizer, resolve_source
+from ..io.sources import ModelSource, load_config, load_model, load_tokenizer, processor_files, resolve_source
 from .streaming import BackgroundPlan, NotStreamable, largest_layer_bytes, stream_input, write_streamed
 from .surgery import ConversionSummary, convert_model, resolve_block_size, structure_of, summarize
 from .verify import VerificationReport, capture_reference, compare, fit_to_context, sample_input_ids
@@ -159,7 +159,8 @@ def _check_verified(report: VerificationReport) -> None:
 
 
 def _extra_files(model, summary: ConversionSummary, report: VerificationReport | None, source: ModelSource) -> dict[str, str]:
-    """The model card and the conversion record saved beside the weights."""
+    """The model card and the conversion record saved beside the weights, and the source's processor files
+    unchanged (written after the tokenizer, so the original's chat template wins)."""
     record = {
         "source": source.name,
         "summary": asdict(summary),
@@ -167,6 +168,7 @@ def _extra_files(model, summary: ConversionSummary, report: VerificationReport |
         "torch": torch.__version__,
     }
     return {
+        **processor_files(source),
         "README.md": conversion_card(model, summary, report, source),
         "attnres_conversion.json": json.dumps(record, indent=2),
     }

@@ -142,9 +142,11 @@ def discover_layer(
             if not is_norm(module) and "." not in entry.name and any(is_norm(inner) for inner in module.children()):
                 return discover_layer(layer, call, config, h0, (*expand, entry.name))
             if not is_norm(module):
+                reader = entry.name.split(".")[0]  # a block looked into whose norm does not read first: the block
                 raise UnsupportedModelError(
-                    f"the residual stream is read by `{entry.name}` ({type(module).__name__}) directly, not through "
-                    "a norm: a post-norm layer (or one whose norm lives inside that module)"
+                    f"the residual stream is read by `{reader}` ({type(module_at(layer, reader)).__name__}) directly, not through "
+                    "a norm (a post-norm layer, or a branch that reads the raw stream): AttnRes converts a layer only "
+                    "when every reader of its stream is a scale-invariant norm"
                 )
             branches.append(_Branch(ref, entry.name, tail=index, norm_call=index))
         else:
