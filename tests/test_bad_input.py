@@ -385,3 +385,21 @@ def test_a_conversion_that_verification_rejects_writes_nothing(tmp_path, tiny_ll
     result = run_cli(*args)
     # A failed check, not bad input: exit code 1 (EXIT_FAILED_CHECK).
     assert_user_error(result, "does not reproduce the original", "Nothing was saved", out=out, code=1)
+
+
+def test_a_model_whose_code_fails_during_conversion_writes_nothing(tmp_path, tiny_llama_folder, monkeypatch):
+    """The model's own code raising in the middle of the conversion (as a forward that does not fit the probe
+    inputs does) is a refusal naming the model and the upstream error: exit 2, no traceback, no output folder."""
+    from attnres_convert.conversion import convert as convert_module
+
+    real_convert = convert_module.convert_model
+
+    def convert_until_the_forward_fails(base, **kwargs):
+        layer = base.model.layers[1]
+        layer.mlp.forward = lambda x: x[..., :3]  # returns the wrong width: the stream add fails
+        return real_convert(base, **kwargs)
+
+    monkeypatch.setattr(convert_module, "convert_model", convert_until_the_forward_fails)
+    out = tmp_path / "out"
+    result = run_cli("convert", tiny_llama_folder, "-o", out, "--dtype", "float32", "--no-stream")
+    assert_user_error(result, str(tiny_llama_folder), "failed while it was being converted", "RuntimeError", out=out)

@@ -127,10 +127,10 @@ def convert(
         except UnsupportedModelError as error:
             raise UnsupportedModelError(f"cannot convert {model_source.name}: {error} {SEE_COVERAGE}") from error
         except (RuntimeError, ValueError, TypeError, IndexError) as error:
-            # The model's own forward failed on the structure probes (CPM-Ant's position bias does not fit
-            # them): a refusal of this model, with nothing written, not a crash.
+            # The model's own code failed on the structure probes or the proof (inputs it does not expect): a
+            # refusal of this model, with nothing written, not a crash.
             raise UnsupportedModelError(
-                f"cannot convert {model_source.name}: the model failed while its layers were traced "
+                f"cannot convert {model_source.name}: the model failed while it was being converted "
                 f"({type(error).__name__}: {first_line(error)}). {SEE_COVERAGE}"
             ) from error
         del base
