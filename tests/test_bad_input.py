@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 import transformers as T
 
 from reliability_helpers import (
@@ -344,3 +345,61 @@ def test_check_output_does_not_trust_os_access(tmp_path, monkeypatch):
         check_output("/sys/attnres-out")
     assert check_output(tmp_path / "fine") == tmp_path / "fine"
     assert list(tmp_path.iterdir()) == []  # the probe is gone
+
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "in-memory"])
+def test_a_conversion_that_verification_rejects_writes_nothing(tmp_path, tiny_llama_folder, monkeypatch, stream):
+    """A model converted all the way and then found inexact (one decoder layer's weight moved after conversion:
+    in the streamed folder's shard, or on the converted model in memory) is refused by the verification with
+    exit 1 and leaves no output folder, complete or partial, nor a temporary one beside it."""
+    from safetensors.torch import load_file, save_file
+
+    from attnres_convert.conversion import convert as convert_module
+
+    name = "model.layers.1.mlp.down_proj.weight"
+    if stream:
+        real_write = convert_module.write_streamed
+
+        def write_then_damage(tmp, *args, **kwargs):
+            plan = real_write(tmp, *args, **kwargs)
+            shard = next(path for path in Path(tmp).glob("*.safetensors") if name in load_file(path))
+            tensors = load_file(shard)
+            tensors[name] = tensors[name] + 0.5
+            save_file(tensors, shard, metadata={"format": "pt"})
+            return plan
+
+        monkeypatch.setattr(convert_module, "write_streamed", write_then_damage)
+    else:
+        real_convert = convert_module.convert_model
+
+        def convert_then_damage(base, **kwargs):
+            model = real_convert(base, **kwargs)
+            with torch.no_grad():
+                dict(model.named_parameters())[name].add_(0.5)
+            return model
+
+        monkeypatch.setattr(convert_module, "convert_model", convert_then_damage)
+    out = tmp_path / "out"
+    args = ["convert", tiny_llama_folder, "-o", out, "--dtype", "float32"] + ([] if stream else ["--no-stream"])
+    result = run_cli(*args)
+    # A failed check, not bad input: exit code 1 (EXIT_FAILED_CHECK).
+    assert_user_error(result, "does not reproduce the original", "Nothing was saved", out=out, code=1)
+
+
+def test_a_model_whose_code_fails_during_conversion_writes_nothing(tmp_path, tiny_llama_folder, monkeypatch):
+    """The model's own code raising in the middle of the conversion (as a forward that does not fit the probe
+    inputs does) is a refusal naming the model and the upstream error: exit 2, no traceback, no output folder."""
+    from attnres_convert.conversion import convert as convert_module
+
+    real_convert = convert_module.convert_model
+
+    def convert_until_the_forward_fails(base, **kwargs):
+        layer = base.model.layers[1]
+        layer.mlp.forward = lambda x: x[..., :3]  # returns the wrong width: the stream add fails
+        return real_convert(base, **kwargs)
+
+    monkeypatch.setattr(convert_module, "convert_model", convert_until_the_forward_fails)
+    out = tmp_path / "out"
+    result = run_cli("convert", tiny_llama_folder, "-o", out, "--dtype", "float32", "--no-stream")
+    assert_user_error(result, str(tiny_llama_folder), "failed while it was being converted", "RuntimeError", out=out)

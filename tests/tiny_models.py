@@ -50,6 +50,10 @@ CONFIGS = {
     "gpt_neox_japanese": lambda: T.GPTNeoXJapaneseConfig(  # its last attention returns a bias the layer adds
         **_IDS, hidden_size=64, intermediate_multiple_size=2, num_hidden_layers=3, num_attention_heads=4,
     ),
+    "dbrx": lambda: T.DbrxConfig(  # blocks that hold their norms: attention between two norms, then the MoE FFN
+        **_IDS, d_model=64, n_heads=4, n_layers=3, max_seq_len=256, attn_config={"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
+        ffn_config={"ffn_hidden_size": 128, "moe_num_experts": 4, "moe_top_k": 2},
+    ),
     "ctrl": lambda: T.CTRLConfig(**_IDS, n_embd=64, n_layer=3, n_head=4, dff=128, n_positions=256),
     # state-space and hybrid stacks: recurrent and convolution states travel in the cache
     "mamba": lambda: T.MambaConfig(**_IDS, hidden_size=64, num_hidden_layers=3, state_size=8, time_step_rank=8),

@@ -19,13 +19,13 @@ import torch
 
 from ..io.card import conversion_card
 from ..modeling.architectures import UnsupportedModelError
-from ..errors import VerificationError
+from ..errors import VerificationError, first_line
 from ..modeling.modeling_attnres import AttnResForCausalLM
 from .memory_budget import plan_verification, verify_saved
 from .arguments import check_arguments
 from .options import ConvertOptions, options_doc, parse_size
 from ..io.saving import atomic_folder, save_converted
-from ..io.sources import ModelSource, load_config, load_model, load_tokenizer
+from ..io.sources import ModelSource, load_config, load_model, load_tokenizer, processor_files
 from .streaming import BackgroundPlan, NotStreamable, largest_layer_bytes, stream_input, write_streamed
 from .surgery import ConversionSummary, convert_model, resolve_block_size, structure_of, summarize
 from .verify import VerificationReport, capture_reference, compare, fit_to_context, sample_input_ids
@@ -115,6 +115,13 @@ def convert(
             model = convert_model(base, block_size=block_size, num_blocks=num_blocks, full=full, query_rank=opts.query_rank)
         except UnsupportedModelError as error:
             raise UnsupportedModelError(f"cannot convert {model_source.name}: {error} {SEE_COVERAGE}") from error
+        except (RuntimeError, ValueError, TypeError, IndexError) as error:
+            # The model's own code failed on the structure probes or the proof (inputs it does not expect): a
+            # refusal of this model, with nothing written, not a crash.
+            raise UnsupportedModelError(
+                f"cannot convert {model_source.name}: the model failed while it was being converted "
+                f"({type(error).__name__}: {first_line(error)}). {SEE_COVERAGE}"
+            ) from error
         del base
     report = None
     if reference is not None:
@@ -141,7 +148,8 @@ def _check_verified(report: VerificationReport) -> None:
 
 
 def _extra_files(model, summary: ConversionSummary, report: VerificationReport | None, source: ModelSource) -> dict[str, str]:
-    """The model card and the conversion record saved beside the weights."""
+    """The model card and the conversion record saved beside the weights, and the source's processor files
+    unchanged (written after the tokenizer, so the original's chat template wins)."""
     record = {
         "source": source.name,
         "summary": asdict(summary),
@@ -149,6 +157,7 @@ def _extra_files(model, summary: ConversionSummary, report: VerificationReport |
         "torch": torch.__version__,
     }
     return {
+        **processor_files(source),
         "README.md": conversion_card(model, summary, report, source),
         "attnres_conversion.json": json.dumps(record, indent=2),
     }

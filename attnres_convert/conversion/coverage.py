@@ -4,7 +4,7 @@ For every model type of transformers' causal-LM mapping (and a few non-default c
 tiny random model (hidden 64, 2 layers of different kinds where the model mixes kinds, small vocabulary; image-text
 models with their towers shrunk too: tiny_configs.py), convert it with `convert_model` (structure
 discovery and the per-layer proof) and check the result against the original: logits within 1e-4, greedy
-generation with the KV cache identical (cached and uncached), logits within 1e-4 on a left-padded batch. Each
+generation identical to the original's with the KV cache and without it, logits within 1e-4 on a left-padded batch. Each
 row is one of
 
 * converted: the conversion is exact (also on a left-padded batch, where the original takes one);
@@ -204,6 +204,8 @@ def check_model_type(model_type: str, variant: str = "", overrides: dict | None 
                 if not torch.isfinite(reference).all():
                     return row("not built", "the tiny random model's logits are not finite", name)
                 expected = _greedy(model, ids, True)
+                # Not always `expected`: a model whose own uncached decode differs (Moshi's) is held to itself.
+                expected_uncached = _greedy(model, ids, False)
         except Exception as error:  # noqa: BLE001
             return row("not built", "the original model does not run: " + _short_error(error), name)
         padded = _left_padded(ids)
@@ -225,8 +227,10 @@ def check_model_type(model_type: str, variant: str = "", overrides: dict | None 
             return row("refused", "the converted model does not run: " + _short_error(error), name)
         if not delta <= LOGIT_TOLERANCE:
             return row("refused", f"whole-model check: max |delta logit| {delta:.1e} > {LOGIT_TOLERANCE:.0e}", name)
-        if cached != expected or uncached != cached:
+        if cached != expected:
             return row("refused", "whole-model check: greedy generation with the KV cache differs", name)
+        if uncached != expected_uncached:
+            return row("refused", "whole-model check: greedy generation without a cache differs", name)
         if padded_reference is not None:
             try:
                 padded_delta = (_padded_logits(converted, padded, strict=True) - padded_reference).abs().max().item()
@@ -234,7 +238,10 @@ def check_model_type(model_type: str, variant: str = "", overrides: dict | None 
                 return row("refused", "the converted model does not run on a left-padded batch: " + _short_error(error), name)
             if not padded_delta <= LOGIT_TOLERANCE:
                 return row("refused", f"whole-model check, left-padded batch: max |delta logit| {padded_delta:.1e}", name)
-        return row("converted", _structure_text(converted), name)
+        inconsistent = "" if expected_uncached == expected else (
+            "; the original's greedy tokens without a cache differ from its cached ones, and both are reproduced"
+        )
+        return row("converted", _structure_text(converted) + inconsistent, name)
 
 
 def walk(

@@ -109,16 +109,20 @@ def _snap(value: float, config) -> float | None:
     return value
 
 
-def discover_layer(layer: nn.Module, call: LayerCall, config, h0: torch.Tensor) -> tuple[Sublayer, ...]:
-    """The sublayers of one decoder layer, from its children's data flow on hidden states h0."""
-    calls, out = trace_layer(layer, call, h0)
+def discover_layer(
+    layer: nn.Module, call: LayerCall, config, h0: torch.Tensor, expand: tuple[str, ...] = ()
+) -> tuple[Sublayer, ...]:
+    """The sublayers of one decoder layer, from its children's data flow on hidden states h0. A child that
+    reads the stream itself and holds a norm (a block with its norm, mixer and residual add inside: CPM-Ant)
+    is looked into: its children are the branch's norm and module (EXPAND names such children)."""
+    calls, out = trace_layer(layer, call, h0, expand)
     streams: list[torch.Tensor] = [h0]
     branches: list[_Branch] = []
     produced: list[tuple[str, int]] = [("stream", 0)]  # in order: what each value is
     values: list[torch.Tensor] = [h0]
     refs: list[object] = [h0]
     for index, entry in enumerate(calls):
-        module = getattr(layer, entry.name)
+        module = module_at(layer, entry.name)
         source = next((produced[i] for i in range(len(refs) - 1, -1, -1) if entry.x_ref is refs[i]), None)
         if source is None:  # not the same object: the same values (a view, a copy)
             for kind_index in range(len(values) - 1, -1, -1):
@@ -135,10 +139,14 @@ def discover_layer(layer: nn.Module, call: LayerCall, config, h0: torch.Tensor) 
             source = produced[-1]
         kind, ref = source
         if kind == "stream":
+            if not is_norm(module) and "." not in entry.name and any(is_norm(inner) for inner in module.children()):
+                return discover_layer(layer, call, config, h0, (*expand, entry.name))
             if not is_norm(module):
+                reader = entry.name.split(".")[0]  # a block looked into whose norm does not read first: the block
                 raise UnsupportedModelError(
-                    f"the residual stream is read by `{entry.name}` ({type(module).__name__}) directly, not through "
-                    "a norm: a post-norm layer (or one whose norm lives inside that module)"
+                    f"the residual stream is read by `{reader}` ({type(module_at(layer, reader)).__name__}) directly, not through "
+                    "a norm (a post-norm layer, or a branch that reads the raw stream): AttnRes converts a layer only "
+                    "when every reader of its stream is a scale-invariant norm"
                 )
             branches.append(_Branch(ref, entry.name, tail=index, norm_call=index))
         else:

@@ -151,7 +151,14 @@ def one_more_token_logits(model: nn.Module, prefill) -> torch.Tensor | None:
     if cache is None:
         return None
     ids = probe_ids(model, PROBE_TOKENS + 1)
-    return model(input_ids=ids[:, -1:], use_cache=True, **{cache_keyword(model.forward): cache}).logits.float()
+    keyword = cache_keyword(model.forward)
+    unused = copy.deepcopy(cache)  # a step that fails may have written to the cache already
+    try:
+        return model(input_ids=ids[:, -1:], use_cache=True, **{keyword: cache}).logits.float()
+    except (RuntimeError, ValueError, IndexError):
+        # A model whose forward slices the cached prefix off itself takes the whole sequence at every step
+        # (CPM-Ant: its prompt and position bias are built from all the tokens).
+        return model(input_ids=ids, use_cache=True, **{keyword: unused}).logits.float()[:, -1:]
 
 
 # --- one layer's children, in call order -----------------------------------------------------------
@@ -182,8 +189,11 @@ def probe_hidden(call: LayerCall, seed: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def trace_layer(layer: nn.Module, call: LayerCall, h0: torch.Tensor) -> tuple[list[ChildCall], torch.Tensor]:
-    """The layer's direct children, in call order, with their inputs and outputs; and the layer's output."""
+def trace_layer(
+    layer: nn.Module, call: LayerCall, h0: torch.Tensor, expand: tuple[str, ...] = ()
+) -> tuple[list[ChildCall], torch.Tensor]:
+    """The layer's direct children, in call order, with their inputs and outputs; and the layer's output. A
+    child named in EXPAND is traced through its own children instead (`block.norm`, `block.attention`)."""
     calls: list[ChildCall] = []
     hooks = []
 
@@ -208,7 +218,12 @@ def trace_layer(layer: nn.Module, call: LayerCall, h0: torch.Tensor) -> tuple[li
                     entry.outputs = tuple(v.detach().clone() if isinstance(v, torch.Tensor) else None for v in output)
                 break
 
-    for name, child in layer.named_children():
+    traced = [
+        (f"{name}.{inner}" if name in expand else name, module)
+        for name, child in layer.named_children()
+        for inner, module in (child.named_children() if name in expand else [(name, child)])
+    ]
+    for name, child in traced:
         hooks.append(child.register_forward_pre_hook(pre(name), with_kwargs=True))
         hooks.append(child.register_forward_hook(post, with_kwargs=True))
     args, kwargs = call.fresh()

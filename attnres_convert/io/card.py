@@ -191,12 +191,29 @@ def conversion_card(model, summary, report, source) -> str:
         "replaced by softmax attention over depth with learned pseudo-queries. The queries start at zero, "
         "so this model reproduces the original exactly until it is trained.",
         "",
+        *_changed_part(model),
         *_load_section(),
         *_conversion_section(summary),
         *_verification_section(report),
         *_inspect_section(),
     ]
     return scrub("\n".join(lines))  # nothing token-shaped ever reaches a public card
+
+
+def _changed_part(model) -> list[str]:
+    """Where the decoder stack sits inside a larger model (an image-text model's language model): which part
+    changed, and that the rest did not."""
+    plan = getattr(model, "_attnres_plan", None)
+    if plan is None or "." not in plan.layers:
+        return []
+    stack = f"{plan.base_model}.{plan.layers}"
+    return [
+        f"Only the language model changed: its decoder layers (`{stack}`) and the output aggregation "
+        f"(`{plan.base_model}.output_attn_res_*`) hold the AttnRes parameters. Every other module (vision or audio "
+        "tower, projector, embeddings, head) keeps the original's weights, and processor files found beside "
+        "them are copied unchanged.",
+        "",
+    ]
 
 
 def _fmt(value) -> str:

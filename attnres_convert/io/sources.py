@@ -205,6 +205,22 @@ TOKENIZER_FILES = (
 )
 
 
+# The files of an image, video or audio processor and its chat template: an image-text model's folder keeps
+# them so that `AutoProcessor.from_pretrained` on the converted folder builds the original processor.
+PROCESSOR_FILES = (
+    "preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json", "chat_template.jinja",
+    "chat_template.json",
+)
+
+
+def processor_files(source: ModelSource) -> dict[str, str]:
+    """The processor files of a local model folder, by name, to copy unchanged beside the converted weights."""
+    if source.kind != "folder":
+        return {}
+    folder = Path(source.location)
+    return {name: (folder / name).read_text() for name in PROCESSOR_FILES if (folder / name).is_file()}
+
+
 def has_tokenizer_files(folder: str | Path) -> bool:
     return any((Path(folder) / name).is_file() for name in TOKENIZER_FILES)
 

@@ -226,12 +226,15 @@ def _child_name(parent, child) -> str | None:
 
 
 def is_norm(module) -> bool:
-    """A normalisation module: LayerNorm / RMSNorm by type, or a class named *Norm* whose parameters are all
-    per-channel vectors (weight, bias)."""
+    """A normalisation module: LayerNorm / RMSNorm by type, or a class named *Norm* whose own parameters are
+    all per-channel vectors (weight, bias) and that holds at most one norm (AXK2's gated RMSNorm wraps one):
+    DBRX's NormAttentionNorm, a block with an attention between two norms, is no norm."""
     if isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
         return True
     name = type(module).__name__.lower()
-    return "norm" in name and all(p.dim() == 1 for p in module.parameters(recurse=False))
+    if "norm" not in name or not all(p.dim() == 1 for p in module.parameters(recurse=False)):
+        return False
+    return sum(1 for child in module.children() if is_norm(child)) < 2
 
 
 def norm_eps(module) -> float | None:
@@ -461,6 +464,9 @@ REFUSED: dict[str, str] = {
     "git": "GIT's layers are post-norm (BERT-style LayerNorm(output + residual))",
     "trocr": "TrOCR's decoder layers are post-norm (LayerNorm after each residual add) with cross-attention to "
     "the image encoder",
+    "longcat_flash": "LongCat-Flash's shortcut MoE reads the stream after a layer's first attention, but its output "
+    "is added only at the end of the layer, after the second attention and MLP have read the stream without it: "
+    "AttnRes mixes each sublayer's output into every later sublayer's input, so a delayed add has no equivalent",
     "minimax": "MiniMax adds each sublayer's output to the normalised stream (its residual is taken after "
     "input_layernorm), so the stream is re-normalised at every sublayer: post-norm, not PreNorm",
 }

@@ -441,6 +441,24 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
     def set_output_embeddings(self, value):
         setattr(self, self._attnres_plan.lm_head, value)
 
+    def _base_view(self) -> PreTrainedModel:
+        """This model seen as an instance of the base causal-LM class: the same modules and parameters, the
+        base model's own config. `generate` asks the base class how to feed its forward (which inputs only the
+        prefill takes, e.g. `pixel_values`; a mask made its own way, e.g. Gemma 3's bidirectional image blocks);
+        its methods call `super()`, which needs an instance of their class."""
+        view = self._attnres_base_class.__new__(self._attnres_base_class)
+        view.__dict__.update(self.__dict__)  # shares the module and parameter tables, copies nothing
+        view.__dict__["config"] = self.config.text_config
+        return view
+
+    def prepare_inputs_for_generation(self, *args, **kwargs):
+        return self._attnres_base_class.prepare_inputs_for_generation(self._base_view(), *args, **kwargs)
+
+    def _validate_model_kwargs(self, model_kwargs: dict) -> None:
+        # Inputs the base forward takes (pixel values, token type ids, ...) reach it through **kwargs.
+        accepted = set(inspect.signature(self._attnres_base_class.forward).parameters)
+        super()._validate_model_kwargs({key: value for key, value in model_kwargs.items() if key not in accepted})
+
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
