@@ -216,7 +216,7 @@ def _load(folder: Path, settings: BenchSettings, remote_code: bool):
     is the one the folder ships (what trust_remote_code=True loads in a fresh process), even where this process
     has registered the package's own AttnRes classes, which transformers would otherwise prefer."""
     from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.dynamic_module_utils import get_class_from_dynamic_module
+    from ..modeling.transformers_compat import get_class_from_dynamic_module
 
     dtype = DTYPES[settings.resolved_dtype]
     if remote_code:
