@@ -84,6 +84,7 @@ def test_tokens_to_reach_a_loss_on_a_known_curve():
     assert "| attnres | 1.0000 | not reached (> 300,000 tokens) | not reached, 1.25x |" in lines
 
 
+@pytest.mark.slow  # six short trainings
 def test_ab_from_scratch_end_to_end(setup, tmp_path):
     out = tmp_path / "ab"
     result = runner.invoke(app, ["ab", str(setup["recipe"]), "--seeds", "2", "-o", str(out), "--sweep", "model.num_blocks=null model.full=true"])
