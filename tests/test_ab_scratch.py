@@ -78,10 +78,14 @@ def test_tokens_to_reach_a_loss_on_a_known_curve():
         "target_loss": 2.5, "arm_tokens": 200_000, "baseline_tokens": pytest.approx(150_000), "ratio": pytest.approx(0.75)}
     # An arm at 1.6 after 200 steps: the baseline needs 280 steps, 1.4x the tokens.
     assert compute_equivalent(curve, 1.6, 200_000, 200)["ratio"] == pytest.approx(1.4)
-    never = compute_equivalent(curve, 1.0, 300_000, 300)
+    # An arm that ends at 1.0, below anything the baseline reaches, and passes the baseline's final 1.5 at step 200:
+    # the baseline needs more than the 300 steps it had, at least 1.5x the tokens.
+    never = compute_equivalent(curve, 1.0, 300_000, 300, arm_curve=[(0, 5.0), (100, 2.0), (200, 1.5), (300, 1.0)])
     assert never["ratio"] is None and never["baseline_tokens"] is None
-    lines = "\n".join(compute_equivalent_lines([{"name": "baseline"}, {"name": "attnres", "compute_equivalent": {**never, "per_seed": [None, 1.25]}}]))
-    assert "| attnres | 1.0000 | not reached (> 300,000 tokens) | not reached, 1.25x |" in lines
+    assert never["arm_tokens_to_baseline_final"] == pytest.approx(200_000) and never["ratio_at_baseline_final"] == pytest.approx(1.5)
+    figure = {**never, "per_seed": [None, 1.25], "per_seed_at_baseline_final": [1.5, 1.4]}
+    lines = "\n".join(compute_equivalent_lines([{"name": "baseline"}, {"name": "attnres", "compute_equivalent": figure}]))
+    assert "| attnres | 1.0000 | not reached (> 300,000 tokens) | not reached, 1.25x | 200,000 tokens: 1.50x | 1.50x, 1.40x |" in lines
 
 
 @pytest.mark.slow  # six short trainings

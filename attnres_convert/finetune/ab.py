@@ -177,11 +177,19 @@ def tokens_to_reach(curve: list[tuple[int, float]], target: float, tokens_per_st
     return None
 
 
-def compute_equivalent(baseline_curve: list[tuple[int, float]], arm_final: float, tokens: int, steps: int) -> dict:
+def compute_equivalent(baseline_curve: list[tuple[int, float]], arm_final: float, tokens: int, steps: int,
+                       arm_curve: list[tuple[int, float]] | None = None) -> dict:
     """The paper's headline figure: how many training tokens the baseline needs, on its own held-out curve,
-    to reach the arm's final loss, as a multiple of the arm's tokens (None: the baseline never gets there)."""
+    to reach the arm's final loss, as a multiple of the arm's tokens (None: the baseline never gets there).
+    With ARM_CURVE, also the other way round, which has a value when the baseline never gets there: the tokens
+    after which the arm reaches the baseline's final loss, and the baseline's tokens as a multiple of them."""
     needed = tokens_to_reach(baseline_curve, arm_final, tokens / steps)
-    return {"target_loss": arm_final, "arm_tokens": tokens, "baseline_tokens": needed, "ratio": needed / tokens if needed is not None else None}
+    figure = {"target_loss": arm_final, "arm_tokens": tokens, "baseline_tokens": needed, "ratio": needed / tokens if needed is not None else None}
+    if arm_curve is not None:
+        reached = tokens_to_reach(arm_curve, baseline_curve[-1][1], tokens / steps)
+        figure["arm_tokens_to_baseline_final"] = reached
+        figure["ratio_at_baseline_final"] = tokens / reached if reached else None
+    return figure
 
 
 def add_compute_equivalents(entries: list[dict], steps: int) -> None:
@@ -190,10 +198,10 @@ def add_compute_equivalents(entries: list[dict], steps: int) -> None:
     base = entries[0]
     base_runs = {r["seed"]: r for r in base["runs"]}
     for entry in entries[1:]:
-        figure = compute_equivalent(base["eval"], entry["eval_loss_final"], entry["tokens"], steps)
-        figure["per_seed"] = [
-            compute_equivalent(base_runs[r["seed"]]["eval"], r["eval_loss_final"], r["tokens"], steps)["ratio"] for r in entry["runs"]
-        ]
+        figure = compute_equivalent(base["eval"], entry["eval_loss_final"], entry["tokens"], steps, entry["eval"])
+        per_seed = [compute_equivalent(base_runs[r["seed"]]["eval"], r["eval_loss_final"], r["tokens"], steps, r["eval"]) for r in entry["runs"]]
+        figure["per_seed"] = [f["ratio"] for f in per_seed]
+        figure["per_seed_at_baseline_final"] = [f["ratio_at_baseline_final"] for f in per_seed]
         entry["compute_equivalent"] = figure
 
 
@@ -587,12 +595,21 @@ def compute_equivalent_lines(arms: list[dict]) -> list[str]:
         "",
         "Compute equivalent: the training tokens the baseline needs to reach the arm's final held-out loss, read off "
         "the baseline's own curve (linear between evaluations), as a multiple of the arm's tokens; above 1 the arm "
-        "saves compute. \"not reached\": the baseline never gets there in this run.",
+        "saves compute. \"not reached\": the baseline never gets there in this run. The other way round: the tokens "
+        "after which the arm reaches the baseline's final loss, and the baseline's tokens as a multiple of them.",
         "",
-        "| arm | final loss | baseline tokens to match (mean curves) | per seed |",
-        "|---|---|---|---|",
+        "| arm | final loss | baseline tokens to match (mean curves) | per seed | arm tokens to the baseline's final loss | per seed |",
+        "|---|---|---|---|---|---|",
     ]
+
+    def ratios(values) -> str:
+        return ", ".join("not reached" if r is None else f"{r:.2f}x" for r in values)
+
     for name, figure in figures:
-        per_seed = ", ".join("not reached" if r is None else f"{r:.2f}x" for r in figure.get("per_seed", []))
-        lines.append(f"| {name} | {figure['target_loss']:.4f} | {_ratio(figure)} | {per_seed} |")
+        reached = figure.get("arm_tokens_to_baseline_final")
+        other = "not reached" if reached is None else f"{reached:,.0f} tokens: {figure['ratio_at_baseline_final']:.2f}x"
+        lines.append(
+            f"| {name} | {figure['target_loss']:.4f} | {_ratio(figure)} | {ratios(figure.get('per_seed', []))} | {other} | "
+            f"{ratios(figure.get('per_seed_at_baseline_final', []))} |"
+        )
     return lines
