@@ -518,6 +518,9 @@ def ab_command(
     throughput: Annotated[
         int, typer.Option("--throughput", metavar="STEPS", help="Also time STEPS training steps of every arm interleaved in one process (fair tokens/s).")
     ] = 0,
+    from_scratch: Annotated[
+        bool, typer.Option("--from-scratch", help="Every arm starts from the same random initialisation of the config (model.from_scratch=true).")
+    ] = False,
 ) -> None:
     """A/B: the recipe trained as a baseline (model.convert=false, same trainable budget) and as AttnRes,
     plus sweep arms, from the same start and data order; writes ab.json, ab.md and ab.png."""
@@ -534,7 +537,7 @@ def ab_command(
             interrupts("ab", "f" + interrupted[1:].rstrip(".")), quiet_libraries():
         result = run_ab(
             recipe, list(overrides or []), sweep=arms, seeds=seeds, output=output, workdir=workdir, plain=not no_plain,
-            jobs=jobs, reuse=reuse, overwrite=overwrite, throughput=throughput, console=err_console if main else None,
+            jobs=jobs, reuse=reuse, overwrite=overwrite, throughput=throughput, from_scratch=from_scratch, console=err_console if main else None,
             command="attnres ab " + shlex.join(sys.argv[2:]) if len(sys.argv) > 1 and sys.argv[1] == "ab" else None,
         )
     if not main:

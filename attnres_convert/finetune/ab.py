@@ -163,6 +163,48 @@ def arm_report(arm: Arm, runs: list[RunSummary], baseline: list[RunSummary] | No
     return entry
 
 
+def tokens_to_reach(curve: list[tuple[int, float]], target: float, tokens_per_step: float) -> float | None:
+    """Training tokens after which CURVE (held-out loss by step) first comes down to TARGET, interpolated
+    linearly between the two evaluations around the crossing; None if it never does."""
+    for (step_a, loss_a), (step_b, loss_b) in zip(curve, curve[1:]):
+        if loss_a <= target:
+            return step_a * tokens_per_step
+        if loss_b <= target:
+            fraction = (loss_a - target) / (loss_a - loss_b)
+            return (step_a + fraction * (step_b - step_a)) * tokens_per_step
+    if curve and curve[-1][1] <= target:
+        return curve[-1][0] * tokens_per_step
+    return None
+
+
+def compute_equivalent(baseline_curve: list[tuple[int, float]], arm_final: float, tokens: int, steps: int,
+                       arm_curve: list[tuple[int, float]] | None = None) -> dict:
+    """The paper's headline figure: how many training tokens the baseline needs, on its own held-out curve,
+    to reach the arm's final loss, as a multiple of the arm's tokens (None: the baseline never gets there).
+    With ARM_CURVE, also the other way round, which has a value when the baseline never gets there: the tokens
+    after which the arm reaches the baseline's final loss, and the baseline's tokens as a multiple of them."""
+    needed = tokens_to_reach(baseline_curve, arm_final, tokens / steps)
+    figure = {"target_loss": arm_final, "arm_tokens": tokens, "baseline_tokens": needed, "ratio": needed / tokens if needed is not None else None}
+    if arm_curve is not None:
+        reached = tokens_to_reach(arm_curve, baseline_curve[-1][1], tokens / steps)
+        figure["arm_tokens_to_baseline_final"] = reached
+        figure["ratio_at_baseline_final"] = tokens / reached if reached else None
+    return figure
+
+
+def add_compute_equivalents(entries: list[dict], steps: int) -> None:
+    """Every AttnRes arm's compute-equivalent figure against the baseline (entries[0]): from the mean curves,
+    and per seed from that seed's baseline curve."""
+    base = entries[0]
+    base_runs = {r["seed"]: r for r in base["runs"]}
+    for entry in entries[1:]:
+        figure = compute_equivalent(base["eval"], entry["eval_loss_final"], entry["tokens"], steps, entry["eval"])
+        per_seed = [compute_equivalent(base_runs[r["seed"]]["eval"], r["eval_loss_final"], r["tokens"], steps, r["eval"]) for r in entry["runs"]]
+        figure["per_seed"] = [f["ratio"] for f in per_seed]
+        figure["per_seed_at_baseline_final"] = [f["ratio_at_baseline_final"] for f in per_seed]
+        entry["compute_equivalent"] = figure
+
+
 # --- the live table -------------------------------------------------------------------------------
 
 
@@ -315,6 +357,7 @@ def run_ab(
     reuse: bool = False,
     overwrite: bool = False,
     throughput: int = 0,
+    from_scratch: bool = False,
     console=None,
     command: str | None = None,
 ) -> ABResult:
@@ -324,8 +367,10 @@ def run_ab(
     one-thread processes finish two arms sooner than one two-thread process does one after the other).
     `throughput > 0` also times that many training steps of every arm interleaved in one process (on the
     CPU; `tokens_per_s_interleaved` in the report).
+    `from_scratch` (the recipe field model.from_scratch) starts every arm from the same random initialisation
+    of the source's config instead of its weights (finetune/scratch.py).
     Under `accelerate launch` every process takes part in every arm (jobs must be 1); the main one writes."""
-    overrides = list(overrides or [])
+    overrides = (["model.from_scratch=true"] if from_scratch else []) + list(overrides or [])
     path = find_recipe(recipe)
     data = read_yaml(path)
     base = parse_recipe(apply_overrides(data, overrides))
@@ -350,6 +395,8 @@ def run_ab(
     seed_list = [base.train.seed + index for index in range(seeds)]
     for arm in arms:  # every arm's recipe is valid before the first one trains
         arm_recipe(data, overrides, arm, seed_list[0], work)
+    if base.model.from_scratch:
+        check_scratch_arms(data, overrides, arms, seed_list[0], work)
     jobs_list = [(arm, seed) for seed in seed_list for arm in arms]  # seed-major: a first paired delta early
 
     main = state.is_main_process
@@ -368,8 +415,10 @@ def run_ab(
         speeds = interleaved_throughput(data, overrides, arms, throughput, work, seed_list[0])
         for entry in arm_entries:
             entry["tokens_per_s_interleaved"] = speeds[entry["name"]]
+    add_compute_equivalents(arm_entries, base.train.steps)
     report = {
         "recipe": str(recipe),
+        "from_scratch": base.model.from_scratch,
         "overrides": overrides,
         "command": command or "",
         "steps": base.train.steps,
@@ -384,6 +433,22 @@ def run_ab(
         atomic_folder(out, lambda folder: write_report(report, folder), owned=True)
     state.wait_for_everyone()
     return ABResult(out, report)
+
+
+def check_scratch_arms(data: dict, common: list[str], arms: list[Arm], seed: int, workdir: Path) -> None:
+    """Build every arm's starting model once before any arm trains: a config that is not PreNorm, sizes that
+    make no model or a block size the model does not have fail now, not after the baseline has trained."""
+    from .preflight import check_recipe
+    from .starting_model import load_starting_model
+
+    for arm in arms:
+        recipe = arm_recipe(data, common, arm, seed, workdir)
+        check_recipe(recipe, check_output=False)
+        try:
+            del load_starting_model(recipe).model
+        except RecipeError as error:
+            raise RecipeError(f"arm {arm.name!r}: {error}") from None
+        gc.collect()
 
 
 def _run_parallel(data, overrides, jobs_list, work: Path, jobs: int, reuse: bool) -> None:
@@ -478,7 +543,8 @@ def markdown(report: dict) -> str:
         "|---|---|---|---|---|---|---|",
     ]
     if start is not None:
-        lines.append(f"| original model (step 0) | | {start[1]:.4f} | {math.exp(start[1]):.2f} | | | |")
+        origin = "random initialisation (step 0)" if report.get("from_scratch") else "original model (step 0)"
+        lines.append(f"| {origin} | | {start[1]:.4f} | {math.exp(start[1]):.2f} | | | |")
         for entry in arms[1:]:
             if entry["eval"] and entry["eval"][0][0] == 0:
                 lines.append(
@@ -497,6 +563,7 @@ def markdown(report: dict) -> str:
             f"| {entry['name']} | {overrides} | {entry['eval_loss_final']:.4f} | {math.exp(entry['eval_loss_final']):.2f} | "
             f"{_delta(entry)} | {params} | {speed} |"
         )
+    lines += compute_equivalent_lines(arms)
     lines += ["", "Held-out loss during training (mean over the seeds; Δ vs baseline in brackets):", ""]
     lines += ["| step | " + " | ".join(e["name"] for e in arms) + " |", "|---" * (1 + len(arms)) + "|"]
     for step, loss in base["eval"]:
@@ -517,3 +584,38 @@ def markdown(report: dict) -> str:
             base_norm = statistics.median(v for _, v in run["grad_norm"])
             lines.append(f"| {name} | {base_norm:.3f} | {f'{statistics.median(attn):.3f}' if attn else ''} |")
     return "\n".join(lines) + "\n"
+
+
+def _ratio(figure: dict) -> str:
+    if figure["ratio"] is None:
+        return f"not reached (> {figure['arm_tokens']:,} tokens)"
+    return f"{figure['ratio']:.2f}x ({figure['baseline_tokens']:,.0f} tokens)"
+
+
+def compute_equivalent_lines(arms: list[dict]) -> list[str]:
+    """Compute equivalent: the baseline tokens that reach each arm's final loss, on the baseline's curve."""
+    figures = [(e["name"], e["compute_equivalent"]) for e in arms[1:] if e.get("compute_equivalent")]
+    if not figures:
+        return []
+    lines = [
+        "",
+        "Compute equivalent: the training tokens the baseline needs to reach the arm's final held-out loss, read off "
+        "the baseline's own curve (linear between evaluations), as a multiple of the arm's tokens; above 1 the arm "
+        "saves compute. \"not reached\": the baseline never gets there in this run. The other way round: the tokens "
+        "after which the arm reaches the baseline's final loss, and the baseline's tokens as a multiple of them.",
+        "",
+        "| arm | final loss | baseline tokens to match (mean curves) | per seed | arm tokens to the baseline's final loss | per seed |",
+        "|---|---|---|---|---|---|",
+    ]
+
+    def ratios(values) -> str:
+        return ", ".join("not reached" if r is None else f"{r:.2f}x" for r in values)
+
+    for name, figure in figures:
+        reached = figure.get("arm_tokens_to_baseline_final")
+        other = "not reached" if reached is None else f"{reached:,.0f} tokens: {figure['ratio_at_baseline_final']:.2f}x"
+        lines.append(
+            f"| {name} | {figure['target_loss']:.4f} | {_ratio(figure)} | {ratios(figure.get('per_seed', []))} | {other} | "
+            f"{ratios(figure.get('per_seed_at_baseline_final', []))} |"
+        )
+    return lines

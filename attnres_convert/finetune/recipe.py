@@ -58,6 +58,36 @@ class ModelSection(_Section):
     # Not convert's default (auto): training keeps float32 weights, bf16 compute is train.mixed_precision.
     dtype: DTypeName = Field("float32", description="Weights dtype; keep float32 and use train.mixed_precision for bf16 compute.")
     trust_remote_code: bool = _CONVERT_OPTIONS["trust_remote_code"]
+    # Training from scratch (finetune/scratch.py): the source's config, resized, with random weights.
+    from_scratch: bool = Field(
+        False, description="Start from a random initialisation of the source's config (seeded by train.seed: the same in every "
+        "A/B arm) instead of its weights; the AttnRes arm is that initialisation converted. Needs train.trainable: full."
+    )
+    layers: int | None = Field(None, ge=1, description="from_scratch: decoder layers (default: the source config's).")
+    hidden: int | None = Field(None, ge=8, description="from_scratch: hidden size (the MLP keeps the source's width ratio).")
+    heads: int | None = Field(None, ge=1, description="from_scratch: attention heads; hidden must be a multiple of it.")
+    kv_heads: int | None = Field(None, ge=1, description="from_scratch: key-value heads, a divisor of heads.")
+    intermediate: int | None = Field(None, ge=1, description="from_scratch: MLP width (default: the source's ratio to hidden).")
+    tokenizer: Literal["source", "bytes"] = Field(
+        "source", description="from_scratch: the source's tokenizer, or UTF-8 bytes (259 ids: a cheap embedding and head)."
+    )
+
+    @model_validator(mode="after")
+    def _scratch_settings(self):
+        if self.from_scratch:
+            if self.hidden is not None and self.heads is not None and self.hidden % self.heads:
+                raise ValueError(
+                    f"hidden ({self.hidden}) must be a multiple of heads ({self.heads}): each head gets hidden / heads dimensions"
+                )
+            if self.heads is not None and self.kv_heads is not None and self.heads % self.kv_heads:
+                raise ValueError(f"heads ({self.heads}) must be a multiple of kv_heads ({self.kv_heads})")
+            return self
+        given = [f"model.{n}" for n in ("layers", "hidden", "heads", "kv_heads", "intermediate") if getattr(self, n) is not None]
+        if self.tokenizer != "source":
+            given.append("model.tokenizer")
+        if given:
+            raise ValueError(f"{', '.join(given)} resize a model trained from scratch: set model.from_scratch: true, or drop them")
+        return self
 
     @model_validator(mode="after")
     def _one_block_setting(self):
@@ -273,6 +303,22 @@ class Recipe(_Section):
                 "train.trainable: 'attnres' trains only the AttnRes parameters, but model.convert is false "
                 "(the original model has none); use lora or full for a baseline"
             )
+        if self.model.from_scratch:
+            # Fields that only mean something for a pretrained model: a from-scratch recipe mixing them is a mistake.
+            retrofit = [
+                f"{name} ({why})"
+                for name, why, given in (
+                    ("train.trainable", f"{self.train.trainable}; a random model trains every weight: use full", self.train.trainable != "full"),
+                    ("train.kl_weight", "a KL term to a random model", self.train.kl_weight > 0),
+                    ("train.depth_gate_steps", "a gate that protects pretrained sublayers", self.train.depth_gate_steps > 0),
+                )
+                if given
+            ]
+            if retrofit:
+                raise ValueError(
+                    "model.from_scratch: these fields belong to a retrofit of a pretrained model, not to training from "
+                    "scratch: " + "; ".join(retrofit)
+                )
         return self
 
     def headline(self) -> str:

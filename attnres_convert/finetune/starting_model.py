@@ -8,7 +8,9 @@ from dataclasses import dataclass
 from transformers import PreTrainedModel
 
 from ..errors import SourceError
+from ..modeling.architectures import UnsupportedModelError
 from .recipe import Recipe, RecipeError
+from .scratch import byte_tokenizer, init_model, scratch_config, use_tokenizer
 from ..io.saving import is_converted_folder, load_converted
 from ..io.sources import DTYPES, ModelSource, cached_config, load_config, load_model, load_tokenizer, resolve_source
 from ..conversion.surgery import ConversionSummary, convert_model, resolve_block_size, structure_of, summarize
@@ -26,6 +28,8 @@ class StartingModel:
 def load_starting_model(recipe: Recipe) -> StartingModel:
     spec = recipe.model
     source = resolve_source(None if spec.is_default else spec.source)
+    if spec.from_scratch:
+        return _scratch_model(recipe, source)
     tokenizer = load_tokenizer(source, spec.trust_remote_code)
     if tokenizer is None:
         raise RecipeError(
@@ -66,4 +70,33 @@ def load_starting_model(recipe: Recipe) -> StartingModel:
     if not spec.convert:
         return StartingModel(model, tokenizer, source, False, None)
     model = convert_model(model, block_size=spec.block_size, num_blocks=spec.num_blocks, full=spec.full, query_rank=spec.query_rank)
+    return StartingModel(model, tokenizer, source, True, summarize(model))
+
+
+def _scratch_model(recipe: Recipe, source: ModelSource) -> StartingModel:
+    """A random initialisation of the source's config (seeded by train.seed), converted if the recipe says so:
+    the plain model and its conversion start from the same weights."""
+    spec = recipe.model
+    if source.kind == "folder" and is_converted_folder(source.location):
+        raise RecipeError(
+            f"model.from_scratch: {source.name} is an AttnRes model; give the original model (or its config) as the source"
+        )
+    tokenizer = byte_tokenizer() if spec.tokenizer == "bytes" else load_tokenizer(source, spec.trust_remote_code)
+    if tokenizer is None:
+        raise RecipeError(f"model.tokenizer: {source.name} has no tokenizer; use model.tokenizer: bytes")
+    config = scratch_config(source, spec)
+    if spec.tokenizer == "bytes":
+        use_tokenizer(config, tokenizer)
+    model = init_model(config, recipe.train.seed)
+    if not spec.convert:
+        return StartingModel(model, tokenizer, source, False, None)
+    try:
+        model = convert_model(model, block_size=spec.block_size, num_blocks=spec.num_blocks, full=spec.full, query_rank=spec.query_rank)
+    except UnsupportedModelError as error:
+        raise RecipeError(
+            f"model.source: the {config.model_type} config of {source.name} is not a PreNorm model AttnRes can convert, "
+            f"so it has no AttnRes arm: {error}"
+        ) from error
+    except ValueError as error:  # a block size the model does not have
+        raise RecipeError(f"model.block_size: {error}") from error
     return StartingModel(model, tokenizer, source, True, summarize(model))
