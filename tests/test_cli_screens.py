@@ -301,6 +301,14 @@ def test_converting_prints_no_foreign_bar_or_warning(tmp_path, tiny_llama_folder
 # ---------------------------------------------------------------- Ctrl-C
 
 
+def _sigint_as_in_a_terminal() -> None:
+    """Ctrl-C reaches a command started from a shell: SIGINT unblocked and not ignored. The pytest process
+    may hold it otherwise by the time this test runs (libraries it drove earlier ignore or block it around
+    their worker processes), and a child inherits both, so Python would install no KeyboardInterrupt handler."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _libtorch_loaded(pid: int) -> bool:
     try:
         return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
@@ -320,6 +328,7 @@ def test_ctrl_c_says_what_stopped_and_leaves_nothing(tmp_path, tiny_llama_folder
     process = subprocess.Popen(
         [sys.executable, "-m", "attnres_convert.cli", command, str(tiny_llama_folder), *args],
         cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=_sigint_as_in_a_terminal,
     )
     deadline = time.monotonic() + 60
     while not _libtorch_loaded(process.pid) and process.poll() is None and time.monotonic() < deadline:
