@@ -143,6 +143,20 @@ def test_tokenizer_of_a_folder_converted_from_the_hub_cache_loads_like_the_origi
         assert_loads_like_the_original(tmp_path / "converted", original_ids, True, loader=loader)
 
 
+def test_processor_files_of_a_hub_cache_source_are_copied(tmp_path):
+    """An image-text repo's processor files (here a preprocessor config and a chat template) are not fetched by
+    loading the model: convert fetches them (offline: from the HF cache) and copies them unchanged."""
+    env, snapshot = _cached_hub_repo(tmp_path)
+    preprocessor = json.dumps({"image_processor_type": "SiglipImageProcessor", "size": {"height": 32, "width": 32}})
+    (snapshot / "preprocessor_config.json").write_text(preprocessor)
+    (snapshot / "chat_template.jinja").write_text("{{ messages[0]['content'] }}")
+    run = _convert_from_the_hub_cache(env, tmp_path / "converted")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert (tmp_path / "converted" / "preprocessor_config.json").read_text() == preprocessor
+    assert (tmp_path / "converted" / "chat_template.jinja").read_text() == "{{ messages[0]['content'] }}"
+    assert not (tmp_path / "converted" / "processor_config.json").exists()  # the repo has none
+
+
 @pytest.mark.slow
 def test_tokenizer_of_a_folder_converted_from_a_gguf_loads_like_the_original(smollm2_path, tmp_path):
     """The embedded SmolLM2 GGUF: its tokenizer is rebuilt from the GGUF's metadata, saved with the converted

@@ -214,11 +214,29 @@ PROCESSOR_FILES = (
 
 
 def processor_files(source: ModelSource) -> dict[str, str]:
-    """The processor files of a local model folder, by name, to copy unchanged beside the converted weights."""
-    if source.kind != "folder":
-        return {}
-    folder = Path(source.location)
-    return {name: (folder / name).read_text() for name in PROCESSOR_FILES if (folder / name).is_file()}
+    """The processor files of a model folder or hub repo, by name, to copy unchanged beside the converted
+    weights (a GGUF file has none)."""
+    if source.kind == "folder":
+        folder = Path(source.location)
+        return {name: (folder / name).read_text() for name in PROCESSOR_FILES if (folder / name).is_file()}
+    if source.kind == "hub":
+        return _hub_processor_files(source.location)
+    return {}
+
+
+def _hub_processor_files(repo_id: str) -> dict[str, str]:
+    """Loading the model fetched its config and weights, not these: each is fetched (or, offline, found in the
+    HF cache) the way transformers' AutoProcessor would; a file the repo lacks is skipped."""
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
+
+    files = {}
+    for name in PROCESSOR_FILES:
+        try:
+            files[name] = Path(hf_hub_download(repo_id, name)).read_text()
+        except (EntryNotFoundError, LocalEntryNotFoundError):
+            continue
+    return files
 
 
 def has_tokenizer_files(folder: str | Path) -> bool:
