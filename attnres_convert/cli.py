@@ -560,9 +560,13 @@ def architectures_command(
     variants: Annotated[bool, typer.Option("--variants/--no-variants", help="Also check non-default config variants.")] = True,
 ) -> None:
     """Which causal-LM model types of the installed transformers convert exactly (tiny random models, no download)."""
+    if write is not None and model_types:
+        fail("--write rewrites the whole table: run it without model types.")
+    if write is not None and not write.is_file():
+        fail(f"--write {write}: no such file. Give an existing Markdown file; the table goes between its markers.")
     from rich.progress import BarColumn, MofNCompleteColumn
 
-    from attnres_convert.conversion import coverage
+    from attnres_convert.conversion import coverage  # transformers' model-type lists import torch
 
     known = set(coverage.causal_lm_model_types())
     unknown = [t for t in model_types or [] if t not in known]
@@ -572,10 +576,6 @@ def architectures_command(
         close = [match for name in unknown for match in difflib.get_close_matches(name, sorted(known), n=2)]
         hint = f"Did you mean {' or '.join(close)}? " if close else ""
         fail(f"not a causal-LM model type of this transformers: {', '.join(unknown)}. {hint}Run without arguments for all.")
-    if write is not None and model_types:
-        fail("--write rewrites the whole table: run it without model types.")
-    if write is not None and not write.is_file():
-        fail(f"--write {write}: no such file. Give an existing Markdown file; the table goes between its markers.")
     total = len(model_types or known) + (len(coverage.VARIANTS) if variants and not model_types else 0)
     with Progress(
         SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
