@@ -564,11 +564,13 @@ def architectures_command(
         fail("--write rewrites the whole table: run it without model types.")
     if write is not None and not write.is_file():
         fail(f"--write {write}: no such file. Give an existing Markdown file; the table goes between its markers.")
-    from rich.progress import BarColumn, MofNCompleteColumn
+    from attnres_convert.io import model_types as light
 
-    from attnres_convert.conversion import coverage  # transformers' model-type lists import torch
+    known = light.causal_lm_model_types() if model_types else None  # a misspelt type answered before torch
+    if known is None:
+        from attnres_convert.conversion import coverage  # transformers' model-type lists import torch
 
-    known = set(coverage.causal_lm_model_types())
+        known = set(coverage.causal_lm_model_types())
     unknown = [t for t in model_types or [] if t not in known]
     if unknown:
         import difflib
@@ -576,7 +578,12 @@ def architectures_command(
         close = [match for name in unknown for match in difflib.get_close_matches(name, sorted(known), n=2)]
         hint = f"Did you mean {' or '.join(close)}? " if close else ""
         fail(f"not a causal-LM model type of this transformers: {', '.join(unknown)}. {hint}Run without arguments for all.")
-    total = len(model_types or known) + (len(coverage.VARIANTS) if variants and not model_types else 0)
+    from rich.progress import BarColumn, MofNCompleteColumn
+
+    from attnres_convert.conversion import coverage
+
+    rows = len(model_types or coverage.causal_lm_model_types())
+    total = rows + (len(coverage.VARIANTS) if variants and not model_types else 0)
     with Progress(
         SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
         console=err_console, transient=True,

@@ -39,6 +39,8 @@ CASES = {
     "finetune: misspelt key": ["finetune", "quickstart-cpu", "train.stpes=3"],
     "finetune: missing data file": ["finetune", "quickstart-cpu", "data.train.files=[missing.txt]"],
     "ab: misspelt key": ["ab", "quickstart-cpu", "train.stpes=3"],
+    "architectures: misspelt type": ["architectures", "lama"],
+    "bench: no such path": ["bench", "/nonexistent/folder"],
 }
 
 

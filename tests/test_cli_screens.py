@@ -111,7 +111,18 @@ ARGUMENT_ERRORS = {
     "finetune: misspelt key": (["finetune", "quickstart-cpu", "train.stpes=3"], "did you mean steps?"),
     "ab: misspelt key": (["ab", "quickstart-cpu", "train.stpes=3"], "did you mean steps?"),
     "finetune: missing data": (["finetune", "quickstart-cpu", "data.train.files=[missing.txt]"], "missing.txt does not exist"),
+    "architectures: misspelt type": (["architectures", "lama"], "Did you mean llama"),
+    "bench: no such path": (["bench", "/nonexistent/folder"], "no such file or folder: /nonexistent/folder"),
 }
+
+
+def test_model_types_read_from_the_source_are_the_imported_ones():
+    """`attnres architectures TYPE` checks TYPE against transformers' mapping read with ast (io/model_types.py);
+    on a release that declares it otherwise this fails, naming the difference."""
+    from attnres_convert.conversion import coverage
+    from attnres_convert.io import model_types
+
+    assert model_types.causal_lm_model_types() == set(coverage.causal_lm_model_types())
 
 
 @pytest.mark.parametrize("case", list(ARGUMENT_ERRORS))
