@@ -85,11 +85,6 @@ class BenchResult:
         return next(r for r in self.rows if r["name"] == name)
 
 
-@contextlib.contextmanager
-def _quiet_stage(name: str) -> Iterator[None]:
-    yield
-
-
 def check_settings(settings: BenchSettings) -> None:
     """Refuse, before anything is loaded, what this machine cannot run; the message names the setting."""
     for name in ("batch", "seq_len", "decode_tokens", "prompt_tokens", "rounds"):
@@ -234,7 +229,7 @@ def run_bench(
     model: str | os.PathLike | None,
     settings: BenchSettings | None = None,
     *,
-    stage: Callable[[str], contextlib.AbstractContextManager] = _quiet_stage,
+    stage: Callable[[str], contextlib.AbstractContextManager] = contextlib.nullcontext,  # no display: a stage is a no-op block
     on_run: Callable[[str], None] = lambda name: None,
     command: str | None = None,
 ) -> BenchResult:

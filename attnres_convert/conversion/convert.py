@@ -37,11 +37,6 @@ Progress = Callable[[str, int], contextlib.AbstractContextManager[Callable[[int]
 
 
 @contextlib.contextmanager
-def _quiet_stage(name: str) -> Iterator[None]:
-    yield
-
-
-@contextlib.contextmanager
 def _quiet_progress(name: str, total: int) -> Iterator[Callable[[int], None]]:
     yield lambda nbytes: None
 
@@ -63,7 +58,7 @@ def convert(
     out: str | os.PathLike | None = None,
     options: ConvertOptions | None = None,
     *,
-    stage: Stage = _quiet_stage,
+    stage: Stage = contextlib.nullcontext,  # no display: a stage is a no-op block
     progress: Progress = _quiet_progress,
     keep_model: bool = False,
     **option_values,
