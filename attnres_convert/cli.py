@@ -304,19 +304,19 @@ def bench_command(
     ] = None,
     device: Annotated[BenchDevice, typer.Option(help="Where both models run.")] = BenchDevice.cpu,
     dtype: Annotated[
-        Optional[str], typer.Option(help="float32, bfloat16 or float16 [default: float32 on cpu, bfloat16 on cuda].", show_default=False)
+        Optional[str], typer.Option(help="float32, bfloat16 or float16 \\[default: float32 on cpu, bfloat16 on cuda].", show_default=False)
     ] = None,
     kernels: Annotated[
-        Optional[BenchKernels], typer.Option(help="The converted model's depth mix (ATTNRES_KERNEL) [default: as set, auto].", show_default=False)
+        Optional[BenchKernels], typer.Option(help="The converted model's depth mix (ATTNRES_KERNEL) \\[default: as set, auto].", show_default=False)
     ] = None,
     compile_: Annotated[bool, typer.Option("--compile", help="Run both models under torch.compile.")] = False,
     batch: Annotated[int, typer.Option(help="Sequences per prefill and training step.")] = 1,
     seq_len: Annotated[int, typer.Option(help="Tokens per sequence of a prefill and a training step.")] = 512,
     decode_tokens: Annotated[int, typer.Option(help="Greedy tokens generated with the KV cache, after a 32-token prompt.")] = 64,
     rounds: Annotated[int, typer.Option(help="Timed rounds (each runs both models once, after one warm-up).")] = 5,
-    threads: Annotated[Optional[int], typer.Option(help="torch threads on CPU [default: torch's].", show_default=False)] = None,
+    threads: Annotated[Optional[int], typer.Option(help="torch threads on CPU \\[default: torch's].", show_default=False)] = None,
     measure: Annotated[str, typer.Option(help="What to measure, comma-separated: prefill, decode, train, memory.")] = "prefill,decode,train,memory",
-    block_size: Annotated[Optional[int], typer.Option(help="Convert with this block size S [default: convert's].", show_default=False)] = None,
+    block_size: Annotated[Optional[int], typer.Option(help="Convert with this block size S \\[default: convert's].", show_default=False)] = None,
     full: Annotated[bool, typer.Option("--full", help="Convert to Full AttnRes (S = 1).")] = False,
     json_file: Annotated[Optional[Path], typer.Option("--json", metavar="FILE", help="Write the results as JSON to FILE.")] = None,
     markdown: Annotated[bool, typer.Option("--markdown", help="Print the results as Markdown (the docs' tables).")] = False,
@@ -551,7 +551,7 @@ def ab_command(
 @app.command("architectures")
 def architectures_command(
     model_types: Annotated[
-        Optional[list[str]], typer.Argument(help="Model types to check [default: every causal-LM type].", show_default=False)
+        Optional[list[str]], typer.Argument(help="Model types to check (all causal-LM model types when none is given).", show_default=False)
     ] = None,
     markdown: Annotated[bool, typer.Option("--markdown", help="Print the table as Markdown.")] = False,
     write: Annotated[

@@ -64,6 +64,25 @@ def test_refusals_say_why(report):
     assert "do_layer_norm_before=False" in by_label["opt (post-norm (do_layer_norm_before=False))"].detail
 
 
+# Model types whose refusal is a limit of AttnRes itself, by the mechanism that makes them so: the only refusals.
+DESIGN_REFUSALS = (
+    "encoder", "post-norm", "hyper-connections", "several residual streams", "not a sum of sublayer outputs",
+    "not a causal LM on its own", "its own attention residuals", "not one decoder stack", "not a PreNorm sublayer",
+    "reversible", "a delayed add has no equivalent", "not one step of one residual stream",
+    "every reader of its stream is a scale-invariant norm",
+)
+
+
+@pytest.mark.locked_versions  # the counts are those of the locked transformers (constraints.txt)
+def test_every_model_type_builds_and_every_refusal_is_a_design_refusal(report):
+    types = [row for row in report.rows if not row.variant]
+    assert not [row.label for row in types if row.status == "not built"]
+    assert len(report.converted_types()) >= 130
+    undesigned = {row.label: row.detail for row in report.rows if row.status == "refused"
+                  and not any(reason in row.detail for reason in DESIGN_REFUSALS)}
+    assert not undesigned, undesigned
+
+
 @pytest.mark.locked_versions  # `make test-latest` / `make test-lowest` deselect it: the table is the lock's
 def test_docs_table_is_the_walk(report):
     document = DOC.read_text()

@@ -1,7 +1,11 @@
 """A model with its own code whose class names no LM head (no `get_output_embeddings`, a head not called
 `lm_head`), keeps its stack under its own names and its layer count under its own config key: discovery finds
 the head from the modules (the one Linear from the hidden size to the vocabulary) and the stack from the
-module tree, and the conversion is exact (logits, greedy generation with the cache)."""
+module tree, and the conversion is exact (logits, greedy generation with the cache). Where the modules do not
+tell (two heads to the vocabulary, nested in a module of their own), the head is the one whose output the model
+returns as its logits."""
+
+import pytest
 
 import torch
 from torch import nn
@@ -39,12 +43,30 @@ class OwnNamesForCausalLM(PreTrainedModel, GenerationMixin):
         return CausalLMOutputWithPast(logits=logits, past_key_values=out.past_key_values)
 
 
-def _model():
+class TwoHeadsForCausalLM(OwnNamesForCausalLM):
+    """A next-token head and a draft head (multi-token prediction), both Linears to the vocabulary, in one
+    ModuleDict: only the next-token head makes the logits."""
+
+    def __init__(self, config):
+        PreTrainedModel.__init__(self, config)
+        self.backbone = TinyPreNormModel(config)
+        self.heads = nn.ModuleDict({
+            "draft": nn.Linear(config.hidden_size, config.vocab_size, bias=False),
+            "next": nn.Linear(config.hidden_size, config.vocab_size, bias=False),
+        })
+        self.post_init()
+
+    @property
+    def to_logits(self):
+        return self.heads["next"]
+
+
+def _model(cls=OwnNamesForCausalLM):
     config = TinyPreNormConfig(vocab_size=96, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
                                intermediate_size=64)
     config.n_blocks = config.num_hidden_layers  # its own key as well
     torch.manual_seed(0)
-    model = OwnNamesForCausalLM(config).eval()
+    model = cls(config).eval()
     with torch.no_grad():
         for param in model.parameters():
             param.add_(torch.randn(param.shape) * 0.1)
@@ -67,3 +89,33 @@ def test_head_and_stack_are_found_without_get_output_embeddings():
     kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False, pad_token_id=0)
     assert torch.equal(converted.generate(ids, **kwargs), tokens)
     assert torch.equal(converted.generate(ids, use_cache=False, **kwargs), tokens)
+
+
+def test_head_is_found_from_the_logits_where_the_modules_do_not_tell():
+    original = _model(TwoHeadsForCausalLM)
+    ids = torch.randint(0, 96, (1, 10), generator=torch.Generator().manual_seed(1))
+    kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        logits = original(ids).logits
+    tokens = original.generate(ids, **kwargs)
+
+    converted = convert_model(_model(TwoHeadsForCausalLM), block_size=2).eval()
+    plan = converted._attnres_plan
+    assert (plan.base_model, plan.lm_head) == ("backbone", "heads.next")
+    assert converted.get_output_embeddings() is converted.heads["next"]
+    with torch.no_grad():
+        assert (converted(ids).logits - logits).abs().max().item() <= 1e-4
+    assert torch.equal(converted.generate(ids, **kwargs), tokens)
+
+
+def test_no_head_that_makes_the_logits_is_refused_with_the_reason():
+    from attnres_convert.modeling.architectures import UnsupportedModelError
+
+    class ScaledByHand(TwoHeadsForCausalLM):  # logits from both heads summed: neither one's output is the logits
+        def forward(self, input_ids=None, **kwargs):
+            out = self.backbone(input_ids=input_ids)
+            hidden = out.last_hidden_state
+            return CausalLMOutputWithPast(logits=self.heads["next"](hidden) + self.heads["draft"](hidden))
+
+    with pytest.raises(UnsupportedModelError, match="names no LM head.*none of its Linear modules to the vocabulary gives its logits"):
+        convert_model(_model(ScaledByHand), block_size=2)

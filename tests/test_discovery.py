@@ -165,3 +165,25 @@ def test_an_error_in_single_threaded_work_is_raised_in_the_caller():
         assert torch.get_num_threads() == 2 and _count_of_a_new_thread() == 2
     finally:
         torch.set_num_threads(1)
+
+
+def test_a_layer_that_scales_its_stream_is_refused_and_one_that_does_not_converts():
+    """Gemma 4 without per-layer inputs multiplies each layer's returned stream by a learned `layer_scalar`: at 1
+    the stream is a plain sum and the conversion is exact; at any other value the earlier sources are scaled and
+    the later ones not, which no depth mix reproduces, and the refusal says so (not a bare difference)."""
+    from attnres_convert.conversion.tiny_configs import tiny_config
+
+    def gemma4(scalars):
+        torch.manual_seed(0)
+        model = T.AutoModelForCausalLM.from_config(tiny_config("gemma4_text", hidden_size_per_layer_input=0)).eval()
+        for layer, scalar in zip(model.model.layers, scalars):
+            layer.layer_scalar.fill_(scalar)
+        return model
+
+    ids = token_ids(batch=1, length=10)
+    original = gemma4([1.0, 1.0])
+    with torch.no_grad():
+        logits = original(ids).logits
+        assert (convert_model(gemma4([1.0, 1.0]), block_size=3)(ids).logits - logits).abs().max() <= 1e-4
+    with pytest.raises(UnsupportedModelError, match=r"decoder layer 1: the decoder layer scales the residual stream itself by 0\.5 "):
+        convert_model(gemma4([1.0, 0.5]), block_size=3)

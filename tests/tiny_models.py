@@ -64,6 +64,11 @@ CONFIGS = {
     "falcon_h1": lambda: T.FalconH1Config(  # Mamba-2 in parallel with attention, the mixer's mask under its own name
         **_DECODER, head_dim=16, mamba_d_ssm=128, mamba_n_heads=8, mamba_d_head=16, mamba_d_state=8, mamba_chunk_size=8,
     ),
+    # recurrent models whose layers hand their state back to the base model (which ignores the attention mask)
+    "rwkv": lambda: T.RwkvConfig(vocab_size=128, context_length=256, hidden_size=64, num_hidden_layers=3,
+                                 attention_hidden_size=64, intermediate_size=128, bos_token_id=1, eos_token_id=2),
+    "xlstm": lambda: T.xLSTMConfig(vocab_size=128, hidden_size=64, num_hidden_layers=3, num_heads=4, qk_dim_factor=1.0,
+                                   pad_token_id=0, bos_token_id=1, eos_token_id=2),
     "qwen3_next": lambda: T.Qwen3NextConfig(
         **_DECODER, head_dim=16, layer_types=["linear_attention", "full_attention", "linear_attention"],
         linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,

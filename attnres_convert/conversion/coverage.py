@@ -59,6 +59,7 @@ VARIANTS: tuple[tuple[str, str, dict], ...] = (
     ("lfm2", "short-convolution and attention layers", {"layer_types": ["conv", "full_attention"], "full_attn_idxs": [1]}),
     ("qwen3_next", "dense MLPs", {"mlp_only_layers": [0, 1]}),
     ("jamba", "MoE in every layer", {"expert_layer_period": 1, "expert_layer_offset": 0}),
+    ("gemma4_text", "no per-layer inputs", {"hidden_size_per_layer_input": 0}),
     ("nemotron_h", "Mamba-2 and attention layers", {"num_hidden_layers": 2, "layers_block_type": ["linear_attention", "full_attention"]}),
 )
 
@@ -164,6 +165,8 @@ def _structure_text(model) -> str:
     plan = model._attnres_plan
     kinds = [" | ".join(s.describe() for s in kind) for kind in plan.kinds]
     text = kinds[0] if len(kinds) == 1 else "; ".join(f"layers {_ranges(plan, i)}: {k}" for i, k in enumerate(kinds))
+    if plan.stream_start:
+        text = f"stream starts as layer 0's {plan.stream_start}(embeddings); {text}"
     extras = [f"{key}={value:g}" for key in ("logit_scale", "logit_divisor", "logit_softcap")
               if (value := getattr(plan, key)) is not None]
     return text + (f" ({', '.join(extras)})" if extras else "")

@@ -34,8 +34,9 @@ from ..modeling.architectures import (
     module_at,
     norm_eps,
 )
+from . import stream_settings
 from .proof import LayerFailure, StructureError, prove, relative_difference
-from .trace import LayerCall, ModelTrace, evaluating, probe_hidden, run_probes, trace_layer, trace_model
+from .trace import LayerCall, ModelTrace, evaluating, first_tensor, probe_hidden, probe_ids, run_probes, trace_layer, trace_model
 
 CONFIG_EPS_KEYS = ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_epsilon", "norm_eps", "rms_norm_epsilon")
 
@@ -57,6 +58,8 @@ class _Branch:
     adds_residual: bool = False  # the module adds the stream to its output itself (Bloom)
     post_arguments: list = field(default_factory=list)  # post-modules called with the layer's arguments
     output_bias: int = 0  # index of a bias in the module's output tuple that the layer adds (GPT-NeoX-Japanese)
+    module_call: int = -1  # index of the module's call
+    returns: list = field(default_factory=list)  # (layer output position, module output index), see Branch.returns
 
 
 
@@ -70,6 +73,19 @@ def _output_bias(entry, y: torch.Tensor, delta: torch.Tensor) -> int:
             if torch.allclose(y + value.double(), delta, rtol=1e-5, atol=1e-6):
                 return index
     return 0
+
+
+def _stream_scale(previous: torch.Tensor, y: torch.Tensor, returned: torch.Tensor) -> float | None:
+    """The factor c where a layer returns c * (stream + output) instead of stream + output (Gemma 4's
+    `layer_scalar`), or None where what it returns is not that for a c other than 1."""
+    total = previous + y
+    denominator = (total * total).sum().item()
+    if denominator == 0:
+        return None
+    factor = (returned * total).sum().item() / denominator
+    if abs(factor - 1.0) < 1e-4 or not (returned - factor * total).abs().max() <= 1e-5 * returned.abs().max():
+        return None
+    return factor
 
 
 def _copy_of(ref, calls, streams) -> torch.Tensor | None:
@@ -109,18 +125,63 @@ def _snap(value: float, config) -> float | None:
     return value
 
 
+@dataclass(frozen=True)
+class LayerStructure:
+    """One decoder layer as discovery found it: its sublayers and, for the first layer only, the module whose
+    output replaces the stream it receives (ModelPlan.stream_start)."""
+
+    sublayers: tuple[Sublayer, ...]
+    stream_start: str | None = None
+
+
+def _stream_start(layer: nn.Module, calls: list, h0: torch.Tensor) -> str | None:
+    """The name of a norm that reads the layer's input and whose output another norm reads (RWKV's first block:
+    `pre_ln`, then `ln1`): the norm's output is the stream from there on, not a branch's input."""
+    if len(calls) < 2 or calls[0].x_ref is not h0 or calls[1].x_ref is not calls[0].y_ref:
+        return None
+    first, second = module_at(layer, calls[0].name), module_at(layer, calls[1].name)
+    return calls[0].name if is_norm(first) and is_norm(second) else None
+
+
+def _returns(calls: list, out, branches: list) -> None:
+    """Mark on its branch each value the layer returns after the stream that one of its branch modules returned
+    (a recurrent state the base model keeps: RWKV's, xLSTM's); values found nowhere are left to the proof."""
+    if not isinstance(out, tuple):
+        return
+    for position, value in enumerate(out[1:], start=1):
+        if value is None:
+            continue
+        for branch in branches:
+            entry = calls[branch.module_call] if branch.module_call >= 0 else None
+            index = next((i for i, ref in enumerate(entry.output_refs) if i and ref is value), None) if entry else None
+            if index is not None:
+                branch.returns.append((position, index))
+                break
+
+
 def discover_layer(
-    layer: nn.Module, call: LayerCall, config, h0: torch.Tensor, expand: tuple[str, ...] = ()
-) -> tuple[Sublayer, ...]:
+    layer: nn.Module, call: LayerCall, config, h0: torch.Tensor, expand: tuple[str, ...] = (), first: bool = False
+) -> LayerStructure:
     """The sublayers of one decoder layer, from its children's data flow on hidden states h0. A child that
     reads the stream itself and holds a norm (a block with its norm, mixer and residual add inside: CPM-Ant)
-    is looked into: its children are the branch's norm and module (EXPAND names such children)."""
-    calls, out = trace_layer(layer, call, h0, expand)
+    is looked into: its children are the branch's norm and module (EXPAND names such children). The FIRST
+    layer may replace the stream it receives by a norm's output (`_stream_start`)."""
+    calls, output = trace_layer(layer, call, h0, expand)
+    out = first_tensor(output)
+    stream_start = _stream_start(layer, calls, h0)
+    if stream_start is not None and not first:
+        raise UnsupportedModelError(
+            f"`{stream_start}` replaces the residual stream by its norm inside the model, not at its start: the stream "
+            "is no longer the sum of the embeddings and the sublayer outputs"
+        )
+    start_ref: object = h0
+    if stream_start is not None:  # the norm's output is the first stream; the norm is no branch's
+        h0, start_ref, calls = calls[0].y, calls[0].y_ref, calls[1:]
     streams: list[torch.Tensor] = [h0]
     branches: list[_Branch] = []
     produced: list[tuple[str, int]] = [("stream", 0)]  # in order: what each value is
     values: list[torch.Tensor] = [h0]
-    refs: list[object] = [h0]
+    refs: list[object] = [start_ref]
     for index, entry in enumerate(calls):
         module = module_at(layer, entry.name)
         source = next((produced[i] for i in range(len(refs) - 1, -1, -1) if entry.x_ref is refs[i]), None)
@@ -140,7 +201,7 @@ def discover_layer(
         kind, ref = source
         if kind == "stream":
             if not is_norm(module) and "." not in entry.name and any(is_norm(inner) for inner in module.children()):
-                return discover_layer(layer, call, config, h0, (*expand, entry.name))
+                return discover_layer(layer, call, config, h0, (*expand, entry.name), first)
             if not is_norm(module):
                 reader = entry.name.split(".")[0]  # a block looked into whose norm does not read first: the block
                 raise UnsupportedModelError(
@@ -153,7 +214,7 @@ def discover_layer(
             owner = next((b for b in branches if b.tail == ref), None)
             norm_owner = next((b for b in branches if b.norm_call == ref), None)
             if owner is not None and owner.module is None:
-                owner.module, owner.attention, owner.tail = entry.name, entry.extra, index
+                owner.module, owner.attention, owner.tail, owner.module_call = entry.name, entry.extra, index, index
                 owner.arguments, owner.constants = entry.arguments, entry.constants
                 if entry.residual is not None:
                     if not _same(_copy_of(entry.residual, calls, streams), streams[owner.stream]):
@@ -168,7 +229,7 @@ def discover_layer(
                     owner.post_arguments.append((entry.name, entry.arguments, entry.constants))
             elif norm_owner is not None:  # a second module fed by one norm (GPT-J, Phi: parallel branches)
                 branches.append(_Branch(norm_owner.stream, norm_owner.norm, entry.name, [], entry.extra, index, ref,
-                                        entry.arguments, entry.constants))
+                                        entry.arguments, entry.constants, module_call=index))
             else:
                 raise UnsupportedModelError(f"cannot place `{entry.name}` in the layer's data flow")
         if entry.y is not None and entry.residual is not None and kind != "stream":
@@ -186,6 +247,7 @@ def discover_layer(
         raise UnsupportedModelError(f"the output of norm `{lone.norm}` feeds no module")
     if not _same(out, streams[-1]):
         streams.append(out)
+    _returns(calls, output, branches)
     sublayers: list[Sublayer] = []
     used: set[str] = set()
     for stream in range(len(streams) - 1):
@@ -202,6 +264,13 @@ def discover_layer(
                 group[0].output_bias = _output_bias(calls[group[0].tail], y, delta)
                 if group[0].output_bias:
                     y = y + calls[group[0].tail].outputs[group[0].output_bias].double()
+            if stream == len(streams) - 2:
+                factor = _stream_scale(streams[stream].double(), y, streams[stream + 1].double())
+                if factor is not None:
+                    raise UnsupportedModelError(
+                        f"the decoder layer scales the residual stream itself by {factor:.4g} after adding its last "
+                        "output (a layer scalar): the stream is not a sum of sublayer outputs"
+                    )
             denominator = (y * y).sum().item()
             if denominator > 0:
                 scales[0] = _snap((delta * y).sum().item() / denominator, config)
@@ -211,12 +280,12 @@ def discover_layer(
         used.add(name)
         sublayers.append(Sublayer(name, tuple(
             Branch(b.norm, b.module, tuple(b.post), b.attention, scale, b.arguments, b.constants, tuple(b.post_arguments),
-                   b.output_bias)
+                   b.output_bias, tuple(b.returns))
             for b, scale in zip(group, scales)
         )))
     if not sublayers:
         raise UnsupportedModelError("the decoder layer adds nothing to the residual stream")
-    return tuple(sublayers)
+    return LayerStructure(tuple(sublayers), stream_start)
 
 
 # --- the head --------------------------------------------------------------------------------------
@@ -272,12 +341,14 @@ def discovered_plan(model: nn.Module, where: Where, trace: ModelTrace, head: dic
     """The plan read from every decoder layer's data flow (not yet proven), with HEAD's logit transform."""
     base = module_at(model, where.base_model)
     layers = module_at(base, where.layers)
-    per_layer = []
+    per_layer, stream_start = [], None
     for index, (layer, call) in enumerate(zip(layers, trace.calls)):
         try:
-            per_layer.append(discover_layer(layer, call, model.config, probe_hidden(call, seed=index)))
+            found = discover_layer(layer, call, model.config, probe_hidden(call, seed=index), first=index == 0)
         except UnsupportedModelError as error:
             raise StructureError(str(LayerFailure(index, None, str(error)))) from error
+        per_layer.append(found.sublayers)
+        stream_start = stream_start or found.stream_start
     kinds = list(dict.fromkeys(per_layer))
     return ModelPlan(
         tuple(kinds.index(s) for s in per_layer),
@@ -288,6 +359,7 @@ def discovered_plan(model: nn.Module, where: Where, trace: ModelTrace, head: dic
         final_norm=trace.final_norm,
         lm_head=where.lm_head,
         tuple_output=trace.tuple_output,
+        stream_start=stream_start,
         **head,
     )
 
@@ -299,9 +371,45 @@ def find_plan(model: nn.Module) -> tuple[ModelPlan, ModelTrace]:
     refusal = config_refusal(config)
     if refusal:
         raise UnsupportedModelError(refusal)
-    where = locate(model)
+    stream_settings.settle(model)  # traced as the converted model will run
     with evaluating(model):
+        try:
+            where = locate(model)
+        except UnsupportedModelError as error:  # no head the module tree names: the one that makes the logits
+            head = run_probes(model, head_from_logits, model)
+            if head is None:
+                raise UnsupportedModelError(
+                    f"{error}, and none of its Linear modules to the vocabulary gives its logits"
+                ) from error
+            where = locate(model, lm_head=head)
         return run_probes(model, _find_plan, model, where)
+
+
+@torch.no_grad()
+def head_from_logits(model: nn.Module) -> str | None:
+    """The LM head of a model whose module tree does not tell it (no `get_output_embeddings`, several Linears
+    from the hidden size to the vocabulary, a head nested in a module of its own): of those Linears, the one
+    whose output on the probe tokens is the model's logits (up to a soft cap or a scale, which the head
+    transform then finds). None where no one output matches."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    vocab = getattr(config, "vocab_size", None)
+    candidates = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear) and m.out_features == vocab}
+    outputs: dict[str, torch.Tensor] = {}
+    hooks = [
+        module.register_forward_hook(lambda _m, _a, out, name=name: outputs.setdefault(name, out))
+        for name, module in candidates.items()
+    ]
+    try:
+        logits = model(input_ids=probe_ids(model)).logits.double().flatten()
+    finally:
+        for hook in hooks:
+            hook.remove()
+    matches = []
+    for name, out in outputs.items():
+        out = out.double().flatten()
+        if out.shape == logits.shape and torch.corrcoef(torch.stack([out, logits]))[0, 1] > 0.999:
+            matches.append(name)
+    return matches[0] if len(matches) == 1 else None
 
 
 def _find_plan(model: nn.Module, where: Where) -> tuple[ModelPlan, ModelTrace]:

@@ -66,16 +66,22 @@ class LayerFailure:
 
 
 @torch.no_grad()
-def prove_layer(layer: nn.Module, index: int, sublayers: tuple[Sublayer, ...], call: LayerCall, eps: float) -> LayerFailure | None:
+def prove_layer(
+    layer: nn.Module, index: int, sublayers: tuple[Sublayer, ...], call: LayerCall, eps: float, stream_start: str | None = None
+) -> LayerFailure | None:
     """Run the layer's own forward and the rewritten sublayers on the same random hidden states and real
     arguments: as a plain residual sum (locates the sublayer that differs), and as the depth-attention mix
-    with zero queries, every output its own source (what the converted layer computes)."""
+    with zero queries, every output its own source (what the converted layer computes), with what the layer
+    returns after the stream (a recurrent state). STREAM_START: the module that makes the first stream from the
+    layer's input (ModelPlan.stream_start, the first layer only)."""
     h0 = probe_hidden(call, seed=1000 + index)
     args, kwargs = call.fresh()
-    want, inputs = _run_recording_inputs(layer, sublayers, h0, args, kwargs)
+    want, inputs, output = _run_recording_inputs(layer, sublayers, h0, args, kwargs)
     args, kwargs = call.fresh()
     call_kwargs = call.call_kwargs(args, kwargs)
     limit = tolerance(h0.dtype)
+    if stream_start is not None:
+        h0 = module_at(layer, stream_start)(h0)
     h = h0
     for sub_index, sublayer in enumerate(sublayers):
         try:
@@ -96,20 +102,41 @@ def prove_layer(layer: nn.Module, index: int, sublayers: tuple[Sublayer, ...], c
     hidden = h0.shape[-1]
     query, key_norm = h0.new_zeros(1, hidden), h0.new_ones(hidden)
     state = start_state(h0, eps)
+    returned: dict[int, object] = {}
     for sublayer in sublayers:
         state = close_block(state, eps)
-        state = add_output(state, run_sublayer(layer, sublayer, depth_mix(state, query, key_norm, eps, "count"), call_kwargs))
+        mix = depth_mix(state, query, key_norm, eps, "count")
+        state = add_output(state, run_sublayer(layer, sublayer, mix, call_kwargs, returned=returned))
     mixed = depth_mix(close_block(state, eps), query, key_norm, eps, "count")
     difference, relative = relative_difference(mixed, want)
     if not relative <= limit:
         return LayerFailure(index, len(sublayers), "depth mix with zero queries: " + sublayers[-1].describe(),
                             difference, relative, limit)
+    for position, value in returned.items():
+        expected = output[position] if isinstance(output, tuple) and position < len(output) else None
+        if not _same_values(value, expected, limit):
+            return LayerFailure(index, len(sublayers), f"the value the layer returns at position {position} (a state it "
+                                "hands the base model) differs from the original's")
     return None
 
 
-def _run_recording_inputs(layer, sublayers, h0, args, kwargs) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-    """The layer's own output, and the stream each sublayer after the first reads in the original forward
-    (the input of its first norm), to name the sublayer where the rewritten layer departs from it."""
+def _same_values(got, want, limit: float) -> bool:
+    """Whether two layer outputs hold the same tensors (nested in lists, tuples and dicts), within LIMIT relative."""
+    if isinstance(want, torch.Tensor):
+        return isinstance(got, torch.Tensor) and got.shape == want.shape and relative_difference(got, want)[1] <= limit
+    if isinstance(want, (list, tuple)):
+        return isinstance(got, (list, tuple)) and len(got) == len(want) and all(
+            _same_values(g, w, limit) for g, w in zip(got, want))
+    if isinstance(want, dict):
+        return isinstance(got, dict) and got.keys() == want.keys() and all(
+            _same_values(got[k], want[k], limit) for k in want)
+    return got is want or got == want
+
+
+def _run_recording_inputs(layer, sublayers, h0, args, kwargs) -> tuple[torch.Tensor, dict[int, torch.Tensor], object]:
+    """The layer's own output stream, and the stream each sublayer after the first reads in the original
+    forward (the input of its first norm), to name the sublayer where the rewritten layer departs from it; and
+    the layer's output as it returns it."""
     inputs: dict[int, torch.Tensor] = {}
     hooks = []
     for position, sublayer in enumerate(sublayers[1:], start=1):
@@ -119,7 +146,8 @@ def _run_recording_inputs(layer, sublayers, h0, args, kwargs) -> tuple[torch.Ten
 
         hooks.append(module_at(layer, sublayer.branches[0].norm).register_forward_pre_hook(hook))
     try:
-        return first_tensor(layer(h0, *args, **kwargs)), inputs
+        output = layer(h0, *args, **kwargs)
+        return first_tensor(output), inputs, output
     finally:
         for handle in hooks:
             handle.remove()
@@ -129,7 +157,7 @@ def prove(model: nn.Module, plan: ModelPlan, trace: ModelTrace) -> LayerFailure 
     """The first decoder layer the plan does not reproduce, or None when it reproduces them all."""
     layers = module_at(module_at(model, plan.base_model), plan.layers)
     for index, (layer, call) in enumerate(zip(layers, trace.calls)):
-        failure = prove_layer(layer, index, plan.sublayers(index), call, plan.eps)
+        failure = prove_layer(layer, index, plan.sublayers(index), call, plan.eps, plan.stream_start if index == 0 else None)
         if failure is not None:
             return failure
     return None

@@ -16,6 +16,7 @@ from ..modeling.depth_attention import default_block_size, output_num_sources, p
 from ..modeling import SHIPPED_CODE
 from ..modeling.modeling_attnres import AttnResForCausalLM, AttnResKeyNorm, AttnResQuery
 from ..modeling.remote_code import GENERATED, base_code_files
+from . import stream_settings
 from .discovery import find_plan
 from .proof import check_converted
 from ..io.saving import register_auto_classes
@@ -141,6 +142,7 @@ def convert_model(
     if refusal:
         raise UnsupportedModelError(f"{refusal}.")
     _check_base_code(base_model)
+    stream_settings.settle(base_model)
     trace = None
     if plan is None:
         plan, trace = find_plan(base_model)  # proven layer by layer on this very model, or refused

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -47,9 +48,9 @@ class LayerCall:
     argnames: tuple[str, ...]  # the layer's positional parameter names after hidden_states
 
     def fresh(self) -> tuple[tuple, dict]:
-        """The arguments, with a fresh copy of any cache (a replay appends to it)."""
-        kwargs = {k: (copy.deepcopy(v) if _is_cache(v) else v) for k, v in self.kwargs.items()}
-        args = tuple(copy.deepcopy(v) if _is_cache(v) else v for v in self.args)
+        """The arguments, with a fresh copy of any cache or recurrent state (a replay writes to it)."""
+        kwargs = {k: _snapshot(v) for k, v in self.kwargs.items()}
+        args = tuple(_snapshot(v) for v in self.args)
         return args, kwargs
 
     def call_kwargs(self, args: tuple, kwargs: dict) -> dict:
@@ -58,6 +59,15 @@ class LayerCall:
 
 def _is_cache(value) -> bool:
     return hasattr(value, "update") and hasattr(value, "get_seq_length")
+
+
+def _snapshot(value):
+    """A copy of a layer argument that the forward may write to: a cache, or a recurrent state kept as a list or
+    tuple of tensors (RWKV writes its layer's column in place; the xLSTM model copies the new state into the one
+    it passed). Anything else as it is."""
+    if _is_cache(value) or (isinstance(value, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in value)):
+        return copy.deepcopy(value)
+    return value
 
 
 @dataclass
@@ -100,8 +110,8 @@ def trace_model(model: nn.Module, where: Where) -> ModelTrace:
         hidden = args[0] if args else kwargs.get("hidden_states")
         rest = dict(kwargs)
         rest.pop("hidden_states", None)
-        snapshot = {k: (copy.deepcopy(v) if _is_cache(v) else v) for k, v in rest.items()}
-        positional = tuple(copy.deepcopy(v) if _is_cache(v) else v for v in args[1:])
+        snapshot = {k: _snapshot(v) for k, v in rest.items()}
+        positional = tuple(_snapshot(v) for v in args[1:])
         calls.append(LayerCall(hidden.detach().clone(), positional, snapshot, positional_argnames(type(module))))
 
     def after_last(module, args, kwargs, output):
@@ -179,6 +189,7 @@ class ChildCall:
     constants: tuple[tuple[str, object], ...] = ()
     residual: object = None  # the tensor passed as RESIDUAL (discovery checks that it is the residual stream)
     outputs: tuple = ()  # copies of the tensors of its output tuple (None elsewhere), where it returns one
+    output_refs: tuple = ()  # the objects of its output tuple themselves (what the layer may return after the stream)
 
 
 def probe_hidden(call: LayerCall, seed: int) -> torch.Tensor:
@@ -191,9 +202,10 @@ def probe_hidden(call: LayerCall, seed: int) -> torch.Tensor:
 @torch.no_grad()
 def trace_layer(
     layer: nn.Module, call: LayerCall, h0: torch.Tensor, expand: tuple[str, ...] = ()
-) -> tuple[list[ChildCall], torch.Tensor]:
-    """The layer's direct children, in call order, with their inputs and outputs; and the layer's output. A
-    child named in EXPAND is traced through its own children instead (`block.norm`, `block.attention`)."""
+) -> tuple[list[ChildCall], object]:
+    """The layer's direct children, in call order, with their inputs and outputs; and the layer's output as it
+    returns it (a tensor or a tuple). A child named in EXPAND is traced through its own children instead
+    (`block.norm`, `block.attention`)."""
     calls: list[ChildCall] = []
     hooks = []
 
@@ -216,6 +228,7 @@ def trace_layer(
                 entry.y_ref = y
                 if isinstance(output, tuple):
                     entry.outputs = tuple(v.detach().clone() if isinstance(v, torch.Tensor) else None for v in output)
+                    entry.output_refs = output
                 break
 
     traced = [
@@ -229,7 +242,7 @@ def trace_layer(
     args, kwargs = call.fresh()
     layer_kwargs = call.call_kwargs(args, kwargs)
     try:
-        out = first_tensor(layer(h0, *args, **kwargs))
+        out = layer(h0, *args, **kwargs)
     finally:
         for hook in hooks:
             hook.remove()
@@ -250,7 +263,7 @@ def argument_map(child: str, module: nn.Module, args: tuple, kwargs: dict, layer
         if len(names) < len(args) - 1:
             return None
         received.update(zip(names, args[1:]))
-    if len(args) <= 1 and all(
+    if len(args) <= 1 and _takes_all(module, layer_kwargs) and all(
         k in layer_kwargs and layer_kwargs[k] is v and not (v is None and f"{child}_{k}" in layer_kwargs)
         for k, v in received.items()
     ):
@@ -274,6 +287,18 @@ def argument_map(child: str, module: nn.Module, args: tuple, kwargs: dict, layer
         else:
             return None
     return tuple(pairs), tuple(constants), residual
+
+
+def _takes_all(module: nn.Module, layer_kwargs: dict) -> bool:
+    """Whether MODULE's forward accepts every keyword the layer was called with (it takes **kwargs, or names
+    them all): RWKV's attention takes the layer's `state` and `use_cache` but not its `output_attentions`."""
+    try:
+        parameters = inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):
+        return True
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return True
+    return set(layer_kwargs) <= set(parameters)
 
 
 @contextlib.contextmanager

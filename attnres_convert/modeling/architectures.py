@@ -54,6 +54,9 @@ class Branch:
     # > 0: the module returns a bias at this index of its output tuple, which the layer adds to its output
     # (GPT-NeoX-Japanese's attention).
     output_bias: int = 0
+    # Values of the module's output tuple that the decoder layer returns after the stream, for the base model to
+    # keep (a recurrent state: RWKV's, xLSTM's): (position in the layer's output tuple, index in the module's).
+    returns: tuple[tuple[int, int], ...] = ()
 
     def to_dict(self) -> dict:
         data = {"norm": self.norm, "module": self.module}
@@ -69,6 +72,8 @@ class Branch:
             data["constants"] = dict(self.constants)
         if self.output_bias:
             data["output_bias"] = self.output_bias
+        if self.returns:
+            data["returns"] = [list(pair) for pair in self.returns]
         if self.post_arguments:
             data["post_arguments"] = {
                 name: {"arguments": None if args is None else dict(args), "constants": dict(constants)}
@@ -85,7 +90,8 @@ class Branch:
         )
         return cls(data["norm"], data["module"], tuple(data.get("post", ())), bool(data.get("attention", False)),
                    data.get("scale"), None if arguments is None else tuple(arguments.items()),
-                   tuple(data.get("constants", {}).items()), post_arguments, int(data.get("output_bias", 0)))
+                   tuple(data.get("constants", {}).items()), post_arguments, int(data.get("output_bias", 0)),
+                   tuple((int(p), int(i)) for p, i in data.get("returns", ())))
 
     def call_kwargs(self, layer_kwargs: dict, x) -> dict:
         """The keyword arguments the module takes, from those the decoder layer was called with (X: the module's
@@ -159,6 +165,9 @@ class ModelPlan:
     logit_divisor: float | None = None  # logits / divisor (Granite)
     logit_softcap: float | None = None  # tanh(logits / cap) * cap (Gemma 2)
     tuple_output: int = 0  # the layers return a tuple of this length (True: 1) and the base model unpacks it; 0: a tensor
+    # A module of the first decoder layer whose output replaces the stream it receives (RWKV's `pre_ln`): applied
+    # to the embeddings, it makes the first source, as it makes the first stream of the base model.
+    stream_start: str | None = None
 
     def sublayers(self, layer_index: int) -> tuple[Sublayer, ...]:
         return self.kinds[self.layer_kinds[layer_index]]
@@ -186,12 +195,14 @@ class ModelPlan:
                 data[key] = getattr(self, key)
         if self.tuple_output:
             data["tuple_output"] = True if self.tuple_output == 1 else int(self.tuple_output)
+        if self.stream_start:
+            data["stream_start"] = self.stream_start
         return data
 
     @classmethod
     def from_dict(cls, data: dict) -> ModelPlan:
         kinds = tuple(tuple(Sublayer.from_dict(s) for s in kind) for kind in data["kinds"])
-        optional = {k: data[k] for k in ("logit_scale", "logit_divisor", "logit_softcap", "tuple_output") if data.get(k) is not None}
+        optional = {k: data[k] for k in ("logit_scale", "logit_divisor", "logit_softcap", "tuple_output", "stream_start") if data.get(k) is not None}
         return cls(tuple(data["layer_kinds"]), kinds, float(data["eps"]), data["base_model"], data["layers"],
                    data["final_norm"], data["lm_head"], **optional)
 
@@ -260,6 +271,11 @@ def _head_by_shape(model) -> str | None:
     return found[0] if len(found) == 1 else None
 
 
+def _holds_stack(module: nn.Module, layers: int | None) -> bool:
+    """Whether MODULE holds a list of LAYERS modules (a decoder stack)."""
+    return any(isinstance(m, nn.ModuleList) and len(m) > 0 and (layers is None or len(m) == layers) for m in module.modules())
+
+
 def _decoder_of(model) -> nn.Module | None:
     """The language model of a composite model (`get_decoder`), or None."""
     try:
@@ -269,23 +285,31 @@ def _decoder_of(model) -> nn.Module | None:
     return decoder if isinstance(decoder, nn.Module) else None
 
 
-def locate(model) -> Where:
+def locate(model, lm_head: str | None = None) -> Where:
     """The base model, its decoder stack (the ModuleList of num_hidden_layers layers with the most parameters),
     the LM head, and the final norm where the base model has exactly one norm outside its layers. From the
-    module tree alone: works on the meta device, before any weights are loaded."""
-    head = model.get_output_embeddings()
-    lm_head = _child_name(model, head) if head is not None else _head_by_shape(model)
+    module tree alone: works on the meta device, before any weights are loaded. LM_HEAD: the head's attribute
+    path where the caller found it from the model's logits (discovery.head_from_logits)."""
     if lm_head is None:
-        raise UnsupportedModelError(f"{type(model).__name__} has no LM head among its direct modules")
+        head = model.get_output_embeddings()
+        lm_head = _child_name(model, head) if head is not None else _head_by_shape(model)
+    if lm_head is None:
+        raise UnsupportedModelError(
+            f"{type(model).__name__} names no LM head (no get_output_embeddings) and has not exactly one Linear from "
+            "its hidden size to its vocabulary among its direct modules"
+        )
+    text_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    want = getattr(text_config, "num_hidden_layers", None)
     prefix = getattr(model, "base_model_prefix", "")
     base = getattr(model, prefix, None) if prefix else None
     if not isinstance(base, nn.Module) or base is model:
-        others = [name for name, child in model.named_children() if name != lm_head and any(True for _ in child.parameters())]
+        head_owner = lm_head.split(".")[0]
+        others = [name for name, child in model.named_children() if name != head_owner and any(True for _ in child.parameters())]
+        if len(others) > 1:  # a second head beside the base model (a draft head): the base model holds the stack
+            others = [name for name in others if _holds_stack(getattr(model, name), want)]
         if len(others) != 1:
             raise UnsupportedModelError(f"{type(model).__name__}: cannot tell which module is the base model ({others})")
         prefix, base = others[0], getattr(model, others[0])
-    text_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    want = getattr(text_config, "num_hidden_layers", None)
     stacks = [
         (name, module)
         for name, module in base.named_modules()
@@ -434,10 +458,6 @@ REFUSED: dict[str, str] = {
         ("roberta-prelayernorm", "RoBERTa-PreLayerNorm"), ("xlm-roberta-xl", "XLM-RoBERTa-XL"),
         ("modernbert-decoder", "ModernBERT-decoder"),
     )},
-    "rwkv": "RWKV's first block replaces the residual stream by its LayerNorm (`pre_ln`), so the stream is not the "
-    "sum of the embeddings and the sublayer outputs that AttnRes mixes",
-    "xlstm": "xLSTM blocks return their recurrent state to the base model, which copies it into the cache itself: "
-    "a layer whose output is more than the residual stream is not rewritten",
     "zamba": "Zamba's shared attention block reads the residual stream concatenated with the input embeddings, "
     "and its output feeds the next Mamba layer's input instead of adding to the stream: not a PreNorm sublayer",
     "zamba2": "Zamba2's shared attention block reads the residual stream concatenated with the input embeddings, "

@@ -31,7 +31,7 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .architectures import ModelPlan, Sublayer, module_at, plan_for
-from .cache_names import INSTALLED, cache_keyword, cache_of
+from .cache_names import CURRENT, INSTALLED, LEGACY, cache_keyword, cache_of
 from .configuration_attnres import AttnResConfig
 from .depth_attention import STATE_TYPES, TrainState, add_output, close_block, current_stream, depth_mix, start_state, wants_queries
 from .depth_core import pseudo_query
@@ -55,6 +55,8 @@ class _LayerSpec(NamedTuple):
     param_names: tuple[tuple[str, str], ...]  # per sublayer: its query and key-norm modules' names
     tuple_output: int  # > 0: return (state, None, ...) of this length, as the base model unpacks a layer's output
     query_rank: int  # > 0: input-dependent queries (the plain BlockState path, see start_state)
+    stream_start: str | None  # the first layer's: its module that makes the first source (ModelPlan.stream_start)
+    returns: bool  # a branch's module output is returned after the stream (Branch.returns)
     # One per model, shared by its layers and final norm: the decoding buffers a forward without autograd keeps
     # for the next (see start_state), the open recorders (`record_depth_weights`), the training-time depth
     # gate (see `set_depth_gate`) and the config (where the C++ kernels' source is looked for).
@@ -79,6 +81,8 @@ class AttnResDecoderLayerMixin:
         elif isinstance(hidden_states, STATE_TYPES):
             state = hidden_states
         else:
+            if spec.stream_start:
+                hidden_states = module_at(self, spec.stream_start)(hidden_states)
             queries = _all_queries(spec, hidden_states) if wants_queries() and not spec.query_rank else None
             state = start_state(
                 hidden_states, spec.eps, spec.capacity, queries, token_queries=spec.query_rank > 0, runtime=spec.runtime
@@ -88,6 +92,7 @@ class AttnResDecoderLayerMixin:
         gate = spec.runtime.get("gate", 1.0)
         # With the C++ kernels a reader's mix can come out normed by its sublayer's norm (see `fused_norm`).
         native = getattr(state, "native", None) if gate == 1.0 else None
+        returned = {} if spec.returns else None
         for sublayer, plan, names in zip(spec.sublayers, spec.plans, spec.param_names):
             if plan.closes_block:
                 state = close_block(state, spec.eps, plan.index - 1)
@@ -97,10 +102,13 @@ class AttnResDecoderLayerMixin:
             h = depth_mix(state, *params, spec.eps, spec.scaling, reader=plan.index - 1, projection=projection, norm=norm)
             if gate != 1.0:
                 h = gated(state, h, gate)
-            state = add_output(state, run_sublayer(self, sublayer, h, call_kwargs, normed=bool(norm)))
+            state = add_output(state, run_sublayer(self, sublayer, h, call_kwargs, normed=bool(norm), returned=returned))
         if not spec.tuple_output:
             return state
-        return (state,) + (None,) * (int(spec.tuple_output) - 1)  # (hidden, attention weights) where unpacked
+        output = [state] + [None] * (int(spec.tuple_output) - 1)  # (hidden, attention weights) where unpacked
+        for position, value in (returned or {}).items():
+            output[position] = value  # a recurrent state the base model keeps
+        return tuple(output)
 
 
 def _sublayer_norm(layer: nn.Module, sublayer: Sublayer, native) -> tuple:
@@ -113,10 +121,13 @@ def _sublayer_norm(layer: nn.Module, sublayer: Sublayer, native) -> tuple:
     return fused_norm(native, norm)
 
 
-def run_sublayer(layer: nn.Module, sublayer: Sublayer, h: torch.Tensor, call_kwargs: dict, normed: bool = False) -> torch.Tensor:
+def run_sublayer(
+    layer: nn.Module, sublayer: Sublayer, h: torch.Tensor, call_kwargs: dict, normed: bool = False, returned: dict | None = None
+) -> torch.Tensor:
     """What one sublayer adds to the residual stream read as `h`: the sum of its branches'
-    `scale * post(module(norm(h)))` (`normed`: `h` is its one branch's norm(h) already). The conversion's
-    per-layer proof runs this same function."""
+    `scale * post(module(norm(h)))` (`normed`: `h` is its one branch's norm(h) already). RETURNED, where given,
+    receives the module outputs the layer returns after the stream (Branch.returns), by position. The
+    conversion's per-layer proof runs this same function."""
     total, children = None, layer._modules
     for branch in sublayer.branches:
         # A plain child name is looked up in place (a decoding step pays for every call), a dotted path by module_at.
@@ -126,6 +137,8 @@ def run_sublayer(layer: nn.Module, sublayer: Sublayer, h: torch.Tensor, call_kwa
         x = h if normed else norm(h)
         y = module(x, **branch.call_kwargs(call_kwargs, x)) if branch.attention else module(x)
         if isinstance(y, tuple):  # attention returns (output, weights); some MoE blocks (output, router)
+            if returned is not None:
+                returned.update((position, y[index]) for position, index in branch.returns)
             y = y[0] if not branch.output_bias or y[branch.output_bias] is None else y[0] + y[branch.output_bias]
         for post in branch.post:
             extra = branch.post_kwargs(post, call_kwargs, y) if branch.post_arguments else None
@@ -133,6 +146,12 @@ def run_sublayer(layer: nn.Module, sublayer: Sublayer, h: torch.Tensor, call_kwa
             if isinstance(y, tuple):
                 y = y[0]
         if y.shape != h.shape:  # a branch that returns its tokens flattened (Llama-4's MoE)
+            if y.numel() != h.numel():
+                raise ValueError(
+                    f"`{branch.module}` ({type(module).__name__}) returned {tuple(y.shape)} for an input of {tuple(h.shape)}: "
+                    "the base model's own module mixes up this batch (transformers' RWKV does so when it decodes several "
+                    "sequences at once); run one sequence at a time"
+                )
             y = y.view(h.shape)
         if branch.scale is not None:
             y = y * branch.scale
@@ -264,7 +283,7 @@ def positional_argnames(layer_cls: type) -> tuple[str, ...]:
 def stream_state(state) -> torch.Tensor:
     """The plain residual stream a depth-attention state stands for (sum of all sources): what the base model's
     hidden state would be. Used for `output_hidden_states` and for inspection."""
-    if isinstance(state, tuple) and len(state) == 1 and isinstance(state[0], STATE_TYPES):
+    if isinstance(state, tuple) and state and isinstance(state[0], STATE_TYPES):
         state = state[0]  # from a layer whose base model takes element 0 of what it returns
     return current_stream(state) if isinstance(state, STATE_TYPES) else state
 
@@ -310,6 +329,8 @@ def attach_depth_attention(causal_lm: nn.Module, config: AttnResConfig, plan: Mo
             param_names,
             plan.tuple_output,
             rank,
+            plan.stream_start if index == 0 else None,
+            any(branch.returns for sublayer in sublayers for branch in sublayer.branches),
             runtime,
         )
         first += len(sublayers)
@@ -406,6 +427,10 @@ def fill_unsaved_buffers(model: nn.Module) -> None:
                 base._init_weights(module)
 
 
+# What a base model's output holds that the causal-LM output already carries its own way.
+_BASE_OUTPUT_FIELDS = frozenset({"last_hidden_state", "hidden_states", "attentions", CURRENT, LEGACY})
+
+
 class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
     def __init__(self, config: AttnResConfig, base_model: PreTrainedModel | None = None):
         super().__init__(config)
@@ -414,6 +439,11 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
         plan = plan_for(config.text_config, config.structure, base_model)
         self._attnres_plan = plan
         self._attnres_base_class = type(base_model)  # its own code, if any, is saved with the model
+        self._is_stateful = getattr(type(base_model), "_is_stateful", False)  # no assisted decoding (RWKV, Mamba)
+        # A base class that carries its state between generation steps itself, under its own name (RWKV's `state`):
+        # the forward hands that state on in its output.
+        own = getattr(type(base_model), "_update_model_kwargs_for_generation", None)
+        self._attnres_own_state = own is not None and own is not GenerationMixin._update_model_kwargs_for_generation
         self.base_model_prefix = plan.base_model
         self._tied_weights_keys = getattr(type(base_model), "_tied_weights_keys", None)
         for name, child in base_model.named_children():
@@ -439,7 +469,8 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
         return module_at(self, self._attnres_plan.lm_head)
 
     def set_output_embeddings(self, value):
-        setattr(self, self._attnres_plan.lm_head, value)
+        parent, _, name = self._attnres_plan.lm_head.rpartition(".")  # a head nested in a module of its own
+        setattr(module_at(self, parent), name, value)
 
     def _base_view(self) -> PreTrainedModel:
         """This model seen as an instance of the base causal-LM class: the same modules and parameters, the
@@ -453,6 +484,14 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
 
     def prepare_inputs_for_generation(self, *args, **kwargs):
         return self._attnres_base_class.prepare_inputs_for_generation(self._base_view(), *args, **kwargs)
+
+    def _update_model_kwargs_for_generation(self, *args, **kwargs):
+        # A base model that keeps its state under its own name (RWKV's `state`) carries it from step to step here.
+        return self._attnres_base_class._update_model_kwargs_for_generation(self._base_view(), *args, **kwargs)
+
+    def _supports_default_dynamic_cache(self) -> bool:
+        # generate asks this of the instance; the base class answers by its name (RWKV and xLSTM keep their own state).
+        return self._attnres_base_class._supports_default_dynamic_cache()
 
     def _validate_model_kwargs(self, model_kwargs: dict) -> None:
         # Inputs the base forward takes (pixel values, token type ids, ...) reach it through **kwargs.
@@ -513,13 +552,18 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
             loss = self.loss_function(
                 logits=logits, labels=labels, vocab_size=self.config.text_config.get_text_config().vocab_size, **kwargs
             )
-        return CausalLMOutputWithPast(
+        result = CausalLMOutputWithPast(
             loss=loss,
             logits=logits,
             **{INSTALLED: cache_of(outputs)},
             hidden_states=tuple(hidden_states) if hidden_states is not None else None,
             attentions=getattr(outputs, "attentions", None),
         )
+        if self._attnres_own_state:  # a state the base model returns under its own name (RWKV's `state`)
+            for name, value in outputs.items():
+                if name not in _BASE_OUTPUT_FIELDS and value is not None:
+                    result[name] = value
+        return result
 
     def _record_streams(self, base) -> tuple[list, list]:
         """Hidden states as the base model defines them (embeddings, each layer's output stream, final
