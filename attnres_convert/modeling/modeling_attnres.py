@@ -487,7 +487,9 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
 
     def _update_model_kwargs_for_generation(self, *args, **kwargs):
         # A base model that keeps its state under its own name (RWKV's `state`) carries it from step to step here.
-        return self._attnres_base_class._update_model_kwargs_for_generation(self._base_view(), *args, **kwargs)
+        if self._attnres_own_state:
+            return self._attnres_base_class._update_model_kwargs_for_generation(self._base_view(), *args, **kwargs)
+        return super()._update_model_kwargs_for_generation(*args, **kwargs)
 
     def _supports_default_dynamic_cache(self) -> bool:
         # generate asks this of the instance; the base class answers by its name (RWKV and xLSTM keep their own state).
