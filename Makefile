@@ -41,7 +41,7 @@ demo: install
 test: install
 	$(BIN)/python -m pytest -q -m "not cuda" $(PYTEST_ARGS)
 
-# Everything but the tests marked slow (real weights, process launches, wheel builds, trainings): 3 min 55 s on 2 cores (`time make test-fast`).
+# Everything but the tests marked slow (real weights, process launches, wheel builds, trainings): 4 min 7 s on 2 cores (`time make test-fast`).
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not slow and not cuda" $(PYTEST_ARGS)
 
