@@ -33,6 +33,7 @@ from ..modeling.architectures import (
     locate,
     module_at,
     norm_eps,
+    text_config_of,
 )
 from . import stream_settings
 from .proof import LayerFailure, StructureError, prove, relative_difference
@@ -391,8 +392,7 @@ def head_from_logits(model: nn.Module) -> str | None:
     from the hidden size to the vocabulary, a head nested in a module of its own): of those Linears, the one
     whose output on the probe tokens is the model's logits (up to a soft cap or a scale, which the head
     transform then finds). None where no one output matches."""
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    vocab = getattr(config, "vocab_size", None)
+    vocab = getattr(text_config_of(model.config), "vocab_size", None)
     candidates = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear) and m.out_features == vocab}
     outputs: dict[str, torch.Tensor] = {}
     hooks = [

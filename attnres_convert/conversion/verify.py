@@ -11,6 +11,8 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
+from ..modeling.architectures import text_config_of
+
 
 @dataclass(frozen=True)
 class Tolerances:
@@ -118,7 +120,7 @@ _CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length"
 def fit_to_context(config, tokens: int, new_tokens: int) -> tuple[int, int]:
     """Shorten the verification (prompt, then generated tokens) to the model's context window: a model with a
     learned position table cannot run past it, and the check must not fail for that reason."""
-    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    config = text_config_of(config)
     limit = next((v for key in _CONTEXT_KEYS if isinstance(v := getattr(config, key, None), int) and v > 0), None)
     if limit is None or tokens + new_tokens <= limit:
         return tokens, new_tokens

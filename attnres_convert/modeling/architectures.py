@@ -257,10 +257,15 @@ def norm_eps(module) -> float | None:
     return None
 
 
+def text_config_of(config):
+    """The language model's config: a composite's (image-text) text config, else the config itself."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
 def _head_by_shape(model) -> str | None:
     """The LM head of a model whose class names none (no `get_output_embeddings`, a head not called `lm_head`):
     its one direct child that is a Linear from the hidden size to the vocabulary."""
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    config = text_config_of(model.config)
     vocab = getattr(config, "vocab_size", None)
     embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     hidden = getattr(embeddings, "embedding_dim", None) or getattr(config, "hidden_size", None)
@@ -271,9 +276,9 @@ def _head_by_shape(model) -> str | None:
     return found[0] if len(found) == 1 else None
 
 
-def _holds_stack(module: nn.Module, layers: int | None) -> bool:
-    """Whether MODULE holds a list of LAYERS modules (a decoder stack)."""
-    return any(isinstance(m, nn.ModuleList) and len(m) > 0 and (layers is None or len(m) == layers) for m in module.modules())
+def _is_stack(module: nn.Module, layers: int | None) -> bool:
+    """Whether MODULE is a list of LAYERS modules (of any length where LAYERS is None): a decoder stack."""
+    return isinstance(module, nn.ModuleList) and len(module) > 0 and (layers is None or len(module) == layers)
 
 
 def _decoder_of(model) -> nn.Module | None:
@@ -298,23 +303,18 @@ def locate(model, lm_head: str | None = None) -> Where:
             f"{type(model).__name__} names no LM head (no get_output_embeddings) and has not exactly one Linear from "
             "its hidden size to its vocabulary among its direct modules"
         )
-    text_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    want = getattr(text_config, "num_hidden_layers", None)
+    want = getattr(text_config_of(model.config), "num_hidden_layers", None)
     prefix = getattr(model, "base_model_prefix", "")
     base = getattr(model, prefix, None) if prefix else None
     if not isinstance(base, nn.Module) or base is model:
         head_owner = lm_head.split(".")[0]
         others = [name for name, child in model.named_children() if name != head_owner and any(True for _ in child.parameters())]
         if len(others) > 1:  # a second head beside the base model (a draft head): the base model holds the stack
-            others = [name for name in others if _holds_stack(getattr(model, name), want)]
+            others = [name for name in others if any(_is_stack(m, want) for m in getattr(model, name).modules())]
         if len(others) != 1:
             raise UnsupportedModelError(f"{type(model).__name__}: cannot tell which module is the base model ({others})")
         prefix, base = others[0], getattr(model, others[0])
-    stacks = [
-        (name, module)
-        for name, module in base.named_modules()
-        if isinstance(module, nn.ModuleList) and len(module) > 0 and (want is None or len(module) == want)
-    ]
+    stacks = [(name, module) for name, module in base.named_modules() if _is_stack(module, want)]
     # An image-text model has a vision tower beside its language model: the stack is the language model's.
     decoder = _decoder_of(model)
     in_decoder = [(n, m) for n, m in stacks if decoder is not None and any(m is d for d in decoder.modules())]
