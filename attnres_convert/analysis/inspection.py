@@ -272,8 +272,8 @@ def inspect_source(
     from ..conversion.surgery import convert_model
     from ..conversion.verify import fit_to_context, sample_input_ids
 
-    from ..conversion.convert import SEE_COVERAGE
-    from ..modeling.architectures import UnsupportedModelError
+    from ..conversion.convert import refusal
+    from ..modeling.architectures import UnsupportedModelError, vocab_size_of
 
     try:
         loaded = load_any(model, dtype, trust_remote_code)
@@ -281,11 +281,11 @@ def inspect_source(
         if not loaded.converted:
             network = convert_model(network).eval()
     except UnsupportedModelError as error:
-        raise UnsupportedModelError(f"cannot inspect {model or 'the embedded model'}: {error} {SEE_COVERAGE}") from error
+        raise UnsupportedModelError(refusal(model or "the embedded model", error, "inspect")) from error
     if max_tokens < 2:
         raise SourceError(f"--max-tokens must be at least 2, got {max_tokens}")
     tokens, _ = fit_to_context(network.config.text_config, max_tokens, 0)
-    ids = sample_input_ids(loaded.tokenizer, text or SAMPLE_TEXT, tokens, network.config.text_config.vocab_size)
+    ids = sample_input_ids(loaded.tokenizer, text or SAMPLE_TEXT, tokens, vocab_size_of(network))
     inspection = inspect_model(network, ids, loaded.name, profiles=bool(plot) if profiles is None else profiles)
     if loaded.tokenizer is None:
         inspection.notes.append("the model has no tokenizer: measured on fixed pseudo-random token ids")

@@ -33,7 +33,6 @@ from ..modeling.architectures import (
     locate,
     module_at,
     norm_eps,
-    text_config_of,
 )
 from . import stream_settings
 from .proof import LayerFailure, StructureError, prove, relative_difference
@@ -380,7 +379,7 @@ def find_plan(model: nn.Module) -> tuple[ModelPlan, ModelTrace]:
             head = run_probes(model, head_from_logits, model)
             if head is None:
                 raise UnsupportedModelError(
-                    f"{error}, and none of its Linear modules to the vocabulary gives its logits"
+                    f"{error}, and no single one of its Linear modules outputs the model's logits"
                 ) from error
             where = locate(model, lm_head=head)
         return run_probes(model, _find_plan, model, where)
@@ -389,26 +388,26 @@ def find_plan(model: nn.Module) -> tuple[ModelPlan, ModelTrace]:
 @torch.no_grad()
 def head_from_logits(model: nn.Module) -> str | None:
     """The LM head of a model whose module tree does not tell it (no `get_output_embeddings`, several Linears
-    from the hidden size to the vocabulary, a head nested in a module of its own): of those Linears, the one
-    whose output on the probe tokens is the model's logits (up to a soft cap or a scale, which the head
-    transform then finds). None where no one output matches."""
-    vocab = getattr(text_config_of(model.config), "vocab_size", None)
-    candidates = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear) and m.out_features == vocab}
+    from the hidden size to the vocabulary, a head nested in a module of its own, a config that does not name
+    its vocabulary): of its Linear modules, the one whose output on the probe tokens is the model's logits (same
+    shape, up to a soft cap or a scale, which the head transform then finds). None where no one output matches."""
     outputs: dict[str, torch.Tensor] = {}
     hooks = [
         module.register_forward_hook(lambda _m, _a, out, name=name: outputs.setdefault(name, out))
-        for name, module in candidates.items()
+        for name, module in model.named_modules()
+        if isinstance(module, nn.Linear)
     ]
     try:
-        logits = model(input_ids=probe_ids(model)).logits.double().flatten()
+        logits = model(input_ids=probe_ids(model)).logits
     finally:
         for hook in hooks:
             hook.remove()
     matches = []
+    flat = logits.double().flatten()
     for name, out in outputs.items():
-        out = out.double().flatten()
-        if out.shape == logits.shape and torch.corrcoef(torch.stack([out, logits]))[0, 1] > 0.999:
-            matches.append(name)
+        if isinstance(out, torch.Tensor) and out.shape == logits.shape:
+            if torch.corrcoef(torch.stack([out.double().flatten(), flat]))[0, 1] > 0.999:
+                matches.append(name)
     return matches[0] if len(matches) == 1 else None
 
 

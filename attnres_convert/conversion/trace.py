@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..modeling.architectures import INPUT, RESIDUAL, UnsupportedModelError, Where, is_norm, module_at
+from ..modeling.architectures import INPUT, RESIDUAL, UnsupportedModelError, Where, is_norm, module_at, vocab_size_of
 from ..modeling.cache_names import cache_keyword, cache_of
 from ..modeling.modeling_attnres import positional_argnames
 from .single_thread import run_single_threaded
@@ -86,7 +86,7 @@ class ModelTrace:
 
 def probe_ids(model: nn.Module, tokens: int = PROBE_TOKENS) -> torch.Tensor:
     """The probe tokens: the same random ids (past the usual special tokens) for the original and the converted model."""
-    vocab = int(getattr(model.config.get_text_config(), "vocab_size", None) or model.get_input_embeddings().weight.shape[0])
+    vocab = int(vocab_size_of(model))
     generator = torch.Generator().manual_seed(0)
     device = model.get_input_embeddings().weight.device
     return torch.randint(min(3, vocab - 1), vocab, (1, tokens), generator=generator).to(device)

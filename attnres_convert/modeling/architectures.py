@@ -262,11 +262,25 @@ def text_config_of(config):
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
+def vocab_size_of(model) -> int | None:
+    """The vocabulary size: the config's `vocab_size`, else, for a config that names its sizes its own way
+    (`n_vocab`, `padded_vocab_size`...), the rows of the model's input embedding."""
+    vocab = getattr(text_config_of(model.config), "vocab_size", None)
+    if isinstance(vocab, int) and not isinstance(vocab, bool):
+        return vocab
+    try:
+        embeddings = model.get_input_embeddings()
+    except (AttributeError, NotImplementedError):
+        return None
+    return getattr(embeddings, "num_embeddings", None)
+
+
 def _head_by_shape(model) -> str | None:
     """The LM head of a model whose class names none (no `get_output_embeddings`, a head not called `lm_head`):
-    its one direct child that is a Linear from the hidden size to the vocabulary."""
+    its one direct child that is a Linear from the hidden size to the vocabulary (both read from the input
+    embedding where the config does not name them)."""
     config = text_config_of(model.config)
-    vocab = getattr(config, "vocab_size", None)
+    vocab = vocab_size_of(model)
     embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     hidden = getattr(embeddings, "embedding_dim", None) or getattr(config, "hidden_size", None)
     found = [
@@ -291,7 +305,8 @@ def _decoder_of(model) -> nn.Module | None:
 
 
 def locate(model, lm_head: str | None = None) -> Where:
-    """The base model, its decoder stack (the ModuleList of num_hidden_layers layers with the most parameters),
+    """The base model, its decoder stack (the ModuleList of num_hidden_layers layers, or of any length where the
+    config names no num_hidden_layers, with the most parameters),
     the LM head, and the final norm where the base model has exactly one norm outside its layers. From the
     module tree alone: works on the meta device, before any weights are loaded. LM_HEAD: the head's attribute
     path where the caller found it from the model's logits (discovery.head_from_logits)."""
@@ -300,9 +315,11 @@ def locate(model, lm_head: str | None = None) -> Where:
         lm_head = _child_name(model, head) if head is not None else _head_by_shape(model)
     if lm_head is None:
         raise UnsupportedModelError(
-            f"{type(model).__name__} names no LM head (no get_output_embeddings) and has not exactly one Linear from "
-            "its hidden size to its vocabulary among its direct modules"
+            f"{type(model).__name__} names no LM head: get_output_embeddings returns none and not exactly one of its "
+            "direct modules is a Linear from its hidden size to its vocabulary"
         )
+    # A config that names its layer count its own way (`n_layer`, `n_blocks`): the stack is the shallowest list of
+    # modules with the most parameters, and its length is the layer count.
     want = getattr(text_config_of(model.config), "num_hidden_layers", None)
     prefix = getattr(model, "base_model_prefix", "")
     base = getattr(model, prefix, None) if prefix else None

@@ -300,7 +300,8 @@ def attach_depth_attention(causal_lm: nn.Module, config: AttnResConfig, plan: Mo
     eps = plan.eps
     reference = base.get_input_embeddings().weight
     factory = {"device": reference.device, "dtype": reference.dtype}
-    hidden = text_config.get_text_config().hidden_size  # a composite's (image-text) language model
+    # Recorded at conversion, read from the layers; else the config's (a composite's: its language model's).
+    hidden = config.stream_width or text_config.get_text_config().hidden_size
     rank = config.query_rank
     # One per model: what its forwards keep (see _LayerSpec.runtime); the config says where the model was loaded from.
     runtime = {"config": config}
@@ -552,7 +553,7 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
         loss = None
         if labels is not None:
             loss = self.loss_function(
-                logits=logits, labels=labels, vocab_size=self.config.text_config.get_text_config().vocab_size, **kwargs
+                logits=logits, labels=labels, vocab_size=logits.shape[-1], **kwargs
             )
         result = CausalLMOutputWithPast(
             loss=loss,
