@@ -1,6 +1,6 @@
 """Tiny random configs of families and config variants (hidden 64, 3 layers), as the transformers tests do:
 the 14 of the architecture table, and families whose structure only discovery finds (Granite's multipliers,
-GLM-4's sandwich norms, OPT's MLP as a chain of modules, Cohere's parallel residual with qk-norm and a logit
+GLM-4's sandwich norms, Gemma 4's per-layer-input gate that reads the raw stream, OPT's MLP as a chain of modules, Cohere's parallel residual with qk-norm and a logit
 scale, DeepSeek-V3's latent attention with a dense first layer then MoE with a shared expert, Falcon's new
 decoder architecture with two norms in parallel), modules that add the residual themselves or take their input
 twice (Bloom, MPT, CTRL), and state-space and hybrid stacks (Mamba; Jamba's Mamba and
@@ -28,6 +28,13 @@ CONFIGS = {
     "gemma": lambda: T.GemmaConfig(**_DECODER, head_dim=16),
     "gemma2": lambda: T.Gemma2Config(**_DECODER, head_dim=16, sliding_window=8),
     "gemma3_text": lambda: T.Gemma3TextConfig(**_DECODER, head_dim=16, sliding_window=8),
+    # Gemma 4: a third sublayer per layer whose gate reads the raw stream, times the layer's per-layer input; the
+    # last layer reuses an earlier layer's KV states (KV sharing), as the small Gemma 4 models do
+    "gemma4_text": lambda: T.Gemma4TextConfig(
+        **_DECODER | {"num_hidden_layers": 4}, head_dim=16, global_head_dim=16, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        hidden_size_per_layer_input=16, vocab_size_per_layer_input=128, num_kv_shared_layers=2,
+    ),
     "phi3": lambda: T.Phi3Config(**_DECODER),
     "gpt2": lambda: T.GPT2Config(**_IDS | {"max_position_embeddings": 256}, n_embd=64, n_layer=3, n_head=4, n_positions=256),
     "gpt_neox_parallel": lambda: T.GPTNeoXConfig(**_NEOX, use_parallel_residual=True),

@@ -22,6 +22,8 @@ import torch
 from torch import nn
 
 from ..modeling.architectures import (
+    RAW_STREAM,
+    TIMES,
     Branch,
     ModelPlan,
     Sublayer,
@@ -33,6 +35,7 @@ from ..modeling.architectures import (
     locate,
     module_at,
     norm_eps,
+    reads_raw_stream,
 )
 from . import stream_settings
 from .proof import LayerFailure, StructureError, prove, relative_difference
@@ -159,6 +162,34 @@ def _returns(calls: list, out, branches: list) -> None:
                 break
 
 
+def _product_with_argument(x: torch.Tensor, produced: list, values: list, arguments: dict) -> tuple[int, str] | None:
+    """(index into VALUES, argument name) where X is a value a child returned times one of the layer's tensor
+    arguments (Gemma 4: its per-layer-input gate's activation times the layer's `per_layer_input`), the latest
+    such value first; None where X is no such product."""
+    tensors = {name: value for name, value in arguments.items()
+               if isinstance(value, torch.Tensor) and value.is_floating_point()}
+    for index in range(len(values) - 1, -1, -1):
+        if produced[index][0] != "call":
+            continue
+        for name, value in tensors.items():
+            try:
+                product = values[index] * value
+            except RuntimeError:  # shapes that do not broadcast
+                continue
+            if product.shape == x.shape and torch.equal(product, x):
+                return index, name
+    return None
+
+
+def _post_norm_refusal(layer: nn.Module, reader: str) -> UnsupportedModelError:
+    return UnsupportedModelError(
+        f"the residual stream is read by `{reader}` ({type(module_at(layer, reader)).__name__}) directly, and by no "
+        "norm (a post-norm layer): AttnRes converts a layer whose stream its sublayers read through scale-invariant "
+        "norms; a module beside them may read the raw stream (Gemma 4's per-layer-input gate), which the depth mix "
+        "reproduces exactly under source_scaling count"
+    )
+
+
 def discover_layer(
     layer: nn.Module, call: LayerCall, config, h0: torch.Tensor, expand: tuple[str, ...] = (), first: bool = False
 ) -> LayerStructure:
@@ -179,9 +210,11 @@ def discover_layer(
         h0, start_ref, calls = calls[0].y, calls[0].y_ref, calls[1:]
     streams: list[torch.Tensor] = [h0]
     branches: list[_Branch] = []
+    raw_readers: list[str] = []  # modules that read the stream without a norm
     produced: list[tuple[str, int]] = [("stream", 0)]  # in order: what each value is
     values: list[torch.Tensor] = [h0]
     refs: list[object] = [start_ref]
+    arguments = call.call_kwargs(call.args, call.kwargs)
     for index, entry in enumerate(calls):
         module = module_at(layer, entry.name)
         source = next((produced[i] for i in range(len(refs) - 1, -1, -1) if entry.x_ref is refs[i]), None)
@@ -190,6 +223,11 @@ def discover_layer(
                 if _same(entry.x, values[kind_index]):
                     source = produced[kind_index]
                     break
+        times = None  # the layer argument the input is a child's output multiplied by
+        if source is None and entry.x is not None:
+            product = _product_with_argument(entry.x, produced, values, arguments)
+            if product is not None:
+                source, times = produced[product[0]], product[1]
         if source is None:  # a new residual stream: the previous one plus the outputs added since
             if entry.x is None:
                 raise UnsupportedModelError(f"`{entry.name}` is called without a tensor input")
@@ -203,16 +241,24 @@ def discover_layer(
             if not is_norm(module) and "." not in entry.name and any(is_norm(inner) for inner in module.children()):
                 return discover_layer(layer, call, config, h0, (*expand, entry.name), first)
             if not is_norm(module):
-                reader = entry.name.split(".")[0]  # a block looked into whose norm does not read first: the block
-                raise UnsupportedModelError(
-                    f"the residual stream is read by `{reader}` ({type(module_at(layer, reader)).__name__}) directly, not through "
-                    "a norm (a post-norm layer, or a branch that reads the raw stream): AttnRes converts a layer only "
-                    "when every reader of its stream is a scale-invariant norm"
-                )
-            branches.append(_Branch(ref, entry.name, tail=index, norm_call=index))
+                # A module that reads the raw stream: a branch of its own, without a norm (refused below where no
+                # norm reads the layer's stream at all).
+                if entry.residual is not None:
+                    raise UnsupportedModelError(f"`{entry.name}` reads the raw residual stream and takes it a second time")
+                raw_readers.append(entry.name.split(".")[0])  # a block looked into whose norm does not read first: the block
+                branches.append(_Branch(ref, RAW_STREAM, entry.name, [], entry.extra, index, -1, entry.arguments,
+                                        entry.constants, module_call=index))
+            else:
+                branches.append(_Branch(ref, entry.name, tail=index, norm_call=index))
         else:
             owner = next((b for b in branches if b.tail == ref), None)
             norm_owner = next((b for b in branches if b.norm_call == ref), None)
+            if times is not None:
+                if owner is None or owner.module is None:
+                    raise UnsupportedModelError(
+                        f"`{entry.name}` reads a product with the layer's argument `{times}` that is not a module's output"
+                    )
+                owner.post.append(TIMES + times)
             if owner is not None and owner.module is None:
                 owner.module, owner.attention, owner.tail, owner.module_call = entry.name, entry.extra, index, index
                 owner.arguments, owner.constants = entry.arguments, entry.constants
@@ -242,6 +288,8 @@ def discover_layer(
             produced.append(("call", index))
             values.append(entry.y)
             refs.append(entry.y_ref)
+    if raw_readers and all(b.norm == RAW_STREAM for b in branches):
+        raise _post_norm_refusal(layer, raw_readers[0])
     if any(b.module is None for b in branches):
         lone = next(b for b in branches if b.module is None)
         raise UnsupportedModelError(f"the output of norm `{lone.norm}` feeds no module")
@@ -327,6 +375,8 @@ def _head_transform(model: nn.Module, where: Where, trace: ModelTrace) -> dict:
 def _eps(layer: nn.Module, sublayers: tuple[Sublayer, ...], config) -> float:
     for sublayer in sublayers:
         for branch in sublayer.branches:
+            if reads_raw_stream(branch):
+                continue
             value = norm_eps(module_at(layer, branch.norm))
             if value is not None:
                 return value

@@ -144,7 +144,8 @@ def _run_recording_inputs(layer, sublayers, h0, args, kwargs) -> tuple[torch.Ten
             if position not in inputs and hook_args and isinstance(hook_args[0], torch.Tensor):
                 inputs[position] = hook_args[0].detach().clone()
 
-        hooks.append(module_at(layer, sublayer.branches[0].norm).register_forward_pre_hook(hook))
+        first = sublayer.branches[0]  # its norm reads the stream, or its module where it reads the raw stream
+        hooks.append(module_at(layer, first.norm or first.module).register_forward_pre_hook(hook))
     try:
         output = layer(h0, *args, **kwargs)
         return first_tensor(output), inputs, output

@@ -38,9 +38,14 @@ class UnsupportedModelError(ValueError):
 
 @dataclass(frozen=True)
 class Branch:
-    norm: str  # attribute of the decoder layer: the PreNorm that reads the residual stream
+    # Attribute of the decoder layer: the PreNorm that reads the residual stream; "" (RAW_STREAM) where the module
+    # reads the stream itself (Gemma 4's per-layer-input gate). With source_scaling "count" the depth mix at zero
+    # queries is the stream itself, so such a reader still reads exactly what it read in the base model.
+    norm: str
     module: str  # attention or MLP module
-    post: tuple[str, ...] = ()  # modules applied to the branch output before it joins the stream
+    # Modules applied to the branch output before it joins the stream; an entry `*name` multiplies the branch's
+    # value by the layer's argument `name` (Gemma 4's gate times its `per_layer_input`).
+    post: tuple[str, ...] = ()
     attention: bool = False  # receives the layer's call arguments (mask, positions, cache)
     scale: float | None = None  # residual multiplier applied to the branch output (Granite)
     # Where the module takes the layer's arguments under other names (Falcon-H1's Mamba mixer gets the layer's
@@ -113,6 +118,19 @@ def _kwargs(arguments, constants, layer_kwargs: dict, x) -> dict:
     return {**kwargs, **dict(constants)}
 
 
+RAW_STREAM = ""  # Branch.norm of a module that reads the residual stream itself
+TIMES = "*"  # prefix of a Branch.post entry that multiplies by a layer argument
+
+
+def reads_raw_stream(branch: Branch) -> bool:
+    return branch.norm == RAW_STREAM
+
+
+def times_argument(post: str) -> str | None:
+    """The layer argument a post entry `*name` multiplies by, or None for a module's name."""
+    return post[len(TIMES):] if post.startswith(TIMES) else None
+
+
 # Sources of a module argument that are not the layer's: the module's own input again (CTRL's attention takes
 # v, k, q), or the residual stream that the module adds to its output itself (Bloom, MPT's MLP): zeros stand in
 # for it, so the module returns its own output, which AttnRes adds as a source.
@@ -140,10 +158,11 @@ class Sublayer:
         return cls(data["name"], tuple(Branch.from_dict(branch) for branch in data["branches"]))
 
     def describe(self) -> str:
-        """e.g. `input_layernorm -> self_attn -> post_attention_layernorm`, branches joined by ` + `."""
+        """e.g. `input_layernorm -> self_attn -> post_attention_layernorm`, branches joined by ` + ` (`stream ->`
+        for a module that reads the raw stream, `* name` for a product with the layer's argument `name`)."""
         parts = []
         for branch in self.branches:
-            text = " -> ".join((branch.norm, branch.module, *branch.post))
+            text = " -> ".join((branch.norm or "stream", branch.module, *(p.replace(TIMES, "* ", 1) for p in branch.post)))
             parts.append(text if branch.scale is None else f"{text} x {branch.scale:g}")
         return " + ".join(parts)
 

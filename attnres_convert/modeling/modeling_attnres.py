@@ -30,7 +30,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from .architectures import ModelPlan, Sublayer, module_at, plan_for
+from .architectures import ModelPlan, Sublayer, module_at, plan_for, times_argument
 from .cache_names import CURRENT, INSTALLED, LEGACY, cache_keyword, cache_of
 from .configuration_attnres import AttnResConfig
 from .depth_attention import STATE_TYPES, TrainState, add_output, close_block, current_stream, depth_mix, start_state, wants_queries
@@ -38,7 +38,7 @@ from .depth_core import pseudo_query
 from .depth_kernels_cpu import fused_norm
 from .depth_modules import AttnResKeyNorm, AttnResQuery, depth_params, init_depth_module, placed
 from .depth_plan import SublayerPlan, output_num_sources, plan_sublayers
-from .transformers_compat import MODEL_FOR_CAUSAL_LM_MAPPING, MissingTransformersInternal, internal
+from .transformers_compat import BETWEEN_LAYER_SHORTCUTS, MODEL_FOR_CAUSAL_LM_MAPPING, MissingTransformersInternal, internal
 from .remote_code import ship_base_code
 from .weight_names import default_save_conversions, guard_all
 
@@ -131,16 +131,23 @@ def run_sublayer(
     total, children = None, layer._modules
     for branch in sublayer.branches:
         # A plain child name is looked up in place (a decoding step pays for every call), a dotted path by module_at.
-        norm, module = children.get(branch.norm), children.get(branch.module)
-        norm = module_at(layer, branch.norm) if norm is None else norm
+        module = children.get(branch.module)
         module = module_at(layer, branch.module) if module is None else module
-        x = h if normed else norm(h)
+        if normed or not branch.norm:  # normed by the kernel already, or a module that reads the raw stream
+            x = h
+        else:
+            norm = children.get(branch.norm)
+            x = (module_at(layer, branch.norm) if norm is None else norm)(h)
         y = module(x, **branch.call_kwargs(call_kwargs, x)) if branch.attention else module(x)
         if isinstance(y, tuple):  # attention returns (output, weights); some MoE blocks (output, router)
             if returned is not None:
                 returned.update((position, y[index]) for position, index in branch.returns)
             y = y[0] if not branch.output_bias or y[branch.output_bias] is None else y[0] + y[branch.output_bias]
         for post in branch.post:
+            argument = times_argument(post)
+            if argument is not None:  # the branch's value times a layer argument (Gemma 4's per-layer input)
+                y = y * call_kwargs[argument]
+                continue
             extra = branch.post_kwargs(post, call_kwargs, y) if branch.post_arguments else None
             y = module_at(layer, post)(y) if extra is None else module_at(layer, post)(y, **extra)
             if isinstance(y, tuple):
@@ -409,6 +416,16 @@ class AttnResPreTrainedModel(PreTrainedModel):
             fill_unsaved_buffers(self)
 
 
+def _turn_off_between_layer_shortcuts(model: nn.Module) -> None:
+    """Turn off what a base model's loop would do to the hidden states between its layers as an optimisation only
+    (BETWEEN_LAYER_SHORTCUTS: Gemma 4's slicing before its KV-shared layers), which a depth-attention state cannot
+    undergo; the same function is computed without it."""
+    for module in model.modules():
+        for attribute, off in BETWEEN_LAYER_SHORTCUTS.items():
+            if attribute in module.__dict__:
+                setattr(module, attribute, off)
+
+
 def fill_unsaved_buffers(model: nn.Module) -> None:
     """Runs the base model's own init on itself and on each module holding a non-persistent buffer: a checkpoint
     does not hold those (Falcon-H1's `mup_vector`), and transformers skips a module of custom code (this class)
@@ -449,6 +466,7 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
         self._tied_weights_keys = getattr(type(base_model), "_tied_weights_keys", None)
         for name, child in base_model.named_children():
             self.add_module(name, child)
+        _turn_off_between_layer_shortcuts(self)
         attach_depth_attention(self, config, plan)
         # device_map="auto" must keep each decoder layer whole: its depth-attention parameters are read with
         # its sublayers. The converted layers' classes are AttnRes<Base>; the base names stay for tools
