@@ -119,7 +119,7 @@ def test_convert_an_image_text_folder_loads_with_its_processor_and_generates_exa
 
 def _tiny_gemma4_image_text():
     """A tiny Gemma 4 image-text model (its default config has no vision tower: one is given here), with its
-    language model's per-layer inputs, and an image of 4 x 4 patches pooled into 4 soft tokens."""
+    language model's per-layer inputs and layer scalars, and an image of 4 x 4 patches pooled into 4 soft tokens."""
     import transformers as T
 
     from attnres_convert.conversion.tiny_configs import tiny_config
@@ -138,6 +138,8 @@ def _tiny_gemma4_image_text():
         for param in model.parameters():
             if param.dim() >= 2 and param.is_floating_point():
                 param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
+        for layer, scalar in zip(model.model.language_model.layers, (0.5, 2.0)):  # as checkpoints set them
+            layer.layer_scalar.fill_(scalar)
     side, patch = 4, 4
     pixels = torch.rand(1, side * side, 3 * patch * patch, generator=torch.Generator().manual_seed(1))
     positions = torch.tensor([[[x, y] for y in range(side) for x in range(side)]])
@@ -158,7 +160,7 @@ def test_gemma4_image_text_converts_exactly_with_its_raw_stream_gate():
 
     converted = convert_model(copy.deepcopy(original), block_size=3).eval()
     plan = converted._attnres_plan
-    assert plan.layers == "language_model.layers"
+    assert plan.layers == "language_model.layers" and plan.layer_scalars == (0.5, 2.0)
     gate = plan.sublayers(0)[-1]
     assert gate.describe() == ("stream -> per_layer_input_gate -> act_fn -> * per_layer_input -> per_layer_projection "
                                "-> post_per_layer_input_norm")

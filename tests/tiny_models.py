@@ -28,8 +28,9 @@ CONFIGS = {
     "gemma": lambda: T.GemmaConfig(**_DECODER, head_dim=16),
     "gemma2": lambda: T.Gemma2Config(**_DECODER, head_dim=16, sliding_window=8),
     "gemma3_text": lambda: T.Gemma3TextConfig(**_DECODER, head_dim=16, sliding_window=8),
-    # Gemma 4: a third sublayer per layer whose gate reads the raw stream, times the layer's per-layer input; the
-    # last layer reuses an earlier layer's KV states (KV sharing), as the small Gemma 4 models do
+    # Gemma 4: a third sublayer per layer whose gate reads the raw stream, times the layer's per-layer input; each
+    # layer scales the stream it returns (AFTER_BUILD); the last two layers reuse earlier layers' KV states (KV
+    # sharing), as the small Gemma 4 models do
     "gemma4_text": lambda: T.Gemma4TextConfig(
         **_DECODER | {"num_hidden_layers": 4}, head_dim=16, global_head_dim=16, sliding_window=8,
         layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
@@ -84,6 +85,16 @@ CONFIGS = {
 }
 
 
+def _gemma4_layer_scalars(model) -> None:
+    # Gemma 4's layers multiply the stream they return by a `layer_scalar` buffer that checkpoints set; not 1 here.
+    for layer, scalar in zip(model.model.layers, (0.5, 1.7, 0.3, 2.5)):
+        layer.layer_scalar.fill_(scalar)
+
+
+# What a family's checkpoints hold that its init does not: set after building.
+AFTER_BUILD = {"gemma4_text": _gemma4_layer_scalars}
+
+
 def tiny_model(name: str, seed: int = 0, **overrides) -> T.PreTrainedModel:
     config = CONFIGS[name]()
     for key, value in overrides.items():
@@ -96,6 +107,8 @@ def tiny_model(name: str, seed: int = 0, **overrides) -> T.PreTrainedModel:
         for name_, param in model.named_parameters():
             if param.dim() >= 2:
                 param.normal_(0.0, 0.15)
+        if name in AFTER_BUILD:
+            AFTER_BUILD[name](model)
     return model
 
 

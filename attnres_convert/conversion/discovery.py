@@ -91,6 +91,17 @@ def _stream_scale(previous: torch.Tensor, y: torch.Tensor, returned: torch.Tenso
     return factor
 
 
+def _layer_scalar(layer: nn.Module, factor: float) -> float:
+    """The float the layer multiplies its stream by: the value of its one-element tensor (buffer or parameter:
+    Gemma 4's `layer_scalar`) that FACTOR, measured, is, else FACTOR itself."""
+    for tensor in [*layer.buffers(recurse=False), *layer.parameters(recurse=False)]:
+        if tensor.numel() == 1 and tensor.is_floating_point():
+            value = float(tensor.item())
+            if abs(value - factor) <= 1e-4 * abs(value):
+                return value
+    return factor
+
+
 def _copy_of(ref, calls, streams) -> torch.Tensor | None:
     """The values of tensor REF as the layer held them: a stream, or a child's recorded input or output."""
     for stream in streams:
@@ -135,6 +146,7 @@ class LayerStructure:
 
     sublayers: tuple[Sublayer, ...]
     stream_start: str | None = None
+    layer_scalar: float | None = None  # the factor the layer multiplies the whole stream by before returning it
 
 
 def _stream_start(layer: nn.Module, calls: list, h0: torch.Tensor) -> str | None:
@@ -298,6 +310,7 @@ def discover_layer(
     _returns(calls, output, branches)
     sublayers: list[Sublayer] = []
     used: set[str] = set()
+    layer_scalar = None
     for stream in range(len(streams) - 1):
         group = [b for b in branches if b.stream == stream]
         if not group:
@@ -314,11 +327,9 @@ def discover_layer(
                     y = y + calls[group[0].tail].outputs[group[0].output_bias].double()
             if stream == len(streams) - 2:
                 factor = _stream_scale(streams[stream].double(), y, streams[stream + 1].double())
-                if factor is not None:
-                    raise UnsupportedModelError(
-                        f"the decoder layer scales the residual stream itself by {factor:.4g} after adding its last "
-                        "output (a layer scalar): the stream is not a sum of sublayer outputs"
-                    )
+                if factor is not None:  # what the layer returns is factor * (stream + y): the stream before it
+                    layer_scalar = _layer_scalar(layer, factor)
+                    delta = streams[stream + 1].double() / layer_scalar - streams[stream].double()
             denominator = (y * y).sum().item()
             if denominator > 0:
                 scales[0] = _snap((delta * y).sum().item() / denominator, config)
@@ -333,7 +344,7 @@ def discover_layer(
         )))
     if not sublayers:
         raise UnsupportedModelError("the decoder layer adds nothing to the residual stream")
-    return LayerStructure(tuple(sublayers), stream_start)
+    return LayerStructure(tuple(sublayers), stream_start, layer_scalar)
 
 
 # --- the head --------------------------------------------------------------------------------------
@@ -391,7 +402,7 @@ def discovered_plan(model: nn.Module, where: Where, trace: ModelTrace, head: dic
     """The plan read from every decoder layer's data flow (not yet proven), with HEAD's logit transform."""
     base = module_at(model, where.base_model)
     layers = module_at(base, where.layers)
-    per_layer, stream_start = [], None
+    per_layer, stream_start, scalars = [], None, []
     for index, (layer, call) in enumerate(zip(layers, trace.calls)):
         try:
             found = discover_layer(layer, call, model.config, probe_hidden(call, seed=index), first=index == 0)
@@ -399,6 +410,7 @@ def discovered_plan(model: nn.Module, where: Where, trace: ModelTrace, head: dic
             raise StructureError(str(LayerFailure(index, None, str(error)))) from error
         per_layer.append(found.sublayers)
         stream_start = stream_start or found.stream_start
+        scalars.append(1.0 if found.layer_scalar is None else found.layer_scalar)
     kinds = list(dict.fromkeys(per_layer))
     return ModelPlan(
         tuple(kinds.index(s) for s in per_layer),
@@ -410,6 +422,7 @@ def discovered_plan(model: nn.Module, where: Where, trace: ModelTrace, head: dic
         lm_head=where.lm_head,
         tuple_output=trace.tuple_output,
         stream_start=stream_start,
+        layer_scalars=tuple(scalars) if any(scalar != 1.0 for scalar in scalars) else None,
         **head,
     )
 

@@ -187,6 +187,9 @@ class ModelPlan:
     # A module of the first decoder layer whose output replaces the stream it receives (RWKV's `pre_ln`): applied
     # to the embeddings, it makes the first source, as it makes the first stream of the base model.
     stream_start: str | None = None
+    # Per decoder layer, the factor it multiplies the whole stream by before returning it (Gemma 4's
+    # `layer_scalar`); None: 1 everywhere. See `stream_scales`.
+    layer_scalars: tuple[float, ...] | None = None
 
     def sublayers(self, layer_index: int) -> tuple[Sublayer, ...]:
         return self.kinds[self.layer_kinds[layer_index]]
@@ -198,6 +201,17 @@ class ModelPlan:
     @property
     def num_sublayers(self) -> int:
         return sum(len(self.kinds[kind]) for kind in self.layer_kinds)
+
+    def stream_scales(self) -> tuple[tuple[float, ...], float]:
+        """(P_k for each decoder layer, P for the final norm): how much the base model's stream has been scaled by the
+        layer scalars of the layers before (the product of their `layer_scalars`). Layer k's outputs join the
+        sources divided by P_k and its readers read P_k times their mix, so every source stays in the units of the
+        embedding and, at zero queries, a reader reads exactly the base model's (scaled) stream."""
+        scales, product = [], 1.0
+        for scalar in self.layer_scalars or (1.0,) * self.num_layers:
+            scales.append(product)
+            product *= scalar
+        return tuple(scales), product
 
     def to_dict(self) -> dict:
         data = {
@@ -216,12 +230,16 @@ class ModelPlan:
             data["tuple_output"] = True if self.tuple_output == 1 else int(self.tuple_output)
         if self.stream_start:
             data["stream_start"] = self.stream_start
+        if self.layer_scalars is not None:
+            data["layer_scalars"] = list(self.layer_scalars)
         return data
 
     @classmethod
     def from_dict(cls, data: dict) -> ModelPlan:
         kinds = tuple(tuple(Sublayer.from_dict(s) for s in kind) for kind in data["kinds"])
         optional = {k: data[k] for k in ("logit_scale", "logit_divisor", "logit_softcap", "tuple_output", "stream_start") if data.get(k) is not None}
+        if data.get("layer_scalars") is not None:
+            optional["layer_scalars"] = tuple(float(v) for v in data["layer_scalars"])
         return cls(tuple(data["layer_kinds"]), kinds, float(data["eps"]), data["base_model"], data["layers"],
                    data["final_norm"], data["lm_head"], **optional)
 

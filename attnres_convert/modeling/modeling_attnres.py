@@ -21,6 +21,7 @@ transformers only. Load with `AutoModelForCausalLM.from_pretrained(path, trust_r
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 from typing import NamedTuple
 
@@ -57,6 +58,8 @@ class _LayerSpec(NamedTuple):
     query_rank: int  # > 0: input-dependent queries (the plain BlockState path, see start_state)
     stream_start: str | None  # the first layer's: its module that makes the first source (ModelPlan.stream_start)
     returns: bool  # a branch's module output is returned after the stream (Branch.returns)
+    # P_k (ModelPlan.stream_scales): the base model's stream here is this times the sum of the sources (layer scalars)
+    stream_scale: float
     # One per model, shared by its layers and final norm: the decoding buffers a forward without autograd keeps
     # for the next (see start_state), the open recorders (`record_depth_weights`), the training-time depth
     # gate (see `set_depth_gate`) and the config (where the C++ kernels' source is looked for).
@@ -90,8 +93,10 @@ class AttnResDecoderLayerMixin:
         # Readers take their query from the state where it holds them all, folded once per forward.
         folded = state.queries is not None
         gate = spec.runtime.get("gate", 1.0)
-        # With the C++ kernels a reader's mix can come out normed by its sublayer's norm (see `fused_norm`).
-        native = getattr(state, "native", None) if gate == 1.0 else None
+        scale = spec.stream_scale
+        # With the C++ kernels a reader's mix can come out normed by its sublayer's norm (see `fused_norm`), where
+        # the mix is the norm's whole input.
+        native = getattr(state, "native", None) if gate == 1.0 and scale == 1.0 else None
         returned = {} if spec.returns else None
         for sublayer, plan, names in zip(spec.sublayers, spec.plans, spec.param_names):
             if plan.closes_block:
@@ -102,7 +107,10 @@ class AttnResDecoderLayerMixin:
             h = depth_mix(state, *params, spec.eps, spec.scaling, reader=plan.index - 1, projection=projection, norm=norm)
             if gate != 1.0:
                 h = gated(state, h, gate)
-            state = add_output(state, run_sublayer(self, sublayer, h, call_kwargs, normed=bool(norm), returned=returned))
+            if scale != 1.0:  # the earlier layers' scalars: the stream the base model's sublayer read (stream_scales)
+                h = h * scale
+            output = run_sublayer(self, sublayer, h, call_kwargs, normed=bool(norm), returned=returned)
+            state = add_output(state, output if scale == 1.0 else output / scale)
         if not spec.tuple_output:
             return state
         output = [state] + [None] * (int(spec.tuple_output) - 1)  # (hidden, attention weights) where unpacked
@@ -225,10 +233,10 @@ class AttnResFinalNormMixin:
 
     def forward(self, hidden_states, *args, **kwargs):
         if isinstance(hidden_states, STATE_TYPES):
-            owner, eps, scaling, runtime = self._attnres_output
+            owner, eps, scaling, runtime, scale = self._attnres_output
             state, like = hidden_states, hidden_states.stream
             if getattr(state, "queries", None) is not None:  # folded with the sublayers' (see `_all_queries`)
-                native = getattr(state, "native", None) if runtime.get("gate", 1.0) == 1.0 else None
+                native = getattr(state, "native", None) if runtime.get("gate", 1.0) == 1.0 and scale == 1.0 else None
                 norm = () if native is None else fused_norm(native, self)
                 hidden_states = depth_mix(state, None, None, eps, scaling, reader=-1, norm=norm)
                 if norm:
@@ -244,6 +252,8 @@ class AttnResFinalNormMixin:
             gate = runtime.get("gate", 1.0)
             if gate != 1.0:
                 hidden_states = gated(state, hidden_states, gate)
+            if scale != 1.0:  # every layer's scalar (ModelPlan.stream_scales)
+                hidden_states = hidden_states * scale
         return super().forward(hidden_states, *args, **kwargs)
 
 
@@ -313,6 +323,7 @@ def attach_depth_attention(causal_lm: nn.Module, config: AttnResConfig, plan: Mo
     # One per model: what its forwards keep (see _LayerSpec.runtime); the config says where the model was loaded from.
     runtime = {"config": config}
     first = 0
+    scales, output_scale = plan.stream_scales()
     for index, layer in enumerate(layers):
         sublayers = plan.sublayers(index)
         param_names = tuple((f"{sublayer.name}_res_proj", f"{sublayer.name}_res_norm") for sublayer in sublayers)
@@ -339,6 +350,7 @@ def attach_depth_attention(causal_lm: nn.Module, config: AttnResConfig, plan: Mo
             rank,
             plan.stream_start if index == 0 else None,
             any(branch.returns for sublayer in sublayers for branch in sublayer.branches),
+            scales[index],
             runtime,
         )
         first += len(sublayers)
@@ -349,7 +361,7 @@ def attach_depth_attention(causal_lm: nn.Module, config: AttnResConfig, plan: Mo
         norm.__class__ = _attnres_class(AttnResFinalNormMixin, type(norm))
     # A plain (unregistered) reference to the owner: the parameters belong to the base model module,
     # where the checkpoint contract puts them; the norm only reads them.
-    norm._attnres_output = (base, eps, config.source_scaling, runtime)
+    norm._attnres_output = (base, eps, config.source_scaling, runtime, output_scale)
 
 
 class AttnResPreTrainedModel(PreTrainedModel):
@@ -596,11 +608,15 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
             if not recorded:
                 recorded.append(args[0])
 
-        def after(module, args, output):
-            recorded.append(stream_state(output))
+        scales = self._attnres_plan.stream_scales()[0]  # the stream after layer k is P_(k+1) times the sources' sum
+
+        def after(module, args, output, scale=1.0):
+            stream = stream_state(output)
+            recorded.append(stream if scale == 1.0 else stream * scale)
 
         hooks = [layers[0].register_forward_pre_hook(first)]
-        hooks += [layer.register_forward_hook(after) for layer in layers[:-1]]
+        hooks += [layer.register_forward_hook(functools.partial(after, scale=scale))
+                  for layer, scale in zip(layers[:-1], scales[1:])]
         return hooks, recorded
 
 
