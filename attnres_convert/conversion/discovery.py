@@ -195,10 +195,9 @@ def _product_with_argument(x: torch.Tensor, produced: list, values: list, argume
 
 def _post_norm_refusal(layer: nn.Module, reader: str) -> UnsupportedModelError:
     return UnsupportedModelError(
-        f"the residual stream is read by `{reader}` ({type(module_at(layer, reader)).__name__}) directly, and by no "
-        "norm (a post-norm layer): AttnRes converts a layer whose stream its sublayers read through scale-invariant "
-        "norms; a module beside them may read the raw stream (Gemma 4's per-layer-input gate), which the depth mix "
-        "reproduces exactly under source_scaling count"
+        f"the residual stream is read by `{reader}` ({type(module_at(layer, reader)).__name__}) directly, not through "
+        "a norm (a post-norm layer): AttnRes converts a layer whose sublayers read its stream through scale-invariant "
+        "norms (a module beside them may read the raw stream, as Gemma 4's per-layer-input gate does)"
     )
 
 
@@ -255,9 +254,11 @@ def discover_layer(
             if not is_norm(module):
                 # A module that reads the raw stream: a branch of its own, without a norm (refused below where no
                 # norm reads the layer's stream at all).
+                if "." in entry.name:  # a block looked into (it holds norms) whose norm does not read the stream first
+                    raise _post_norm_refusal(layer, entry.name.split(".")[0])
                 if entry.residual is not None:
                     raise UnsupportedModelError(f"`{entry.name}` reads the raw residual stream and takes it a second time")
-                raw_readers.append(entry.name.split(".")[0])  # a block looked into whose norm does not read first: the block
+                raw_readers.append(entry.name)
                 branches.append(_Branch(ref, RAW_STREAM, entry.name, [], entry.extra, index, -1, entry.arguments,
                                         entry.constants, module_call=index))
             else:
