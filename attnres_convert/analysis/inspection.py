@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..modeling.architectures import module_at
+from ..modeling.architectures import module_at, times_argument
 from ..errors import SourceError
 from ..modeling.depth_attention import record_depth_weights, source_ranges
 from ..modeling.modeling_attnres import AttnResForCausalLM, AttnResQuery
@@ -191,16 +191,18 @@ def sublayer_profile(model: AttnResForCausalLM, input_ids: torch.Tensor) -> Subl
             index += 1
             params: dict[int, torch.nn.Parameter] = {}
             for branch in sublayer.branches:
-                norm = module_at(layer, branch.norm)
+                # What reads the stream: the norm, or the module itself where it reads the raw stream.
+                norm = module_at(layer, branch.norm or branch.module)
                 if id(norm) not in seen_norms:
                     seen_norms.add(id(norm))
                     hooks.append(norm.register_forward_pre_hook(reading(index)))
-                last = module_at(layer, branch.post[-1] if branch.post else branch.module)
+                steps = [name for name in branch.post if times_argument(name) is None]  # modules, not products
+                last = module_at(layer, steps[-1] if steps else branch.module)
                 if id(last) not in seen_last:  # Phi's branches share one dropout: it fires once per branch
                     seen_last.add(id(last))
                     hooks.append(last.register_forward_hook(adding))
-                for name in (branch.norm, branch.module, *branch.post):
-                    for p in module_at(layer, name).parameters():
+                for name in (branch.norm, branch.module, *steps):
+                    for p in (module_at(layer, name).parameters() if name else ()):
                         params[id(p)] = p
             param_groups.append(list(params.values()))
     was_training = model.training
