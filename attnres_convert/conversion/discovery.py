@@ -78,26 +78,27 @@ def _output_bias(entry, y: torch.Tensor, delta: torch.Tensor) -> int:
     return 0
 
 
-def _stream_scale(previous: torch.Tensor, y: torch.Tensor, returned: torch.Tensor) -> float | None:
+def _stream_scale(previous: torch.Tensor, y: torch.Tensor, returned: torch.Tensor, limit: float) -> float | None:
     """The factor c where a layer returns c * (stream + output) instead of stream + output (Gemma 4's
-    `layer_scalar`), or None where what it returns is not that for a c other than 1."""
+    `layer_scalar`), or None where what it returns is not that (within LIMIT relative: the layer's precision) for
+    a c other than 1."""
     total = previous + y
     denominator = (total * total).sum().item()
     if denominator == 0:
         return None
     factor = (returned * total).sum().item() / denominator
-    if abs(factor - 1.0) < 1e-4 or not (returned - factor * total).abs().max() <= 1e-5 * returned.abs().max():
+    if abs(factor - 1.0) < 1e-4 or not (returned - factor * total).abs().max() <= limit * returned.abs().max():
         return None
     return factor
 
 
-def _layer_scalar(layer: nn.Module, factor: float) -> float:
+def _layer_scalar(layer: nn.Module, factor: float, limit: float) -> float:
     """The float the layer multiplies its stream by: the value of its one-element tensor (buffer or parameter:
-    Gemma 4's `layer_scalar`) that FACTOR, measured, is, else FACTOR itself."""
+    Gemma 4's `layer_scalar`) that FACTOR, measured, is (within LIMIT relative), else FACTOR itself."""
     for tensor in [*layer.buffers(recurse=False), *layer.parameters(recurse=False)]:
         if tensor.numel() == 1 and tensor.is_floating_point():
             value = float(tensor.item())
-            if abs(value - factor) <= 1e-4 * abs(value):
+            if abs(value - factor) <= limit * abs(value):
                 return value
     return factor
 
@@ -129,14 +130,14 @@ def _config_floats(config) -> list[float]:
     return values
 
 
-def _snap(value: float, config) -> float | None:
-    """A residual multiplier as the config states it (bit-exact), or None for 1."""
-    if abs(value - 1.0) < 1e-4:
+def _snap(value: float, config, limit: float = 1e-4) -> float | None:
+    """A residual multiplier as the config states it (bit-exact: the closest config value within LIMIT relative),
+    or None for 1. LIMIT is the measurement's precision: a half-precision layer's rounded adds put the ratio of a
+    plain residual add a few 1e-4 away from 1."""
+    if abs(value - 1.0) < limit:
         return None
-    for candidate in _config_floats(config):
-        if abs(value - candidate) <= 1e-4 * abs(candidate):
-            return candidate
-    return value
+    close = [c for c in _config_floats(config) if abs(value - c) <= limit * abs(c)]
+    return min(close, key=lambda c: abs(value - c)) if close else value
 
 
 @dataclass(frozen=True)
@@ -312,6 +313,9 @@ def discover_layer(
     sublayers: list[Sublayer] = []
     used: set[str] = set()
     layer_scalar = None
+    # How closely a half-precision layer's rounded arithmetic shows a factor: scalars and multipliers are told from
+    # 1 and matched to the values they come from at the layer's precision (the proof then checks them at it).
+    limit = 1e-5 if h0.dtype in (torch.float32, torch.float64) else 1e-2
     for stream in range(len(streams) - 1):
         group = [b for b in branches if b.stream == stream]
         if not group:
@@ -327,13 +331,13 @@ def discover_layer(
                 if group[0].output_bias:
                     y = y + calls[group[0].tail].outputs[group[0].output_bias].double()
             if stream == len(streams) - 2:
-                factor = _stream_scale(streams[stream].double(), y, streams[stream + 1].double())
+                factor = _stream_scale(streams[stream].double(), y, streams[stream + 1].double(), limit)
                 if factor is not None:  # what the layer returns is factor * (stream + y): the stream before it
-                    layer_scalar = _layer_scalar(layer, factor)
+                    layer_scalar = _layer_scalar(layer, factor, max(limit, 1e-4))
                     delta = streams[stream + 1].double() / layer_scalar - streams[stream].double()
             denominator = (y * y).sum().item()
             if denominator > 0:
-                scales[0] = _snap((delta * y).sum().item() / denominator, config)
+                scales[0] = _snap((delta * y).sum().item() / denominator, config, max(limit, 1e-4))
         name = "self_attention" if any(b.attention for b in group) else "mlp"
         if name in used:
             name = f"{name}_{stream + 1}"
