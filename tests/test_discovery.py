@@ -206,3 +206,20 @@ def test_stream_scales_are_the_products_of_the_earlier_layer_scalars():
     assert plan.stream_scales() == ((1.0, 0.5, 2.0), 6.0)
     assert ModelPlan.from_dict(plan.to_dict()) == plan
     assert ModelPlan.uniform(2, plan.kinds[0], 1e-6).stream_scales() == ((1.0, 1.0), 1.0)
+
+
+def test_gemma4_with_its_moe_block_is_refused_with_the_reason_text_and_image_text():
+    """Gemma 4's MoE models normalise the sum of their dense MLP and experts, whose routing the router computes from
+    the flattened raw stream: refused from the config (the language model's, for the image-text model), saying so."""
+    from attnres_convert.conversion.tiny_configs import tiny_config
+    from attnres_convert.modeling.architectures import config_refusal
+
+    moe = dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32)
+    text = tiny_config("gemma4_text", **moe)
+    torch.manual_seed(0)
+    with pytest.raises(UnsupportedModelError, match=r"gemma4_text with enable_moe_block=True cannot be converted: its "
+                                                    r"feed-forward sublayer sums the dense MLP's and the experts' outputs"):
+        convert_model(T.AutoModelForCausalLM.from_config(text).eval(), block_size=3)
+    composite = T.Gemma4Config(text_config=text.to_dict())
+    assert config_refusal(composite).startswith("gemma4 with enable_moe_block=True cannot be converted")
+    assert config_refusal(tiny_config("gemma4_text")) is None

@@ -551,6 +551,11 @@ CONFIG_REFUSALS: tuple[tuple[str, str, object, str], ...] = (
     ("opt", "do_layer_norm_before", False, "OPT with do_layer_norm_before=False (OPT-350m) is post-norm: the "
      "LayerNorms come after the residual adds, so attention and the MLP read the raw residual stream"),
     ("gpt2", "add_cross_attention", True, "cross-attention layers read an encoder, not the stream"),
+    *((gemma4, "enable_moe_block", True, "its feed-forward sublayer sums the dense MLP's and the experts' outputs "
+       "and normalises the sum (post_feedforward_layernorm), and the experts take as arguments what the router "
+       "computes from the flattened raw stream: a sublayer that the recorded layout (branches of norm, module and "
+       "post-modules, each on its own) does not express, so this tool does not convert it yet")
+      for gemma4 in ("gemma4", "gemma4_text")),
 )
 
 
@@ -558,7 +563,12 @@ def config_refusal(config) -> str | None:
     """Why this config cannot be converted, where the config alone says so; None otherwise."""
     model_type = getattr(config, "model_type", None)
     for refused_type, attr, bad, why in CONFIG_REFUSALS:
-        if model_type == refused_type and getattr(config, attr, None) == bad:
+        if model_type != refused_type:
+            continue
+        value = getattr(config, attr, None)
+        if value is None:  # the setting of a composite's (image-text) language model
+            value = getattr(text_config_of(config), attr, None)
+        if value == bad:
             return f"{model_type} with {attr}={bad!r} cannot be converted: {why}"
     if model_type in REFUSED:
         return REFUSED[model_type]
