@@ -208,18 +208,17 @@ def test_stream_scales_are_the_products_of_the_earlier_layer_scalars():
     assert ModelPlan.uniform(2, plan.kinds[0], 1e-6).stream_scales() == ((1.0, 1.0), 1.0)
 
 
-def test_gemma4_with_its_moe_block_is_refused_with_the_reason_text_and_image_text():
-    """Gemma 4's MoE models normalise the sum of their dense MLP and experts, whose routing the router computes from
-    the flattened raw stream: refused from the config (the language model's, for the image-text model), saying so."""
-    from attnres_convert.conversion.tiny_configs import tiny_config
-    from attnres_convert.modeling.architectures import config_refusal
+def test_gemma4_moe_block_is_one_sublayer_with_a_side_router_and_a_norm_of_its_sum():
+    """Gemma 4's MoE block: the dense MLP and the experts read the same stream (the experts' norm reads it flattened),
+    the router reads the flattened raw stream for the experts' arguments, and a norm takes the sum of both: the
+    layout says so, and survives the converted config (test_exactness checks the conversion's numbers)."""
+    from attnres_convert.modeling.architectures import Sublayer
 
-    moe = dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32)
-    text = tiny_config("gemma4_text", **moe)
-    torch.manual_seed(0)
-    with pytest.raises(UnsupportedModelError, match=r"gemma4_text with enable_moe_block=True cannot be converted: its "
-                                                    r"feed-forward sublayer sums the dense MLP's and the experts' outputs"):
-        convert_model(T.AutoModelForCausalLM.from_config(text).eval(), block_size=3)
-    composite = T.Gemma4Config(text_config=text.to_dict())
-    assert config_refusal(composite).startswith("gemma4 with enable_moe_block=True cannot be converted")
-    assert config_refusal(tiny_config("gemma4_text")) is None
+    converted = convert_model(tiny_model("gemma4_moe"), block_size=3)
+    moe = converted._attnres_plan.sublayers(0)[1]
+    assert moe.describe() == ("(pre_feedforward_layernorm -> mlp -> post_feedforward_layernorm_1 + pre_feedforward_layernorm_2 "
+                              "-> experts(router) -> post_feedforward_layernorm_2) -> post_feedforward_layernorm")
+    assert moe.name == "mlp" and moe.post == ("post_feedforward_layernorm",) and moe.side == (("router", True),)
+    assert [b.flat for b in moe.branches] == [False, True]
+    assert dict(moe.branches[1].arguments) == {"top_k_index": "<output:router:2>", "top_k_weights": "<output:router:1>"}
+    assert Sublayer.from_dict(moe.to_dict()) == moe

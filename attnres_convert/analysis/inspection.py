@@ -197,11 +197,12 @@ def sublayer_profile(model: AttnResForCausalLM, input_ids: torch.Tensor) -> Subl
                     seen_norms.add(id(norm))
                     hooks.append(norm.register_forward_pre_hook(reading(index)))
                 steps = [name for name in branch.post if times_argument(name) is None]  # modules, not products
-                last = module_at(layer, steps[-1] if steps else branch.module)
+                # What the sublayer adds: its last module, or the last applied to the sum of its branches.
+                last = module_at(layer, sublayer.post[-1] if sublayer.post else steps[-1] if steps else branch.module)
                 if id(last) not in seen_last:  # Phi's branches share one dropout: it fires once per branch
                     seen_last.add(id(last))
                     hooks.append(last.register_forward_hook(adding))
-                for name in (branch.norm, branch.module, *steps):
+                for name in (branch.norm, branch.module, *steps, *sublayer.post, *(side for side, _ in sublayer.side)):
                     for p in (module_at(layer, name).parameters() if name else ()):
                         params[id(p)] = p
             param_groups.append(list(params.values()))

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from ..modeling.architectures import (
+    OUTPUT,
     RAW_STREAM,
     TIMES,
     Branch,
@@ -63,6 +64,7 @@ class _Branch:
     output_bias: int = 0  # index of a bias in the module's output tuple that the layer adds (GPT-NeoX-Japanese)
     module_call: int = -1  # index of the module's call
     returns: list = field(default_factory=list)  # (layer output position, module output index), see Branch.returns
+    flat: bool = False  # the norm reads the stream flattened to [tokens, width] (Branch.flat)
 
 
 
@@ -118,6 +120,27 @@ def _copy_of(ref, calls, streams) -> torch.Tensor | None:
 
 def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
     return a is not None and b is not None and a.shape == b.shape and torch.equal(a, b)
+
+
+def _same_reshaped(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    """A is B in another shape (the stream flattened to [tokens, width], or an output given the stream's shape)."""
+    return (a is not None and b is not None and a.shape != b.shape and a.numel() == b.numel()
+            and torch.equal(a.reshape(b.shape), b))
+
+
+def _side_modules(calls: list) -> set[str]:
+    """The children whose outputs a later child takes as arguments (Gemma 4's router, for its experts)."""
+    return {source.split(":")[1] for entry in calls for _, source in entry.arguments or () if source.startswith(OUTPUT)}
+
+
+def _branch_sum(x: torch.Tensor, group: list, calls: list) -> bool:
+    """Whether X is the sum, in their order, of the current outputs of a stream's several branches."""
+    if len(group) < 2 or any(b.module is None for b in group):
+        return False
+    total = calls[group[0].tail].y
+    for branch in group[1:]:
+        total = total + calls[branch.tail].y.reshape(total.shape)
+    return _same(x, total)
 
 
 def _config_floats(config) -> list[float]:
@@ -227,14 +250,29 @@ def discover_layer(
     values: list[torch.Tensor] = [h0]
     refs: list[object] = [start_ref]
     arguments = call.call_kwargs(call.args, call.kwargs)
+    side_names = _side_modules(calls)
+    sides: list[tuple[int, str, bool]] = []  # (stream, side module, reads it flat)
+    group_posts: dict[int, list[str]] = {}  # stream -> modules applied to the sum of its branches
+    group_tails: dict[int, int] = {}  # stream -> the call whose output is that sum's current value
     for index, entry in enumerate(calls):
         module = module_at(layer, entry.name)
         source = next((produced[i] for i in range(len(refs) - 1, -1, -1) if entry.x_ref is refs[i]), None)
+        flat = False
         if source is None:  # not the same object: the same values (a view, a copy)
             for kind_index in range(len(values) - 1, -1, -1):
                 if _same(entry.x, values[kind_index]):
                     source = produced[kind_index]
                     break
+        if source is None:  # the same values in another shape (a stream flattened to [tokens, width])
+            for kind_index in range(len(values) - 1, -1, -1):
+                if _same_reshaped(entry.x, values[kind_index]):
+                    source, flat = produced[kind_index], entry.x.dim() == 2
+                    break
+        if source is None and entry.x is not None:  # the sum of a stream's branches (Gemma 4's MoE block)
+            stream_index = next((s for s in range(len(streams) - 1, -1, -1)
+                                 if s not in group_tails and _branch_sum(entry.x, [b for b in branches if b.stream == s], calls)), None)
+            if stream_index is not None:
+                source = ("sum", stream_index)
         times = None  # the layer argument the input is a child's output multiplied by
         if source is None and entry.x is not None:
             product = _product_with_argument(entry.x, produced, values, arguments)
@@ -249,7 +287,16 @@ def discover_layer(
             refs.append(entry.x_ref)
             source = produced[-1]
         kind, ref = source
-        if kind == "stream":
+        if entry.name in side_names:  # its outputs are a module's arguments, not a value of the flow
+            if kind != "stream":
+                raise UnsupportedModelError(f"`{entry.name}` gives another module its arguments but does not read the stream")
+            sides.append((ref, entry.name, flat))
+            continue
+        if kind == "sum" or (kind == "call" and any(tail == ref for tail in group_tails.values())):
+            stream_index = ref if kind == "sum" else next(s for s, tail in group_tails.items() if tail == ref)
+            group_posts.setdefault(stream_index, []).append(entry.name)
+            group_tails[stream_index] = index
+        elif kind == "stream":
             if not is_norm(module) and "." not in entry.name and any(is_norm(inner) for inner in module.children()):
                 return discover_layer(layer, call, config, h0, (*expand, entry.name), first)
             if not is_norm(module):
@@ -263,7 +310,7 @@ def discover_layer(
                 branches.append(_Branch(ref, RAW_STREAM, entry.name, [], entry.extra, index, -1, entry.arguments,
                                         entry.constants, module_call=index))
             else:
-                branches.append(_Branch(ref, entry.name, tail=index, norm_call=index))
+                branches.append(_Branch(ref, entry.name, tail=index, norm_call=index, flat=flat))
         else:
             owner = next((b for b in branches if b.tail == ref), None)
             norm_owner = next((b for b in branches if b.norm_call == ref), None)
@@ -321,32 +368,43 @@ def discover_layer(
         if not group:
             raise UnsupportedModelError(f"residual stream {stream} of the layer is read by no branch")
         scales: list[float | None] = [None] * len(group)
-        if len(group) == 1:
+        y = None  # what the sublayer adds, where it can be told from its calls
+        delta = streams[stream + 1].double() - streams[stream].double()
+        if stream in group_tails:
+            y = calls[group_tails[stream]].y.double()
+        elif len(group) == 1:
             y = calls[group[0].tail].y.double()
-            delta = streams[stream + 1].double() - streams[stream].double()
             if group[0].adds_residual:
                 y = y - streams[stream].double()
             elif not group[0].post:
                 group[0].output_bias = _output_bias(calls[group[0].tail], y, delta)
                 if group[0].output_bias:
                     y = y + calls[group[0].tail].outputs[group[0].output_bias].double()
+        if y is not None:
+            y = y.reshape(delta.shape)
             if stream == len(streams) - 2:
                 factor = _stream_scale(streams[stream].double(), y, streams[stream + 1].double(), limit)
                 if factor is not None:  # what the layer returns is factor * (stream + y): the stream before it
                     layer_scalar = _layer_scalar(layer, factor, max(limit, 1e-4))
                     delta = streams[stream + 1].double() / layer_scalar - streams[stream].double()
             denominator = (y * y).sum().item()
-            if denominator > 0:
+            if denominator > 0 and len(group) == 1 and stream not in group_tails:
                 scales[0] = _snap((delta * y).sum().item() / denominator, config, max(limit, 1e-4))
-        name = "self_attention" if any(b.attention for b in group) else "mlp"
+            elif denominator > 0 and _snap((delta * y).sum().item() / denominator, config, max(limit, 1e-4)) is not None:
+                raise UnsupportedModelError(f"the sum of the branches reading residual stream {stream} is scaled before it "
+                                            "joins the stream")
+        # "self_attention" where a branch takes the layer's arguments (not only a side module's outputs), else "mlp"
+        takes_layer = any(b.attention and not (b.arguments and all(source.startswith(OUTPUT) for _, source in b.arguments))
+                          for b in group)
+        name = "self_attention" if takes_layer else "mlp"
         if name in used:
             name = f"{name}_{stream + 1}"
         used.add(name)
         sublayers.append(Sublayer(name, tuple(
             Branch(b.norm, b.module, tuple(b.post), b.attention, scale, b.arguments, b.constants, tuple(b.post_arguments),
-                   b.output_bias, tuple(b.returns))
+                   b.output_bias, tuple(b.returns), b.flat)
             for b, scale in zip(group, scales)
-        )))
+        ), tuple(group_posts.get(stream, ())), tuple((name_, flat_) for s_, name_, flat_ in sides if s_ == stream)))
     if not sublayers:
         raise UnsupportedModelError("the decoder layer adds nothing to the residual stream")
     return LayerStructure(tuple(sublayers), stream_start, layer_scalar)

@@ -62,6 +62,9 @@ class Branch:
     # Values of the module's output tuple that the decoder layer returns after the stream, for the base model to
     # keep (a recurrent state: RWKV's, xLSTM's): (position in the layer's output tuple, index in the module's).
     returns: tuple[tuple[int, int], ...] = ()
+    # The norm reads the stream flattened to [tokens, width] (Gemma 4's experts take their tokens flat); the
+    # branch's output is given the stream's shape again.
+    flat: bool = False
 
     def to_dict(self) -> dict:
         data = {"norm": self.norm, "module": self.module}
@@ -79,6 +82,8 @@ class Branch:
             data["output_bias"] = self.output_bias
         if self.returns:
             data["returns"] = [list(pair) for pair in self.returns]
+        if self.flat:
+            data["flat"] = True
         if self.post_arguments:
             data["post_arguments"] = {
                 name: {"arguments": None if args is None else dict(args), "constants": dict(constants)}
@@ -96,7 +101,7 @@ class Branch:
         return cls(data["norm"], data["module"], tuple(data.get("post", ())), bool(data.get("attention", False)),
                    data.get("scale"), None if arguments is None else tuple(arguments.items()),
                    tuple(data.get("constants", {}).items()), post_arguments, int(data.get("output_bias", 0)),
-                   tuple((int(p), int(i)) for p, i in data.get("returns", ())))
+                   tuple((int(p), int(i)) for p, i in data.get("returns", ())), bool(data.get("flat", False)))
 
     def call_kwargs(self, layer_kwargs: dict, x) -> dict:
         """The keyword arguments the module takes, from those the decoder layer was called with (X: the module's
@@ -119,6 +124,11 @@ def _kwargs(arguments, constants, layer_kwargs: dict, x) -> dict:
 
 
 RAW_STREAM = ""  # Branch.norm of a module that reads the residual stream itself
+OUTPUT = "<output:"  # a module argument that is a side module's output: `<output:NAME:INDEX>` (Sublayer.side)
+
+
+def output_of(module: str, index: int) -> str:
+    return f"{OUTPUT}{module}:{index}>"
 TIMES = "*"  # prefix of a Branch.post entry that multiplies by a layer argument
 
 
@@ -149,21 +159,39 @@ def _argument(source: str, layer_kwargs: dict, x):
 class Sublayer:
     name: str  # prefix of its AttnRes parameters: "self_attention" or "mlp"
     branches: tuple[Branch, ...]
+    # Modules applied to the sum of the branches before it joins the stream (Gemma 4's MoE block normalises the
+    # sum of its dense MLP and its experts).
+    post: tuple[str, ...] = ()
+    # Side modules: (name, flat) for a module that reads the sublayer's input itself (flattened to [tokens, width]
+    # where flat) and whose outputs a branch's module takes as arguments (`<output:NAME:INDEX>`): Gemma 4's router.
+    side: tuple[tuple[str, bool], ...] = ()
 
     def to_dict(self) -> dict:
-        return {"name": self.name, "branches": [branch.to_dict() for branch in self.branches]}
+        data = {"name": self.name, "branches": [branch.to_dict() for branch in self.branches]}
+        if self.post:
+            data["post"] = list(self.post)
+        if self.side:
+            data["side"] = [[name, flat] for name, flat in self.side]
+        return data
 
     @classmethod
     def from_dict(cls, data: dict) -> Sublayer:
-        return cls(data["name"], tuple(Branch.from_dict(branch) for branch in data["branches"]))
+        return cls(data["name"], tuple(Branch.from_dict(branch) for branch in data["branches"]),
+                   tuple(data.get("post", ())), tuple((name, bool(flat)) for name, flat in data.get("side", ())))
 
     def describe(self) -> str:
         """e.g. `input_layernorm -> self_attn -> post_attention_layernorm`, branches joined by ` + ` (`stream ->`
         for a module that reads the raw stream, `* name` for a product with the layer's argument `name`)."""
         parts = []
         for branch in self.branches:
-            text = " -> ".join((branch.norm or "stream", branch.module, *(p.replace(TIMES, "* ", 1) for p in branch.post)))
+            module = branch.module
+            sides = sorted({source.split(":")[1] for _, source in branch.arguments or () if source.startswith(OUTPUT)})
+            if sides:  # the side modules whose outputs it takes
+                module = f"{module}({', '.join(sides)})"
+            text = " -> ".join((branch.norm or "stream", module, *(p.replace(TIMES, "* ", 1) for p in branch.post)))
             parts.append(text if branch.scale is None else f"{text} x {branch.scale:g}")
+        if self.post:
+            return f"({' + '.join(parts)}) -> {' -> '.join(self.post)}"
         return " + ".join(parts)
 
 
@@ -551,11 +579,6 @@ CONFIG_REFUSALS: tuple[tuple[str, str, object, str], ...] = (
     ("opt", "do_layer_norm_before", False, "OPT with do_layer_norm_before=False (OPT-350m) is post-norm: the "
      "LayerNorms come after the residual adds, so attention and the MLP read the raw residual stream"),
     ("gpt2", "add_cross_attention", True, "cross-attention layers read an encoder, not the stream"),
-    *((gemma4, "enable_moe_block", True, "its feed-forward sublayer sums the dense MLP's and the experts' outputs "
-       "and normalises the sum (post_feedforward_layernorm), and the experts take as arguments what the router "
-       "computes from the flattened raw stream: a sublayer that the recorded layout (branches of norm, module and "
-       "post-modules, each on its own) does not express, so this tool does not convert it yet")
-      for gemma4 in ("gemma4", "gemma4_text")),
 )
 
 

@@ -31,7 +31,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from .architectures import ModelPlan, Sublayer, module_at, plan_for, times_argument
+from .architectures import ModelPlan, Sublayer, module_at, output_of, plan_for, times_argument
 from .cache_names import CURRENT, INSTALLED, LEGACY, cache_keyword, cache_of
 from .configuration_attnres import AttnResConfig
 from .depth_attention import STATE_TYPES, TrainState, add_output, close_block, current_stream, depth_mix, start_state, wants_queries
@@ -137,6 +137,12 @@ def run_sublayer(
     receives the module outputs the layer returns after the stream (Branch.returns), by position. The
     conversion's per-layer proof runs this same function."""
     total, children = None, layer._modules
+    if sublayer.side:  # modules whose outputs the branches' modules take as arguments (Gemma 4's router)
+        call_kwargs = dict(call_kwargs)
+        for name, flat in sublayer.side:
+            out = module_at(layer, name)(h.reshape(-1, h.shape[-1]) if flat else h)
+            for index, value in enumerate(out if isinstance(out, tuple) else (out,)):
+                call_kwargs[output_of(name, index)] = value
     for branch in sublayer.branches:
         # A plain child name is looked up in place (a decoding step pays for every call), a dotted path by module_at.
         module = children.get(branch.module)
@@ -145,7 +151,9 @@ def run_sublayer(
             x = h
         else:
             norm = children.get(branch.norm)
-            x = (module_at(layer, branch.norm) if norm is None else norm)(h)
+            x = (module_at(layer, branch.norm) if norm is None else norm)(h.reshape(-1, h.shape[-1]) if branch.flat else h)
+        if branch.flat and x.dim() != 2:
+            x = x.reshape(-1, x.shape[-1])
         y = module(x, **branch.call_kwargs(call_kwargs, x)) if branch.attention else module(x)
         if isinstance(y, tuple):  # attention returns (output, weights); some MoE blocks (output, router)
             if returned is not None:
@@ -171,6 +179,10 @@ def run_sublayer(
         if branch.scale is not None:
             y = y * branch.scale
         total = y if total is None else total + y
+    for post in sublayer.post:  # applied to the sum of the branches (Gemma 4's MoE block)
+        total = module_at(layer, post)(total)
+        if isinstance(total, tuple):
+            total = total[0]
     return total
 
 
