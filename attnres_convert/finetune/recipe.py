@@ -276,6 +276,12 @@ class RetrofitSection(_Section):
     warmup_steps: int | None = Field(None, ge=0, description="Warmup of the continued phase (default: train.warmup_steps).")
     trainable: Literal["lora", "full"] = Field("full", description="What trains in the continued phase (lora: the recipe's lora section).")
 
+    @model_validator(mode="after")
+    def _warmup_fits(self):
+        if self.steps is not None and self.warmup_steps is not None and self.warmup_steps >= self.steps:
+            raise ValueError(f"warmup_steps ({self.warmup_steps}) must be smaller than steps ({self.steps})")
+        return self
+
 
 class OutputSection(_Section):
     """The run folder and where the result goes."""
