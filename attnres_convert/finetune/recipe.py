@@ -267,8 +267,7 @@ class CheckpointSection(_Section):
 
 
 class RetrofitSection(_Section):
-    """`attnres ab --retrofit-after N`: the continued phase after N steps of the baseline from scratch. Every field
-    left null keeps the recipe's train field of the same name."""
+    """`attnres ab --retrofit-after N`: the continued phase after N pretraining steps; a field left null keeps train's."""
 
     steps: int | None = Field(None, ge=1, description="Continued steps from each pretrained checkpoint (required by --retrofit-after).")
     lr: float | None = Field(None, gt=0, description="Peak learning rate of the continued phase (default: train.lr).")
