@@ -146,6 +146,8 @@ def test_savings_claim_follows_the_noise_rule():
         (["--retrofit-after", "2", "train.trainable=lora"], "model.from_scratch: these fields belong to a retrofit of a pretrained model, "
                                                             "not to training from scratch: train.trainable (lora;"),
         (["--retrofit-after", "2", "retrofit.steps=null"], "retrofit.steps: required by --retrofit-after"),
+        (["--retrofit-after", "2", "data.train.files=null", "data.train.dataset=some/dataset"],
+         "data.max_tokens: --retrofit-after on a dataset needs data.max_tokens set"),
         (["--retrofit-after", "2", "retrofit.warmup_steps=2"], "retrofit: warmup_steps (2) must be smaller than steps (2)"),
         (["--retrofit-after", "2", "retrofit.warmup_steps=null", "train.warmup_steps=3"],
          "retrofit: the continued phase after 2 steps (the recipe's train fields, retrofit's in their place): arm 'baseline': "
@@ -171,3 +173,42 @@ def test_a_pretrained_source_is_refused(setup, tmp_path):
     assert f"--retrofit-after: the study pretrains its baseline from scratch, but model.from_scratch is false (model.source is {model}" \
         in " ".join(result.output.split())
     assert not out.exists() and not (tmp_path / "study-runs").exists()
+
+
+def test_the_held_out_standard_error_is_over_sequences():
+    """loss_se: the ratio estimator's standard error over the held-out sequences, computed here by hand from each
+    sequence's own loss (padded sequences included, which weigh by their predictions)."""
+    import math
+    from types import SimpleNamespace
+
+    import numpy as np
+    import torch
+    import torch.nn.functional as F
+
+    from attnres_convert.finetune.evaluation import heldout_loss_across_processes
+    from attnres_convert.io.text import Sequences
+    from tiny_models import tiny_model
+
+    model = tiny_model("llama").eval()
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(3, 100, size=(5, 12)).astype(np.int32)
+    lengths = np.array([12, 12, 7, 12, 3], dtype=np.int32)
+    for row, length in enumerate(lengths):
+        tokens[row, length:] = 0
+    sequences = Sequences(tokens, lengths, 0)
+    accelerator = SimpleNamespace(process_index=0, num_processes=1, device="cpu", reduce=lambda tensor, _: tensor)
+    loss, count, se = heldout_loss_across_processes(model, sequences, accelerator, batch_size=2)
+    sums, counts = [], []
+    with torch.no_grad():
+        for row, length in enumerate(lengths):
+            ids = torch.from_numpy(tokens[row : row + 1, :length].astype(np.int64))
+            logits = model(input_ids=ids).logits[0, :-1]
+            sums.append(float(F.cross_entropy(logits.float(), ids[0, 1:], reduction="sum")))
+            counts.append(length - 1)
+    mean = sum(sums) / sum(counts)
+    n = len(sums)
+    expected = math.sqrt(n / (n - 1) * sum((s - mean * c) ** 2 for s, c in zip(sums, counts))) / sum(counts)
+    assert count == sum(counts) and loss == pytest.approx(mean, rel=1e-5)
+    assert se == pytest.approx(expected, rel=1e-4) and se > 0
+    # One sequence: no spread to estimate from.
+    assert heldout_loss_across_processes(model, Sequences(tokens[:1], lengths[:1], 0), accelerator, 2)[2] is None

@@ -125,6 +125,11 @@ def plan_study(recipe, overrides: list[str], after: list[int], seeds: int, scrat
             f"{source}, pretrained weights). Use a from-scratch recipe (model.from_scratch: true, e.g. ab-retrofit-cpu) or "
             f"--from-scratch; to retrofit a pretrained model, run `attnres ab RECIPE` without {OPTION}"
         )
+    if base.data.train.dataset and base.data.max_tokens is None:
+        raise RecipeError(
+            f"data.max_tokens: {OPTION} on a dataset needs data.max_tokens set, so that the pretraining and the continued "
+            "runs read the same text (each reads only what it needs otherwise, and the continued runs read on from step N)"
+        )
     if base.retrofit.steps is None:
         raise RecipeError(f"retrofit.steps: required by {OPTION} (the continued steps from each pretrained model), e.g. retrofit.steps=400")
     past = [n for n in after if n > train.steps]
