@@ -521,19 +521,15 @@ def ab_command(
     from_scratch: Annotated[
         bool, typer.Option("--from-scratch", help="Every arm starts from the same random initialisation of the config (model.from_scratch=true).")
     ] = False,
-    retrofit_after: Annotated[
-        Optional[str],
-        typer.Option(
-            "--retrofit-after", metavar="N[,N...]",
-            help="Retrofit study: pretrain the baseline from scratch once per seed, save it after each N steps, and A/B "
-            "the retrofit from each save (the recipe's retrofit section); with --from-scratch, the from-scratch lead beside it.",
-        ),
-    ] = None,
+    retrofit_after: Annotated[Optional[str], typer.Option(
+        "--retrofit-after", metavar="N[,N...]", help="Retrofit study: pretrain the baseline from scratch once per seed, save it after each "
+        "N steps, and A/B the retrofit from each save (the recipe's retrofit section); with --from-scratch, the from-scratch lead beside it.",
+    )] = None,
 ) -> None:
     """A/B: the recipe trained as a baseline (model.convert=false, same trainable budget) and as AttnRes,
     plus sweep arms, from the same start and data order; writes ab.json, ab.md and ab.png."""
     from attnres_convert.finetune.ab import run_ab
-    from attnres_convert.finetune.recipe import RecipeError, load_recipe
+    from attnres_convert.finetune.recipe import load_recipe
     from attnres_convert.io.console import quiet_libraries
 
     main = _is_main_process()
@@ -543,12 +539,9 @@ def ab_command(
     with training_errors(main):  # the recipe and overrides: answered before torch is imported
         load_recipe(recipe, list(overrides or []))
         if retrofit_after is not None:
-            from attnres_convert.finetune.ab import parse_after
+            from attnres_convert.finetune.ab import retrofit_steps
 
-            after = parse_after(retrofit_after)
-            given = [name for name, value in (("--sweep", sweep), ("--no-plain", no_plain), ("--throughput", throughput)) if value]
-            if given:
-                raise RecipeError(f"{', '.join(given)}: not available with --retrofit-after (its arms are the baseline and the recipe's AttnRes)")
+            after = retrofit_steps(retrofit_after, sweep=sweep, no_plain=no_plain, throughput=throughput)
     command = "attnres ab " + shlex.join(sys.argv[2:]) if len(sys.argv) > 1 and sys.argv[1] == "ab" else None
     with training_errors(main, lambda error: f"{escape(str(error).split(';')[0])}. {interrupted}"), \
             interrupts("ab", "f" + interrupted[1:].rstrip(".")), quiet_libraries():
@@ -569,12 +562,9 @@ def ab_command(
         return
     from rich.markdown import Markdown
 
-    if after is not None:
-        console.print(Markdown((result.output / "retrofit.md").read_text()))
-        console.print(f"[green]Retrofit study[/] [bold]{escape(str(result.output))}[/] (retrofit.json, retrofit.md, retrofit.png, after-N/)")
-        return
-    console.print(Markdown((result.output / "ab.md").read_text()))
-    console.print(f"[green]A/B[/] [bold]{escape(str(result.output))}[/] (ab.json, ab.md, ab.png)")
+    what, name = ("Retrofit study", "retrofit") if after is not None else ("A/B", "ab")
+    console.print(Markdown((result.output / f"{name}.md").read_text()))
+    console.print(f"[green]{what}[/] [bold]{escape(str(result.output))}[/] ({name}.json, {name}.md, {name}.png{', after-N/' if after else ''})")
 
 
 @app.command("architectures")

@@ -75,6 +75,14 @@ def parse_after(text: str) -> list[int]:
     return sorted(set(values))
 
 
+def retrofit_steps(text: str, *, sweep=None, no_plain: bool = False, throughput: int = 0) -> list[int]:
+    """`--retrofit-after TEXT` with the other `attnres ab` options: its N, or the options it cannot take refused."""
+    given = [name for name, value in (("--sweep", sweep), ("--no-plain", no_plain), ("--throughput", throughput)) if value]
+    if given:
+        raise RecipeError(f"{', '.join(given)}: not available with {RETROFIT_OPTION} (its arms are the baseline and the recipe's AttnRes)")
+    return parse_after(text)
+
+
 def folder_name(arm: Arm, seed: int) -> str:
     safe = "".join(c if c.isalnum() or c in "._-" else "_" for c in arm.name.replace(" ", "__"))
     return f"{safe[:120]}/seed-{seed}"
