@@ -5,15 +5,19 @@ report's numbers recomputed from the runs' logs; bad input refused before anythi
 from __future__ import annotations
 
 import json
+import os
+import time
 
 import pytest
 import yaml
 from typer.testing import CliRunner
 
 from attnres_convert.cli import app
-from attnres_convert.finetune.ab import compute_equivalent, folder_name, paired
+from attnres_convert.finetune.ab import arm_recipe, compute_equivalent, folder_name, paired
 from attnres_convert.finetune.metrics import read_metrics
-from attnres_convert.finetune.retrofit import ATTNRES, BASELINE, difference_se, run_retrofit, savings_claim
+from attnres_convert.finetune.retrofit import (
+    ARMS, ATTNRES, BASELINE, continued_is_current, difference_se, plan_study, run_retrofit, savings_claim,
+)
 from finetune_helpers import tiny_model_folder, tiny_recipe, write_corpus, write_recipe
 from tiny_models import CONFIGS
 
@@ -121,6 +125,20 @@ def test_retrofit_study_end_to_end(setup, tmp_path):
                          command=report["command"])
     assert {p: p.stat().st_mtime_ns for p in stamps} == stamps
     assert json.loads(json.dumps(again.report))["after"] == report["after"]
+    # A save written again (the pretraining ran again) makes the runs continued from it stale, and only those.
+    study = plan_study(setup["recipe"], ["model.from_scratch=true"], [2, 4], 2, True, work)
+    current = {(n, arm.name, seed): continued_is_current(
+        arm_recipe(study.data, study.continued_overrides(seed, n), arm, seed, study.after_work(n)), study.snapshot(seed, n))
+        for n in (2, 4) for arm in (BASELINE, ATTNRES) for seed in (0, 1)}
+    assert all(current.values())
+    saved = study.snapshot(1, 4) / "config.json"
+    os.utime(saved, ns=(saved.stat().st_atime_ns, time.time_ns() + 10**9))
+    stale = [key for key in current if not continued_is_current(
+        arm_recipe(study.data, study.continued_overrides(key[2], key[0]), ARMS[key[1] == "attnres"], key[2], study.after_work(key[0])),
+        study.snapshot(key[2], key[0]))]
+    assert stale == [(4, "baseline", 1), (4, "attnres", 1)]
+    # The pretraining runs' recipe leaves the retrofit section out: changing it retrains no pretraining.
+    assert yaml.safe_load((pretraining[0] / "recipe.yaml").read_text())["retrofit"]["steps"] is None
 
 
 def test_savings_claim_follows_the_noise_rule():

@@ -19,7 +19,8 @@ evaluation's standard error (`savings_claim`).
 The output folder holds retrofit.json, retrofit.md and retrofit.png (lead against N, lead against the
 continued steps), `after-N/ab.*` (each N's A/B report, as `attnres ab` writes it) and, with the from-scratch
 arms, `from-scratch/ab.*`; written atomically at the end. The run folders go to the work folder, where
-`--reuse` finds what has already finished (a pretraining run counts only with a snapshot at every N).
+`--reuse` finds what has already finished (a pretraining run counts only with a snapshot at every N, a
+continued run only if it finished after the snapshot it starts from was written).
 """
 
 from __future__ import annotations
@@ -74,6 +75,11 @@ class Study:
     work: Path
 
     @property
+    def scratch_overrides(self) -> list[str]:
+        """The from-scratch runs: the retrofit section left out, so that changing it does not retrain them."""
+        return [*self.overrides, "retrofit={}"]
+
+    @property
     def continued(self) -> int:
         return self.base.retrofit.steps
 
@@ -100,6 +106,7 @@ class Study:
             f"train.steps={retrofit.steps}",
             f"train.trainable={retrofit.trainable}",
             f"data.start_step={n}",
+            "retrofit={}",  # copied into train above: the run folder's recipe says what trained
         ]
         for name in ("lr", "attnres_lr", "warmup_steps"):
             value = getattr(retrofit, name)
@@ -155,7 +162,7 @@ def plan_study(recipe, overrides: list[str], after: list[int], seeds: int, scrat
                 f"(N + retrofit.steps), which eval.every = {base.eval.every} does not evaluate; choose an eval.every that divides them"
             )
     for arm in ARMS:  # the pretraining (and from-scratch) arms
-        arm_recipe(data, overrides, arm, study.seeds[0], study.scratch_work)
+        arm_recipe(data, study.scratch_overrides, arm, study.seeds[0], study.scratch_work)
     for n in after:  # the continued arms: refused now, not after the pretraining
         for arm in ARMS:
             try:
@@ -164,7 +171,7 @@ def plan_study(recipe, overrides: list[str], after: list[int], seeds: int, scrat
                 raise RecipeError(
                     f"retrofit: the continued phase after {n} steps (the recipe's train fields, retrofit's in their place): {error}"
                 ) from None
-    check_scratch_arms(data, overrides, ARMS, study.seeds[0], study.scratch_work)
+    check_scratch_arms(data, study.scratch_overrides, ARMS, study.seeds[0], study.scratch_work)
     return study
 
 
@@ -221,6 +228,23 @@ def _pretrain_one(data: dict, overrides: list[str], seed: int, workdir: str, aft
     gc.collect()
 
 
+def continued_is_current(recipe: Recipe, snapshot: Path) -> bool:
+    """A continued run finished with this recipe after its starting save was written: a pretraining run again
+    (another recipe, or another set of N) rewrites the saves, and every run continued from them trains again."""
+    final = Path(recipe.output.dir) / "final_metrics.json"
+    try:
+        return finished(recipe) and final.stat().st_mtime_ns > (snapshot / "config.json").stat().st_mtime_ns
+    except OSError:
+        return False
+
+
+def _continue_one(data: dict, overrides: list[str], arm: Arm, seed: int, workdir: str, reuse: bool, snapshot: str) -> None:
+    """One arm continued from a save (in this process or a worker process)."""
+    if reuse and continued_is_current(arm_recipe(data, overrides, arm, seed, Path(workdir)), Path(snapshot)):
+        return
+    _run_one(data, overrides, arm, seed, workdir, False)
+
+
 def run_retrofit(
     recipe: str | os.PathLike,
     overrides: list[str] | None = None,
@@ -256,11 +280,12 @@ def run_retrofit(
     if jobs > 1 and state.num_processes > 1:
         raise RecipeError("--jobs: under accelerate launch every process trains every arm together; use --jobs 1")
     data, seed_list, steps = study.data, study.seeds, study.base.train.steps
-    first = [(_pretrain_one, (data, overrides, seed, str(study.scratch_work), after, reuse)) for seed in seed_list]
+    scratch = study.scratch_overrides
+    first = [(_pretrain_one, (data, scratch, seed, str(study.scratch_work), after, reuse)) for seed in seed_list]
     if from_scratch:
-        first += [(_run_one, (data, overrides, ATTNRES, seed, str(study.scratch_work), reuse)) for seed in seed_list]
+        first += [(_run_one, (data, scratch, ATTNRES, seed, str(study.scratch_work), reuse)) for seed in seed_list]
     then = [
-        (_run_one, (data, study.continued_overrides(seed, n), arm, seed, str(study.after_work(n)), reuse))
+        (_continue_one, (data, study.continued_overrides(seed, n), arm, seed, str(study.after_work(n)), reuse, str(study.snapshot(seed, n))))
         for seed in seed_list for n in after for arm in ARMS
     ]
 
