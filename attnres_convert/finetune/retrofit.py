@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .ab import (
+    RETROFIT_OPTION as OPTION,
     Arm,
     _check_output,
     _live,
@@ -43,9 +44,7 @@ from .ab import (
     arm_report,
     check_scratch_arms,
     finished,
-    RETROFIT_OPTION as OPTION,
     folder_name,
-    parse_after,
     live_table,
     paired,
     read_run,
