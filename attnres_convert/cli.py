@@ -521,6 +521,10 @@ def ab_command(
     from_scratch: Annotated[
         bool, typer.Option("--from-scratch", help="Every arm starts from the same random initialisation of the config (model.from_scratch=true).")
     ] = False,
+    retrofit_after: Annotated[Optional[str], typer.Option(
+        "--retrofit-after", metavar="N[,N...]", help="Retrofit study: pretrain the baseline from scratch once per seed, save it after each "
+        "N steps, and A/B the retrofit from each save (the recipe's retrofit section); with --from-scratch, the from-scratch lead beside it.",
+    )] = None,
 ) -> None:
     """A/B: the recipe trained as a baseline (model.convert=false, same trainable budget) and as AttnRes,
     plus sweep arms, from the same start and data order; writes ab.json, ab.md and ab.png."""
@@ -531,21 +535,36 @@ def ab_command(
     main = _is_main_process()
     arms = [[o for o in entry.replace(",", " ").split() if o] for entry in (sweep or [])]
     interrupted = "Finished arms are kept in the work folder: run the same command with --reuse to train only the others."
+    after = None
     with training_errors(main):  # the recipe and overrides: answered before torch is imported
         load_recipe(recipe, list(overrides or []))
+        if retrofit_after is not None:
+            from attnres_convert.finetune.ab import retrofit_steps
+
+            after = retrofit_steps(retrofit_after, sweep=sweep, no_plain=no_plain, throughput=throughput)
+    command = "attnres ab " + shlex.join(sys.argv[2:]) if len(sys.argv) > 1 and sys.argv[1] == "ab" else None
     with training_errors(main, lambda error: f"{escape(str(error).split(';')[0])}. {interrupted}"), \
             interrupts("ab", "f" + interrupted[1:].rstrip(".")), quiet_libraries():
-        result = run_ab(
-            recipe, list(overrides or []), sweep=arms, seeds=seeds, output=output, workdir=workdir, plain=not no_plain,
-            jobs=jobs, reuse=reuse, overwrite=overwrite, throughput=throughput, from_scratch=from_scratch, console=err_console if main else None,
-            command="attnres ab " + shlex.join(sys.argv[2:]) if len(sys.argv) > 1 and sys.argv[1] == "ab" else None,
-        )
+        if after is not None:
+            from attnres_convert.finetune.retrofit import run_retrofit
+
+            result = run_retrofit(
+                recipe, list(overrides or []), after=after, seeds=seeds, from_scratch=from_scratch, output=output, workdir=workdir,
+                jobs=jobs, reuse=reuse, overwrite=overwrite, console=err_console if main else None, command=command,
+            )
+        else:
+            result = run_ab(
+                recipe, list(overrides or []), sweep=arms, seeds=seeds, output=output, workdir=workdir, plain=not no_plain,
+                jobs=jobs, reuse=reuse, overwrite=overwrite, throughput=throughput, from_scratch=from_scratch,
+                console=err_console if main else None, command=command,
+            )
     if not main:
         return
     from rich.markdown import Markdown
 
-    console.print(Markdown((result.output / "ab.md").read_text()))
-    console.print(f"[green]A/B[/] [bold]{escape(str(result.output))}[/] (ab.json, ab.md, ab.png)")
+    what, name = ("Retrofit study", "retrofit") if after is not None else ("A/B", "ab")
+    console.print(Markdown((result.output / f"{name}.md").read_text()))
+    console.print(f"[green]{what}[/] [bold]{escape(str(result.output))}[/] ({name}.json, {name}.md, {name}.png{', after-N/' if after else ''})")
 
 
 @app.command("architectures")
