@@ -620,21 +620,28 @@ def architectures_command(
 @recipes_app.command("list")
 def recipes_list() -> None:
     """The shipped recipes."""
+    from rich.padding import Padding
+
     from attnres_convert.errors import first_line
     from attnres_convert.finetune.recipe import RecipeError, load_recipe, recipes_dir, shipped_recipes
 
-    table = Table(title=f"Recipes in {recipes_dir()}")
-    for column in ("name", "model", "trains", "steps", "description"):
-        table.add_column(column)
+    # A recipe per entry, its name first on its line: the name is what the user types and is never cut; the
+    # rest wraps to the terminal (a table's five columns cut names at 80).
+    console.print(f"Recipes in {escape(str(recipes_dir()))} (attnres recipes show NAME prints one):", highlight=False)
     for name, path in shipped_recipes().items():
+        console.print()
         try:
             recipe = load_recipe(path)
         except RecipeError as error:
-            table.add_row(name, "", "", "", f"[red]invalid:[/] {escape(first_line(error))}")
+            console.print(f"[bold]{escape(name)}[/] [red]invalid:[/] {escape(first_line(error))}", highlight=False)
             continue
         source = recipe.model.source if not recipe.model.is_default else "embedded SmolLM2"
-        table.add_row(name, source, recipe.train.trainable, str(recipe.train.steps), escape(recipe.description or ""))
-    console.print(table)
+        console.print(
+            f"[bold]{escape(name)}[/]: {escape(source)}, trains {recipe.train.trainable}, {recipe.train.steps} steps",
+            highlight=False,
+        )
+        if recipe.description:
+            console.print(Padding(escape(recipe.description), (0, 0, 0, 2)), highlight=False)
 
 
 @recipes_app.command("show")

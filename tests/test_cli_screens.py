@@ -418,3 +418,29 @@ def test_stage_lines_with_a_byte_bar_fit_80_columns():
     lines = render(progress.make_tasks_table(progress.tasks))
     assert_unwrapped(lines, "Verifying against the original", "200.0/538.1 MB ETA 0:", "100/273")
     assert len(lines) == 3
+
+
+# ---------------------------------------------------------------- what a command prints at 80 columns
+
+
+def screen(monkeypatch, *args: str, width: int = 80) -> tuple[int, str]:
+    """`attnres ARGS` as a terminal of WIDTH columns shows it: (exit code, the text on the screen)."""
+    shown = Console(width=width, file=io.StringIO(), record=True, color_system=None)
+    monkeypatch.setattr(cli, "console", shown)
+    result = runner.invoke(cli.app, list(args), env={"COLUMNS": str(width)})
+    return result.exit_code, shown.export_text() + result.stdout
+
+
+def test_recipes_list_never_cuts_a_name(monkeypatch):
+    from attnres_convert.finetune.recipe import shipped_recipes
+
+    code, text = screen(monkeypatch, "recipes", "list")
+    assert code == 0, text
+    lines = text.splitlines()
+    assert all(len(line) <= 80 for line in lines), text
+    named = {line.split(":")[0] for line in lines if line and not line.startswith(" ")}
+    assert set(shipped_recipes()) <= named, text  # every name whole, first on its line
+    assert "…" not in text
+    words = " ".join(text.split())  # the descriptions whole, wherever Rich wrapped them
+    assert "Embedded SmolLM2-135M-Instruct on Shakespeare (3 plays held out)" in words, text
+
