@@ -658,6 +658,7 @@ def recipes_show(name: Annotated[str, typer.Argument(help="A shipped recipe name
 def recipes_validate(
     recipe: Annotated[str, typer.Argument(help="A recipe file or a shipped recipe name.")],
     overrides: Annotated[Optional[list[str]], typer.Argument(help="key.path=value overrides.", show_default=False)] = None,
+    show: Annotated[bool, typer.Option("--show", help="Also print the resolved recipe (every field, overrides applied) as YAML.")] = False,
 ) -> None:
     """Check a recipe (schema, data files, model source, sequence length) without loading or writing anything."""
     from attnres_convert.finetune.preflight import check_recipe, existing_output_problem
@@ -666,10 +667,19 @@ def recipes_validate(
     with user_errors():
         parsed = load_recipe(recipe, list(overrides or []))
         check_recipe(parsed, check_output=False)
-    console.print(escape(parsed.to_yaml()), highlight=False)
-    console.print(f"[green]valid:[/] {escape(recipe)}")
-    if (taken := existing_output_problem(parsed)) is not None:
-        console.print(f"[yellow]note:[/] `attnres finetune` refuses it as it stands: {escape(taken)}", highlight=False)
+    taken = existing_output_problem(parsed)
+    refused = f"`attnres finetune` refuses it as it stands: {taken}" if taken is not None else None
+    if show:  # printed as is, never wrapped to the terminal: what looks like YAML parses as YAML, verdict included
+        print(parsed.to_yaml().rstrip("\n"))
+        print(f"# valid: {recipe}")
+        if refused:
+            print(f"# note: {' '.join(refused.split())}")
+        return
+    console.print(f"[green]valid:[/] {escape(recipe)}", highlight=False)
+    console.print(escape(parsed.headline()), highlight=False)
+    if refused:
+        console.print(f"[yellow]note:[/] {escape(refused)}", highlight=False)
+    console.print("--show prints the resolved recipe (every field) as YAML.", highlight=False)
 
 
 def _terminate(signum, frame) -> None:

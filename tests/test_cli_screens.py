@@ -101,14 +101,14 @@ def test_misspelt_command_gets_a_suggestion():
 # ---------------------------------------------------------------- argument errors before torch
 
 
-def _cli_in_subprocess(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+def _cli_in_subprocess(args: list[str], cwd: Path, columns: int = 200) -> subprocess.CompletedProcess:
     """`attnres ARGS` in a fresh interpreter that reports, on exit, whether torch / transformers were imported."""
     code = (
         "import sys\nfrom attnres_convert.cli import main\nsys.argv = ['attnres', *sys.argv[1:]]\n"
         "try:\n    main()\n    status = 0\nexcept SystemExit as stop:\n    status = stop.code\n"
         "print('IMPORTED', 'torch' in sys.modules, 'transformers' in sys.modules, file=sys.stderr)\nsys.exit(status)\n"
     )
-    env = {**os.environ, **ONE_THREAD_ENV, "PYTHONPATH": str(ROOT), "COLUMNS": "200"}
+    env = {**os.environ, **ONE_THREAD_ENV, "PYTHONPATH": str(ROOT), "COLUMNS": str(columns)}
     return subprocess.run([sys.executable, "-c", code, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
 
 
@@ -444,3 +444,25 @@ def test_recipes_list_never_cuts_a_name(monkeypatch):
     words = " ".join(text.split())  # the descriptions whole, wherever Rich wrapped them
     assert "Embedded SmolLM2-135M-Instruct on Shakespeare (3 plays held out)" in words, text
 
+
+def _yaml_of(text: str) -> dict:
+    import yaml
+
+    return yaml.safe_load(text)
+
+
+def test_recipes_validate_prints_a_verdict_and_the_recipe_only_with_show(monkeypatch, tmp_path):
+    from attnres_convert.finetune.recipe import load_recipe
+
+    code, text = screen(monkeypatch, "recipes", "validate", "quickstart-cpu")
+    assert code == 0 and "valid: quickstart-cpu" in text and "--show" in text, text
+    assert "description:" not in text and len(text.splitlines()) <= 6, text
+    code, text = screen(monkeypatch, "recipes", "validate", "quickstart-cpu", "train.steps=7", "--show")
+    assert code == 0, text
+    expected = load_recipe("quickstart-cpu", ["train.steps=7"]).model_dump(mode="json")
+    assert _yaml_of(text) == expected  # the whole screen is YAML: the verdict is a comment
+    assert "# valid: quickstart-cpu" in text
+    # Piped, in a fresh process at 80 columns: the same YAML, unwrapped by Rich.
+    result = _cli_in_subprocess(["recipes", "validate", "quickstart-cpu", "train.steps=7", "--show"], tmp_path, columns=80)
+    assert result.returncode == 0, result.stderr
+    assert _yaml_of(result.stdout) == expected
