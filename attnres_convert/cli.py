@@ -405,12 +405,15 @@ def eval_command(
     ] = None,
     data: Annotated[
         list[str],
-        typer.Option("--data", help="Held-out text: .txt/.md, .jsonl/.json, .parquet files, globs, or shakespeare:NAME (repeatable)."),
+        typer.Option(
+            "--data", metavar="FILE",
+            help="Held-out text: .txt/.md, .jsonl/.json, .parquet files, globs, or shakespeare:NAME (repeatable).",
+        ),
     ] = ...,
     seq_len: Annotated[int, typer.Option("--seq-len", help="Tokens per sequence.")] = 256,
     max_tokens: Annotated[Optional[int], typer.Option("--max-tokens", help="Read at most this many tokens of text.")] = None,
     batch_size: Annotated[int, typer.Option("--batch-size", help="Sequences per forward pass.")] = 1,
-    dtype: Annotated[DType, typer.Option(help="auto keeps the checkpoint's dtype.")] = DType.auto,
+    dtype: Annotated[DType, typer.Option(metavar="DTYPE", help="auto keeps the checkpoint's dtype; or float32, bfloat16, float16.")] = DType.auto,
     as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON on stdout.")] = False,
     trust_remote_code: Annotated[bool, typer.Option("--trust-remote-code", help="Allow the model's own code to run.")] = False,
 ) -> None:
@@ -506,7 +509,10 @@ def ab_command(
     ] = None,
     sweep: Annotated[
         Optional[list[str]],
-        typer.Option("--sweep", help='An extra AttnRes arm: space- or comma-separated overrides, e.g. "train.attnres_lr=1e-3" (repeatable).'),
+        typer.Option(
+            "--sweep", metavar="OVERRIDES",
+            help='An extra AttnRes arm: space- or comma-separated overrides, e.g. "train.attnres_lr=1e-3" (repeatable).',
+        ),
     ] = None,
     seeds: Annotated[int, typer.Option("--seeds", help="Run every arm with train.seed, train.seed+1, ...: deltas paired per seed.")] = 1,
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Output folder (default outputs/ab-RECIPE).")] = None,
@@ -522,8 +528,9 @@ def ab_command(
         bool, typer.Option("--from-scratch", help="Every arm starts from the same random initialisation of the config (model.from_scratch=true).")
     ] = False,
 ) -> None:
-    """A/B: the recipe trained as a baseline (model.convert=false, same trainable budget) and as AttnRes,
-    plus sweep arms, from the same start and data order; writes ab.json, ab.md and ab.png."""
+    """A/B: the recipe trained as a baseline and as AttnRes from the same start and data order.
+
+    The baseline is model.convert=false with the same trainable budget; --sweep adds AttnRes arms. Writes ab.json, ab.md, ab.png."""
     from attnres_convert.finetune.ab import run_ab
     from attnres_convert.finetune.recipe import load_recipe
     from attnres_convert.io.console import quiet_libraries

@@ -32,22 +32,33 @@ from rich.text import Text
 
 err_console = Console(stderr=True)
 
-def _flags_take_no_value() -> None:
-    """Typer 0.29 shows `<bool>` beside every flag in --help, as if it took a value: a flag shows none."""
-    from typer.core import TyperOption
+def _readable_value_types() -> None:
+    """Typer 0.29 shows `<bool>` beside every flag in --help, as if it took a value: a flag shows none. It
+    shows a repeatable argument (`overrides...`) as `<list[str]>`, Python's type, not what is typed: each
+    value is a `<str>`, and the `...` beside the name already says there may be several."""
+    from typer.core import TyperArgument, TyperOption
 
     shown = TyperOption.display_type_rich
-    if getattr(shown, "flags_take_no_value", False):
+    if getattr(shown, "readable", False):
         return
 
-    def display_type_rich(self, ctx):
+    def option_type(self, ctx):
         return None if self.is_flag else shown(self, ctx)
 
-    display_type_rich.flags_take_no_value = True
-    TyperOption.display_type_rich = display_type_rich
+    shown_argument = TyperArgument.display_type_rich
+
+    def argument_type(self, ctx):
+        text = shown_argument(self, ctx)
+        if text and text.startswith("<list[") and text.endswith("]>"):
+            return "<" + text[len("<list[") : -len("]>")] + ">"
+        return text
+
+    option_type.readable = argument_type.readable = True
+    TyperOption.display_type_rich = option_type
+    TyperArgument.display_type_rich = argument_type
 
 
-_flags_take_no_value()
+_readable_value_types()
 
 EXIT_BAD_INPUT = 2
 EXIT_FAILED_CHECK = 1

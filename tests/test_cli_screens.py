@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -43,13 +44,18 @@ COMMANDS = [("convert",), ("push",), ("inspect",), ("eval",), ("finetune",), ("a
             ("kernels", "build"), ("recipes", "list"), ("recipes", "show"), ("recipes", "validate")]
 
 
-def declared_helps(*command: str) -> list[str]:
-    """The help texts the command's options and arguments declare, as Rich is to print them (`\\[` is a bracket)."""
+def declared_command(*command: str):
     import typer
 
     node = typer.main.get_command(cli.app)
     for name in command:
         node = node.commands[name]
+    return node
+
+
+def declared_helps(*command: str) -> list[str]:
+    """The help texts the command's options and arguments declare, as Rich is to print them (`\\[` is a bracket)."""
+    node = declared_command(*command)
     return [param.help.replace("\\[", "[") for param in node.params if getattr(param, "help", None)]
 
 # A short reference of facts each --help must state (squashed: Rich wraps anywhere a space is).
@@ -65,7 +71,13 @@ HELP_FACTS = {
 def test_every_help_is_true_and_fits_80_columns(command):
     text = help_of(*command)
     assert "<bool>" not in text  # a flag takes no value
+    assert "list[" not in text  # a repeatable value is shown by what is typed (<str>, FILE), not Python's type
     assert all(len(line) <= 80 for line in text.splitlines()), text
+    for line in text.splitlines():  # a metavar such as <auto|float32|...> stands whole on its line, never split mid-word
+        assert not re.search(r"<[^>]*$", line), f"a value type split across lines:\n{text}"
+    # The description's paragraphs are sentences Rich wraps to the terminal: no line break of the source inside one.
+    node = declared_command(*command)
+    assert not re.search(r"[^\n]\n[^\n]", (node.help or "").strip()), f"line break inside a paragraph: {node.help!r}"
     for fact in HELP_FACTS.get(command, []):
         assert squash(fact) in flat(text), f"{fact!r} missing from `attnres {' '.join(command)} --help`:\n{text}"
     # Every declared help is printed whole: Rich would take an unescaped "[default: ...]" for markup and drop it.
@@ -466,3 +478,4 @@ def test_recipes_validate_prints_a_verdict_and_the_recipe_only_with_show(monkeyp
     result = _cli_in_subprocess(["recipes", "validate", "quickstart-cpu", "train.steps=7", "--show"], tmp_path, columns=80)
     assert result.returncode == 0, result.stderr
     assert _yaml_of(result.stdout) == expected
+
