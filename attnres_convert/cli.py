@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Annotated, Literal, Optional, get_args, get_origin
 
 import typer
+from pydantic import BeforeValidator
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
@@ -29,7 +30,7 @@ from attnres_convert.cli_kit import (  # noqa: F401 - shared by every command
     user_error_kinds,
     user_errors,
 )
-from attnres_convert.conversion.options import ConvertOptions, DTypeName, OptionsError
+from attnres_convert.conversion.options import ConvertOptions, OptionsError, canonical_dtype
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -60,9 +61,6 @@ def _root(
     ] = False,
 ) -> None:
     """Keep `attnres` a command group even while it has one command."""
-
-
-DType = Enum("DType", {name: name for name in get_args(DTypeName)}, type=str)
 
 
 def verification_table(report) -> Table:
@@ -146,8 +144,10 @@ def options_from(model: type, parameter: str = "options", panel: str = "Options"
             flag = f"{flag}/--no-{name.replace('_', '-')}" if field.default else flag
         description, metavar = field.description, None
         if get_origin(annotation) is Literal:  # a short metavar keeps the help readable at 80 columns
-            annotation = Enum(name, {value: value for value in get_args(annotation)}, type=str)
             metavar = name.upper()
+            # A field whose model takes aliases (a dtype: bf16 for bfloat16) is text the model checks; others a choice.
+            takes_aliases = any(isinstance(rule, BeforeValidator) for rule in field.metadata)
+            annotation = str if takes_aliases else Enum(name, {value: value for value in get_args(annotation)}, type=str)
             if not all(choice in description for choice in get_args(field.annotation)):  # the help names the choices
                 description = f"{description} One of: {', '.join(get_args(field.annotation))}."
         info = typer.Option(
@@ -304,7 +304,11 @@ def bench_command(
     ] = None,
     device: Annotated[BenchDevice, typer.Option(help="Where both models run.")] = BenchDevice.cpu,
     dtype: Annotated[
-        Optional[str], typer.Option(help="float32, bfloat16 or float16 \\[default: float32 on cpu, bfloat16 on cuda].", show_default=False)
+        Optional[str],
+        typer.Option(
+            metavar="DTYPE", help="float32, bfloat16 or float16 (fp32, bf16, fp16) \\[default: float32 on cpu, bfloat16 on cuda].",
+            show_default=False,
+        ),
     ] = None,
     kernels: Annotated[
         Optional[BenchKernels], typer.Option(help="The converted model's depth mix (ATTNRES_KERNEL) \\[default: as set, auto].", show_default=False)
@@ -324,8 +328,10 @@ def bench_command(
     """Convert MODEL and measure it against the original: prefill, decoding, a training step, peak memory."""
     from attnres_convert.io.paths import resolve_source
 
-    with user_errors():
-        resolve_source(model)  # a missing path is answered before torch is imported
+    with user_errors():  # before torch is imported: a missing path, a dtype that is none
+        resolve_source(model)
+        if dtype is not None:
+            dtype = canonical_dtype(dtype, "--dtype", allowed=("float32", "bfloat16", "float16"))
     from attnres_convert.analysis.bench import BenchSettings, run_bench, runs_total
     from attnres_convert.analysis.bench_report import console_table, markdown as to_markdown, output_problem, write_json
 
@@ -413,7 +419,9 @@ def eval_command(
     seq_len: Annotated[int, typer.Option("--seq-len", help="Tokens per sequence.")] = 256,
     max_tokens: Annotated[Optional[int], typer.Option("--max-tokens", help="Read at most this many tokens of text.")] = None,
     batch_size: Annotated[int, typer.Option("--batch-size", help="Sequences per forward pass.")] = 1,
-    dtype: Annotated[DType, typer.Option(metavar="DTYPE", help="auto keeps the checkpoint's dtype; or float32, bfloat16, float16.")] = DType.auto,
+    dtype: Annotated[
+        str, typer.Option("--dtype", metavar="DTYPE", help="auto keeps the checkpoint's dtype; or float32, bfloat16, float16 (fp32, bf16, fp16).")
+    ] = "auto",
     as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON on stdout.")] = False,
     trust_remote_code: Annotated[bool, typer.Option("--trust-remote-code", help="Allow the model's own code to run.")] = False,
 ) -> None:
@@ -423,6 +431,7 @@ def eval_command(
     from attnres_convert.io.files import checked_files
 
     with user_errors():  # before torch is imported
+        dtype = canonical_dtype(dtype, "--dtype")
         checked_files(data, "--data")
     with user_errors(), stages("eval") as stage, stage("Evaluating"):
         from attnres_convert.analysis.evaluate import evaluate
@@ -433,7 +442,7 @@ def eval_command(
             seq_len=seq_len,
             max_tokens=max_tokens,
             batch_size=batch_size,
-            dtype=dtype.value,
+            dtype=dtype,
             trust_remote_code=trust_remote_code,
         )
     if as_json:

@@ -139,6 +139,10 @@ ARGUMENT_ERRORS = {
     "finetune: missing data": (["finetune", "quickstart-cpu", "data.train.files=[missing.txt]"], "missing.txt does not exist"),
     "architectures: misspelt type": (["architectures", "lama"], "Did you mean llama"),
     "bench: no such path": (["bench", "/nonexistent/folder"], "no such file or folder: /nonexistent/folder"),
+    "convert: no such dtype": (["convert", "--dtype", "bf17", "-o", "out"], "--dtype 'bf17' is not a data type we know: use auto, float32, bfloat16 or float16 (or bf16, fp16, fp32)"),
+    "eval: no such dtype": (["eval", "--dtype", "fp8", "--data", "shakespeare:hamlet"], "--dtype 'fp8' is not a data type we know"),
+    "bench: no such dtype": (["bench", "--dtype", "auto"], "--dtype 'auto' is not a data type we know: use float32, bfloat16 or float16"),
+    "finetune: no such dtype": (["finetune", "quickstart-cpu", "model.dtype=bf17"], "model.dtype: 'bf17' is not a data type we know"),
 }
 
 
@@ -479,3 +483,41 @@ def test_recipes_validate_prints_a_verdict_and_the_recipe_only_with_show(monkeyp
     assert result.returncode == 0, result.stderr
     assert _yaml_of(result.stdout) == expected
 
+
+# ---------------------------------------------------------------- dtypes by their usual names
+
+
+@pytest.mark.parametrize("typed, meant", [
+    ("bf16", "bfloat16"), ("BF16", "bfloat16"), ("bfloat16", "bfloat16"), ("torch.bfloat16", "bfloat16"),
+    ("fp16", "float16"), ("half", "float16"), ("f16", "float16"), ("fp32", "float32"), ("float", "float32"),
+    ("float32", "float32"), ("auto", "auto"),
+])
+def test_dtype_aliases_mean_the_dtype_everywhere_one_is_taken(typed, meant):
+    from attnres_convert.conversion.options import ConvertOptions, canonical_dtype
+    from attnres_convert.finetune.recipe import load_recipe
+
+    assert canonical_dtype(typed) == meant
+    assert ConvertOptions.build(dtype=typed).dtype == meant
+    if meant != "auto":
+        assert load_recipe("quickstart-cpu", [f"model.dtype={typed}"]).model.dtype == meant
+
+
+def test_mixed_precision_takes_the_dtype_names_too():
+    from attnres_convert.finetune.recipe import load_recipe
+
+    assert load_recipe("quickstart-cpu", ["train.mixed_precision=bfloat16"]).train.mixed_precision == "bf16"
+    assert load_recipe("quickstart-cpu", ["train.mixed_precision=float16"]).train.mixed_precision == "fp16"
+
+
+@pytest.mark.parametrize("args", [
+    ["convert", "--dtype", "bf17", "-o", "out"],
+    ["finetune", "quickstart-cpu", "model.dtype=bf17"],
+    ["recipes", "validate", "quickstart-cpu", "model.dtype=bf17"],
+])
+def test_a_wrong_dtype_is_answered_in_our_words(tmp_path, monkeypatch, args):
+    monkeypatch.chdir(tmp_path)
+    result = runner.invoke(cli.app, args)
+    assert result.exit_code == 2, result.output
+    words = " ".join(result.output.split())
+    assert "'bf17' is not a data type we know" in words and "bf16" in words, words
+    assert "Value error" not in words and "literal_error" not in words and "pydantic" not in words
