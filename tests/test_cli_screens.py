@@ -521,3 +521,28 @@ def test_a_wrong_dtype_is_answered_in_our_words(tmp_path, monkeypatch, args):
     words = " ".join(result.output.split())
     assert "'bf17' is not a data type we know" in words and "bf16" in words, words
     assert "Value error" not in words and "literal_error" not in words and "pydantic" not in words
+
+
+@pytest.mark.parametrize("earlier_stage", [False, True])
+def test_ctrl_c_names_the_stage_it_stopped_with_no_blank_line(monkeypatch, earlier_stage):
+    """As docs/first-run.md shows it: `interrupted: convert (loading model) stopped; ...`, right under the last
+    finished stage line (piped, Progress.stop would print an empty line first); the stopped stage is not left
+    on the screen as if done."""
+    import typer
+
+    from attnres_convert import cli_kit
+
+    shown = io.StringIO()
+    monkeypatch.setattr(cli_kit, "err_console", Console(file=shown, width=80, color_system=None))
+    with pytest.raises(typer.Exit) as stop:
+        with cli_kit.stages("convert", "nothing was written to out") as stage:
+            if earlier_stage:
+                with stage("Reading config"):
+                    pass
+            with stage("Loading model"):
+                raise KeyboardInterrupt
+    assert stop.value.exit_code == 130
+    lines = shown.getvalue().splitlines()
+    assert lines[-1] == "interrupted: convert (loading model) stopped; nothing was written to out.", lines
+    assert all(line.strip() for line in lines), lines  # no blank line
+    assert [line.split()[:2] for line in lines[:-1]] == ([["Reading", "config"]] if earlier_stage else [])
