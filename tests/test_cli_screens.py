@@ -523,6 +523,32 @@ def test_a_wrong_dtype_is_answered_in_our_words(tmp_path, monkeypatch, args):
     assert "Value error" not in words and "literal_error" not in words and "pydantic" not in words
 
 
+def test_convert_shows_its_stages_in_the_order_it_works(tmp_path, tiny_llama_folder):
+    """The display agrees with the README: the converted folder is verified before it is put in place."""
+    import contextlib
+
+    from attnres_convert import convert
+
+    out, seen = tmp_path / "out", []
+
+    @contextlib.contextmanager
+    def stage(name):
+        seen.append((name, out.exists()))
+        yield
+
+    @contextlib.contextmanager
+    def progress(name, total):
+        seen.append((name, out.exists()))
+        yield lambda nbytes: None
+
+    convert(str(tiny_llama_folder), out, stage=stage, progress=progress)
+    names = [name for name, _ in seen]
+    assert names.index("Writing shards") < names.index("Verifying against the original"), names
+    assert not any(name.startswith("Saving") for name in names), names
+    assert dict(seen)["Verifying against the original"] is False  # OUT appears only after the verification
+    assert (out / "config.json").is_file()
+
+
 @pytest.mark.parametrize("earlier_stage", [False, True])
 def test_ctrl_c_names_the_stage_it_stopped_with_no_blank_line(monkeypatch, earlier_stage):
     """As docs/first-run.md shows it: `interrupted: convert (loading model) stopped; ...`, right under the last
