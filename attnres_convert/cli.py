@@ -500,7 +500,8 @@ def finetune_command(
 
 
 def finetune_table(metrics: dict) -> Table:
-    title = f"Fine-tuned {metrics['steps']} steps, {metrics['tokens']:,} tokens ({metrics['processes']} process(es))"
+    processes = "1 process" if metrics["processes"] == 1 else f"{metrics['processes']} processes"
+    title = f"Fine-tuned {metrics['steps']} steps, {metrics['tokens']:,} tokens ({processes})"
     table = Table(title=title, min_width=len(title))  # a title never wraps over a narrow table
     for column in ("", "held-out loss", "perplexity"):
         table.add_column(column, justify="right", no_wrap=True)

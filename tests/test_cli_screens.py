@@ -242,7 +242,7 @@ def test_eval_and_finetune_tables_fit_80_columns():
     assert any("…" in line for line in lines)  # shortened in the middle, not wrapped
     metrics = {"steps": 1000, "tokens": 1_024_000, "processes": 1, "eval_loss_start": 3.28, "eval_perplexity_start": 26.6,
                "eval_loss": 3.01, "eval_perplexity": 20.3}
-    assert_unwrapped(render(cli.finetune_table(metrics)), "Fine-tuned 1000 steps, 1,024,000 tokens (1 process(es))")
+    assert_unwrapped(render(cli.finetune_table(metrics)), "Fine-tuned 1000 steps, 1,024,000 tokens (1 process)")
 
 
 def test_progress_lines_fit_80_columns():
@@ -521,6 +521,14 @@ def test_a_wrong_dtype_is_answered_in_our_words(tmp_path, monkeypatch, args):
     words = " ".join(result.output.split())
     assert "'bf17' is not a data type we know" in words and "bf16" in words, words
     assert "Value error" not in words and "literal_error" not in words and "pydantic" not in words
+
+
+def test_where_it_trains_is_said_in_words():
+    from attnres_convert.finetune.training import where_it_trains
+
+    assert where_it_trains("cpu", 1, "NO", "no") == "Training on cpu in 1 process, no mixed precision"
+    assert where_it_trains("cuda:0", 4, "FSDP", "bf16") == "Training on cuda:0 in 4 processes (FSDP), bf16 mixed precision"
+    assert where_it_trains("cpu", 2, "MULTI_CPU", "no") == "Training on cpu in 2 processes (DDP), no mixed precision"
 
 
 def test_convert_shows_its_stages_in_the_order_it_works(tmp_path, tiny_llama_folder):

@@ -273,7 +273,7 @@ def test_two_processes_match_one_with_the_same_global_batch(setup, tmp_path):
                     eval={"every": 2, "max_sequences": 5}, checkpoint={"every": 2})
     recipe = write_recipe(tmp_path / "recipe.yaml", tiny_recipe(setup["model"], setup["corpus"], tmp_path / "two", **sections))
     launched = _finetune_in_two_processes(recipe, tmp_path)
-    assert "Fine-tuned 4 steps, 512 tokens (2 process(es))" in " ".join(launched.stdout.split())
+    assert "Fine-tuned 4 steps, 512 tokens (2 processes)" in " ".join(launched.stdout.split())
     assert launched.stdout.count("held-out loss") == 1  # one summary table, from the main process
 
     single = run(setup, tmp_path / "one", **{**sections, "train": {**sections["train"], "grad_accum": 2}})
