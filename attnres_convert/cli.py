@@ -525,7 +525,7 @@ def ab_command(
         ),
     ] = None,
     seeds: Annotated[int, typer.Option("--seeds", help="Run every arm with train.seed, train.seed+1, ...: deltas paired per seed.")] = 1,
-    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Output folder (default outputs/ab-RECIPE).")] = None,
+    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Output folder (default outputs/ab-RECIPE, or outputs/RECIPE for a recipe named ab-...).")] = None,
     workdir: Annotated[Optional[Path], typer.Option("--workdir", help="Where the arms' run folders go (default OUTPUT-runs).")] = None,
     no_plain: Annotated[bool, typer.Option("--no-plain", help="With --sweep: no AttnRes arm without extra overrides.")] = False,
     jobs: Annotated[int, typer.Option("--jobs", help="Train this many arms at once, in one-thread worker processes (CPU).")] = 1,

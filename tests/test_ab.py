@@ -220,3 +220,13 @@ def test_an_arm_run_again_replaces_its_earlier_folder_only_once_finished(setup, 
     assert not (arm / "marker.txt").exists() and json.loads((arm / "final_metrics.json").read_text())["steps"] == 3
     assert again.report["steps"] == 3 and [step for step, _ in again.report["arms"][0]["eval"]] == [0, 2, 3]
     assert ab._live_folder(arm) == arm and not [p for p in arm.parent.iterdir() if p.name.startswith(".")]
+
+
+def test_the_default_output_names_the_recipe_once():
+    from pathlib import Path
+
+    from attnres_convert.finetune.ab import default_output
+
+    assert default_output(Path("recipes/ab-scratch-cpu.yaml")) == Path("outputs/ab-scratch-cpu")
+    assert default_output(Path("recipes/quickstart-cpu.yaml")) == Path("outputs/ab-quickstart-cpu")
+    assert "ab-ab-" not in str(default_output(Path("ab-smollm2-shakespeare.yaml")))

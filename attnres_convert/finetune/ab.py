@@ -388,7 +388,7 @@ def run_ab(
     state = PartialState()
     if jobs > 1 and state.num_processes > 1:
         raise RecipeError("--jobs: under accelerate launch every process trains every arm together; use --jobs 1")
-    out = Path(output or f"outputs/ab-{path.stem}").expanduser().resolve()
+    out = Path(output or default_output(path)).expanduser().resolve()
     _check_output(out, overwrite)
     work = Path(workdir).expanduser().resolve() if workdir else out.with_name(out.name + "-runs")
     arms = plan_arms(sweep or [], plain)
@@ -433,6 +433,12 @@ def run_ab(
         atomic_folder(out, lambda folder: write_report(report, folder), owned=True)
     state.wait_for_everyone()
     return ABResult(out, report)
+
+
+def default_output(recipe_path: Path) -> Path:
+    """outputs/ab-RECIPE, the prefix not doubled for a recipe named ab-... (outputs/ab-scratch-cpu, not ab-ab-...)."""
+    stem = recipe_path.stem
+    return Path("outputs") / (stem if stem.startswith("ab-") else f"ab-{stem}")
 
 
 def check_scratch_arms(data: dict, common: list[str], arms: list[Arm], seed: int, workdir: Path) -> None:
