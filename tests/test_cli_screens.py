@@ -139,6 +139,8 @@ ARGUMENT_ERRORS = {
     "finetune: missing data": (["finetune", "quickstart-cpu", "data.train.files=[missing.txt]"], "missing.txt does not exist"),
     "architectures: misspelt type": (["architectures", "lama"], "Did you mean llama"),
     "bench: no such path": (["bench", "/nonexistent/folder"], "no such file or folder: /nonexistent/folder"),
+    "eval: a play without its prefix": (["eval", "--data", "hamlet"], "file hamlet does not exist; for the Shakespeare play write 'shakespeare:hamlet'"),
+    "inspect: a run folder": (["inspect", "run"], "It is a fine-tuning run folder: its model is run/model. Pass that."),
     "convert: no such dtype": (["convert", "--dtype", "bf17", "-o", "out"], "--dtype 'bf17' is not a data type we know: use auto, float32, bfloat16 or float16 (or bf16, fp16, fp32)"),
     "eval: no such dtype": (["eval", "--dtype", "fp8", "--data", "shakespeare:hamlet"], "--dtype 'fp8' is not a data type we know"),
     "bench: no such dtype": (["bench", "--dtype", "auto"], "--dtype 'auto' is not a data type we know: use float32, bfloat16 or float16"),
@@ -160,11 +162,15 @@ def test_argument_errors_are_answered_without_importing_torch(tmp_path, case):
     args, message = ARGUMENT_ERRORS[case]
     (tmp_path / "taken").mkdir()
     (tmp_path / "taken" / "keep.txt").write_text("a user's file")
+    run = tmp_path / "run"  # a fine-tuning run folder: its model is in run/model
+    (run / "model").mkdir(parents=True)
+    (run / "recipe.yaml").write_text("{}")
+    (run / "model" / "config.json").write_text("{}")
     result = _cli_in_subprocess(args, tmp_path)
     assert result.returncode == 2, result.stderr
-    assert message in result.stderr, result.stderr
+    assert message in " ".join(result.stderr.split()), result.stderr
     assert "IMPORTED False False" in result.stderr, f"torch or transformers imported before the error:\n{result.stderr}"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["taken"]  # nothing written
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run", "taken"]  # nothing written
 
 
 def test_valid_recipe_is_validated_without_importing_torch(tmp_path):
