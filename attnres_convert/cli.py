@@ -559,9 +559,9 @@ def ab_command(
         )
     if not main:
         return
-    from rich.markdown import Markdown
+    from attnres_convert.finetune.ab import console_report
 
-    console.print(Markdown((result.output / "ab.md").read_text()))
+    console.print(console_report(result.report, result.output), highlight=False)
     console.print(f"[green]A/B[/] [bold]{escape(str(result.output))}[/] (ab.json, ab.md, ab.png)")
 
 

@@ -102,12 +102,14 @@ class RunSummary:
     converted: bool
     grad_norm: list[tuple[int, float]] = field(default_factory=list)
     attnres_grad_norm: list[tuple[int, float]] = field(default_factory=list)
+    eval_stderr_final: float | None = None  # the final evaluation's standard error (None: not recorded)
 
 
 def read_run(folder: Path, seed: int) -> RunSummary:
     final = json.loads((folder / "final_metrics.json").read_text())
     records = read_metrics(folder / METRICS)
     trains = [r for r in records if r["kind"] == "train"]
+    evals = [r for r in records if r["kind"] == "eval"]
     return RunSummary(
         seed=seed,
         eval=[(r["step"], r["loss"]) for r in records if r["kind"] == "eval"],
@@ -121,6 +123,7 @@ def read_run(folder: Path, seed: int) -> RunSummary:
         converted=final["converted"],
         grad_norm=[(r["step"], r["grad_norm"]) for r in trains if r.get("grad_norm") is not None],
         attnres_grad_norm=[(r["step"], r["attnres_grad_norm"]) for r in trains if r.get("attnres_grad_norm") is not None],
+        eval_stderr_final=evals[-1].get("stderr") if evals else None,
     )
 
 
@@ -133,6 +136,11 @@ def paired(values: list[float]) -> dict:
         "max": max(values),
         "per_seed": values,
     }
+
+
+def _mean_or_none(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return statistics.fmean(known) if known else None
 
 
 def _mean_curve(runs: list[RunSummary]) -> list[tuple[int, float]]:
@@ -149,6 +157,7 @@ def arm_report(arm: Arm, runs: list[RunSummary], baseline: list[RunSummary] | No
         "converted": runs[0].converted,
         "eval": _mean_curve(runs),
         "eval_loss_final": statistics.fmean(r.eval_loss_final for r in runs),
+        "eval_stderr_final": _mean_or_none([r.eval_stderr_final for r in runs]),
         "tokens": runs[0].tokens,
         "tokens_per_s": statistics.fmean(speeds) if speeds else None,
         "trainable_parameters": runs[0].trainable_parameters,
@@ -192,9 +201,30 @@ def compute_equivalent(baseline_curve: list[tuple[int, float]], arm_final: float
     return figure
 
 
+def within_noise(entry: dict, base: dict) -> str | None:
+    """Why the arm's final difference to the baseline is within this run's noise, or None when it stands out:
+    one seed (no spread to judge it by), |Δ| no larger than the seeds' spread (the sample standard deviation of
+    the per-seed Δ), or |Δ| no larger than the evaluation's standard error of the difference (the two final
+    evaluations' standard errors combined: the held-out text is a sample too). Then no savings are claimed."""
+    delta = entry.get("delta_final")
+    if delta is None:
+        return None
+    size, reasons = abs(delta["mean"]), []
+    if len(delta["per_seed"]) == 1:
+        reasons.append("one seed")
+    elif size <= delta["std"]:
+        reasons.append(f"|Δ| {size:.4f} <= the seeds' spread {delta['std']:.4f}")
+    errors = [e for e in (entry.get("eval_stderr_final"), base.get("eval_stderr_final")) if e is not None]
+    if errors:
+        stderr = math.sqrt(sum(e * e for e in errors))
+        if size <= stderr:
+            reasons.append(f"|Δ| {size:.4f} <= the evaluation's standard error {stderr:.4f}")
+    return "; ".join(reasons) or None
+
+
 def add_compute_equivalents(entries: list[dict], steps: int) -> None:
     """Every AttnRes arm's compute-equivalent figure against the baseline (entries[0]): from the mean curves,
-    and per seed from that seed's baseline curve."""
+    and per seed from that seed's baseline curve; `noise` says why it is no claim, where it is not one."""
     base = entries[0]
     base_runs = {r["seed"]: r for r in base["runs"]}
     for entry in entries[1:]:
@@ -202,6 +232,7 @@ def add_compute_equivalents(entries: list[dict], steps: int) -> None:
         per_seed = [compute_equivalent(base_runs[r["seed"]]["eval"], r["eval_loss_final"], r["tokens"], steps, r["eval"]) for r in entry["runs"]]
         figure["per_seed"] = [f["ratio"] for f in per_seed]
         figure["per_seed_at_baseline_final"] = [f["ratio_at_baseline_final"] for f in per_seed]
+        figure["noise"] = within_noise(entry, base)
         entry["compute_equivalent"] = figure
 
 
@@ -542,8 +573,8 @@ def markdown(report: dict) -> str:
         "(tokens/s depend on what else "
         "the machine was running).",
         "",
-        "Held-out loss in nats per token (mean over the seeds); Δ = arm - baseline at the same seed: mean ± sample "
-        "standard deviation (min .. max) over the seeds. Negative is better.",
+        "Held-out loss in nats per token (mean over the seeds; ± the evaluation's standard error); Δ = arm - baseline "
+        "at the same seed: mean ± sample standard deviation (min .. max) over the seeds. Negative is better.",
         "",
         "| arm | overrides | held-out loss | perplexity | Δ vs baseline | trainable params | tokens/s |",
         "|---|---|---|---|---|---|---|",
@@ -565,8 +596,9 @@ def markdown(report: dict) -> str:
             ratio = entry["tokens_per_s_interleaved"] / base["tokens_per_s_interleaved"]
             speed += f" (interleaved {entry['tokens_per_s_interleaved']:,.0f}, {ratio:.2f}x)"
         overrides = " ".join(f"`{o}`" for o in entry["overrides"])
+        stderr = f" ± {entry['eval_stderr_final']:.4f}" if entry.get("eval_stderr_final") is not None else ""
         lines.append(
-            f"| {entry['name']} | {overrides} | {entry['eval_loss_final']:.4f} | {math.exp(entry['eval_loss_final']):.2f} | "
+            f"| {entry['name']} | {overrides} | {entry['eval_loss_final']:.4f}{stderr} | {math.exp(entry['eval_loss_final']):.2f} | "
             f"{_delta(entry)} | {params} | {speed} |"
         )
     lines += compute_equivalent_lines(arms)
@@ -608,7 +640,9 @@ def compute_equivalent_lines(arms: list[dict]) -> list[str]:
         "Compute equivalent: the training tokens the baseline needs to reach the arm's final held-out loss, read off "
         "the baseline's own curve (linear between evaluations), as a multiple of the arm's tokens; above 1 the arm "
         "saves compute. \"not reached\": the baseline never gets there in this run. The other way round: the tokens "
-        "after which the arm reaches the baseline's final loss, and the baseline's tokens as a multiple of them.",
+        "after which the arm reaches the baseline's final loss, and the baseline's tokens as a multiple of them. "
+        "No figure is given for a difference within the run's noise (one seed, or |Δ| no larger than the seeds' spread "
+        "or the evaluation's standard error): more seeds, steps or held-out text can tell.",
         "",
         "| arm | final loss | baseline tokens to match (mean curves) | per seed | arm tokens to the baseline's final loss | per seed |",
         "|---|---|---|---|---|---|",
@@ -618,6 +652,9 @@ def compute_equivalent_lines(arms: list[dict]) -> list[str]:
         return ", ".join("not reached" if r is None else f"{r:.2f}x" for r in values)
 
     for name, figure in figures:
+        if figure.get("noise"):  # a figure read off a difference the run cannot tell from noise claims nothing
+            lines.append(f"| {name} | {figure['target_loss']:.4f} | within the noise ({figure['noise']}): no savings claim | | | |")
+            continue
         reached = figure.get("arm_tokens_to_baseline_final")
         other = "not reached" if reached is None else f"{reached:,.0f} tokens: {figure['ratio_at_baseline_final']:.2f}x"
         lines.append(
@@ -625,3 +662,65 @@ def compute_equivalent_lines(arms: list[dict]) -> list[str]:
             f"{ratios(figure.get('per_seed_at_baseline_final', []))} |"
         )
     return lines
+
+
+# --- the console ----------------------------------------------------------------------------------
+
+
+def console_report(report: dict, output: Path):
+    """What `attnres ab` prints at the end, whole at 80 columns: the arms with their overrides, listed above a
+    narrow table of numbers (ab.md's table, with its overrides column, is wider than a terminal), then which
+    differences are within the noise. Every number is ab.md's."""
+    from rich import box
+    from rich.console import Group
+    from rich.markup import escape
+    from rich.table import Table
+    from rich.text import Text
+
+    arms, base = report["arms"], report["arms"][0]
+    seeds = report["seeds"]
+    head = (
+        f"A/B: {report['recipe']}, {report['steps']} steps, {base['tokens']:,} training tokens per arm, "
+        f"seed{'s' if len(seeds) > 1 else ''} {', '.join(map(str, seeds))}"
+    )
+    parts: list = [Text(head, style="bold"), Text("Arms (overrides on top of the recipe):")]
+    labels = {}
+    for index, entry in enumerate(arms):
+        label = entry["name"] if index < 2 or not entry["name"].startswith("attnres ") else f"sweep {index - 1}"
+        labels[entry["name"]] = label
+        overrides = " ".join(entry["overrides"]) or "none: the recipe as written"
+        parts.append(Text(f"  {label}: {overrides}"))
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
+    table.add_column("arm", no_wrap=True)
+    table.add_column("held-out loss", justify="right", no_wrap=True)
+    table.add_column("Δ vs baseline", justify="right", no_wrap=True)
+    table.add_column("compute equivalent", justify="right", no_wrap=True)
+    start = base["eval"][0] if base["eval"] and base["eval"][0][0] == 0 else None
+    if start is not None:
+        origin = "random init" if report.get("from_scratch") else "original"
+        table.add_row(f"{origin} (step 0)", f"{start[1]:.4f}", "", "")
+    noise = []
+    for entry in arms:
+        stderr = f" ± {entry['eval_stderr_final']:.4f}" if entry.get("eval_stderr_final") is not None else ""
+        delta = entry.get("delta_final")
+        shown = ""
+        if delta is not None:
+            shown = f"{delta['mean']:+.4f}" + (f" ± {delta['std']:.4f}" if len(delta["per_seed"]) > 1 else "")
+        figure = entry.get("compute_equivalent")
+        equivalent = ""
+        if figure is not None:
+            if figure.get("noise"):
+                equivalent = "within the noise"
+                noise.append(f"{labels[entry['name']]}: {figure['noise']}")
+            else:  # the tokens behind the ratio are in ab.md
+                equivalent = "not reached" if figure["ratio"] is None else f"{figure['ratio']:.2f}x"
+        table.add_row(escape(labels[entry["name"]]), f"{entry['eval_loss_final']:.4f}{stderr}", shown, escape(equivalent))
+    parts.append(table)
+    if noise:
+        parts.append(Text(
+            "Within the noise, so no savings claimed: " + "; ".join(noise) + ". More seeds (--seeds), steps or "
+            "held-out text can tell."
+        ))
+    parts.append(Text(f"Every table (curves, per-seed figures, gradient norms): {output / AB_MD}"))
+    return Group(*parts)
+

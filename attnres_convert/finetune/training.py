@@ -354,9 +354,11 @@ class FinetuneRecipe:
     def evaluate(self) -> float:
         """Held-out loss now, written to metrics.jsonl."""
         self._set_gate()  # the model as it is at this step
-        loss, count = heldout_loss_across_processes(self.model, self.corpus.eval, self.accelerator, self.eval_batch)
+        loss, count, stderr = heldout_loss_across_processes(self.model, self.corpus.eval, self.accelerator, self.eval_batch)
         step = self.state.step
-        self.metrics.write({"kind": "eval", "step": step, "loss": loss, "perplexity": perplexity(loss), "predictions": count})
+        self.metrics.write(
+            {"kind": "eval", "step": step, "loss": loss, "perplexity": perplexity(loss), "predictions": count, "stderr": stderr}
+        )
         self.report.print(f"step {step}: held-out loss {loss:.4f}, perplexity {perplexity(loss):.2f}")
         return loss
 
