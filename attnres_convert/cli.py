@@ -627,11 +627,7 @@ def architectures_command(
         for row in report.rows:
             table.add_row(escape(row.label), f"[{colours[row.status]}]{row.status}[/]", escape(row.detail))
         console.print(table)
-    counts = report.counts
-    console.print(
-        f"converted {counts['converted']}, refused {counts['refused']}, not built {counts['not built']} "
-        f"({len(report.rows)} rows)", highlight=False,
-    )
+    console.print(report.summary(), highlight=False)
 
 
 @recipes_app.command("list")
