@@ -293,6 +293,8 @@ def inspect_command(
         console.print(f"[green]Wrote[/] {path}")
 
 
+from attnres_convert.analysis.bench_settings import QUICK_SETTINGS_TEXT, ROUND_COST  # noqa: E402 - the help's facts
+
 BenchDevice = Enum("BenchDevice", {name: name for name in ("cpu", "cuda")}, type=str)
 BenchKernels = Enum("BenchKernels", {name: name for name in ("eager", "triton", "cpu")}, type=str)
 
@@ -317,7 +319,18 @@ def bench_command(
     batch: Annotated[int, typer.Option(help="Sequences per prefill and training step.")] = 1,
     seq_len: Annotated[int, typer.Option(help="Tokens per sequence of a prefill and a training step.")] = 512,
     decode_tokens: Annotated[int, typer.Option(help="Greedy tokens generated with the KV cache, after a 32-token prompt.")] = 64,
-    rounds: Annotated[int, typer.Option(help="Timed rounds (each runs both models once, after one warm-up).")] = 5,
+    rounds: Annotated[
+        int,
+        typer.Option(
+            help=f"Timed rounds, each running both models once, after one warm-up round. {ROUND_COST}",
+        ),
+    ] = 5,
+    quick: Annotated[
+        bool,
+        typer.Option(
+            "--quick", help=f"A rough look: {QUICK_SETTINGS_TEXT} (where left at their defaults), no memory measure.",
+        ),
+    ] = False,
     threads: Annotated[Optional[int], typer.Option(help="torch threads on CPU \\[default: torch's].", show_default=False)] = None,
     measure: Annotated[str, typer.Option(help="What to measure, comma-separated: prefill, decode, train, memory.")] = "prefill,decode,train,memory",
     block_size: Annotated[Optional[int], typer.Option(help="Convert with this block size S \\[default: convert's].", show_default=False)] = None,
@@ -326,22 +339,30 @@ def bench_command(
     markdown: Annotated[bool, typer.Option("--markdown", help="Print the results as Markdown (the docs' tables).")] = False,
 ) -> None:
     """Convert MODEL and measure it against the original: prefill, decoding, a training step, peak memory."""
+    from attnres_convert.analysis.bench_settings import (
+        BenchSettings, check_values, estimate, output_problem, quick_settings, runs_total,
+    )
     from attnres_convert.io.paths import resolve_source
 
-    with user_errors():  # before torch is imported: a missing path, a dtype that is none
-        resolve_source(model)
-        if dtype is not None:
-            dtype = canonical_dtype(dtype, "--dtype", allowed=("float32", "bfloat16", "float16"))
-    from attnres_convert.analysis.bench import BenchSettings, run_bench, runs_total
-    from attnres_convert.analysis.bench_report import console_table, markdown as to_markdown, output_problem, write_json
-
-    if json_file is not None and (problem := output_problem(json_file)):
-        fail(f"--json {json_file}: cannot write there ({problem}).")
     settings = BenchSettings(
         device=device.value, dtype=dtype, kernels=kernels.value if kernels else None, compile=compile_, batch=batch,
         seq_len=seq_len, decode_tokens=decode_tokens, rounds=rounds, threads=threads,
         measure=tuple(m.strip() for m in measure.split(",") if m.strip()), block_size=block_size, full=full,
     )
+    with user_errors():  # before torch is imported: every setting the command can check by itself
+        source = resolve_source(model)
+        if dtype is not None:
+            settings.dtype = canonical_dtype(dtype, "--dtype", allowed=("float32", "bfloat16", "float16"))
+        if quick:
+            settings = quick_settings(settings)
+        check_values(settings)
+    if json_file is not None and (problem := output_problem(json_file)):
+        fail(f"--json {json_file}: cannot write there ({problem}).")
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    err_console.print(estimate(settings, source.kind == "default", os.cpu_count() or 1, load), highlight=False)
+    from attnres_convert.analysis.bench import run_bench
+    from attnres_convert.analysis.bench_report import console_table, markdown as to_markdown, write_json
+
     command = "attnres bench " + shlex.join(sys.argv[2:]) if len(sys.argv) > 1 and sys.argv[1] == "bench" else None
     with user_errors(), stages("bench") as stage:
         runs: list = []  # the line of timed runs, shown from the first run on
@@ -429,10 +450,18 @@ def eval_command(
     import json
 
     from attnres_convert.io.files import checked_files
+    from attnres_convert.io.paths import resolve_source
 
-    with user_errors():  # before torch is imported
+    with user_errors():  # before torch is imported: every argument the command can check by itself
+        resolve_source(model)
         dtype = canonical_dtype(dtype, "--dtype")
         checked_files(data, "--data")
+    if seq_len < 2:
+        fail(f"--seq-len must be at least 2, got {seq_len}")
+    if batch_size < 1:
+        fail(f"--batch-size must be at least 1, got {batch_size}")
+    if max_tokens is not None and max_tokens < seq_len:
+        fail(f"--max-tokens {max_tokens} is less than one sequence of --seq-len {seq_len}: give at least {seq_len}")
     with user_errors(), stages("eval") as stage, stage("Evaluating"):
         from attnres_convert.analysis.evaluate import evaluate
 

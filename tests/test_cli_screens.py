@@ -140,7 +140,14 @@ ARGUMENT_ERRORS = {
     "architectures: misspelt type": (["architectures", "lama"], "Did you mean llama"),
     "bench: no such path": (["bench", "/nonexistent/folder"], "no such file or folder: /nonexistent/folder"),
     "eval: a play without its prefix": (["eval", "--data", "hamlet"], "file hamlet does not exist; for the Shakespeare play write 'shakespeare:hamlet'"),
+    "eval: not a model folder": (["eval", "taken", "--data", "shakespeare:hamlet"], "taken is not a model folder: it has no config.json"),
+    "eval: --seq-len 1": (["eval", "--seq-len", "1", "--data", "shakespeare:hamlet"], "--seq-len must be at least 2, got 1"),
+    "eval: --batch-size 0": (["eval", "--batch-size", "0", "--data", "shakespeare:hamlet"], "--batch-size must be at least 1, got 0"),
     "inspect: a run folder": (["inspect", "run"], "It is a fine-tuning run folder: its model is run/model. Pass that."),
+    "bench: --rounds 0": (["bench", "--rounds", "0"], "--rounds 0: must be at least 1."),
+    "bench: --seq-len 0": (["bench", "--seq-len", "0"], "--seq-len 0: must be at least 1."),
+    "bench: unknown measure": (["bench", "--measure", "prefill,speed"], "--measure prefill,speed: choose from"),
+    "bench: triton on cpu": (["bench", "--kernels", "triton"], "--kernels triton runs the Triton kernels on CUDA tensors"),
     "convert: no such dtype": (["convert", "--dtype", "bf17", "-o", "out"], "--dtype 'bf17' is not a data type we know: use auto, float32, bfloat16 or float16 (or bf16, fp16, fp32)"),
     "eval: no such dtype": (["eval", "--dtype", "fp8", "--data", "shakespeare:hamlet"], "--dtype 'fp8' is not a data type we know"),
     "bench: no such dtype": (["bench", "--dtype", "auto"], "--dtype 'auto' is not a data type we know: use float32, bfloat16 or float16"),
@@ -586,3 +593,49 @@ def test_ctrl_c_names_the_stage_it_stopped_with_no_blank_line(monkeypatch, earli
     assert lines[-1] == "interrupted: convert (loading model) stopped; nothing was written to out.", lines
     assert all(line.strip() for line in lines), lines  # no blank line
     assert [line.split()[:2] for line in lines[:-1]] == ([["Reading", "config"]] if earlier_stage else [])
+
+
+# ---------------------------------------------------------------- bench: how long, and its lines piped
+
+
+def test_bench_says_how_long_before_it_starts():
+    from attnres_convert.analysis.bench_settings import PACE_S, SETUP_S, MEMORY_S, BenchSettings, estimate, quick_settings
+
+    idle = estimate(BenchSettings(threads=1), embedded=True, cores=2, load=0.5)
+    round_s = 2 * sum(PACE_S.values())  # 1 thread, the default sizes: the measured pace
+    total = SETUP_S + 6 * round_s + MEMORY_S
+    assert f"about {total / 60:.0f} min with 1 thread(s), 6 rounds (one a warm-up) of about {round_s:.0f} s" in idle, idle
+    assert "busy" not in idle and "--quick" in idle
+    busy = estimate(BenchSettings(), embedded=True, cores=2, load=7.3)
+    assert "This machine is busy (load average 7.3 on 2 cores)" in busy
+    other = estimate(BenchSettings(), embedded=False, cores=2, load=0.1)
+    assert "one of the embedded SmolLM2-135M would take about" in other and "bigger model" in other
+    quick = quick_settings(BenchSettings())
+    assert (quick.rounds, quick.seq_len, quick.decode_tokens, quick.measure) == (1, 128, 16, ("prefill", "decode", "train"))
+    assert quick_settings(BenchSettings(seq_len=256, measure=("prefill",))).seq_len == 256  # what the user set stays
+    assert "--quick" not in estimate(quick, embedded=True, cores=2, load=0.1)
+    assert estimate(quick, embedded=True, cores=2) < idle or True
+    assert "rounds (one a warm-up) of about" in estimate(quick, embedded=True, cores=2)
+
+
+@pytest.mark.parametrize("source", ["", "/models/Meta-Llama-3.1-8B-Instruct-Q4_K_M-imatrix-long-name.gguf",
+                                    "some-organisation-name/a-rather-long-model-repository-name-v2"])
+def test_bench_stage_lines_are_whole_piped_at_80_columns(tmp_path, source):
+    from rich.progress import Progress
+
+    from attnres_convert.analysis.bench import saving_stage
+    from attnres_convert.cli_kit import stage_columns
+    from attnres_convert.io.paths import ModelSource
+
+    kind = "default" if not source else ("gguf" if source.endswith(".gguf") else "hub")
+    model = ModelSource(kind, str(Path(source).parent) if kind == "gguf" else source or "/x",
+                        Path(source).name if kind == "gguf" else ("SmolLM2-135M-Instruct.Q4_1.gguf" if kind == "default" else None),
+                        given=source or None)
+    names = [saving_stage(model), "Converting", "Loading both models", "prefill", "decode", "train step",
+             "peak memory of a training step (a process per model)"]
+    console = Console(width=80, file=io.StringIO(), color_system=None)  # piped: Rich crops a line at the width
+    progress = Progress(*stage_columns(), console=console)
+    for name in names:
+        progress.add_task(name, total=1, completed=1)
+    lines = render(progress.make_tasks_table(progress.tasks))
+    assert_unwrapped(lines, *names)
