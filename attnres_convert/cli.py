@@ -227,6 +227,8 @@ def push(
     token: TokenOption = None,
 ) -> None:
     """Upload a converted or fine-tuned model folder to the HuggingFace hub, after checking it loads."""
+    if not folder.expanduser().is_dir():  # before the hub libraries are imported
+        fail(f"{folder} is not a folder. Pass the output folder of `attnres convert` or `attnres finetune`.")
     push_saved(folder, repo_id, private=private, revision=revision, commit_message=commit_message, token=token)
 
 
@@ -574,6 +576,11 @@ def ab_command(
     from attnres_convert.finetune.recipe import load_recipe
     from attnres_convert.io.console import quiet_libraries
 
+    for name, value in (("--seeds", seeds), ("--jobs", jobs)):  # before torch and transformers are imported
+        if value < 1:
+            fail(f"{name}: must be >= 1 (got {value})")
+    if throughput < 0:
+        fail(f"--throughput: must be >= 0 (got {throughput})")
     main = _is_main_process()
     arms = [[o for o in entry.replace(",", " ").split() if o] for entry in (sweep or [])]
     interrupted = "Finished arms are kept in the work folder: run the same command with --reuse to train only the others."
