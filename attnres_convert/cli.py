@@ -463,7 +463,7 @@ def eval_command(
     if batch_size < 1:
         fail(f"--batch-size must be at least 1, got {batch_size}")
     if max_tokens is not None and max_tokens < seq_len:
-        fail(f"--max-tokens {max_tokens} is less than one sequence of --seq-len {seq_len}: give at least {seq_len}")
+        fail(f"--max-tokens {max_tokens} is not enough for one sequence of --seq-len {seq_len}: give at least {seq_len}")
     with user_errors(), stages("eval") as stage, stage("Evaluating"):
         from attnres_convert.analysis.evaluate import evaluate
 

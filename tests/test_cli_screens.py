@@ -150,7 +150,7 @@ ARGUMENT_ERRORS = {
     "bench: triton on cpu": (["bench", "--kernels", "triton"], "--kernels triton runs the Triton kernels on CUDA tensors"),
     "push: no such folder": (["push", "/nonexistent/folder", "alice/x"], "/nonexistent/folder is not a folder"),
     "ab: --seeds 0": (["ab", "quickstart-cpu", "--seeds", "0"], "--seeds: must be >= 1 (got 0)"),
-    "eval: --max-tokens below a sequence": (["eval", "--max-tokens", "10", "--data", "shakespeare:hamlet"], "--max-tokens 10 is less than one sequence of --seq-len 256"),
+    "eval: --max-tokens below a sequence": (["eval", "--max-tokens", "10", "--data", "shakespeare:hamlet"], "--max-tokens 10 is not enough for one sequence of --seq-len 256"),
     "convert: no such dtype": (["convert", "--dtype", "bf17", "-o", "out"], "--dtype 'bf17' is not a data type we know: use auto, float32, bfloat16 or float16 (or bf16, fp16, fp32)"),
     "eval: no such dtype": (["eval", "--dtype", "fp8", "--data", "shakespeare:hamlet"], "--dtype 'fp8' is not a data type we know"),
     "bench: no such dtype": (["bench", "--dtype", "auto"], "--dtype 'auto' is not a data type we know: use float32, bfloat16 or float16"),
