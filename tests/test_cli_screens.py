@@ -547,6 +547,7 @@ def test_where_it_trains_is_said_in_words():
     assert where_it_trains("cpu", 2, "MULTI_CPU", "no") == "Training on cpu in 2 processes (DDP), no mixed precision"
 
 
+@pytest.mark.filterwarnings("ignore:.*has no tokenizer")  # the tiny model ships none; not what this test is about
 def test_convert_shows_its_stages_in_the_order_it_works(tmp_path, tiny_llama_folder):
     """The display agrees with the README: the converted folder is verified before it is put in place."""
     import contextlib
