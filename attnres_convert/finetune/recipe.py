@@ -27,6 +27,7 @@ from ..io.hub_access import DEFAULT_MAX_SHARD_SIZE
 from ..errors import AttnResError
 
 DEFAULT_SOURCES = (None, "", "default")
+_PRECISION_ALIASES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "no", "fp32": "no"}
 
 
 class RecipeError(AttnResError):
@@ -203,12 +204,22 @@ class TrainSection(_Section):
         "linearly from 0 to 1 over this many steps (a scheduled gate, as in reskip's retrofit); 0: off. The saved model is "
         "plain AttnRes (g = 1). No effect without AttnRes (the A/B baseline)."
     )
-    mixed_precision: Literal["no", "bf16", "fp16"] = Field("no", description="Accelerate's mixed precision for the compute.")
+    mixed_precision: Literal["no", "bf16", "fp16"] = Field(
+        "no", description="Accelerate's mixed precision for the compute (bfloat16 and float16 are taken as bf16 and fp16)."
+    )
     gradient_checkpointing: bool = Field(
         False, description="Recompute activations in the backward pass (non-reentrant) to save memory."
     )
     seed: int = Field(0, description="Seeds the data order, LoRA initialisation and dropout.")
     log_every: int = Field(1, ge=1, description="Write metrics.jsonl every N steps.")
+
+    @field_validator("mixed_precision", mode="before")
+    @classmethod
+    def _precision_by_dtype_name(cls, value):
+        # A dtype's usual names mean the same precision here: bfloat16 is bf16, float16 fp16, float32 no.
+        if isinstance(value, str):
+            return _PRECISION_ALIASES.get(value.strip().lower(), value)
+        return value
 
     @model_validator(mode="after")
     def _warmup_fits(self):
