@@ -225,25 +225,31 @@ def compute_equivalent(baseline_curve: list[tuple[int, float]], arm_final: float
     return figure
 
 
+def noise_reasons(mean: float, std: float, seeds: int, eval_se: float | None) -> list[str]:
+    """Why a mean difference over SEEDS paired seeds is within the run's noise (empty: it stands out): one seed (no
+    spread to judge it by), |Δ| no larger than the seeds' spread STD, or no larger than the evaluation's standard
+    error EVAL_SE of the difference (the held-out text is a sample too). The A/B and the retrofit study both
+    claim no savings then."""
+    size, reasons = abs(mean), []
+    if seeds == 1:
+        reasons.append("one seed")
+    elif size <= std:
+        reasons.append(f"|Δ| {size:.4f} <= the seeds' spread {std:.4f}")
+    if eval_se is not None and size <= eval_se:
+        reasons.append(f"|Δ| {size:.4f} <= the evaluation's standard error {eval_se:.4f}")
+    return reasons
+
+
 def within_noise(entry: dict, base: dict) -> str | None:
-    """Why the arm's final difference to the baseline is within this run's noise, or None when it stands out:
-    one seed (no spread to judge it by), |Δ| no larger than the seeds' spread (the sample standard deviation of
-    the per-seed Δ), or |Δ| no larger than the evaluation's standard error of the difference (the two final
-    evaluations' standard errors combined: the held-out text is a sample too). Then no savings are claimed."""
+    """Why the arm's final difference to the baseline is within this run's noise (`noise_reasons`: the seeds'
+    spread is the sample standard deviation of the per-seed Δ, the evaluation's standard error the two final
+    evaluations' combined), or None when it stands out."""
     delta = entry.get("delta_final")
     if delta is None:
         return None
-    size, reasons = abs(delta["mean"]), []
-    if len(delta["per_seed"]) == 1:
-        reasons.append("one seed")
-    elif size <= delta["std"]:
-        reasons.append(f"|Δ| {size:.4f} <= the seeds' spread {delta['std']:.4f}")
     errors = [e for e in (entry.get("eval_stderr_final"), base.get("eval_stderr_final")) if e is not None]
-    if errors:
-        stderr = math.sqrt(sum(e * e for e in errors))
-        if size <= stderr:
-            reasons.append(f"|Δ| {size:.4f} <= the evaluation's standard error {stderr:.4f}")
-    return "; ".join(reasons) or None
+    eval_se = math.sqrt(sum(e * e for e in errors)) if errors else None
+    return "; ".join(noise_reasons(delta["mean"], delta["std"], len(delta["per_seed"]), eval_se)) or None
 
 
 def add_compute_equivalents(entries: list[dict], steps: int) -> None:

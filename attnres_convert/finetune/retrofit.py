@@ -46,6 +46,7 @@ from .ab import (
     finished,
     folder_name,
     live_table,
+    noise_reasons,
     paired,
     read_run,
     run_tasks,
@@ -335,16 +336,11 @@ def difference_se(pairs: list[tuple[float | None, float | None]]) -> float | Non
 
 
 def savings_claim(lead: dict, eval_se: float | None) -> dict:
-    """Whether a lead (paired over seeds) supports a claim: two seeds or more, and a mean beyond both the seeds'
-    sample standard deviation and the evaluation's standard error."""
-    mean = lead["mean"]
-    if len(lead["per_seed"]) < 2:
-        return {"claim": False, "why": "one seed"}
-    if abs(mean) <= lead["std"]:
-        return {"claim": False, "why": "within the seeds' spread"}
-    if eval_se is not None and abs(mean) <= eval_se:
-        return {"claim": False, "why": "within the evaluation's standard error"}
-    return {"claim": True, "why": "AttnRes ahead" if mean > 0 else "AttnRes behind"}
+    """Whether a lead (paired over seeds) supports a claim: the A/B's noise rule (`ab.noise_reasons`)."""
+    reasons = noise_reasons(lead["mean"], lead["std"], len(lead["per_seed"]), eval_se)
+    if reasons:
+        return {"claim": False, "why": "; ".join(reasons)}
+    return {"claim": True, "why": "AttnRes ahead" if lead["mean"] > 0 else "AttnRes behind"}
 
 
 def _lead(base: dict[int, float], arm: dict[int, float], seeds: list[int]) -> dict:
