@@ -25,8 +25,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.models.transformers.fusers.attention import interface_call
 
-from attnres_convert import __version__
-from attnres_convert.serving.vllm_support import ServingRefused, module_path, unservable_reason
+from attnres_convert.serving.vllm_support import ServingRefused, module_path, release, unservable_reason
 
 # The name under which transformers' attention interface reaches vLLM's paged attention for a converted model.
 ATTENTION_IMPLEMENTATION = "attnres_vllm"
@@ -75,7 +74,7 @@ class AttnResForCausalLMVllm(nn.Module):
         ).eval()
         plan = getattr(self.model, "_attnres_plan", None)
         if plan is None or not all(hasattr(plan, name) for name in ("base_model", "layers", "lm_head")):
-            raise ServingRefused(self.family, "its modeling code predates the plan vLLM serving reads", release=__version__)
+            raise ServingRefused(self.family, "its modeling code predates the plan vLLM serving reads", release=release())
         self.plan = plan
         self.base = module_path(self.model, plan.base_model)
         reason = unservable_reason(self.model, interface_call)

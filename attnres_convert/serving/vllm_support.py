@@ -4,6 +4,7 @@ Imports no engine: the checks take vLLM's own test of an attention module as an 
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 from collections.abc import Callable
 
 from torch import nn
@@ -21,6 +22,11 @@ class ServingRefused(ValueError):
             fix = ("serve it with transformers' `generate` (AutoModelForCausalLM.from_pretrained(folder, "
                    "trust_remote_code=True)), which runs every family attnres converts")
         super().__init__(f"vLLM cannot serve this AttnRes model (base family {family!r}): {reason}. Fallback: {fix}.")
+
+
+def release() -> str:
+    """The installed attnres release (the first that serves with vLLM is the one whose plugin is installed)."""
+    return importlib.metadata.version("attnres")
 
 
 def module_path(root: nn.Module, path: str) -> nn.Module:
