@@ -181,3 +181,20 @@ def test_openai_server_answers_as_generate(server):
     status, body = _post(f"{base}/v1/completions", dict(common, prompt=texts[0]))
     assert status == 200 and body["choices"][0]["token_ids"] == served[0]
     assert process.poll() is None
+
+
+def test_the_plugin_registers_the_architecture_once_however_often_called():
+    from importlib.metadata import entry_points
+
+    from vllm import ModelRegistry
+
+    from attnres_convert.serving import vllm_plugin
+
+    (entry,) = [e for e in entry_points(group="vllm.general_plugins") if e.name == "attnres"]
+    assert entry.value == "attnres_convert.serving.vllm_plugin:register"
+    entry.load()()
+    entry.load()()  # vLLM calls it in every process it starts
+    assert vllm_plugin.ARCHITECTURE in ModelRegistry.get_supported_archs()
+    model_class = ModelRegistry._try_load_model_cls(vllm_plugin.ARCHITECTURE)
+    assert model_class.__name__ == "AttnResForCausalLMVllm"
+    assert model_class.__module__ == "attnres_convert.serving.vllm_model"
