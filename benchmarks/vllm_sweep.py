@@ -16,6 +16,7 @@ import argparse
 import contextlib
 import io
 import json
+import re
 import sys
 import warnings
 from pathlib import Path
@@ -53,6 +54,17 @@ def admission(model_type: str) -> dict:
     return {"status": "admitted" if reason is None else "refused", "detail": reason or ""}
 
 
+def short(detail: str) -> str:
+    """A refusal as a table cell: the layer and which of the two reasons (the engine prints the whole sentence)."""
+    found = re.match(r"decoder layer (\d+) \((\w+)\) has no module that calls", detail)
+    if found:
+        return (f"layer {found[1]} (`{found[2]}`) calls no attention interface: attention in the model's own code, "
+                "or a recurrent mixer")
+    if "carries a recurrent state" in detail:
+        return "the base class carries a recurrent state"
+    return detail.replace("|", "/")
+
+
 def table(rows: dict[str, dict], versions: dict) -> str:
     lines = [BEGIN, "",
              f"transformers {versions['transformers']}, vLLM {versions['vllm']}; engine: greedy tokens equal to "
@@ -60,7 +72,7 @@ def table(rows: dict[str, dict], versions: dict) -> str:
              "| model type | vLLM | engine-tested | reason |", "|---|---|---|---|"]
     for model_type, row in rows.items():
         tested = "yes" if model_type in ENGINE_TESTED and row["status"] != "not in this transformers" else ""
-        lines.append(f"| `{model_type}` | {row['status']} | {tested} | {row['detail'].replace('|', '/')} |")
+        lines.append(f"| `{model_type}` | {row['status']} | {tested} | {short(row['detail'])} |")
     return "\n".join([*lines, "", END])
 
 

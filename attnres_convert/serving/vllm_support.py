@@ -37,8 +37,10 @@ def module_path(root: nn.Module, path: str) -> nn.Module:
 def unservable_reason(model: nn.Module, interface_call: Callable) -> str | None:
     """Why vLLM's paged attention cannot run this converted model, or None where it can: every decoder layer must
     have exactly one module whose forward calls transformers' attention interface (`interface_call(forward)`,
-    vLLM's own test, is not None), since that call is the one place the model reads other tokens. A Mamba or
-    linear-attention mixer reads them through a recurrent state, which vLLM's paged KV cache does not hold."""
+    vLLM's own test, is not None), since that call is the one place the model reads other tokens. An attention that
+    computes its softmax in its own code (older transformers models: Bloom, GPT-J, Falcon...) cannot be taken over,
+    and a Mamba or linear-attention mixer reads other tokens through a recurrent state, which vLLM's paged KV cache
+    does not hold."""
     plan = model._attnres_plan
     layers = module_path(module_path(model, plan.base_model), plan.layers)
     for index, layer in enumerate(layers):
@@ -46,9 +48,10 @@ def unservable_reason(model: nn.Module, interface_call: Callable) -> str | None:
         if len(found) == 1:
             continue
         if not found:
-            return (f"decoder layer {index} ({type(layer).__name__}) has no attention that goes through transformers' "
-                    "attention interface: a Mamba or linear-attention mixer keeps a recurrent state, which vLLM's paged "
-                    "KV cache does not hold")
+            return (f"decoder layer {index} ({type(layer).__name__}) has no module that calls transformers' attention "
+                    "interface, where vLLM's paged attention takes over: its attention is computed in the model's own "
+                    "code, or its tokens are mixed through a recurrent state (Mamba, linear attention), which vLLM's "
+                    "paged KV cache does not hold")
         return f"decoder layer {index} ({type(layer).__name__}) calls attention from several modules ({', '.join(found)})"
     if getattr(model, "_is_stateful", False):
         return "its base model carries a recurrent state from token to token, which vLLM's paged KV cache does not hold"
