@@ -30,8 +30,11 @@ from vllm_helpers import (  # noqa: E402
 
 HELPERS = Path(__file__).with_name("vllm_helpers.py")
 NEW_TOKENS = 16
-# The family set; the hybrid stacks (Mamba / linear-attention layers) are refused, see HYBRIDS.
-SERVED = ["llama", "qwen3", "mistral", "gemma3_text", "phi3", "gpt_neox_parallel", "qwen3_moe", "mixtral"]
+# Llama, Qwen3, Mistral, Gemma 3, Phi-3, GPT-NeoX (parallel residual) and two mixtures of experts; then the head's
+# and the attention's own scalars (Gemma 2's soft caps, Granite's multipliers, Cohere's logit scale) and GPT-2's
+# Conv1D projections. The hybrid stacks (Mamba / linear-attention layers) are refused, see HYBRIDS.
+SERVED = ["llama", "qwen3", "mistral", "gemma3_text", "phi3", "gpt_neox_parallel", "qwen3_moe", "mixtral",
+          "gemma2", "granite", "cohere", "gpt2"]
 HYBRIDS = ["jamba", "falcon_h1", "qwen3_next"]
 
 

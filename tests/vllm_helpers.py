@@ -17,13 +17,19 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 
 from finetune_helpers import char_tokenizer  # noqa: E402
-from tiny_models import randomize_queries, tiny_model  # noqa: E402
+from tiny_models import CONFIGS, randomize_queries, tiny_model  # noqa: E402
 
-# vLLM's CPU attention takes head sizes 32, 64, 80...: the tiny models' 16 is widened (heads of 32).
-CPU_HEAD_SIZE = {
-    "gpt_neox_parallel": dict(num_attention_heads=2),
-    "phi3": dict(num_attention_heads=2, num_key_value_heads=1),
-}
+def cpu_head_size(family: str) -> dict:
+    """Config overrides giving heads of 32: vLLM's CPU attention takes head sizes 32, 64, 80..., not the tiny
+    models' 16. A config that names its head size gets 32; one whose modules derive it from the hidden size gets
+    2 heads (of 64 / 2), and as many key-value heads where it has them."""
+    config = CONFIGS[family]()
+    if getattr(config, "head_dim", None) is not None:
+        return dict(head_dim=32)
+    grouped = dict(num_key_value_heads=2) if getattr(config, "num_key_value_heads", None) is not None else {}
+    return dict(num_attention_heads=2, **grouped)
+
+
 CHAT_TEMPLATE = (
     "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}assistant: {% endif %}"
@@ -48,7 +54,7 @@ def converted_folder(family: str, folder: Path, block_size: int = 2) -> Path:
     and key norms, so depth attention changes every token, saved with the character tokenizer and a chat template."""
     from attnres_convert import convert_model, save_converted
 
-    base = tiny_model(family, **CPU_HEAD_SIZE.get(family, dict(head_dim=32)))
+    base = tiny_model(family, **cpu_head_size(family))
     model = randomize_queries(convert_model(copy.deepcopy(base), block_size=block_size), 0.5, seed=1, key_norms=0.3)
     tokenizer = char_tokenizer()
     tokenizer.chat_template = CHAT_TEMPLATE

@@ -37,7 +37,7 @@ _CALLS = [0]  # attention calls in the running forward: each decoder layer's mus
 
 def paged_attention(module: nn.Module, query, key, value, attention_mask, **kwargs):
     """transformers' attention interface ([1, heads, T, head_dim] each) served by the module's vLLM `Attention`
-    ([T, heads * head_dim]). The mask, dropout, scaling and window transformers pass are the `Attention`'s own
+    (which takes and returns [T, heads * head_dim]). The mask, dropout, scaling and window transformers pass are the `Attention`'s own
     settings (made from the same module and config, see `_attach_attention`)."""
     attention = module._modules[VLLM_ATTENTION]
     _CALLS[0] += 1
@@ -47,8 +47,10 @@ def paged_attention(module: nn.Module, query, key, value, attention_mask, **kwar
         value = F.pad(value.view(tokens, -1, head_dim_v), (0, head_dim_qk - head_dim_v)).reshape(tokens, -1)
     output = attention(query, key, value)
     if head_dim_v < head_dim_qk:
-        output = output.view(tokens, -1, head_dim_qk)[..., :head_dim_v].reshape(tokens, -1)
-    return output, None
+        output = output.view(tokens, -1, head_dim_qk)[..., :head_dim_v]
+    # [batch 1, T, heads, head_dim], what transformers' own attention functions return: modules merge the last two
+    # dimensions themselves, some as `reshape(*input_shape, -1)`, others (GPT-2) as `reshape(*shape[:-2], -1)`.
+    return output.reshape(1, tokens, -1, head_dim_v), None
 
 
 ALL_ATTENTION_FUNCTIONS.register(ATTENTION_IMPLEMENTATION, paged_attention)
@@ -76,14 +78,20 @@ class AttnResForCausalLMVllm(nn.Module):
         if plan is None or not all(hasattr(plan, name) for name in ("base_model", "layers", "lm_head")):
             raise ServingRefused(self.family, "its modeling code predates the plan vLLM serving reads", release=release())
         self.plan = plan
-        self.base = module_path(self.model, plan.base_model)
         reason = unservable_reason(self.model, interface_call)
         if reason is not None:
             raise ServingRefused(self.family, reason)
         self.attention_layers = self._attach_attention(vllm_config, prefix)
-        for module in [config, *(m.config for m in self.model.modules() if isinstance(getattr(m, "config", None), PreTrainedConfig))]:
-            for sub in {id(c): c for c in (module, module.get_text_config())}.values():
-                sub._attn_implementation = ATTENTION_IMPLEMENTATION
+        # Every config the modules read their attention implementation from (at each call) names vLLM's.
+        configs = [config, config.get_text_config()]
+        configs += [m.config for m in self.model.modules() if isinstance(getattr(m, "config", None), PreTrainedConfig)]
+        for each in {id(c): c for c in configs}.values():
+            each._attn_implementation = ATTENTION_IMPLEMENTATION
+
+    @property
+    def base(self) -> nn.Module:
+        """The base model inside the converted one (a property, not a second registration of the same module)."""
+        return module_path(self.model, self.plan.base_model)
 
     def _attach_attention(self, vllm_config, prefix: str) -> int:
         """One vLLM `Attention` per decoder layer, for the module of that layer that calls transformers'
