@@ -24,7 +24,7 @@ from finetune_helpers import tiny_model_folder, tiny_recipe, write_recipe
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slow  # builds a wheel and runs its command in fresh processes
 NOT_PACKAGED = shutil.ignore_patterns(
-    ".git", ".venv", ".ci", "tests", "benchmarks", "docs", "outputs", "runs", "build", "dist", "*.egg-info",
+    ".git", ".venv*", ".ci", "tests", "benchmarks", "docs", "outputs", "runs", "build", "dist", "*.egg-info",
     "__pycache__", ".pytest_cache", ".cache",
 )
 
