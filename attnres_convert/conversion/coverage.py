@@ -60,6 +60,8 @@ VARIANTS: tuple[tuple[str, str, dict], ...] = (
     ("qwen3_next", "dense MLPs", {"mlp_only_layers": [0, 1]}),
     ("jamba", "MoE in every layer", {"expert_layer_period": 1, "expert_layer_offset": 0}),
     ("gemma4_text", "no per-layer inputs", {"hidden_size_per_layer_input": 0}),
+    ("gemma4_text", "MoE block", {"hidden_size_per_layer_input": 0, "enable_moe_block": True, "num_experts": 4,
+                                  "top_k_experts": 2, "moe_intermediate_size": 32}),
     ("nemotron_h", "Mamba-2 and attention layers", {"num_hidden_layers": 2, "layers_block_type": ["linear_attention", "full_attention"]}),
 )
 
@@ -89,6 +91,21 @@ class CoverageReport:
 
     def defaults(self) -> list[CoverageRow]:
         return [row for row in self.rows if not row.variant]
+
+    def summary(self) -> str:
+        """The counts as the README states them: model types (each type's default config), then the config
+        variants apart, so that the rows of both are never added up into one number."""
+        types = self.defaults()
+        count = {status: sum(1 for row in types if row.status == status) for status in STATUSES}
+        line = (
+            f"{len(types)} model types: {count['converted']} converted, {count['refused']} refused, "
+            f"{count['not built']} not built"
+        )
+        variants = [row for row in self.rows if row.variant]
+        if variants:
+            converted = sum(1 for row in variants if row.status == "converted")
+            line += f"; {len(variants)} config variants: {converted} converted"
+        return line
 
     def converted_types(self) -> list[str]:
         return sorted(row.model_type for row in self.defaults() if row.status == "converted")

@@ -9,17 +9,46 @@ A field becomes `--field-name` on the command line; a bool defaulting to True be
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from huggingface_hub.serialization._base import parse_size_to_int
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ..errors import AttnResError
 from ..io.samples import SAMPLE_TEXT
 from ..io.hub_access import DEFAULT_MAX_SHARD_SIZE
 
 
-DTypeName = Literal["auto", "float32", "bfloat16", "float16"]
+DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
+# The names people type for the same dtypes (PyTorch's, Accelerate's, llama.cpp's); matched case-insensitively.
+DTYPE_ALIASES = {
+    "fp32": "float32", "f32": "float32", "float": "float32", "torch.float32": "float32",
+    "bf16": "bfloat16", "torch.bfloat16": "bfloat16",
+    "fp16": "float16", "f16": "float16", "half": "float16", "torch.float16": "float16",
+}
+
+
+def canonical_dtype(value, what: str = "dtype", allowed: tuple[str, ...] = DTYPE_NAMES) -> str:
+    """VALUE as one of ALLOWED (float32, bfloat16, float16, auto), its usual aliases (fp32, bf16, fp16, half, ...)
+    accepted; anything else is an AttnResError naming WHAT and the choices."""
+    text = str(getattr(value, "value", value)).strip().lower()
+    name = DTYPE_ALIASES.get(text, text)
+    if name not in allowed:
+        choices = ", ".join(allowed[:-1]) + f" or {allowed[-1]}"
+        raise AttnResError(f"{what} {value!r} is not a data type we know: use {choices} (or bf16, fp16, fp32)")
+    return name
+
+
+def _canonical_dtype_field(value):
+    # A pydantic before-validator: a ValueError becomes the field's error, worded by the messages above.
+    try:
+        return canonical_dtype(value, "")
+    except AttnResError as error:
+        raise ValueError(str(error).strip()) from None
+
+
+# A dtype field (convert's --dtype, a recipe's model.dtype): aliases become the canonical name before the check.
+DTypeName = Annotated[Literal["auto", "float32", "bfloat16", "float16"], BeforeValidator(_canonical_dtype_field)]
 
 
 class OptionsError(AttnResError):
@@ -44,7 +73,7 @@ class ConvertOptions(BaseModel):
         description="Rank r of input-dependent queries, w + B A x per token (B zero at conversion: still exact; A and B "
         "train with the AttnRes parameters); 0: static queries. Runs the plain PyTorch depth mix.",
     )
-    dtype: DTypeName = Field("auto", description="auto keeps the checkpoint's dtype; or float32, bfloat16, float16.")
+    dtype: DTypeName = Field("auto", description="auto keeps the checkpoint's dtype; or float32, bfloat16, float16 (fp32, bf16, fp16).")
     verify: bool = Field(True, description="Check logits and greedy generation against the original.")
     verify_tokens: int = Field(256, ge=1, description="Tokens of the sample text the check runs on.")
     verify_new_tokens: int = Field(32, ge=1, description="Greedy tokens generated (with the KV cache) by the check.")
@@ -99,6 +128,8 @@ def _problem(error: dict) -> str:
     name = ".".join(map(str, error["loc"]))
     if error["type"] == "greater_than_equal":
         return f"{name} must be >= {error['ctx']['ge']}, got {error['input']!r}"
+    if error["type"] == "value_error":  # our own validator's words, without pydantic's "Value error, "
+        return f"{name} {error['ctx']['error']}"
     return f"{name}: {error['msg']} (got {error['input']!r})"
 
 

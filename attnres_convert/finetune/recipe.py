@@ -27,6 +27,7 @@ from ..io.hub_access import DEFAULT_MAX_SHARD_SIZE
 from ..errors import AttnResError
 
 DEFAULT_SOURCES = (None, "", "default")
+_PRECISION_ALIASES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "no", "fp32": "no"}
 
 
 class RecipeError(AttnResError):
@@ -149,6 +150,10 @@ class DataSection(_Section):
     max_tokens: int | None = Field(
         None, ge=1, description="Tokenise at most this many training tokens (default for datasets: what the run consumes)."
     )
+    start_step: int = Field(
+        0, ge=0, description="Read the training stream from where step N of a run with the same data, seed and batch left "
+        "off (continued pretraining on unseen text; `attnres ab --retrofit-after` sets it)."
+    )
 
     @model_validator(mode="after")
     def _train_source(self):
@@ -199,12 +204,22 @@ class TrainSection(_Section):
         "linearly from 0 to 1 over this many steps (a scheduled gate, as in reskip's retrofit); 0: off. The saved model is "
         "plain AttnRes (g = 1). No effect without AttnRes (the A/B baseline)."
     )
-    mixed_precision: Literal["no", "bf16", "fp16"] = Field("no", description="Accelerate's mixed precision for the compute.")
+    mixed_precision: Literal["no", "bf16", "fp16"] = Field(
+        "no", description="Accelerate's mixed precision for the compute (bfloat16 and float16 are taken as bf16 and fp16)."
+    )
     gradient_checkpointing: bool = Field(
         False, description="Recompute activations in the backward pass (non-reentrant) to save memory."
     )
     seed: int = Field(0, description="Seeds the data order, LoRA initialisation and dropout.")
     log_every: int = Field(1, ge=1, description="Write metrics.jsonl every N steps.")
+
+    @field_validator("mixed_precision", mode="before")
+    @classmethod
+    def _precision_by_dtype_name(cls, value):
+        # A dtype's usual names mean the same precision here: bfloat16 is bf16, float16 fp16, float32 no.
+        if isinstance(value, str):
+            return _PRECISION_ALIASES.get(value.strip().lower(), value)
+        return value
 
     @model_validator(mode="after")
     def _warmup_fits(self):
@@ -262,6 +277,22 @@ class CheckpointSection(_Section):
     keep_last: int = Field(2, ge=1, description="Keep this many of the newest checkpoints.")
 
 
+class RetrofitSection(_Section):
+    """`attnres ab --retrofit-after N`: the continued phase after N pretraining steps; a field left null keeps train's."""
+
+    steps: int | None = Field(None, ge=1, description="Continued steps from each pretrained checkpoint (required by --retrofit-after).")
+    lr: float | None = Field(None, gt=0, description="Peak learning rate of the continued phase (default: train.lr).")
+    attnres_lr: float | None = Field(None, gt=0, description="Peak learning rate of the AttnRes parameters (default: train.attnres_lr).")
+    warmup_steps: int | None = Field(None, ge=0, description="Warmup of the continued phase (default: train.warmup_steps).")
+    trainable: Literal["lora", "full"] = Field("full", description="What trains in the continued phase (lora: the recipe's lora section).")
+
+    @model_validator(mode="after")
+    def _warmup_fits(self):
+        if self.steps is not None and self.warmup_steps is not None and self.warmup_steps >= self.steps:
+            raise ValueError(f"warmup_steps ({self.warmup_steps}) must be smaller than steps ({self.steps})")
+        return self
+
+
 class OutputSection(_Section):
     """The run folder and where the result goes."""
 
@@ -295,6 +326,7 @@ class Recipe(_Section):
     eval: EvalSection = Field(default_factory=EvalSection)
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
     output: OutputSection
+    retrofit: RetrofitSection = Field(default_factory=RetrofitSection)
 
     @model_validator(mode="after")
     def _something_trains(self):

@@ -135,10 +135,8 @@ class FinetuneRecipe:
             report.say(f"[bold]Resolved recipe[/]\n{escape(recipe.to_yaml())}")
         else:
             report.say(escape(recipe.headline()) + " [dim](--verbose: the whole recipe)[/]")
-        report.say(
-            f"Accelerate: {self.distributed}, {self.accelerator.num_processes} process(es) on {self.accelerator.device}, "
-            f"mixed precision {self.accelerator.mixed_precision}"
-        )
+        report.say(where_it_trains(self.accelerator.device, self.accelerator.num_processes, self.distributed,
+                                   self.accelerator.mixed_precision))
         if os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true" and self.distributed != "FSDP":
             report.say(f"[yellow]note:[/] FSDP was asked for but Accelerate runs {self.distributed} here (FSDP needs GPUs)")
         if self.resume and self.checkpoint_path is None:
@@ -172,10 +170,10 @@ class FinetuneRecipe:
         self.global_batch = self.world * recipe.train.grad_accum * recipe.train.micro_batch
         with accelerator.main_process_first():
             # A streamed dataset is read only as far as the run needs (+1%: packing drops each source's tail).
-            needed = recipe.train.steps * self.global_batch * recipe.data.seq_len
+            needed = (recipe.data.start_step + recipe.train.steps) * self.global_batch * recipe.data.seq_len
             self.corpus: Corpus = build_corpus(recipe, start.tokenizer, needed + needed // 100 + recipe.data.seq_len)
         self.report.say(self.corpus.describe)
-        self.order = SequenceOrder(len(self.corpus.train), recipe.train.seed)
+        self.order = SequenceOrder(len(self.corpus.train), recipe.train.seed, recipe.data.start_step * self.global_batch)
         optimizer = make_optimizer(model, recipe)
         self.scheduler = make_scheduler(optimizer, recipe)
         new = {id(p) for _, p in attnres_parameters(model)}
@@ -356,9 +354,9 @@ class FinetuneRecipe:
     def evaluate(self) -> float:
         """Held-out loss now, written to metrics.jsonl."""
         self._set_gate()  # the model as it is at this step
-        loss, count = heldout_loss_across_processes(self.model, self.corpus.eval, self.accelerator, self.eval_batch)
+        loss, count, se = heldout_loss_across_processes(self.model, self.corpus.eval, self.accelerator, self.eval_batch)
         step = self.state.step
-        self.metrics.write({"kind": "eval", "step": step, "loss": loss, "perplexity": perplexity(loss), "predictions": count})
+        self.metrics.write({"kind": "eval", "step": step, "loss": loss, "perplexity": perplexity(loss), "predictions": count, "loss_se": se})
         self.report.print(f"step {step}: held-out loss {loss:.4f}, perplexity {perplexity(loss):.2f}")
         return loss
 
@@ -389,6 +387,15 @@ class FinetuneRecipe:
             self.report.say(f"Pushing {model_dir} to {self.recipe.output.push_to_hub} ...")
             pushed = push_folder(model_dir, self.recipe.output.push_to_hub, token=self.token, private=self.recipe.output.private)
         return FinetuneResult(self.out, model_dir, final, records, pushed)
+
+
+def where_it_trains(device, processes: int, distributed: str, mixed_precision: str) -> str:
+    """Accelerate's settings in words: 'Training on cpu in 1 process, float32', 'on cuda in 4 processes (FSDP), bf16
+    mixed precision' (Accelerate's own names, NO and MULTI_CPU, say little to a reader)."""
+    how = "" if processes == 1 else f" ({'FSDP' if distributed == 'FSDP' else 'DDP'})"
+    count = "1 process" if processes == 1 else f"{processes} processes"
+    precision = "no mixed precision" if mixed_precision == "no" else f"{mixed_precision} mixed precision"
+    return f"Training on {device} in {count}{how}, {precision}"
 
 
 def finetune(
