@@ -24,7 +24,7 @@ from finetune_helpers import tiny_model_folder, tiny_recipe, write_recipe
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slow  # builds a wheel and runs its command in fresh processes
 NOT_PACKAGED = shutil.ignore_patterns(
-    ".git", ".venv", ".ci", "tests", "benchmarks", "docs", "outputs", "runs", "build", "dist", "*.egg-info",
+    ".git", ".venv*", ".ci", "tests", "benchmarks", "docs", "outputs", "runs", "build", "dist", "*.egg-info",
     "__pycache__", ".pytest_cache", ".cache",
 )
 
@@ -70,6 +70,9 @@ def test_the_wheel_holds_the_package_the_recipes_and_no_top_level_cli(installed)
         assert wheel.read(top_level).decode().split() == ["attnres_convert"]
         entry_points = wheel.read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
     assert "attnres = attnres_convert.cli:main" in entry_points
+    # vLLM's plugin (docs/serving.md): installing the wheel is what registers the architecture with vLLM.
+    assert "[vllm.general_plugins]\nattnres = attnres_convert.serving.vllm_plugin:register" in entry_points
+    assert "attnres_convert/serving/vllm_model.py" in names
     shipped = sorted(p.name for p in (ROOT / "recipes").glob("*.yaml"))
     assert sorted(Path(n).name for n in names if n.startswith("attnres_convert/recipes/") and n.endswith(".yaml")
                   and "/accelerate/" not in n) == shipped

@@ -104,6 +104,16 @@ def _load_section() -> list[str]:
         "The model type is `attnres`, so tools that do not know it refuse the repo "
         "instead of silently dropping the depth-attention weights.",
         "",
+        "## Serve it with vLLM",
+        "",
+        "With `attnres` installed beside vLLM (its plugin registers the architecture; the families whose attention "
+        "goes through transformers' attention interface are served, hybrid Mamba and linear-attention stacks are "
+        "refused with the reason):",
+        "",
+        "```bash",
+        "vllm serve PATH_OR_REPO --trust-remote-code",
+        "```",
+        "",
     ]
 
 

