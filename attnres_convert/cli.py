@@ -672,7 +672,15 @@ def _terminate(signum, frame) -> None:
 
 def main() -> None:
     signal.signal(signal.SIGTERM, _terminate)
-    app()
+    from attnres_convert.optional import MissingPackageError
+
+    try:
+        app()
+    except MissingPackageError as error:  # raised by the import a command makes first (the recipe schema)
+        try:
+            fail(str(error))
+        except typer.Exit as stop:
+            sys.exit(stop.exit_code)
 
 
 if __name__ == "__main__":

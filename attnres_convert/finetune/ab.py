@@ -500,11 +500,17 @@ def _machine(jobs: int) -> dict:
 
 
 def write_report(report: dict, folder: Path) -> None:
-    from ..analysis.plots import ab_curves_plot
+    from .result import plot_unless_missing
 
     (folder / AB_JSON).write_text(json.dumps(report, indent=2))
     (folder / AB_MD).write_text(markdown(report))
-    ab_curves_plot(report, folder / AB_PNG)
+    plot_unless_missing(lambda: _curves(report, folder / AB_PNG), f"{AB_PNG} (the held-out curves)")
+
+
+def _curves(report: dict, path: Path) -> None:
+    from ..analysis.plots import ab_curves_plot
+
+    ab_curves_plot(report, path)
 
 
 # --- ab.md ----------------------------------------------------------------------------------------

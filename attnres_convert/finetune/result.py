@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -54,11 +55,9 @@ def save_result(accelerator, model, start: StartingModel, recipe: Recipe, out: P
         state_dict = accelerator.get_state_dict(model)  # gathers the shards; every process takes part
     if not accelerator.is_main_process:
         return None
-    from ..analysis.plots import loss_curve_plot
-
     history = loss_history(records)
     title = f"{'AttnRes' if start.converted else 'Baseline (no AttnRes)'}: {start.source.short_name}"
-    loss_curve_plot(history, out / LOSS_CURVE, title=title)
+    plotted = plot_unless_missing(lambda: _loss_curve(history, out / LOSS_CURVE, title), f"{LOSS_CURVE} (the loss curve)")
     (out / FINAL_METRICS).write_text(json.dumps(final, indent=2))
     if not recipe.output.save_model:
         return None
@@ -84,17 +83,36 @@ def save_result(accelerator, model, start: StartingModel, recipe: Recipe, out: P
             if missing:
                 raise TrainingError(f"internal error: save_pretrained did not copy {missing}; the model folder would not load")
         start.tokenizer.save_pretrained(folder)
-        shutil.copy(out / LOSS_CURVE, folder / LOSS_CURVE)
+        if plotted:
+            shutil.copy(out / LOSS_CURVE, folder / LOSS_CURVE)
         (folder / RECIPE_FILE).write_text(recipe.to_yaml())
         (folder / "finetune_metrics.json").write_text(json.dumps(final, indent=2))
-        (folder / "README.md").write_text(model_card(base, start, recipe, final, history, corpus))
+        (folder / "README.md").write_text(model_card(base, start, recipe, final, history, corpus, plotted))
 
     # A model folder left by an earlier attempt of this run is swapped out only once the new one is complete.
     atomic_folder(model_dir, write, owned=True)
     return model_dir
 
 
-def model_card(model, start: StartingModel, recipe: Recipe, final: dict, history, corpus) -> str:
+def _loss_curve(history, path: Path, title: str) -> None:
+    from ..analysis.plots import loss_curve_plot
+
+    loss_curve_plot(history, path, title=title)
+
+
+def plot_unless_missing(draw, what: str) -> bool:
+    """DRAW() where matplotlib is installed; without it, a warning that WHAT is not drawn and how to get it
+    (the run's numbers are all written: the picture is the one thing left out). Whether it drew."""
+    from ..optional import available, missing_message
+
+    if not available("matplotlib"):
+        warnings.warn(f"{what} is not drawn: {missing_message('matplotlib', 'drawing it')}", UserWarning, stacklevel=2)
+        return False
+    draw()
+    return True
+
+
+def model_card(model, start: StartingModel, recipe: Recipe, final: dict, history, corpus, plotted: bool = True) -> str:
     """README.md of the model folder: where it started, the recipe, the held-out metrics, the loss curve."""
     from ..io.card import base_identity, baseline_card, card_identity, finetune_card
     from ..conversion.surgery import summarize
@@ -118,7 +136,7 @@ def model_card(model, start: StartingModel, recipe: Recipe, final: dict, history
         finetuned_key="fine-tuned",
         eval_data=f"{corpus.eval_documents} held-out documents, {len(corpus.eval)} sequences x {recipe.data.seq_len} tokens",
         train_data=f"{final['tokens']:,} tokens",
-        loss_curve=LOSS_CURVE,
+        loss_curve=LOSS_CURVE if plotted else None,
         history=history,
     )
     if not start.converted:
