@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import gc
 import importlib
+import importlib.metadata
 import json
 import math
 import os
@@ -45,10 +46,13 @@ import sys
 import tempfile
 import time
 import traceback
+import warnings
 import zipfile
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from ..io.console import quiet_libraries
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout: the package's parent
 WHEELS = ROOT / "gpu-check-wheels"
@@ -199,7 +203,10 @@ def _version(name: str) -> str | None:
         module = importlib.import_module(name)
     except Exception:  # noqa: BLE001 - not installed, or broken: either way not usable here
         return None
-    return getattr(module, "__version__", "unknown")
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:  # importable without metadata (unpacked from a wheel)
+        return getattr(module, "__version__", "unknown")
 
 
 def models(check: Check, limit: float) -> dict:
@@ -279,11 +286,13 @@ def exactness(check: Check, limit: float) -> dict:
     return result
 
 
-def bench(kernels: str, compile_: bool = False, dtype: str = "bfloat16") -> Callable[[Check, float], dict]:
-    """`attnres bench` of each model (a child process each, killed at the time left) with one depth mix."""
+def bench(kernels: str, compile_: bool = False, dtype: str | None = None) -> Callable[[Check, float], dict]:
+    """`attnres bench` of each model (a child process each, killed at the time left) with one depth mix, in
+    DTYPE (default: bench's, bfloat16 on a GPU and float32 on a CPU)."""
 
     def run(check: Check, limit: float) -> dict:
         started = time.monotonic()
+        dtype_ = dtype or ("bfloat16" if check.cuda else "float32")
         plan = check.plan.bench
         runs, failures = {}, []
         names = list(check.shapes)
@@ -292,10 +301,10 @@ def bench(kernels: str, compile_: bool = False, dtype: str = "bfloat16") -> Call
             if left < 5:
                 runs[name] = {"status": "not reached"}
                 continue
-            out = check.out / "bench" / f"{name}-{kernels}{'-compile' if compile_ else ''}-{dtype}.json"
+            out = check.out / "bench" / f"{name}-{kernels}{'-compile' if compile_ else ''}-{dtype_}.json"
             out.parent.mkdir(parents=True, exist_ok=True)
             cmd = [sys.executable, "-m", "attnres_convert", "bench", str(check.folders[name]), "--device", check.device,
-                   "--dtype", dtype, "--kernels", kernels, "--batch", str(plan["batch"]), "--seq-len", str(plan["seq_len"]),
+                   "--dtype", dtype_, "--kernels", kernels, "--batch", str(plan["batch"]), "--seq-len", str(plan["seq_len"]),
                    "--decode-tokens", str(plan["decode_tokens"]), "--rounds", str(plan["rounds"]), "--json", str(out)]
             if compile_:  # memory is measured without torch.compile (a fresh process per model): the eager rows have it
                 cmd += ["--compile", "--measure", "prefill,decode,train"]
@@ -313,7 +322,7 @@ def bench(kernels: str, compile_: bool = False, dtype: str = "bfloat16") -> Call
             data = json.loads(out.read_text())
             runs[name] = {"status": "ok", "json": str(out.relative_to(check.out)), "settings": data["settings"],
                           "rows": [_bench_row(row) for row in data["rows"]]}
-        result = {"kernels": kernels, "compile": compile_, "dtype": dtype, "runs": runs}
+        result = {"kernels": kernels, "compile": compile_, "dtype": dtype_, "runs": runs}
         if failures:
             raise StageFailure("; ".join(failures), result)
         return result
@@ -465,7 +474,11 @@ def _run_stage(check: Check, stage: Stage, say: Callable[[str], None]) -> StageR
     say(f"- {stage.name} (budget {budget:.0f} s) ...")
     started = time.monotonic()
     try:
-        result = StageResult(stage.name, "ok", result=stage.run(check, limit))
+        with quiet_libraries(), warnings.catch_warnings():
+            # The random-weight folders have no tokenizer, on purpose: convert's advice to save one is not for them.
+            warnings.filterwarnings("ignore", message=".*has no tokenizer")
+            outcome = stage.run(check, limit)
+        result = StageResult(stage.name, "ok", result=outcome)
     except StageFailure as failure:
         result = StageResult(stage.name, "failed", result=failure.result, error=str(failure))
     except Exception as error:  # noqa: BLE001 - one stage's error is recorded, the next stage runs
