@@ -151,3 +151,27 @@ def test_convert_and_bench_run_without_any_optional_package(tmp_path):
     assert done.returncode == 0, done.stderr
     rows = {row["name"]: row for row in json.loads(out.read_text())["rows"]}
     assert set(rows) == {"prefill", "train_step"} and all(row["ratio"] > 0 for row in rows.values())
+
+
+@pytest.mark.slow
+def test_an_ab_without_matplotlib_writes_everything_but_the_picture(tmp_path):
+    tiny = save_tiny(tmp_path / "tiny")
+    out = tmp_path / "ab"
+    docs = json.dumps([str(p) for p in sorted((ROOT / "docs").glob("*.md"))])
+    done = run_without(
+        ["matplotlib"], "ab", "ab-scratch-cpu", "--from-scratch", "-o", out, "--workdir", tmp_path / "arms",
+        f"model.source={tiny}", "model.layers=2", "model.hidden=32", "model.heads=2", "model.kv_heads=2", "model.num_blocks=1",
+        f"data.train.files={docs}", "data.eval.files=null", "data.eval.fraction=0.2", "data.seq_len=16",
+        "train.steps=2", "train.warmup_steps=0", "train.micro_batch=1", "eval.every=1", "eval.max_sequences=2",
+        f"output.dir={tmp_path / 'run'}",
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert sorted(p.name for p in out.iterdir()) == ["ab.json", "ab.md"]
+    assert len(json.loads((out / "ab.json").read_text())["arms"]) == 2
+    text = squash(done.stderr)
+    assert squash("ab.png (the held-out curves) is not drawn") in text and squash("-m pip install 'matplotlib>=3.9'") in text
+    # each arm's run folder: everything but loss_curve.png
+    runs = sorted((tmp_path / "arms").glob("*/seed-0"))
+    assert [run.parent.name for run in runs] == ["attnres", "baseline"]
+    for run in runs:
+        assert (run / "final_metrics.json").is_file() and not (run / "loss_curve.png").exists()
