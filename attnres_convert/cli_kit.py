@@ -36,8 +36,8 @@ def _flags_take_no_value() -> None:
     """Typer 0.29 shows `<bool>` beside every flag in --help, as if it took a value: a flag shows none."""
     from typer.core import TyperOption
 
-    shown = TyperOption.display_type_rich
-    if getattr(shown, "flags_take_no_value", False):
+    shown = getattr(TyperOption, "display_type_rich", None)
+    if shown is None or getattr(shown, "flags_take_no_value", False):  # None: a typer before 0.29, nothing to hide
         return
 
     def display_type_rich(self, ctx):
