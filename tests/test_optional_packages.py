@@ -30,6 +30,7 @@ def _typer_requires_pydantic() -> bool:
 
 TYPER_NEEDS_PYDANTIC = _typer_requires_pydantic()
 OPTIONAL = tuple(p for p in ("pydantic", "datasets", "gguf", "matplotlib", "pyarrow") if p != "pydantic" or not TYPER_NEEDS_PYDANTIC)
+needs_pydantic = pytest.mark.skipif(not available("pydantic"), reason="reads a recipe, and pydantic is not installed here")
 needs_typer_without_pydantic = pytest.mark.skipif(
     TYPER_NEEDS_PYDANTIC, reason="this typer requires pydantic (typer >= 0.29), so pydantic cannot be missing here"
 )
@@ -122,6 +123,7 @@ def test_gguf_matplotlib_pyarrow_are_asked_for_by_the_command_that_needs_them(tm
 
 
 @pytest.mark.slow
+@needs_pydantic
 def test_a_recipe_reading_a_dataset_says_it_needs_datasets_before_training(tmp_path):
     tiny = save_tiny(tmp_path / "tiny")
     recipe = tmp_path / "recipe.yaml"
@@ -154,6 +156,7 @@ def test_convert_and_bench_run_without_any_optional_package(tmp_path):
 
 
 @pytest.mark.slow
+@needs_pydantic
 def test_an_ab_without_matplotlib_writes_everything_but_the_picture(tmp_path):
     tiny = save_tiny(tmp_path / "tiny")
     out = tmp_path / "ab"
