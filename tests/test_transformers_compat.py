@@ -8,9 +8,17 @@ from pathlib import Path
 
 import pytest
 import transformers
+from packaging.version import Version
 
 from attnres_convert.modeling import transformers_compat
-from attnres_convert.modeling.transformers_compat import INTERNALS, MODULES, MissingTransformersInternal, internal
+from attnres_convert.modeling.transformers_compat import (
+    INTERNALS,
+    MODULES,
+    SINCE,
+    MissingTransformersInternal,
+    has,
+    internal,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "attnres_convert"
@@ -21,6 +29,12 @@ PUBLIC_MODULES = {"transformers", "transformers.modeling_outputs", "transformers
 @pytest.mark.parametrize("name", sorted(INTERNALS))
 def test_internal_is_where_attnres_looks(name):
     module_name, purpose = INTERNALS[name]
+    if name in SINCE and not has(name):
+        since, instead = SINCE[name]
+        # Missing only where SINCE says so: an older release of the range, whose way attnres takes instead.
+        assert Version(transformers.__version__) < Version(since), f"transformers {transformers.__version__} lacks {name}"
+        pytest.skip(f"transformers {transformers.__version__} predates {module_name}.{name} ({since}): {instead}")
+    assert has(name)
     found = internal(name)
     assert found is getattr(transformers_compat, name)
     assert callable(found) or len(found) > 0, f"{module_name}.{name} is empty"  # a function, class or a filled table
@@ -43,8 +57,32 @@ def test_a_module_that_no_longer_imports_fails_naming_the_internal(monkeypatch):
         raise ModuleNotFoundError("No module named 'transformers.core_model_loading'")
 
     monkeypatch.setitem(MODULES, "transformers.core_model_loading", moved)
-    with pytest.raises(MissingTransformersInternal, match=r"no transformers\.core_model_loading\.PrefixChange.*transformers>=5\.23"):
+    with pytest.raises(MissingTransformersInternal, match=r"no transformers\.core_model_loading\.PrefixChange.*transformers>=5\.16\.1,<6"):
         internal("PrefixChange")
+
+
+def test_only_internals_are_optional():
+    assert set(SINCE) <= set(INTERNALS)
+    assert all(Version(since) > Version(transformers_compat.TESTED_TRANSFORMERS.split(",")[0][2:]) for since, _ in SINCE.values())
+
+
+@pytest.mark.parametrize("has_spec", [True, False], ids=["with SubConfigSpec", "before SubConfigSpec"])
+def test_sub_config_built_by_its_model_type(has_spec, monkeypatch):
+    if not has_spec:  # as on transformers < 5.20, whichever is installed
+        monkeypatch.setattr(transformers_compat, "has", lambda name: False if name == "SubConfigSpec" else has(name))
+    elif not has("SubConfigSpec"):
+        pytest.skip(f"transformers {transformers.__version__} has no SubConfigSpec (since {SINCE['SubConfigSpec'][0]})")
+    gpt2 = transformers_compat.build_sub_config({"model_type": "gpt2", "n_layer": 2}, "llama")
+    default = transformers_compat.build_sub_config(None, "llama")
+    if has_spec:  # transformers builds it from the spec: nothing to do
+        assert gpt2 == {"model_type": "gpt2", "n_layer": 2} and default is None
+    else:
+        assert type(gpt2) is transformers.GPT2Config and gpt2.n_layer == 2
+        assert type(default) is transformers.LlamaConfig
+        assert default.hidden_size == transformers.LlamaConfig().hidden_size
+        assert transformers_compat.build_sub_config(gpt2, "llama") is gpt2
+        with pytest.raises(TypeError, match="must be a dict, a PreTrainedConfig or None"):
+            transformers_compat.build_sub_config("gpt2", "llama")
 
 
 def test_every_internal_has_its_module_importer():

@@ -56,22 +56,39 @@ def _release(data: np.ndarray, start: int) -> None:
 def _file_tensors(path: Path) -> tuple[str, list[tuple[str, np.ndarray, object, int]]]:
     """The GGUF's architecture and, in file order, each tensor's name, bytes (shaped as gguf's reader shapes
     them: rows of blocks), type and offset in the file. Read with transformers' GGUF header reader, which skips the vocabulary
-    (gguf's GGUFReader parses every token string: seconds per read)."""
+    (gguf's GGUFReader parses every token string: seconds per read), or with GGUFReader where transformers has none."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-    from ..modeling.transformers_compat import GgufHeader, load_gguf_state_dict
+    from ..modeling.transformers_compat import has, internal
 
+    if not has("GgufHeader"):
+        return _file_tensors_read_whole(path)
     try:
-        header = GgufHeader.from_file(str(path))
+        header = internal("GgufHeader").from_file(str(path))
     except ValueError as error:  # a tensor type this reader does not know
         raise NotStreamable(str(error)) from error
     tensors = []
-    for info, lazy in zip(header.tensors, load_gguf_state_dict(header).values()):
+    for info, lazy in zip(header.tensors, internal("load_gguf_state_dict")(header).values()):
         qtype = GGMLQuantizationType(info.ggml_type)
         block, block_bytes = GGML_QUANT_SIZES[qtype]
         data = lazy.data.reshape(*info.shape[:-1], info.shape[-1] // block * block_bytes)
         tensors.append((info.name, data, qtype, header.data_start + info.offset))
     return header.architecture, tensors
+
+
+def _file_tensors_read_whole(path: Path) -> tuple[str, list[tuple[str, np.ndarray, object, int]]]:
+    """`_file_tensors` with gguf's GGUFReader (the whole header, vocabulary included), as transformers before
+    its own header reader (5.17) reads a GGUF: the same tensors, bytes and offsets."""
+    from gguf import GGMLQuantizationType, GGUFReader
+
+    try:
+        reader = GGUFReader(str(path))
+    except ValueError as error:  # a tensor type this gguf does not know
+        raise NotStreamable(str(error)) from error
+    field = reader.fields["general.architecture"]
+    architecture = bytes(field.parts[field.data[0]]).decode()
+    tensors = [(t.name, t.data, GGMLQuantizationType(t.tensor_type), int(t.data_offset)) for t in reader.tensors]
+    return architecture, tensors
 
 
 def _gguf_to_hf_names(model: torch.nn.Module, processor, architecture: str) -> dict[str, str]:
@@ -112,10 +129,11 @@ def gguf_base_tensors(path: Path, config: PreTrainedConfig, dtype: str = "auto",
     """The GGUF's tensors under their transformers names, in file order, each computed when written: float32
     (the in-memory path's dtype for a GGUF) or DTYPE. NotStreamable when transformers would not load the file
     tensor by tensor."""
-    from ..modeling.transformers_compat import TENSOR_PROCESSORS, TensorProcessor, is_gguf_arch_supported
+    from ..modeling.transformers_compat import TENSOR_PROCESSORS, TensorProcessor, has, internal
 
     architecture, file_tensors = _file_tensors(path)
-    if is_gguf_arch_supported(architecture):
+    # Before transformers had the weight-conversion pipeline for GGUF (5.17), every architecture it loads goes tensor by tensor.
+    if has("is_gguf_arch_supported") and internal("is_gguf_arch_supported")(architecture):
         raise NotStreamable(f"transformers converts GGUF architecture {architecture!r} with its weight-conversion pipeline")
     # transformers hands the processor the config it parsed from the file; the config built from that parse
     # holds the same values (the head counts Llama's q/k permutation needs...).

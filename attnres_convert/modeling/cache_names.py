@@ -1,9 +1,11 @@
 """The name of the KV cache, as the installed transformers spells it.
 
 transformers 5.0 passes and returns the cache as `past_key_values`; later releases call it `cache` and
-deprecate the old name (a FutureWarning per call, then an error once it is removed). This code ships inside
-converted checkpoints and runs on whatever release loads them, so it never hard-codes either name: it asks
-the forward it calls which keyword it takes, and an output class which field it declares.
+deprecate the old name (a FutureWarning per call, then an error once it is removed). Before that rename the
+recurrent families (Mamba, Mamba2, FalconMamba, xLSTM) took and returned their state as `cache_params`, and
+`generate` named it by the model's class. This code ships inside converted checkpoints and runs on whatever
+release loads them, so it never hard-codes a name: it asks the forward it calls which keyword it takes, and an
+output class which field it declares.
 
 This file ships next to converted weights: it imports the standard library and transformers only.
 """
@@ -17,6 +19,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 CURRENT = "cache"
 LEGACY = "past_key_values"
+RECURRENT = "cache_params"  # a recurrent family's own name before the rename (transformers < 5.24)
 
 # The installed transformers' name, the same for every model in this process: the field its causal-LM output
 # declares (a release that renamed the cache renamed it there too).
@@ -25,10 +28,10 @@ INSTALLED = CURRENT if CURRENT in {field.name for field in dataclasses.fields(Ca
 
 def cache_keyword(forward) -> str:
     """The keyword `forward` takes its cache under: the one its signature names (the current name where it
-    names both), else, for a forward that takes only `**kwargs`, the installed transformers' name.
+    names several), else, for a forward that takes only `**kwargs`, the installed transformers' name.
     Inspecting a signature costs tens of microseconds: call it once per model, not per step."""
     parameters = inspect.signature(forward).parameters  # follows functools.wraps (transformers' deprecate_kwarg)
-    for name in (CURRENT, LEGACY):
+    for name in (CURRENT, LEGACY, RECURRENT):
         if name in parameters:
             return name
     return INSTALLED

@@ -15,7 +15,7 @@ from transformers import AutoConfig, PreTrainedConfig
 
 from .base_code import BASE_CLASSES  # noqa: F401 - registers a base model's own code shipped in the folder
 from .remote_code import ship_kernel_source
-from .transformers_compat import SubConfigSpec
+from .transformers_compat import build_sub_config, has, internal
 
 
 class AttnResConfig(PreTrainedConfig):
@@ -44,7 +44,12 @@ class AttnResConfig(PreTrainedConfig):
     """
 
     model_type = "attnres"
-    sub_configs_defaults = {"text_config": SubConfigSpec(config_class=AutoConfig, model_type="llama")}
+    # text_config is built by its model_type (a Llama config where there is none): by transformers from a
+    # SubConfigSpec where it has them, by __post_init__ (build_sub_config) before (transformers < 5.20).
+    if has("SubConfigSpec"):
+        sub_configs_defaults = {"text_config": internal("SubConfigSpec")(config_class=AutoConfig, model_type="llama")}
+    else:
+        sub_configs = {"text_config": AutoConfig}
 
     text_config: dict | PreTrainedConfig | None = None
     block_size: int = 8
@@ -59,6 +64,7 @@ class AttnResConfig(PreTrainedConfig):
             if not self.base_model_type:
                 raise ValueError("AttnResConfig: text_config has no model_type and base_model_type is not set")
             self.text_config = {**self.text_config, "model_type": self.base_model_type}
+        self.text_config = build_sub_config(self.text_config, "llama")
         super().__post_init__(**kwargs)
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")

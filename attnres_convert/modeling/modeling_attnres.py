@@ -31,7 +31,7 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .architectures import ModelPlan, Sublayer, module_at, plan_for
-from .cache_names import CURRENT, INSTALLED, LEGACY, cache_keyword, cache_of
+from .cache_names import CURRENT, INSTALLED, LEGACY, RECURRENT, cache_keyword, cache_of
 from .configuration_attnres import AttnResConfig
 from .depth_attention import STATE_TYPES, TrainState, add_output, close_block, current_stream, depth_mix, start_state, wants_queries
 from .depth_core import pseudo_query
@@ -444,6 +444,9 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
         # the forward hands that state on in its output.
         own = getattr(type(base_model), "_update_model_kwargs_for_generation", None)
         self._attnres_own_state = own is not None and own is not GenerationMixin._update_model_kwargs_for_generation
+        # A recurrent base model's output carries its state under its own name where generate reads it there
+        # (transformers < 5.24: RWKV's `state`, Mamba's and xLSTM's `cache_params`): the forward hands it on too.
+        self._attnres_hands_state_on = self._attnres_own_state or self._is_stateful
         self.base_model_prefix = plan.base_model
         self._tied_weights_keys = getattr(type(base_model), "_tied_weights_keys", None)
         for name, child in base_model.named_children():
@@ -458,6 +461,13 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
         # transformers renamed it), read once: forward passes the cache on under it, whatever name it came in.
         self._attnres_cache_keyword = cache_keyword(module_at(self, plan.base_model).forward)
         self.post_init()
+
+    def _prepare_cache_for_generation(self, *args, **kwargs):
+        # A base model taking its cache under its family's own name (Mamba's `cache_params`, transformers < 5.24):
+        # generate names and makes that cache by the model's class, so the base class's view of this model asks.
+        if self._attnres_cache_keyword == RECURRENT:
+            return self._attnres_base_class._prepare_cache_for_generation(self._base_view(), *args, **kwargs)
+        return super()._prepare_cache_for_generation(*args, **kwargs)
 
     def get_input_embeddings(self):
         return module_at(self, self._attnres_plan.base_model).get_input_embeddings()
@@ -515,10 +525,14 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
     ) -> CausalLMOutputWithPast:
         """`cache` is the KV cache under its current name; `past_key_values`, its name before transformers
         renamed it, is accepted too (older callers, and `generate` of a release before the rename)."""
-        if past_key_values is not None:
-            if cache is not None and cache is not past_key_values:
-                raise ValueError("Pass the KV cache once: as `cache` (current) or `past_key_values` (older name).")
-            cache = past_key_values
+        # generate of a release before the rename passes a recurrent family's cache under its own name (see
+        # _prepare_cache_for_generation)
+        recurrent = kwargs.pop(RECURRENT, None) if self._attnres_cache_keyword == RECURRENT else None
+        for older in (past_key_values, recurrent):
+            if older is not None:
+                if cache is not None and cache is not older:
+                    raise ValueError("Pass the KV cache once: as `cache` (current) or `past_key_values` (older name).")
+                cache = older
         output_hidden_states = kwargs.pop("output_hidden_states", None) or self.config.output_hidden_states
         kwargs.pop("return_dict", None)
         plan = self._attnres_plan
@@ -561,7 +575,7 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
             hidden_states=tuple(hidden_states) if hidden_states is not None else None,
             attentions=getattr(outputs, "attentions", None),
         )
-        if self._attnres_own_state:  # a state the base model returns under its own name (RWKV's `state`)
+        if self._attnres_hands_state_on:  # a state the base model returns under its own name (RWKV's `state`)
             for name, value in outputs.items():
                 if name not in _BASE_OUTPUT_FIELDS and value is not None:
                     result[name] = value

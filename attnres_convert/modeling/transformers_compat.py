@@ -14,7 +14,7 @@ from __future__ import annotations
 
 # The transformers releases the suite runs on (pyproject.toml's range; `make test-lowest` and `make test-latest`
 # test both ends). tests/test_transformers_compat.py checks that the two say the same.
-TESTED_TRANSFORMERS = ">=5.23,<6"
+TESTED_TRANSFORMERS = ">=5.16.1,<6"
 
 # name: (module, what attnres needs it for)
 INTERNALS: dict[str, tuple[str, str]] = {
@@ -125,6 +125,17 @@ MODULES = {
 }
 
 
+# The internals that the older releases of the tested range lack: the first release that has each, and what
+# attnres does before it (feature-detected with `has`, never by comparing versions). Every other internal is in
+# every tested release.
+SINCE: dict[str, tuple[str, str]] = {
+    "SubConfigSpec": ("5.20", "the sub-config is named in `sub_configs` and built by the config itself (`build_sub_config`)"),
+    "GgufHeader": ("5.17", "the GGUF header is read with gguf's GGUFReader"),
+    "load_gguf_state_dict": ("5.17", "the GGUF's tensors are read with gguf's GGUFReader"),
+    "is_gguf_arch_supported": ("5.17", "no GGUF architecture has a weight-conversion pipeline: all stream"),
+}
+
+
 class MissingTransformersInternal(ImportError):
     """An internal of transformers that the installed release does not have where attnres looks for it."""
 
@@ -141,6 +152,32 @@ def internal(name: str):
             f"transformers {transformers.__version__} has no {module_name}.{name}, which attnres uses for {purpose}: "
             f"install a transformers release attnres was tested with (transformers{TESTED_TRANSFORMERS})"
         ) from error
+
+
+def has(name: str) -> bool:
+    """Whether the installed transformers has the internal NAME (one of SINCE's: the others are always there)."""
+    try:
+        internal(name)
+    except MissingTransformersInternal:
+        return False
+    return True
+
+
+def build_sub_config(value, default_model_type: str):
+    """VALUE (a config, a dict or None) as the sub-config transformers' SubConfigSpec builds from it, for a config
+    whose transformers has no SubConfigSpec (it then names the sub-config in `sub_configs` only): a dict by its
+    `model_type` (else DEFAULT_MODEL_TYPE), None as that type's defaults. Where transformers has one, VALUE
+    unchanged: transformers builds it."""
+    from transformers import AutoConfig, PreTrainedConfig
+
+    if has("SubConfigSpec") or isinstance(value, PreTrainedConfig):
+        return value
+    if value is None:
+        return AutoConfig.for_model(default_model_type)
+    if not isinstance(value, dict):
+        raise TypeError(f"a sub-config must be a dict, a PreTrainedConfig or None, got {type(value)}")
+    settings = dict(value)
+    return AutoConfig.for_model(settings.pop("model_type", default_model_type), **settings)
 
 
 def __getattr__(name: str):
