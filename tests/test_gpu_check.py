@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from attnres_convert.analysis.gpu_check import REPORT_RESERVE_S, STAGES, run_check
+from attnres_convert.analysis import gpu_check
+from attnres_convert.analysis.gpu_check import REPORT_RESERVE_S, STAGES, Stage, StageFailure, run_check
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -27,6 +28,31 @@ def test_the_deadline_records_what_it_leaves_out(tmp_path):
     markdown = (tmp_path / "gpu-check.md").read_text()
     assert "| environment | not reached |" in markdown and "| models | not reached |" in markdown
     assert any("not reached" in line for line in lines)
+
+
+def test_a_failing_stage_records_its_error_and_the_next_one_runs(tmp_path, monkeypatch):
+    def broken(check, limit):
+        raise ZeroDivisionError("division by zero")
+
+    def partial(check, limit):
+        raise StageFailure("2 of 3 rows differ", {"rows": [1, 2, 3]})
+
+    def fine(check, limit):
+        return {"limit": limit}
+
+    monkeypatch.setattr(gpu_check, "STAGES", [Stage("broken", 30, broken), Stage("partial", 30, partial),
+                                              Stage("fine", 30, fine), Stage("gpu", 30, fine, cuda_only="needs CUDA")])
+    report = run_check("cpu", quick=True, out=tmp_path, deadline_s=600, say=lambda line: None)
+    stages = {s["name"]: s for s in report["stages"]}
+    assert stages["broken"]["status"] == "failed" and stages["broken"]["error"] == "ZeroDivisionError: division by zero"
+    assert stages["partial"]["status"] == "failed" and stages["partial"]["result"] == {"rows": [1, 2, 3]}
+    assert stages["fine"]["status"] == "ok" and stages["fine"]["result"]["limit"] == 30  # its budget, inside the deadline
+    assert stages["gpu"]["status"] == "skipped" and stages["gpu"]["error"] == "CUDA only: needs CUDA"
+    assert "ZeroDivisionError" in (tmp_path / "gpu-check.log").read_text()  # the traceback, for the details
+    assert "| broken | failed |" in (tmp_path / "gpu-check.md").read_text()
+    assert gpu_check.main(["--device", "cpu", "--quick", "--out", str(tmp_path / "cli"), "--stages", "fine"]) == 0
+    with pytest.raises(SystemExit):
+        gpu_check.main(["--stages", "nonsense"])
 
 
 @pytest.mark.slow
