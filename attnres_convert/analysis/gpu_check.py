@@ -532,7 +532,7 @@ def markdown(report: dict) -> str:
     lines += [f"| {name} | {version or 'not installed'} |" for name, version in packages.items()]
     lines += ["", "| stage | status | seconds (budget) | note |", "| --- | --- | --- | --- |"]
     for stage in report["stages"]:
-        note = (stage["error"] or "").replace("|", "/")[:200]
+        note = (stage["error"] or "").replace("|", "/")[:400]
         lines.append(f"| {stage['name']} | {stage['status']} | {stage['seconds']:.0f} ({stage['budget_s']:.0f}) | {note} |")
     stages = {s["name"]: s for s in report["stages"]}
     rows = stages.get("exactness", {}).get("result", {}).get("rows", [])
