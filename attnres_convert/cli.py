@@ -480,7 +480,8 @@ def finetune_command(
     console.print(table)
     if metrics["tokens_per_s"]:
         console.print(f"training throughput: {metrics['tokens_per_s']:,.0f} tokens/s", highlight=False)
-    console.print(f"[green]Run folder[/] [bold]{escape(str(result.output))}[/] (metrics.jsonl, loss_curve.png, final_metrics.json)")
+    written = ", ".join(name for name in ("metrics.jsonl", "loss_curve.png", "final_metrics.json") if (result.output / name).exists())
+    console.print(f"[green]Run folder[/] [bold]{escape(str(result.output))}[/] ({written})")  # no picture without matplotlib
     if result.model_dir is not None:
         console.print(f"[green]Model[/] [bold]{escape(str(result.model_dir))}[/]")
     if result.pushed is not None:
@@ -545,7 +546,8 @@ def ab_command(
     from rich.markdown import Markdown
 
     console.print(Markdown((result.output / "ab.md").read_text()))
-    console.print(f"[green]A/B[/] [bold]{escape(str(result.output))}[/] (ab.json, ab.md, ab.png)")
+    written = ", ".join(name for name in ("ab.json", "ab.md", "ab.png") if (result.output / name).exists())
+    console.print(f"[green]A/B[/] [bold]{escape(str(result.output))}[/] ({written})")  # no picture without matplotlib
 
 
 @app.command("architectures")

@@ -173,6 +173,7 @@ def test_an_ab_without_matplotlib_writes_everything_but_the_picture(tmp_path):
     assert len(json.loads((out / "ab.json").read_text())["arms"]) == 2
     text = squash(done.stderr)
     assert squash("ab.png (the held-out curves) is not drawn") in text and squash("-m pip install 'matplotlib>=3.9'") in text
+    assert squash(f"{out} (ab.json, ab.md)") in squash(done.stdout), done.stdout  # the files it wrote, no more
     # each arm's run folder: everything but loss_curve.png
     runs = sorted((tmp_path / "arms").glob("*/seed-0"))
     assert [run.parent.name for run in runs] == ["attnres", "baseline"]
