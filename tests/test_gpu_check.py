@@ -40,13 +40,17 @@ def test_a_failing_stage_records_its_error_and_the_next_one_runs(tmp_path, monke
     def fine(check, limit):
         return {"limit": limit}
 
+    def short(check, limit):
+        return {"rows": [1], "not_reached": ["llama-3.2-1b bfloat16"]}
+
     monkeypatch.setattr(gpu_check, "STAGES", [Stage("broken", 30, broken), Stage("partial", 30, partial),
-                                              Stage("fine", 30, fine), Stage("gpu", 30, fine, cuda_only="needs CUDA")])
+                                              Stage("fine", 30, fine), Stage("short", 30, short), Stage("gpu", 30, fine, cuda_only="needs CUDA")])
     report = run_check("cpu", quick=True, out=tmp_path, deadline_s=600, say=lambda line: None)
     stages = {s["name"]: s for s in report["stages"]}
     assert stages["broken"]["status"] == "failed" and stages["broken"]["error"] == "ZeroDivisionError: division by zero"
     assert stages["partial"]["status"] == "failed" and stages["partial"]["result"] == {"rows": [1, 2, 3]}
     assert stages["fine"]["status"] == "ok" and stages["fine"]["result"]["limit"] == 30  # its budget, inside the deadline
+    assert stages["short"]["status"] == "partial" and stages["short"]["error"] == "budget spent before: llama-3.2-1b bfloat16"
     assert stages["gpu"]["status"] == "skipped" and stages["gpu"]["error"] == "CUDA only: needs CUDA"
     assert "ZeroDivisionError" in (tmp_path / "gpu-check.log").read_text()  # the traceback, for the details
     assert "| broken | failed |" in (tmp_path / "gpu-check.md").read_text()

@@ -122,7 +122,7 @@ class Stage:
 @dataclass
 class StageResult:
     name: str
-    status: str  # ok | failed | skipped | not reached
+    status: str  # ok | partial (its budget ran out before some of its runs) | failed | skipped | not reached
     seconds: float = 0.0
     budget_s: float = 0.0
     result: dict = field(default_factory=dict)
@@ -294,13 +294,14 @@ def bench(kernels: str, compile_: bool = False, dtype: str | None = None) -> Cal
         started = time.monotonic()
         dtype_ = dtype or ("bfloat16" if check.cuda else "float32")
         plan = check.plan.bench
-        runs, failures = {}, []
+        runs, failures, not_reached = {}, [], []
         names = list(check.shapes)
         weights = {name: check.shapes[name]["hidden_size"] ** 0.5 for name in names}  # the 1B shape takes longer
         for index, name in enumerate(names):
             left = limit - (time.monotonic() - started)
             if left < 5:
                 runs[name] = {"status": "not reached"}
+                not_reached.append(name)
                 continue
             out = check.out / "bench" / f"{name}-{kernels}{'-compile' if compile_ else ''}-{dtype_}.json"
             out.parent.mkdir(parents=True, exist_ok=True)
@@ -325,7 +326,7 @@ def bench(kernels: str, compile_: bool = False, dtype: str | None = None) -> Cal
             data = json.loads(out.read_text())
             runs[name] = {"status": "ok", "json": str(out.relative_to(check.out)), "settings": data["settings"],
                           "rows": [_bench_row(row) for row in data["rows"]]}
-        result = {"kernels": kernels, "compile": compile_, "dtype": dtype_, "runs": runs}
+        result = {"kernels": kernels, "compile": compile_, "dtype": dtype_, "runs": runs, "not_reached": not_reached}
         if failures:
             raise StageFailure("; ".join(failures), result)
         return result
@@ -484,6 +485,8 @@ def _run_stage(check: Check, stage: Stage, say: Callable[[str], None]) -> StageR
             warnings.filterwarnings("ignore", message=".*has no tokenizer")
             outcome = stage.run(check, limit)
         result = StageResult(stage.name, "ok", result=outcome)
+        if outcome.get("not_reached"):  # in-process work is not cut mid-run: what the budget left out is named
+            result.status, result.error = "partial", f"budget spent before: {', '.join(outcome['not_reached'])}"
     except StageFailure as failure:
         result = StageResult(stage.name, "failed", result=failure.result, error=str(failure))
     except Exception as error:  # noqa: BLE001 - one stage's error is recorded, the next stage runs
@@ -610,7 +613,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"copied to {args.results / name}.json and .md")
     statuses = [s["status"] for s in report["stages"]]
     print(f"wrote {args.out / REPORT_JSON} and {args.out / REPORT_MD}: "
-          + ", ".join(f"{statuses.count(s)} {s}" for s in ("ok", "failed", "skipped", "not reached") if statuses.count(s)))
+          + ", ".join(f"{statuses.count(s)} {s}" for s in ("ok", "partial", "failed", "skipped", "not reached") if statuses.count(s)))
     return 1 if "failed" in statuses else 0
 
 
