@@ -41,6 +41,7 @@ import os
 import platform
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -159,10 +160,20 @@ class Check:
             full_env["CUDA_VISIBLE_DEVICES"] = ""
         self.log.write(f"\n$ {' '.join(cmd)}\n")
         self.log.flush()
-        done = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=max(1.0, timeout))
-        self.log.write(done.stdout + done.stderr)
+        # A session of its own: at the timeout the whole group goes (bench's memory children, torch.compile's
+        # workers), so nothing of a stage keeps the GPU or the CPUs busy during the next one.
+        with subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              start_new_session=True) as process:
+            try:
+                stdout, stderr = process.communicate(timeout=max(1.0, timeout))
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                stdout, stderr = process.communicate()
+                self.log.write(f"{stdout}{stderr}\n[killed after {timeout:.0f} s]\n")
+                raise
+        self.log.write(stdout + stderr)
         self.log.flush()
-        return done
+        return subprocess.CompletedProcess(cmd, process.returncode, stdout, stderr)
 
 
 # --- stages ---------------------------------------------------------------------------------------------------
