@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from attnres_convert.analysis import gpu_check
-from attnres_convert.analysis.gpu_check import REPORT_RESERVE_S, STAGES, Stage, StageFailure, run_check
+from attnres_convert.analysis.gpu_check import REPORT_RESERVE_S, STAGES, Stage, StageFailure, StageSkipped, run_check
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -43,14 +43,18 @@ def test_a_failing_stage_records_its_error_and_the_next_one_runs(tmp_path, monke
     def short(check, limit):
         return {"rows": [1], "not_reached": ["llama-3.2-1b bfloat16"]}
 
+    def no_tool(check, limit):
+        raise StageSkipped("pytest is not installed")
+
     monkeypatch.setattr(gpu_check, "STAGES", [Stage("broken", 30, broken), Stage("partial", 30, partial),
-                                              Stage("fine", 30, fine), Stage("short", 30, short), Stage("gpu", 30, fine, cuda_only="needs CUDA")])
+                                              Stage("fine", 30, fine), Stage("short", 30, short), Stage("no-tool", 30, no_tool), Stage("gpu", 30, fine, cuda_only="needs CUDA")])
     report = run_check("cpu", quick=True, out=tmp_path, deadline_s=600, say=lambda line: None)
     stages = {s["name"]: s for s in report["stages"]}
     assert stages["broken"]["status"] == "failed" and stages["broken"]["error"] == "ZeroDivisionError: division by zero"
     assert stages["partial"]["status"] == "failed" and stages["partial"]["result"] == {"rows": [1, 2, 3]}
     assert stages["fine"]["status"] == "ok" and stages["fine"]["result"]["limit"] == 30  # its budget, inside the deadline
     assert stages["short"]["status"] == "partial" and stages["short"]["error"] == "budget spent before: llama-3.2-1b bfloat16"
+    assert stages["no-tool"]["status"] == "skipped" and stages["no-tool"]["error"] == "pytest is not installed"
     assert stages["gpu"]["status"] == "skipped" and stages["gpu"]["error"] == "CUDA only: needs CUDA"
     assert "ZeroDivisionError" in (tmp_path / "gpu-check.log").read_text()  # the traceback, for the details
     assert "| broken | failed |" in (tmp_path / "gpu-check.md").read_text()
@@ -96,9 +100,8 @@ def test_quick_cpu_check_runs_every_stage_and_reports_sane_numbers(tmp_path):
             assert 0.05 < row["ratio"] < 50, row  # a tiny model on a loaded CPU is noisy, never off by 50x
         assert (out / run["json"]).is_file()
 
-    tests = stages["cuda-tests"]["result"]
-    if packages["pytest"]:  # no GPU here: every CUDA test is collected and skipped, none fails
-        assert tests["files"] == ["tests/test_kernels_cuda.py"] and tests.get("skipped", 0) > 0 and not tests.get("failed")
+    tests = stages["cuda-tests"]["result"]  # no GPU here: every CUDA test is collected and skipped, none fails
+    assert tests["files"] == ["tests/test_kernels_cuda.py"] and tests.get("skipped", 0) > 0 and not tests.get("failed")
 
     ab = stages["ab"]["result"]
     arms = {arm["name"]: arm for arm in ab["arms"]}

@@ -353,7 +353,7 @@ def _bench_row(row: dict) -> dict:
 def cuda_tests(check: Check, limit: float) -> dict:
     """`pytest -m cuda` on the test files that carry the marker; pytest missing is recorded, not fatal."""
     if _version("pytest") is None:
-        return {"status": "pytest not installed: the CUDA tests did not run", "passed": 0, "failed": 0, "skipped": 0}
+        raise StageSkipped("pytest is not installed: the CUDA tests did not run (the other stages need no pytest)")
     files = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_*.py") if "mark.cuda" in p.read_text())
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "cuda", *files]
     try:
@@ -416,6 +416,10 @@ def _pydantic_path(check: Check) -> dict:
 
 
 # --- running and reporting ------------------------------------------------------------------------------------
+
+
+class StageSkipped(Exception):
+    """A stage that cannot run here (a tool it needs is missing): recorded as skipped, with the reason."""
 
 
 class StageFailure(Exception):
@@ -498,6 +502,8 @@ def _run_stage(check: Check, stage: Stage, say: Callable[[str], None]) -> StageR
         result = StageResult(stage.name, "ok", result=outcome)
         if outcome.get("not_reached"):  # in-process work is not cut mid-run: what the budget left out is named
             result.status, result.error = "partial", f"budget spent before: {', '.join(outcome['not_reached'])}"
+    except StageSkipped as reason:
+        result = StageResult(stage.name, "skipped", error=str(reason))
     except StageFailure as failure:
         result = StageResult(stage.name, "failed", result=failure.result, error=str(failure))
     except Exception as error:  # noqa: BLE001 - one stage's error is recorded, the next stage runs
