@@ -23,11 +23,13 @@ from attnres_convert.cli_kit import (  # noqa: F401 - shared by every command
     err_console,
     fail,
     interrupts,
+    missing_package_exits,
     scrubbed,
     stages,
     training_errors,
     user_error_kinds,
     user_errors,
+    written_files,
 )
 from attnres_convert.conversion.options import ConvertOptions, DTypeName, OptionsError
 
@@ -41,8 +43,6 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 console = Console()
-
-
 
 
 def _print_version(value: bool) -> None:
@@ -480,8 +480,7 @@ def finetune_command(
     console.print(table)
     if metrics["tokens_per_s"]:
         console.print(f"training throughput: {metrics['tokens_per_s']:,.0f} tokens/s", highlight=False)
-    written = ", ".join(name for name in ("metrics.jsonl", "loss_curve.png", "final_metrics.json") if (result.output / name).exists())
-    console.print(f"[green]Run folder[/] [bold]{escape(str(result.output))}[/] ({written})")  # no picture without matplotlib
+    console.print(f"[green]Run folder[/] [bold]{escape(str(result.output))}[/] ({written_files(result.output, 'metrics.jsonl', 'loss_curve.png', 'final_metrics.json')})")
     if result.model_dir is not None:
         console.print(f"[green]Model[/] [bold]{escape(str(result.model_dir))}[/]")
     if result.pushed is not None:
@@ -522,6 +521,10 @@ def ab_command(
     from_scratch: Annotated[
         bool, typer.Option("--from-scratch", help="Every arm starts from the same random initialisation of the config (model.from_scratch=true).")
     ] = False,
+    retrofit_after: Annotated[Optional[str], typer.Option(
+        "--retrofit-after", metavar="N[,N...]", help="Retrofit study: pretrain the baseline from scratch once per seed, save it after each "
+        "N steps, and A/B the retrofit from each save (the recipe's retrofit section); with --from-scratch, the from-scratch lead beside it.",
+    )] = None,
 ) -> None:
     """A/B: the recipe trained as a baseline (model.convert=false, same trainable budget) and as AttnRes,
     plus sweep arms, from the same start and data order; writes ab.json, ab.md and ab.png."""
@@ -532,22 +535,36 @@ def ab_command(
     main = _is_main_process()
     arms = [[o for o in entry.replace(",", " ").split() if o] for entry in (sweep or [])]
     interrupted = "Finished arms are kept in the work folder: run the same command with --reuse to train only the others."
+    after = None
     with training_errors(main):  # the recipe and overrides: answered before torch is imported
         load_recipe(recipe, list(overrides or []))
+        if retrofit_after is not None:
+            from attnres_convert.finetune.ab import retrofit_steps
+
+            after = retrofit_steps(retrofit_after, sweep=sweep, no_plain=no_plain, throughput=throughput)
+    command = "attnres ab " + shlex.join(sys.argv[2:]) if len(sys.argv) > 1 and sys.argv[1] == "ab" else None
     with training_errors(main, lambda error: f"{escape(str(error).split(';')[0])}. {interrupted}"), \
             interrupts("ab", "f" + interrupted[1:].rstrip(".")), quiet_libraries():
-        result = run_ab(
-            recipe, list(overrides or []), sweep=arms, seeds=seeds, output=output, workdir=workdir, plain=not no_plain,
-            jobs=jobs, reuse=reuse, overwrite=overwrite, throughput=throughput, from_scratch=from_scratch, console=err_console if main else None,
-            command="attnres ab " + shlex.join(sys.argv[2:]) if len(sys.argv) > 1 and sys.argv[1] == "ab" else None,
-        )
+        if after is not None:
+            from attnres_convert.finetune.retrofit import run_retrofit
+
+            result = run_retrofit(
+                recipe, list(overrides or []), after=after, seeds=seeds, from_scratch=from_scratch, output=output, workdir=workdir,
+                jobs=jobs, reuse=reuse, overwrite=overwrite, console=err_console if main else None, command=command,
+            )
+        else:
+            result = run_ab(
+                recipe, list(overrides or []), sweep=arms, seeds=seeds, output=output, workdir=workdir, plain=not no_plain,
+                jobs=jobs, reuse=reuse, overwrite=overwrite, throughput=throughput, from_scratch=from_scratch,
+                console=err_console if main else None, command=command,
+            )
     if not main:
         return
     from rich.markdown import Markdown
 
-    console.print(Markdown((result.output / "ab.md").read_text()))
-    written = ", ".join(name for name in ("ab.json", "ab.md", "ab.png") if (result.output / name).exists())
-    console.print(f"[green]A/B[/] [bold]{escape(str(result.output))}[/] ({written})")  # no picture without matplotlib
+    what, name = ("Retrofit study", "retrofit") if after is not None else ("A/B", "ab")
+    console.print(Markdown((result.output / f"{name}.md").read_text()))
+    console.print(f"[green]{what}[/] [bold]{escape(str(result.output))}[/] ({written_files(result.output, *(name + x for x in ('.json', '.md', '.png')))}{', after-N/' if after else ''})")
 
 
 @app.command("architectures")
@@ -674,15 +691,8 @@ def _terminate(signum, frame) -> None:
 
 def main() -> None:
     signal.signal(signal.SIGTERM, _terminate)
-    from attnres_convert.optional import MissingPackageError
-
-    try:
+    with missing_package_exits():
         app()
-    except MissingPackageError as error:  # raised by the import a command makes first (the recipe schema)
-        try:
-            fail(str(error))
-        except typer.Exit as stop:
-            sys.exit(stop.exit_code)
 
 
 if __name__ == "__main__":

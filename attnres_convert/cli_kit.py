@@ -87,6 +87,24 @@ def user_errors() -> Iterator[None]:
         fail(str(error))
 
 
+@contextlib.contextmanager
+def missing_package_exits() -> Iterator[None]:
+    """A missing optional package raised by the import a command makes before its own error handling (the
+    recipe schema, pydantic): the message that names it and its pip command, exit code 2."""
+    from attnres_convert.optional import MissingPackageError
+
+    try:
+        yield
+    except MissingPackageError as error:
+        err_console.print(f"[bold red]error:[/] {escape(scrubbed(str(error)))}", highlight=False)
+        sys.exit(EXIT_BAD_INPUT)
+
+
+def written_files(folder, *names: str) -> str:
+    """Those of NAMES that FOLDER holds, for a command's closing line (no picture where matplotlib is missing)."""
+    return ", ".join(name for name in names if (folder / name).exists())
+
+
 def user_error_kinds() -> tuple[type[Exception], ...]:
     """The exception classes that are the user's to fix. Found without importing torch: an error class
     whose module was never imported cannot have been raised."""

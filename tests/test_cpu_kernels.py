@@ -386,7 +386,7 @@ def test_a_layer_norm_family_at_zero_queries():
 
 
 # Norms the C++ readers fuse: the Llama-style RMSNorms. Not fused: Gemma's (1 + weight) and the LayerNorms.
-FUSED_NORMS = {"llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "phi3", "granite", "glm4", "deepseek_v3", "mamba", "jamba",
+FUSED_NORMS = {"llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "phi3", "granite", "glm4", "gemma4_text", "gemma4_moe", "deepseek_v3", "mamba", "jamba",
                "falcon_h1", "xlstm"}
 # transformers' RWKV decodes a batch of several sequences wrongly itself (tests/test_hybrids.py): one sequence.
 ONE_SEQUENCE = {"rwkv"}

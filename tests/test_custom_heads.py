@@ -117,5 +117,22 @@ def test_no_head_that_makes_the_logits_is_refused_with_the_reason():
             hidden = out.last_hidden_state
             return CausalLMOutputWithPast(logits=self.heads["next"](hidden) + self.heads["draft"](hidden))
 
-    with pytest.raises(UnsupportedModelError, match="names no LM head.*none of its Linear modules to the vocabulary gives its logits"):
+    with pytest.raises(UnsupportedModelError, match="names no LM head: get_output_embeddings returns none and not exactly one .* no single one of its Linear modules outputs the model.s logits"):
         convert_model(_model(ScaledByHand), block_size=2)
+
+
+def test_head_is_found_from_the_logits_where_the_config_names_no_vocabulary():
+    """A config that names its vocabulary its own way (no `vocab_size`): the head is still the Linear whose output
+    is the logits, whatever the config says."""
+    original = _model(TwoHeadsForCausalLM)
+    ids = torch.randint(0, 96, (1, 10), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        logits = original(ids).logits
+    model = _model(TwoHeadsForCausalLM)
+    model.config.n_vocab = model.config.vocab_size
+    del model.config.vocab_size
+    assert not hasattr(model.config, "vocab_size")
+    converted = convert_model(model, block_size=2).eval()
+    assert converted._attnres_plan.lm_head == "heads.next"
+    with torch.no_grad():
+        assert (converted(ids).logits - logits).abs().max().item() <= 1e-4

@@ -167,23 +167,58 @@ def test_an_error_in_single_threaded_work_is_raised_in_the_caller():
         torch.set_num_threads(1)
 
 
-def test_a_layer_that_scales_its_stream_is_refused_and_one_that_does_not_converts():
-    """Gemma 4 without per-layer inputs multiplies each layer's returned stream by a learned `layer_scalar`: at 1
-    the stream is a plain sum and the conversion is exact; at any other value the earlier sources are scaled and
-    the later ones not, which no depth mix reproduces, and the refusal says so (not a bare difference)."""
+def test_a_layer_that_scales_its_stream_converts_exactly():
+    """Gemma 4 multiplies each layer's returned stream by its `layer_scalar`. Every source so far is scaled alike, so
+    the converted model keeps its sources in the embedding's units (layer k's outputs divided by P_k, the product of
+    the earlier layers' scalars) and its readers read P_k times their mix: at zero queries exactly the original's
+    stream, with or without the per-layer inputs, at every block size, and the hidden states are the original's."""
     from attnres_convert.conversion.tiny_configs import tiny_config
 
-    def gemma4(scalars):
+    def gemma4(scalars, **overrides):
         torch.manual_seed(0)
-        model = T.AutoModelForCausalLM.from_config(tiny_config("gemma4_text", hidden_size_per_layer_input=0)).eval()
+        model = T.AutoModelForCausalLM.from_config(tiny_config("gemma4_text", **overrides)).eval()
         for layer, scalar in zip(model.model.layers, scalars):
             layer.layer_scalar.fill_(scalar)
         return model
 
     ids = token_ids(batch=1, length=10)
-    original = gemma4([1.0, 1.0])
-    with torch.no_grad():
-        logits = original(ids).logits
-        assert (convert_model(gemma4([1.0, 1.0]), block_size=3)(ids).logits - logits).abs().max() <= 1e-4
-    with pytest.raises(UnsupportedModelError, match=r"decoder layer 1: the decoder layer scales the residual stream itself by 0\.5 "):
-        convert_model(gemma4([1.0, 0.5]), block_size=3)
+    for overrides in ({"hidden_size_per_layer_input": 0}, {}):
+        original = gemma4([1.0, 0.5], **overrides)
+        with torch.no_grad():
+            logits = original(ids).logits
+            states = original(ids, output_hidden_states=True).hidden_states
+        sublayers = 2 * (2 if overrides else 3)  # attention and MLP, and the per-layer input's gate where there is one
+        for size in (1, 3, sublayers):
+            converted = convert_model(gemma4([1.0, 0.5], **overrides), block_size=size)
+            assert converted._attnres_plan.layer_scalars == (1.0, 0.5)
+            with torch.no_grad():
+                assert (converted(ids).logits - logits).abs().max() <= 1e-4
+                got = converted(ids, output_hidden_states=True).hidden_states
+            assert len(got) == len(states) and all((a - b).abs().max() <= 1e-5 for a, b in zip(got, states))
+        plain = convert_model(gemma4([1.0, 1.0], **overrides), block_size=3)
+        assert plain._attnres_plan.layer_scalars is None  # nothing recorded where every scalar is 1
+
+
+def test_stream_scales_are_the_products_of_the_earlier_layer_scalars():
+    from attnres_convert.modeling.architectures import ModelPlan, Sublayer, Branch
+
+    plan = ModelPlan.uniform(3, (Sublayer("mlp", (Branch("norm", "mlp"),)),), 1e-6, layer_scalars=(0.5, 4.0, 3.0))
+    assert plan.stream_scales() == ((1.0, 0.5, 2.0), 6.0)
+    assert ModelPlan.from_dict(plan.to_dict()) == plan
+    assert ModelPlan.uniform(2, plan.kinds[0], 1e-6).stream_scales() == ((1.0, 1.0), 1.0)
+
+
+def test_gemma4_moe_block_is_one_sublayer_with_a_side_router_and_a_norm_of_its_sum():
+    """Gemma 4's MoE block: the dense MLP and the experts read the same stream (the experts' norm reads it flattened),
+    the router reads the flattened raw stream for the experts' arguments, and a norm takes the sum of both: the
+    layout says so, and survives the converted config (test_exactness checks the conversion's numbers)."""
+    from attnres_convert.modeling.architectures import Sublayer
+
+    converted = convert_model(tiny_model("gemma4_moe"), block_size=3)
+    moe = converted._attnres_plan.sublayers(0)[1]
+    assert moe.describe() == ("(pre_feedforward_layernorm -> mlp -> post_feedforward_layernorm_1 + pre_feedforward_layernorm_2 "
+                              "-> experts(router) -> post_feedforward_layernorm_2) -> post_feedforward_layernorm")
+    assert moe.name == "mlp" and moe.post == ("post_feedforward_layernorm",) and moe.side == (("router", True),)
+    assert [b.flat for b in moe.branches] == [False, True]
+    assert dict(moe.branches[1].arguments) == {"top_k_index": "<output:router:2>", "top_k_weights": "<output:router:1>"}
+    assert Sublayer.from_dict(moe.to_dict()) == moe

@@ -26,6 +26,8 @@ REPRESENTATIVES = {
     "falcon_new": "parallel residual with two norms",
     "glm4": "sandwich norms (a norm after each sublayer)",
     "gemma3_text": "sliding-window and global layers alternating, sandwich norms, embedding scale",
+    "gemma4_text": "a gate that reads the raw stream times the layer's per-layer input, layer scalars, KV sharing",
+    "gemma4_moe": "a router reading the flattened raw stream for its experts, a norm of the sum of MLP and experts",
     "opt": "LayerNorm with biases, the MLP as a chain of modules",
 }
 

@@ -1,4 +1,5 @@
-"""An image-text model (Gemma 3: SigLIP tower, projector, Gemma 3 language model) converted in place: only the
+"""An image-text model (Gemma 3: SigLIP tower, projector, Gemma 3 language model; Gemma 4, whose language model's
+per-layer-input gate reads the raw stream) converted in place: only the
 language model's decoder layers get AttnRes parameters, the vision tower and projector keep their weights, and
 a forward on image + text gives the original's logits, and `generate` on image + text gives the original's
 greedy tokens and step scores (the base class prepares the inputs: pixels in the prefill only, Gemma 3's
@@ -113,4 +114,64 @@ def test_convert_an_image_text_folder_loads_with_its_processor_and_generates_exa
     got = converted.generate(**inputs, **options)
     assert torch.equal(got.sequences, want.sequences)
     for step_got, step_want in zip(got.logits, want.logits, strict=True):
+        assert (step_got - step_want).abs().max().item() <= 1e-4
+
+
+def _tiny_gemma4_image_text():
+    """A tiny Gemma 4 image-text model (its default config has no vision tower: one is given here), with its
+    language model's per-layer inputs and layer scalars, and an image of 4 x 4 patches pooled into 4 soft tokens."""
+    import transformers as T
+
+    from attnres_convert.conversion.tiny_configs import tiny_config
+
+    vision = T.Gemma4VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                  num_key_value_heads=4, head_dim=8, patch_size=4, pooling_kernel_size=2,
+                                  position_embedding_size=64)
+    text = tiny_config("gemma4_text")
+    assert text.hidden_size_per_layer_input  # the gate that reads the raw stream is there
+    config = T.Gemma4Config(text_config=text.to_dict(), vision_config=vision.to_dict(), image_token_id=250,
+                            boi_token_id=251, eoi_token_id=252)
+    torch.manual_seed(0)
+    model = T.AutoModelForCausalLM.from_config(config).eval()
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() >= 2 and param.is_floating_point():
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
+        for layer, scalar in zip(model.model.language_model.layers, (0.5, 2.0)):  # as checkpoints set them
+            layer.layer_scalar.fill_(scalar)
+    side, patch = 4, 4
+    pixels = torch.rand(1, side * side, 3 * patch * patch, generator=torch.Generator().manual_seed(1))
+    positions = torch.tensor([[[x, y] for y in range(side) for x in range(side)]])
+    ids = torch.tensor([[2, 7, 8, 251] + [250] * 4 + [252, 9, 10, 11]])
+    return model, ids, {"pixel_values": pixels, "image_position_ids": positions}
+
+
+def test_gemma4_image_text_converts_exactly_with_its_raw_stream_gate():
+    import copy
+
+    original, ids, image = _tiny_gemma4_image_text()
+    assert type(original).__name__ == "Gemma4ForConditionalGeneration"
+    tower = {name: p.clone() for name, p in original.named_parameters() if "vision" in name}
+    options = dict(max_new_tokens=5, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        want = original(ids, **image).logits
+    want_generated = original.generate(input_ids=ids, **image, **options)
+
+    converted = convert_model(copy.deepcopy(original), block_size=3).eval()
+    plan = converted._attnres_plan
+    assert plan.layers == "language_model.layers" and plan.layer_scalars == (0.5, 2.0)
+    gate = plan.sublayers(0)[-1]
+    assert gate.describe() == ("stream -> per_layer_input_gate -> act_fn -> * per_layer_input -> per_layer_projection "
+                               "-> post_per_layer_input_norm")
+    params = dict(converted.named_parameters())
+    assert tower and all(torch.equal(params[name], value) for name, value in tower.items())
+    with torch.no_grad():
+        got = converted(ids, **image).logits
+        other = converted(ids, pixel_values=image["pixel_values"].flip(-1), image_position_ids=image["image_position_ids"]).logits
+    assert (got - want).abs().max().item() <= 1e-4
+    assert (other - got).abs().max().item() > 1e-3  # the image reaches the language model
+    generated = converted.generate(input_ids=ids, **image, **options)
+    assert torch.equal(generated.sequences, want_generated.sequences)
+    for step_got, step_want in zip(generated.logits, want_generated.logits, strict=True):
         assert (step_got - step_want).abs().max().item() <= 1e-4

@@ -28,12 +28,22 @@ AUTO_MAP = {
 runner = CliRunner()
 
 
-def own_code_folder(folder: Path) -> Path:
-    """A tiny random checkpoint of the fixture model, as a repository with its own code holds it."""
+# A model whose config names its sizes its own way (d_model, n_vocab, n_layer: no hidden_size, vocab_size or
+# num_hidden_layers) and whose head, `unembed`, is a plain Linear that get_output_embeddings does not return.
+OWN_NAMES_FIXTURE = Path(__file__).parent / "own_names_model"
+OWN_NAMES_AUTO_MAP = {
+    "AutoConfig": "configuration_own_names.OwnNamesConfig",
+    "AutoModelForCausalLM": "modeling_own_names.OwnNamesForCausalLM",
+}
+
+
+def own_code_folder(folder: Path, fixture: Path = FIXTURE, model_type: str = "tiny_prenorm",
+                    architecture: str = "TinyPreNormForCausalLM", auto_map: dict = AUTO_MAP) -> Path:
+    """A tiny random checkpoint of a fixture model, as a repository with its own code holds it."""
     folder.mkdir(parents=True)
-    for path in FIXTURE.glob("*.py"):
+    for path in fixture.glob("*.py"):
         shutil.copyfile(path, folder / path.name)
-    config = {"model_type": "tiny_prenorm", "architectures": ["TinyPreNormForCausalLM"], "auto_map": AUTO_MAP}
+    config = {"model_type": model_type, "architectures": [architecture], "auto_map": auto_map}
     (folder / "config.json").write_text(json.dumps(config))
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder, trust_remote_code=True), trust_remote_code=True)
@@ -141,3 +151,73 @@ def test_own_code_that_claims_a_transformers_model_type_is_refused(tmp_path):
     model.config.model_type = "llama"  # as a repository whose own code reuses a transformers model type
     with pytest.raises(UnsupportedModelError, match="transformers also ships.*without --trust-remote-code"):
         convert_model(model)
+
+
+@pytest.mark.slow
+def test_own_code_model_with_its_own_config_names_converts_exactly(tmp_path):
+    """Sizes the config does not name are read from the modules (the stream's width, the embedding's rows, the
+    stack's length) and the head is found from the logits; the converted config records the stream's width for
+    the shipped code (`stream_width`), which cannot read a `hidden_size` the base config does not have."""
+    source = own_code_folder(tmp_path / "own-names", OWN_NAMES_FIXTURE, "own_names_lm", "OwnNamesForCausalLM",
+                             OWN_NAMES_AUTO_MAP)
+    base_config = json.loads((source / "config.json").read_text())
+    assert {"d_model", "n_vocab", "n_layer"} <= set(base_config)
+    assert not {"hidden_size", "vocab_size", "num_hidden_layers"} & set(base_config)
+    original = AutoModelForCausalLM.from_pretrained(source, trust_remote_code=True).eval()
+    assert original.get_output_embeddings() is None
+    out = tmp_path / "converted"
+    result = runner.invoke(app, ["convert", str(source), "-o", str(out), "--trust-remote-code", "--block-size", "2"])
+    assert result.exit_code == 0, result.output
+    assert "PASS" in result.output and "identical" in result.output
+    config = json.loads((out / "config.json").read_text())
+    assert config["stream_width"] == base_config["d_model"] == 48
+    structure = config["structure"]
+    assert (structure["base_model"], structure["layers"], structure["final_norm"], structure["lm_head"]) == (
+        "transformer", "h", "ln_f", "unembed")
+    assert len(structure["layer_kinds"]) == base_config["n_layer"] == 3
+
+    ids = torch.randint(3, 112, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = original(ids).logits
+    want_tokens = _greedy(original, ids)
+    converted = load_converted(out, trust_remote_code=True).eval()
+    with torch.no_grad():
+        assert (converted(ids).logits - want).abs().max().item() <= 1e-5
+    assert torch.equal(_greedy(converted, ids), want_tokens)
+    assert torch.equal(_greedy(converted, ids, use_cache=False), want_tokens)
+    torch.save({"ids": ids, "logits": want, "tokens": want_tokens}, tmp_path / "expected.pt")
+    shutil.move(source, tmp_path / "moved-away")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    code = BLOCK_IMPORT + textwrap.dedent(
+        f"""
+        import torch
+        from transformers import AutoModelForCausalLM
+        data = torch.load({str(tmp_path / "expected.pt")!r})
+        model = AutoModelForCausalLM.from_pretrained({str(out)!r}, trust_remote_code=True).eval()
+        assert type(model.transformer).__name__ == "OwnNamesModel", type(model.transformer)
+        assert model.transformer.h[0].mlp_res_proj.weight.shape == (1, 48)
+        with torch.no_grad():
+            logits = model(data["ids"]).logits
+            loss = model(data["ids"], labels=data["ids"]).loss  # the loss reads the vocabulary from the logits
+        assert (logits - data["logits"]).abs().max() <= 1e-5, (logits - data["logits"]).abs().max()
+        assert torch.isfinite(loss)
+        tokens = model.generate(data["ids"], attention_mask=torch.ones_like(data["ids"]), max_new_tokens=6,
+                                do_sample=False, pad_token_id=0)[:, data["ids"].shape[1]:]
+        assert torch.equal(tokens, data["tokens"]), (tokens, data["tokens"])
+        print("REMOTE-OK")
+        """
+    )
+    env = dict(os.environ, HF_MODULES_CACHE=str(tmp_path / "fresh-modules-cache"))
+    env.pop("PYTHONPATH", None)
+    result = subprocess.run([sys.executable, "-c", code], cwd=elsewhere, env=env, capture_output=True, text=True,
+                            timeout=300, stdin=subprocess.DEVNULL)
+    assert "REMOTE-OK" in result.stdout, result.stderr[-3000:]
+
+
+def test_a_refusal_ends_as_a_sentence_before_the_pointer_to_the_coverage(tmp_path):
+    from attnres_convert.conversion.convert import SEE_COVERAGE, refusal
+
+    message = refusal("my-model", ValueError("it names no LM head"))
+    assert message == f"cannot convert my-model: it names no LM head. {SEE_COVERAGE}"
+    assert refusal("m", ValueError("post-norm.")) == f"cannot convert m: post-norm. {SEE_COVERAGE}"

@@ -40,7 +40,7 @@ def run_isolated(code: str) -> subprocess.CompletedProcess:
                           text=True, timeout=300, stdin=subprocess.DEVNULL)
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2", "gpt_neox_parallel", "gemma2", "granite"])
+@pytest.mark.parametrize("family", ["llama", "gpt2", "gpt_neox_parallel", "gemma2", "granite", "gemma4_text", "gemma4_moe"])
 def test_folder_reloads_in_package_and_without_it(family, tmp_path):
     model = randomize_queries(convert_model(tiny_model(family), block_size=3).eval(), 0.1, key_norms=0.1, add=True)
     out = save_converted(model, tmp_path / "converted")

@@ -1,6 +1,6 @@
 """Tiny random configs of families and config variants (hidden 64, 3 layers), as the transformers tests do:
 the 14 of the architecture table, and families whose structure only discovery finds (Granite's multipliers,
-GLM-4's sandwich norms, OPT's MLP as a chain of modules, Cohere's parallel residual with qk-norm and a logit
+GLM-4's sandwich norms, Gemma 4's per-layer-input gate that reads the raw stream and its MoE block, OPT's MLP as a chain of modules, Cohere's parallel residual with qk-norm and a logit
 scale, DeepSeek-V3's latent attention with a dense first layer then MoE with a shared expert, Falcon's new
 decoder architecture with two norms in parallel), modules that add the residual themselves or take their input
 twice (Bloom, MPT, CTRL), and state-space and hybrid stacks (Mamba; Jamba's Mamba and
@@ -28,6 +28,22 @@ CONFIGS = {
     "gemma": lambda: T.GemmaConfig(**_DECODER, head_dim=16),
     "gemma2": lambda: T.Gemma2Config(**_DECODER, head_dim=16, sliding_window=8),
     "gemma3_text": lambda: T.Gemma3TextConfig(**_DECODER, head_dim=16, sliding_window=8),
+    # Gemma 4: a third sublayer per layer whose gate reads the raw stream, times the layer's per-layer input; each
+    # layer scales the stream it returns (AFTER_BUILD); the last two layers reuse earlier layers' KV states (KV
+    # sharing), as the small Gemma 4 models do
+    "gemma4_text": lambda: T.Gemma4TextConfig(
+        **_DECODER | {"num_hidden_layers": 4}, head_dim=16, global_head_dim=16, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        hidden_size_per_layer_input=16, vocab_size_per_layer_input=128, num_kv_shared_layers=2,
+    ),
+    # Gemma 4's MoE models: the feed-forward sublayer normalises the sum of a dense MLP and experts that a router
+    # (reading the flattened raw stream) picks; no per-layer inputs, keys that are the values on global layers
+    "gemma4_moe": lambda: T.Gemma4TextConfig(
+        **_DECODER | {"num_hidden_layers": 4}, head_dim=16, global_head_dim=16, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        hidden_size_per_layer_input=0, enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32,
+        attention_k_eq_v=True,
+    ),
     "phi3": lambda: T.Phi3Config(**_DECODER),
     "gpt2": lambda: T.GPT2Config(**_IDS | {"max_position_embeddings": 256}, n_embd=64, n_layer=3, n_head=4, n_positions=256),
     "gpt_neox_parallel": lambda: T.GPTNeoXConfig(**_NEOX, use_parallel_residual=True),
@@ -77,6 +93,16 @@ CONFIGS = {
 }
 
 
+def _gemma4_layer_scalars(model) -> None:
+    # Gemma 4's layers multiply the stream they return by a `layer_scalar` buffer that checkpoints set; not 1 here.
+    for layer, scalar in zip(model.model.layers, (0.5, 1.7, 0.3, 2.5)):
+        layer.layer_scalar.fill_(scalar)
+
+
+# What a family's checkpoints hold that its init does not: set after building.
+AFTER_BUILD = {"gemma4_text": _gemma4_layer_scalars, "gemma4_moe": _gemma4_layer_scalars}
+
+
 def tiny_model(name: str, seed: int = 0, **overrides) -> T.PreTrainedModel:
     config = CONFIGS[name]()
     for key, value in overrides.items():
@@ -89,6 +115,8 @@ def tiny_model(name: str, seed: int = 0, **overrides) -> T.PreTrainedModel:
         for name_, param in model.named_parameters():
             if param.dim() >= 2:
                 param.normal_(0.0, 0.15)
+        if name in AFTER_BUILD:
+            AFTER_BUILD[name](model)
     return model
 
 

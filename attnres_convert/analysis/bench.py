@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from ..errors import AttnResError, first_line
-from ..modeling.architectures import UnsupportedModelError
+from ..modeling.architectures import UnsupportedModelError, vocab_size_of
 from ..conversion.surgery import BlockSizeError
 from ..io.sources import DTYPES, ModelSource, load_model, load_tokenizer, resolve_source
 from . import step_memory
@@ -291,7 +291,7 @@ def runs_total(settings: BenchSettings) -> int:
 
 def _measure(original, converted, settings: BenchSettings, stage, on_run) -> tuple[list[dict], list[str]]:
     device, notes, rows = settings.device, [], []
-    vocab = original.config.get_text_config().vocab_size
+    vocab = vocab_size_of(original)
     generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, vocab, (settings.batch, settings.seq_len), generator=generator).to(device)
     prompt = tokens[:1, : min(settings.prompt_tokens, settings.seq_len)]

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..modeling.architectures import module_at
+from ..modeling.architectures import module_at, times_argument
 from ..errors import SourceError
 from ..modeling.depth_attention import record_depth_weights, source_ranges
 from ..modeling.modeling_attnres import AttnResForCausalLM, AttnResQuery
@@ -191,16 +191,19 @@ def sublayer_profile(model: AttnResForCausalLM, input_ids: torch.Tensor) -> Subl
             index += 1
             params: dict[int, torch.nn.Parameter] = {}
             for branch in sublayer.branches:
-                norm = module_at(layer, branch.norm)
+                # What reads the stream: the norm, or the module itself where it reads the raw stream.
+                norm = module_at(layer, branch.norm or branch.module)
                 if id(norm) not in seen_norms:
                     seen_norms.add(id(norm))
                     hooks.append(norm.register_forward_pre_hook(reading(index)))
-                last = module_at(layer, branch.post[-1] if branch.post else branch.module)
+                steps = [name for name in branch.post if times_argument(name) is None]  # modules, not products
+                # What the sublayer adds: its last module, or the last applied to the sum of its branches.
+                last = module_at(layer, sublayer.post[-1] if sublayer.post else steps[-1] if steps else branch.module)
                 if id(last) not in seen_last:  # Phi's branches share one dropout: it fires once per branch
                     seen_last.add(id(last))
                     hooks.append(last.register_forward_hook(adding))
-                for name in (branch.norm, branch.module, *branch.post):
-                    for p in module_at(layer, name).parameters():
+                for name in (branch.norm, branch.module, *steps, *sublayer.post, *(side for side, _ in sublayer.side)):
+                    for p in (module_at(layer, name).parameters() if name else ()):
                         params[id(p)] = p
             param_groups.append(list(params.values()))
     was_training = model.training
@@ -276,8 +279,8 @@ def inspect_source(
     from ..conversion.surgery import convert_model
     from ..conversion.verify import fit_to_context, sample_input_ids
 
-    from ..conversion.convert import SEE_COVERAGE
-    from ..modeling.architectures import UnsupportedModelError
+    from ..conversion.convert import refusal
+    from ..modeling.architectures import UnsupportedModelError, vocab_size_of
 
     try:
         loaded = load_any(model, dtype, trust_remote_code)
@@ -285,11 +288,11 @@ def inspect_source(
         if not loaded.converted:
             network = convert_model(network).eval()
     except UnsupportedModelError as error:
-        raise UnsupportedModelError(f"cannot inspect {model or 'the embedded model'}: {error} {SEE_COVERAGE}") from error
+        raise UnsupportedModelError(refusal(model or "the embedded model", error, "inspect")) from error
     if max_tokens < 2:
         raise SourceError(f"--max-tokens must be at least 2, got {max_tokens}")
     tokens, _ = fit_to_context(network.config.text_config, max_tokens, 0)
-    ids = sample_input_ids(loaded.tokenizer, text or SAMPLE_TEXT, tokens, network.config.text_config.vocab_size)
+    ids = sample_input_ids(loaded.tokenizer, text or SAMPLE_TEXT, tokens, vocab_size_of(network))
     inspection = inspect_model(network, ids, loaded.name, profiles=bool(plot) if profiles is None else profiles)
     if loaded.tokenizer is None:
         inspection.notes.append("the model has no tokenizer: measured on fixed pseudo-random token ids")

@@ -194,3 +194,43 @@ def ab_curves_plot(report: Mapping, path: str | os.PathLike) -> Path:
         if axis.lines:
             axis.legend(fontsize=7)
     return _save(figure, path)
+
+
+def retrofit_plot(report: Mapping, path: str | os.PathLike) -> Path:
+    """`attnres ab --retrofit-after`: the retrofit's lead (baseline - AttnRes) at the end of the continued steps
+    against the pretraining steps N (mean, the seeds' min..max as error bars), beside it the from-scratch lead
+    at N + continued steps when the study has those arms; and the lead during the continued steps, one line per N."""
+    import matplotlib
+
+    figure = _figure(10.0, 3.8)
+    by_n, by_step = figure.add_subplot(1, 2, 1), figure.add_subplot(1, 2, 2)
+    points = report["after"]
+
+    def errorbar(axis, xs, leads, **style):
+        means = [lead["mean"] for lead in leads]
+        low = [lead["mean"] - lead["min"] for lead in leads]
+        high = [lead["max"] - lead["mean"] for lead in leads]
+        axis.errorbar(xs, means, yerr=[low, high], marker="o", ms=4, capsize=3, lw=1.6, **style)
+
+    errorbar(by_n, [p["after"] for p in points], [p["lead_final"] for p in points], color=CONVERTED_COLOR,
+             label=f"retrofit, after {report['continued_steps']} continued steps")
+    if report.get("from_scratch_arms"):
+        errorbar(by_n, [p["after"] for p in points], [p["scratch"]["lead"] for p in points], color="black", ls="--",
+                 label="from scratch, same tokens (N + continued)")
+    colors = matplotlib.colormaps["viridis"]
+    for index, point in enumerate(points):
+        steps = [step for step, _ in point["lead_curve"]]
+        by_step.plot(steps, [lead["mean"] for _, lead in point["lead_curve"]], marker="o", ms=3, lw=1.4,
+                     color=colors(index / max(1, len(points) - 1) * 0.85), label=f"after {point['after']} steps")
+    seeds = len(report.get("seeds", [])) or 1
+    by_n.set_title(f"Lead at the end vs pretraining steps N ({seeds} seed{'s' if seeds > 1 else ''})", fontsize=10)
+    by_step.set_title("Retrofit lead during the continued steps (mean)", fontsize=10)
+    for axis, xlabel in ((by_n, "pretraining steps N"), (by_step, "continued step")):
+        axis.axhline(0.0, color=ORIGINAL_COLOR, lw=1.0)
+        axis.set_xlabel(xlabel, fontsize=8)
+        axis.set_ylabel("lead: baseline - AttnRes (nats / token)", fontsize=8)
+        axis.tick_params(labelsize=7)
+        axis.grid(alpha=0.3, lw=0.5)
+        if axis.lines:
+            axis.legend(fontsize=7)
+    return _save(figure, path)

@@ -61,6 +61,8 @@ def _main() -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
+    from ..modeling.architectures import vocab_size_of
+
     parser = argparse.ArgumentParser()
     parser.add_argument("folder")
     parser.add_argument("--device", default="cpu")
@@ -84,7 +86,7 @@ def _main() -> None:
             model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-    vocab = model.config.get_text_config().vocab_size
+    vocab = vocab_size_of(model)
     batch = torch.randint(0, vocab, (args.batch, args.seq_len), generator=torch.Generator().manual_seed(0)).to(device)
 
     def step():

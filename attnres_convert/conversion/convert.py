@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from ..io.card import conversion_card
-from ..modeling.architectures import UnsupportedModelError
+from ..modeling.architectures import UnsupportedModelError, vocab_size_of
 from ..errors import VerificationError, first_line
 from ..modeling.modeling_attnres import AttnResForCausalLM
 from .memory_budget import plan_verification, verify_saved
@@ -32,6 +32,15 @@ from .verify import VerificationReport, capture_reference, compare, fit_to_conte
 
 Stage = Callable[[str], contextlib.AbstractContextManager]
 SEE_COVERAGE = "`attnres architectures` lists the model types that convert, and why the others do not."
+
+
+def refusal(name: str, error: BaseException, action: str = "convert") -> str:
+    """`cannot ACTION NAME: why.` and where the coverage is listed: the reason ends as a sentence whatever
+    punctuation it came with, so it never runs into the next one."""
+    reason = str(error).rstrip()
+    if not reason.endswith((".", "!", "?")):
+        reason += "."
+    return f"cannot {action} {name}: {reason} {SEE_COVERAGE}"
 # progress(description, total bytes) -> a context whose value is advance(bytes done)
 Progress = Callable[[str, int], contextlib.AbstractContextManager[Callable[[int], None]]]
 
@@ -83,7 +92,7 @@ def convert(
         try:
             structure = structure_of(config)
         except UnsupportedModelError as error:
-            raise UnsupportedModelError(f"cannot convert {model_source.name}: {error} {SEE_COVERAGE}") from error
+            raise UnsupportedModelError(refusal(model_source.name, error)) from error
         if structure is not None:  # else the structure is found, and block sizes checked, on the loaded model
             resolve_block_size(structure, block_size, num_blocks, full)  # refuse before loading weights
     streamable = out is not None and opts.stream and not keep_model and structure is not None
@@ -103,13 +112,13 @@ def convert(
     if opts.verify:
         with stage("Running the original model"):
             tokens, new_tokens = fit_to_context(base.config, opts.verify_tokens, opts.verify_new_tokens)
-            ids = sample_input_ids(tokenizer, opts.verify_text, tokens, base.config.get_text_config().vocab_size)
+            ids = sample_input_ids(tokenizer, opts.verify_text, tokens, vocab_size_of(base))
             reference = capture_reference(base, ids, new_tokens)
     with stage("Converting"):  # finds and proves the layer structure, then converts
         try:
             model = convert_model(base, block_size=block_size, num_blocks=num_blocks, full=full, query_rank=opts.query_rank)
         except UnsupportedModelError as error:
-            raise UnsupportedModelError(f"cannot convert {model_source.name}: {error} {SEE_COVERAGE}") from error
+            raise UnsupportedModelError(refusal(model_source.name, error)) from error
         except (RuntimeError, ValueError, TypeError, IndexError) as error:
             # The model's own code failed on the structure probes or the proof (inputs it does not expect): a
             # refusal of this model, with nothing written, not a crash.

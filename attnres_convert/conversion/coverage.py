@@ -60,6 +60,8 @@ VARIANTS: tuple[tuple[str, str, dict], ...] = (
     ("qwen3_next", "dense MLPs", {"mlp_only_layers": [0, 1]}),
     ("jamba", "MoE in every layer", {"expert_layer_period": 1, "expert_layer_offset": 0}),
     ("gemma4_text", "no per-layer inputs", {"hidden_size_per_layer_input": 0}),
+    ("gemma4_text", "MoE block", {"hidden_size_per_layer_input": 0, "enable_moe_block": True, "num_experts": 4,
+                                  "top_k_experts": 2, "moe_intermediate_size": 32}),
     ("nemotron_h", "Mamba-2 and attention layers", {"num_hidden_layers": 2, "layers_block_type": ["linear_attention", "full_attention"]}),
 )
 

@@ -22,6 +22,9 @@ import torch
 from torch import nn
 
 from ..modeling.architectures import (
+    OUTPUT,
+    RAW_STREAM,
+    TIMES,
     Branch,
     ModelPlan,
     Sublayer,
@@ -33,7 +36,7 @@ from ..modeling.architectures import (
     locate,
     module_at,
     norm_eps,
-    text_config_of,
+    reads_raw_stream,
 )
 from . import stream_settings
 from .proof import LayerFailure, StructureError, prove, relative_difference
@@ -61,6 +64,7 @@ class _Branch:
     output_bias: int = 0  # index of a bias in the module's output tuple that the layer adds (GPT-NeoX-Japanese)
     module_call: int = -1  # index of the module's call
     returns: list = field(default_factory=list)  # (layer output position, module output index), see Branch.returns
+    flat: bool = False  # the norm reads the stream flattened to [tokens, width] (Branch.flat)
 
 
 
@@ -76,16 +80,28 @@ def _output_bias(entry, y: torch.Tensor, delta: torch.Tensor) -> int:
     return 0
 
 
-def _stream_scale(previous: torch.Tensor, y: torch.Tensor, returned: torch.Tensor) -> float | None:
+def _stream_scale(previous: torch.Tensor, y: torch.Tensor, returned: torch.Tensor, limit: float) -> float | None:
     """The factor c where a layer returns c * (stream + output) instead of stream + output (Gemma 4's
-    `layer_scalar`), or None where what it returns is not that for a c other than 1."""
+    `layer_scalar`), or None where what it returns is not that (within LIMIT relative: the layer's precision) for
+    a c other than 1."""
     total = previous + y
     denominator = (total * total).sum().item()
     if denominator == 0:
         return None
     factor = (returned * total).sum().item() / denominator
-    if abs(factor - 1.0) < 1e-4 or not (returned - factor * total).abs().max() <= 1e-5 * returned.abs().max():
+    if abs(factor - 1.0) < 1e-4 or not (returned - factor * total).abs().max() <= limit * returned.abs().max():
         return None
+    return factor
+
+
+def _layer_scalar(layer: nn.Module, factor: float, limit: float) -> float:
+    """The float the layer multiplies its stream by: the value of its one-element tensor (buffer or parameter:
+    Gemma 4's `layer_scalar`) that FACTOR, measured, is (within LIMIT relative), else FACTOR itself."""
+    for tensor in [*layer.buffers(recurse=False), *layer.parameters(recurse=False)]:
+        if tensor.numel() == 1 and tensor.is_floating_point():
+            value = float(tensor.item())
+            if abs(value - factor) <= limit * abs(value):
+                return value
     return factor
 
 
@@ -106,6 +122,27 @@ def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
     return a is not None and b is not None and a.shape == b.shape and torch.equal(a, b)
 
 
+def _same_reshaped(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    """A is B in another shape (the stream flattened to [tokens, width], or an output given the stream's shape)."""
+    return (a is not None and b is not None and a.shape != b.shape and a.numel() == b.numel()
+            and torch.equal(a.reshape(b.shape), b))
+
+
+def _side_modules(calls: list) -> set[str]:
+    """The children whose outputs a later child takes as arguments (Gemma 4's router, for its experts)."""
+    return {source.split(":")[1] for entry in calls for _, source in entry.arguments or () if source.startswith(OUTPUT)}
+
+
+def _branch_sum(x: torch.Tensor, group: list, calls: list) -> bool:
+    """Whether X is the sum, in their order, of the current outputs of a stream's several branches."""
+    if len(group) < 2 or any(b.module is None for b in group):
+        return False
+    total = calls[group[0].tail].y
+    for branch in group[1:]:
+        total = total + calls[branch.tail].y.reshape(total.shape)
+    return _same(x, total)
+
+
 def _config_floats(config) -> list[float]:
     """The config's float settings, and each divided by sqrt(num_hidden_layers) (MiniCPM's depth-scaled
     residual multiplier), as the Python floats the base model's code multiplies by."""
@@ -116,14 +153,14 @@ def _config_floats(config) -> list[float]:
     return values
 
 
-def _snap(value: float, config) -> float | None:
-    """A residual multiplier as the config states it (bit-exact), or None for 1."""
-    if abs(value - 1.0) < 1e-4:
+def _snap(value: float, config, limit: float = 1e-4) -> float | None:
+    """A residual multiplier as the config states it (bit-exact: the closest config value within LIMIT relative),
+    or None for 1. LIMIT is the measurement's precision: a half-precision layer's rounded adds put the ratio of a
+    plain residual add a few 1e-4 away from 1."""
+    if abs(value - 1.0) < limit:
         return None
-    for candidate in _config_floats(config):
-        if abs(value - candidate) <= 1e-4 * abs(candidate):
-            return candidate
-    return value
+    close = [c for c in _config_floats(config) if abs(value - c) <= limit * abs(c)]
+    return min(close, key=lambda c: abs(value - c)) if close else value
 
 
 @dataclass(frozen=True)
@@ -133,6 +170,7 @@ class LayerStructure:
 
     sublayers: tuple[Sublayer, ...]
     stream_start: str | None = None
+    layer_scalar: float | None = None  # the factor the layer multiplies the whole stream by before returning it
 
 
 def _stream_start(layer: nn.Module, calls: list, h0: torch.Tensor) -> str | None:
@@ -160,6 +198,33 @@ def _returns(calls: list, out, branches: list) -> None:
                 break
 
 
+def _product_with_argument(x: torch.Tensor, produced: list, values: list, arguments: dict) -> tuple[int, str] | None:
+    """(index into VALUES, argument name) where X is a value a child returned times one of the layer's tensor
+    arguments (Gemma 4: its per-layer-input gate's activation times the layer's `per_layer_input`), the latest
+    such value first; None where X is no such product."""
+    tensors = {name: value for name, value in arguments.items()
+               if isinstance(value, torch.Tensor) and value.is_floating_point()}
+    for index in range(len(values) - 1, -1, -1):
+        if produced[index][0] != "call":
+            continue
+        for name, value in tensors.items():
+            try:
+                product = values[index] * value
+            except RuntimeError:  # shapes that do not broadcast
+                continue
+            if product.shape == x.shape and torch.equal(product, x):
+                return index, name
+    return None
+
+
+def _post_norm_refusal(layer: nn.Module, reader: str) -> UnsupportedModelError:
+    return UnsupportedModelError(
+        f"the residual stream is read by `{reader}` ({type(module_at(layer, reader)).__name__}) directly, not through "
+        "a norm (a post-norm layer): AttnRes converts a layer whose sublayers read its stream through scale-invariant "
+        "norms (a module beside them may read the raw stream, as Gemma 4's per-layer-input gate does)"
+    )
+
+
 def discover_layer(
     layer: nn.Module, call: LayerCall, config, h0: torch.Tensor, expand: tuple[str, ...] = (), first: bool = False
 ) -> LayerStructure:
@@ -180,17 +245,39 @@ def discover_layer(
         h0, start_ref, calls = calls[0].y, calls[0].y_ref, calls[1:]
     streams: list[torch.Tensor] = [h0]
     branches: list[_Branch] = []
+    raw_readers: list[str] = []  # modules that read the stream without a norm
     produced: list[tuple[str, int]] = [("stream", 0)]  # in order: what each value is
     values: list[torch.Tensor] = [h0]
     refs: list[object] = [start_ref]
+    arguments = call.call_kwargs(call.args, call.kwargs)
+    side_names = _side_modules(calls)
+    sides: list[tuple[int, str, bool]] = []  # (stream, side module, reads it flat)
+    group_posts: dict[int, list[str]] = {}  # stream -> modules applied to the sum of its branches
+    group_tails: dict[int, int] = {}  # stream -> the call whose output is that sum's current value
     for index, entry in enumerate(calls):
         module = module_at(layer, entry.name)
         source = next((produced[i] for i in range(len(refs) - 1, -1, -1) if entry.x_ref is refs[i]), None)
+        flat = False
         if source is None:  # not the same object: the same values (a view, a copy)
             for kind_index in range(len(values) - 1, -1, -1):
                 if _same(entry.x, values[kind_index]):
                     source = produced[kind_index]
                     break
+        if source is None:  # the same values in another shape (a stream flattened to [tokens, width])
+            for kind_index in range(len(values) - 1, -1, -1):
+                if _same_reshaped(entry.x, values[kind_index]):
+                    source, flat = produced[kind_index], entry.x.dim() == 2
+                    break
+        if source is None and entry.x is not None:  # the sum of a stream's branches (Gemma 4's MoE block)
+            stream_index = next((s for s in range(len(streams) - 1, -1, -1)
+                                 if s not in group_tails and _branch_sum(entry.x, [b for b in branches if b.stream == s], calls)), None)
+            if stream_index is not None:
+                source = ("sum", stream_index)
+        times = None  # the layer argument the input is a child's output multiplied by
+        if source is None and entry.x is not None:
+            product = _product_with_argument(entry.x, produced, values, arguments)
+            if product is not None:
+                source, times = produced[product[0]], product[1]
         if source is None:  # a new residual stream: the previous one plus the outputs added since
             if entry.x is None:
                 raise UnsupportedModelError(f"`{entry.name}` is called without a tensor input")
@@ -200,20 +287,39 @@ def discover_layer(
             refs.append(entry.x_ref)
             source = produced[-1]
         kind, ref = source
-        if kind == "stream":
+        if entry.name in side_names:  # its outputs are a module's arguments, not a value of the flow
+            if kind != "stream":
+                raise UnsupportedModelError(f"`{entry.name}` gives another module its arguments but does not read the stream")
+            sides.append((ref, entry.name, flat))
+            continue
+        if kind == "sum" or (kind == "call" and any(tail == ref for tail in group_tails.values())):
+            stream_index = ref if kind == "sum" else next(s for s, tail in group_tails.items() if tail == ref)
+            group_posts.setdefault(stream_index, []).append(entry.name)
+            group_tails[stream_index] = index
+        elif kind == "stream":
             if not is_norm(module) and "." not in entry.name and any(is_norm(inner) for inner in module.children()):
                 return discover_layer(layer, call, config, h0, (*expand, entry.name), first)
             if not is_norm(module):
-                reader = entry.name.split(".")[0]  # a block looked into whose norm does not read first: the block
-                raise UnsupportedModelError(
-                    f"the residual stream is read by `{reader}` ({type(module_at(layer, reader)).__name__}) directly, not through "
-                    "a norm (a post-norm layer, or a branch that reads the raw stream): AttnRes converts a layer only "
-                    "when every reader of its stream is a scale-invariant norm"
-                )
-            branches.append(_Branch(ref, entry.name, tail=index, norm_call=index))
+                # A module that reads the raw stream: a branch of its own, without a norm (refused below where no
+                # norm reads the layer's stream at all).
+                if "." in entry.name:  # a block looked into (it holds norms) whose norm does not read the stream first
+                    raise _post_norm_refusal(layer, entry.name.split(".")[0])
+                if entry.residual is not None:
+                    raise UnsupportedModelError(f"`{entry.name}` reads the raw residual stream and takes it a second time")
+                raw_readers.append(entry.name)
+                branches.append(_Branch(ref, RAW_STREAM, entry.name, [], entry.extra, index, -1, entry.arguments,
+                                        entry.constants, module_call=index))
+            else:
+                branches.append(_Branch(ref, entry.name, tail=index, norm_call=index, flat=flat))
         else:
             owner = next((b for b in branches if b.tail == ref), None)
             norm_owner = next((b for b in branches if b.norm_call == ref), None)
+            if times is not None:
+                if owner is None or owner.module is None:
+                    raise UnsupportedModelError(
+                        f"`{entry.name}` reads a product with the layer's argument `{times}` that is not a module's output"
+                    )
+                owner.post.append(TIMES + times)
             if owner is not None and owner.module is None:
                 owner.module, owner.attention, owner.tail, owner.module_call = entry.name, entry.extra, index, index
                 owner.arguments, owner.constants = entry.arguments, entry.constants
@@ -243,6 +349,8 @@ def discover_layer(
             produced.append(("call", index))
             values.append(entry.y)
             refs.append(entry.y_ref)
+    if raw_readers and all(b.norm == RAW_STREAM for b in branches):
+        raise _post_norm_refusal(layer, raw_readers[0])
     if any(b.module is None for b in branches):
         lone = next(b for b in branches if b.module is None)
         raise UnsupportedModelError(f"the output of norm `{lone.norm}` feeds no module")
@@ -251,42 +359,55 @@ def discover_layer(
     _returns(calls, output, branches)
     sublayers: list[Sublayer] = []
     used: set[str] = set()
+    layer_scalar = None
+    # How closely a half-precision layer's rounded arithmetic shows a factor: scalars and multipliers are told from
+    # 1 and matched to the values they come from at the layer's precision (the proof then checks them at it).
+    limit = 1e-5 if h0.dtype in (torch.float32, torch.float64) else 1e-2
     for stream in range(len(streams) - 1):
         group = [b for b in branches if b.stream == stream]
         if not group:
             raise UnsupportedModelError(f"residual stream {stream} of the layer is read by no branch")
         scales: list[float | None] = [None] * len(group)
-        if len(group) == 1:
+        y = None  # what the sublayer adds, where it can be told from its calls
+        delta = streams[stream + 1].double() - streams[stream].double()
+        if stream in group_tails:
+            y = calls[group_tails[stream]].y.double()
+        elif len(group) == 1:
             y = calls[group[0].tail].y.double()
-            delta = streams[stream + 1].double() - streams[stream].double()
             if group[0].adds_residual:
                 y = y - streams[stream].double()
             elif not group[0].post:
                 group[0].output_bias = _output_bias(calls[group[0].tail], y, delta)
                 if group[0].output_bias:
                     y = y + calls[group[0].tail].outputs[group[0].output_bias].double()
+        if y is not None:
+            y = y.reshape(delta.shape)
             if stream == len(streams) - 2:
-                factor = _stream_scale(streams[stream].double(), y, streams[stream + 1].double())
-                if factor is not None:
-                    raise UnsupportedModelError(
-                        f"the decoder layer scales the residual stream itself by {factor:.4g} after adding its last "
-                        "output (a layer scalar): the stream is not a sum of sublayer outputs"
-                    )
+                factor = _stream_scale(streams[stream].double(), y, streams[stream + 1].double(), limit)
+                if factor is not None:  # what the layer returns is factor * (stream + y): the stream before it
+                    layer_scalar = _layer_scalar(layer, factor, max(limit, 1e-4))
+                    delta = streams[stream + 1].double() / layer_scalar - streams[stream].double()
             denominator = (y * y).sum().item()
-            if denominator > 0:
-                scales[0] = _snap((delta * y).sum().item() / denominator, config)
-        name = "self_attention" if any(b.attention for b in group) else "mlp"
+            if denominator > 0 and len(group) == 1 and stream not in group_tails:
+                scales[0] = _snap((delta * y).sum().item() / denominator, config, max(limit, 1e-4))
+            elif denominator > 0 and _snap((delta * y).sum().item() / denominator, config, max(limit, 1e-4)) is not None:
+                raise UnsupportedModelError(f"the sum of the branches reading residual stream {stream} is scaled before it "
+                                            "joins the stream")
+        # "self_attention" where a branch takes the layer's arguments (not only a side module's outputs), else "mlp"
+        takes_layer = any(b.attention and not (b.arguments and all(source.startswith(OUTPUT) for _, source in b.arguments))
+                          for b in group)
+        name = "self_attention" if takes_layer else "mlp"
         if name in used:
             name = f"{name}_{stream + 1}"
         used.add(name)
         sublayers.append(Sublayer(name, tuple(
             Branch(b.norm, b.module, tuple(b.post), b.attention, scale, b.arguments, b.constants, tuple(b.post_arguments),
-                   b.output_bias, tuple(b.returns))
+                   b.output_bias, tuple(b.returns), b.flat)
             for b, scale in zip(group, scales)
-        )))
+        ), tuple(group_posts.get(stream, ())), tuple((name_, flat_) for s_, name_, flat_ in sides if s_ == stream)))
     if not sublayers:
         raise UnsupportedModelError("the decoder layer adds nothing to the residual stream")
-    return LayerStructure(tuple(sublayers), stream_start)
+    return LayerStructure(tuple(sublayers), stream_start, layer_scalar)
 
 
 # --- the head --------------------------------------------------------------------------------------
@@ -328,6 +449,8 @@ def _head_transform(model: nn.Module, where: Where, trace: ModelTrace) -> dict:
 def _eps(layer: nn.Module, sublayers: tuple[Sublayer, ...], config) -> float:
     for sublayer in sublayers:
         for branch in sublayer.branches:
+            if reads_raw_stream(branch):
+                continue
             value = norm_eps(module_at(layer, branch.norm))
             if value is not None:
                 return value
@@ -342,7 +465,7 @@ def discovered_plan(model: nn.Module, where: Where, trace: ModelTrace, head: dic
     """The plan read from every decoder layer's data flow (not yet proven), with HEAD's logit transform."""
     base = module_at(model, where.base_model)
     layers = module_at(base, where.layers)
-    per_layer, stream_start = [], None
+    per_layer, stream_start, scalars = [], None, []
     for index, (layer, call) in enumerate(zip(layers, trace.calls)):
         try:
             found = discover_layer(layer, call, model.config, probe_hidden(call, seed=index), first=index == 0)
@@ -350,6 +473,7 @@ def discovered_plan(model: nn.Module, where: Where, trace: ModelTrace, head: dic
             raise StructureError(str(LayerFailure(index, None, str(error)))) from error
         per_layer.append(found.sublayers)
         stream_start = stream_start or found.stream_start
+        scalars.append(1.0 if found.layer_scalar is None else found.layer_scalar)
     kinds = list(dict.fromkeys(per_layer))
     return ModelPlan(
         tuple(kinds.index(s) for s in per_layer),
@@ -361,6 +485,7 @@ def discovered_plan(model: nn.Module, where: Where, trace: ModelTrace, head: dic
         lm_head=where.lm_head,
         tuple_output=trace.tuple_output,
         stream_start=stream_start,
+        layer_scalars=tuple(scalars) if any(scalar != 1.0 for scalar in scalars) else None,
         **head,
     )
 
@@ -380,7 +505,7 @@ def find_plan(model: nn.Module) -> tuple[ModelPlan, ModelTrace]:
             head = run_probes(model, head_from_logits, model)
             if head is None:
                 raise UnsupportedModelError(
-                    f"{error}, and none of its Linear modules to the vocabulary gives its logits"
+                    f"{error}, and no single one of its Linear modules outputs the model's logits"
                 ) from error
             where = locate(model, lm_head=head)
         return run_probes(model, _find_plan, model, where)
@@ -389,26 +514,26 @@ def find_plan(model: nn.Module) -> tuple[ModelPlan, ModelTrace]:
 @torch.no_grad()
 def head_from_logits(model: nn.Module) -> str | None:
     """The LM head of a model whose module tree does not tell it (no `get_output_embeddings`, several Linears
-    from the hidden size to the vocabulary, a head nested in a module of its own): of those Linears, the one
-    whose output on the probe tokens is the model's logits (up to a soft cap or a scale, which the head
-    transform then finds). None where no one output matches."""
-    vocab = getattr(text_config_of(model.config), "vocab_size", None)
-    candidates = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear) and m.out_features == vocab}
+    from the hidden size to the vocabulary, a head nested in a module of its own, a config that does not name
+    its vocabulary): of its Linear modules, the one whose output on the probe tokens is the model's logits (same
+    shape, up to a soft cap or a scale, which the head transform then finds). None where no one output matches."""
     outputs: dict[str, torch.Tensor] = {}
     hooks = [
         module.register_forward_hook(lambda _m, _a, out, name=name: outputs.setdefault(name, out))
-        for name, module in candidates.items()
+        for name, module in model.named_modules()
+        if isinstance(module, nn.Linear)
     ]
     try:
-        logits = model(input_ids=probe_ids(model)).logits.double().flatten()
+        logits = model(input_ids=probe_ids(model)).logits
     finally:
         for hook in hooks:
             hook.remove()
     matches = []
+    flat = logits.double().flatten()
     for name, out in outputs.items():
-        out = out.double().flatten()
-        if out.shape == logits.shape and torch.corrcoef(torch.stack([out, logits]))[0, 1] > 0.999:
-            matches.append(name)
+        if isinstance(out, torch.Tensor) and out.shape == logits.shape:
+            if torch.corrcoef(torch.stack([out.double().flatten(), flat]))[0, 1] > 0.999:
+                matches.append(name)
     return matches[0] if len(matches) == 1 else None
 
 

@@ -124,6 +124,7 @@ def verify_saved(source, folder, budget: VerifyBudget, dtype: str, tokenizer, te
 
     from ..modeling.modeling_attnres import AttnResForCausalLM
     from ..io.sources import DTYPES, load_model
+    from ..modeling.architectures import vocab_size_of
     from .verify import capture_reference, compare, fit_to_context, sample_input_ids
 
     offload = Path(tempfile.mkdtemp(prefix=".attnres-offload-", dir=Path(folder).parent))
@@ -133,7 +134,7 @@ def verify_saved(source, folder, budget: VerifyBudget, dtype: str, tokenizer, te
         else:
             original = load_model(source, dtype, trust_remote_code, **budget.load_kwargs(str(offload / "original")))
         tokens, new_tokens = fit_to_context(original.config, budget.tokens, budget.new_tokens)
-        ids = sample_input_ids(tokenizer, text, tokens, original.config.get_text_config().vocab_size)
+        ids = sample_input_ids(tokenizer, text, tokens, vocab_size_of(original))
         reference = capture_reference(original, ids, new_tokens)
         del original
         gc.collect()

@@ -67,13 +67,15 @@ class LayerFailure:
 
 @torch.no_grad()
 def prove_layer(
-    layer: nn.Module, index: int, sublayers: tuple[Sublayer, ...], call: LayerCall, eps: float, stream_start: str | None = None
+    layer: nn.Module, index: int, sublayers: tuple[Sublayer, ...], call: LayerCall, eps: float, stream_start: str | None = None,
+    scalar: float = 1.0,
 ) -> LayerFailure | None:
     """Run the layer's own forward and the rewritten sublayers on the same random hidden states and real
     arguments: as a plain residual sum (locates the sublayer that differs), and as the depth-attention mix
     with zero queries, every output its own source (what the converted layer computes), with what the layer
     returns after the stream (a recurrent state). STREAM_START: the module that makes the first stream from the
-    layer's input (ModelPlan.stream_start, the first layer only)."""
+    layer's input (ModelPlan.stream_start, the first layer only). SCALAR: the factor the layer multiplies its
+    stream by before returning it (ModelPlan.layer_scalars), applied to the rewritten layer's last stream."""
     h0 = probe_hidden(call, seed=1000 + index)
     args, kwargs = call.fresh()
     want, inputs, output = _run_recording_inputs(layer, sublayers, h0, args, kwargs)
@@ -89,12 +91,13 @@ def prove_layer(
         except Exception as error:  # noqa: BLE001 - a candidate that cannot even run is a failed candidate
             return LayerFailure(index, sub_index + 1, f"the rewritten {sublayer.describe()} raised {first_line(error, with_type=True)}")
         # The original's stream where the next sublayer reads it, else (last sublayer) the layer's output.
-        reference = inputs.get(sub_index + 1) if sub_index + 1 < len(sublayers) else want
+        last = sub_index + 1 == len(sublayers)
+        reference = want if last else inputs.get(sub_index + 1)
         if reference is not None and reference.shape == h.shape:
-            difference, relative = relative_difference(h, reference)
+            difference, relative = relative_difference(h * scalar if last else h, reference)
             if not relative <= limit:
                 return LayerFailure(index, sub_index + 1, sublayer.describe(), difference, relative, limit)
-    difference, relative = relative_difference(h, want)
+    difference, relative = relative_difference(h * scalar, want)
     if not relative <= limit:
         return LayerFailure(index, len(sublayers), sublayers[-1].describe(), difference, relative, limit)
     args, kwargs = call.fresh()
@@ -107,7 +110,7 @@ def prove_layer(
         state = close_block(state, eps)
         mix = depth_mix(state, query, key_norm, eps, "count")
         state = add_output(state, run_sublayer(layer, sublayer, mix, call_kwargs, returned=returned))
-    mixed = depth_mix(close_block(state, eps), query, key_norm, eps, "count")
+    mixed = depth_mix(close_block(state, eps), query, key_norm, eps, "count") * scalar
     difference, relative = relative_difference(mixed, want)
     if not relative <= limit:
         return LayerFailure(index, len(sublayers), "depth mix with zero queries: " + sublayers[-1].describe(),
@@ -144,7 +147,8 @@ def _run_recording_inputs(layer, sublayers, h0, args, kwargs) -> tuple[torch.Ten
             if position not in inputs and hook_args and isinstance(hook_args[0], torch.Tensor):
                 inputs[position] = hook_args[0].detach().clone()
 
-        hooks.append(module_at(layer, sublayer.branches[0].norm).register_forward_pre_hook(hook))
+        first = sublayer.branches[0]  # its norm reads the stream, or its module where it reads the raw stream
+        hooks.append(module_at(layer, first.norm or first.module).register_forward_pre_hook(hook))
     try:
         output = layer(h0, *args, **kwargs)
         return first_tensor(output), inputs, output
@@ -157,7 +161,9 @@ def prove(model: nn.Module, plan: ModelPlan, trace: ModelTrace) -> LayerFailure 
     """The first decoder layer the plan does not reproduce, or None when it reproduces them all."""
     layers = module_at(module_at(model, plan.base_model), plan.layers)
     for index, (layer, call) in enumerate(zip(layers, trace.calls)):
-        failure = prove_layer(layer, index, plan.sublayers(index), call, plan.eps, plan.stream_start if index == 0 else None)
+        scalar = plan.layer_scalars[index] if plan.layer_scalars else 1.0
+        failure = prove_layer(layer, index, plan.sublayers(index), call, plan.eps, plan.stream_start if index == 0 else None,
+                              scalar)
         if failure is not None:
             return failure
     return None

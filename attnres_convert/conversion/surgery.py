@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from torch import nn
 from transformers import PreTrainedModel
 
-from ..modeling.architectures import FAMILIES, ModelPlan, UnsupportedModelError, config_refusal, family_for
+from ..modeling.architectures import FAMILIES, ModelPlan, UnsupportedModelError, config_refusal, family_for, module_at
 from ..modeling.configuration_attnres import AttnResConfig
 from ..modeling.depth_attention import default_block_size, output_num_sources, plan_sublayers, source_ranges
 from ..modeling import SHIPPED_CODE
@@ -153,7 +153,8 @@ def convert_model(
     attn_implementation, dtype = config._attn_implementation, config.dtype
     experts_implementation = getattr(config, "_experts_implementation", None)
     attn_config = AttnResConfig(
-        text_config=config, block_size=size, source_scaling=source_scaling, structure=plan.to_dict(), query_rank=query_rank
+        text_config=config, block_size=size, source_scaling=source_scaling, structure=plan.to_dict(), query_rank=query_rank,
+        stream_width=_stream_width(base_model, plan, trace),
     )
     attn_config._attn_implementation = attn_implementation
     if experts_implementation is not None:
@@ -168,6 +169,18 @@ def convert_model(
     if trace is not None and source_scaling == "count":  # "mean" is meant to differ (models trained from scratch)
         check_converted(model, trace)
     return model
+
+
+def _stream_width(base_model: PreTrainedModel, plan: ModelPlan, trace) -> int:
+    """d, the residual stream's width: what the first decoder layer received in the traced forward, else (a plan
+    given for a model without weights) the config's hidden size, else the width of the stack's first norm."""
+    if trace is not None:
+        return int(trace.calls[0].hidden.shape[-1])
+    hidden = getattr(base_model.config.get_text_config(), "hidden_size", None)
+    if isinstance(hidden, int):
+        return hidden
+    layer = module_at(module_at(base_model, plan.base_model), plan.layers)[0]
+    return int(module_at(layer, plan.sublayers(0)[0].branches[0].norm).weight.shape[-1])
 
 
 def _check_base_code(base_model: PreTrainedModel) -> None:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..modeling.architectures import INPUT, RESIDUAL, UnsupportedModelError, Where, is_norm, module_at
+from ..modeling.architectures import INPUT, RESIDUAL, UnsupportedModelError, Where, is_norm, module_at, output_of, vocab_size_of
 from ..modeling.cache_names import cache_keyword, cache_of
 from ..modeling.modeling_attnres import positional_argnames
 from .single_thread import run_single_threaded
@@ -86,7 +86,7 @@ class ModelTrace:
 
 def probe_ids(model: nn.Module, tokens: int = PROBE_TOKENS) -> torch.Tensor:
     """The probe tokens: the same random ids (past the usual special tokens) for the original and the converted model."""
-    vocab = int(getattr(model.config.get_text_config(), "vocab_size", None) or model.get_input_embeddings().weight.shape[0])
+    vocab = int(vocab_size_of(model))
     generator = torch.Generator().manual_seed(0)
     device = model.get_input_embeddings().weight.device
     return torch.randint(min(3, vocab - 1), vocab, (1, tokens), generator=generator).to(device)
@@ -214,7 +214,9 @@ def trace_layer(
             x = args[0] if args else kwargs.get("hidden_states", next((v for v in kwargs.values() if isinstance(v, torch.Tensor)), None))
             extra = len(args) > 1 or any(k != "hidden_states" for k in kwargs)
             copy_ = x.detach().clone() if isinstance(x, torch.Tensor) else None
-            mapped = argument_map(name, module, args, kwargs, layer_kwargs) if extra else None
+            earlier = {id(v): (entry.name, i) for entry in calls for i, v in enumerate(entry.output_refs)
+                       if i and isinstance(v, torch.Tensor)}
+            mapped = argument_map(name, module, args, kwargs, layer_kwargs, earlier) if extra else None
             arguments, constants, residual = mapped or (None, (), None)
             calls.append(ChildCall(name, copy_, x, extra, arguments=arguments, constants=constants, residual=residual))
 
@@ -252,7 +254,7 @@ def trace_layer(
 _LITERALS = (bool, int, float, str)
 
 
-def argument_map(child: str, module: nn.Module, args: tuple, kwargs: dict, layer_kwargs: dict):
+def argument_map(child: str, module: nn.Module, args: tuple, kwargs: dict, layer_kwargs: dict, earlier: dict | None = None):
     """How MODULE (the layer's child CHILD) took the decoder layer's arguments (LAYER_KWARGS) besides the hidden states: None where it took
     them under their own names (the layer's keywords are passed on as they are), else (pairs, constants): for
     each argument, the layer's keyword of the very same object, or a literal value (None, a flag) to pass as is.
@@ -281,6 +283,8 @@ def argument_map(child: str, module: nn.Module, args: tuple, kwargs: dict, layer
             constants.append((name, value))
         elif value is x:
             pairs.append((name, INPUT))
+        elif earlier and id(value) in earlier:  # what an earlier child returned (Gemma 4's router, for its experts)
+            pairs.append((name, output_of(*earlier[id(value)])))
         elif residual is None and isinstance(value, torch.Tensor) and isinstance(x, torch.Tensor) and value.shape == x.shape:
             pairs.append((name, RESIDUAL))
             residual = value

@@ -60,6 +60,29 @@ def plan_arms(sweep: list[list[str]], plain: bool = True) -> list[Arm]:
     return arms
 
 
+RETROFIT_OPTION = "--retrofit-after"
+
+
+def parse_after(text: str) -> list[int]:
+    """'100,200' -> [100, 200] (sorted, each once); anything but positive whole numbers is refused."""
+    values = []
+    for item in text.replace(",", " ").split():
+        if not item.isdigit() or int(item) < 1:
+            raise RecipeError(f"{RETROFIT_OPTION}: {item!r} is not a positive whole number of pretraining steps (e.g. {RETROFIT_OPTION} 100,200)")
+        values.append(int(item))
+    if not values:
+        raise RecipeError(f"{RETROFIT_OPTION}: give at least one number of pretraining steps (e.g. {RETROFIT_OPTION} 100,200)")
+    return sorted(set(values))
+
+
+def retrofit_steps(text: str, *, sweep=None, no_plain: bool = False, throughput: int = 0) -> list[int]:
+    """`--retrofit-after TEXT` with the other `attnres ab` options: its N, or the options it cannot take refused."""
+    given = [name for name, value in (("--sweep", sweep), ("--no-plain", no_plain), ("--throughput", throughput)) if value]
+    if given:
+        raise RecipeError(f"{', '.join(given)}: not available with {RETROFIT_OPTION} (its arms are the baseline and the recipe's AttnRes)")
+    return parse_after(text)
+
+
 def folder_name(arm: Arm, seed: int) -> str:
     safe = "".join(c if c.isalnum() or c in "._-" else "_" for c in arm.name.replace(" ", "__"))
     return f"{safe[:120]}/seed-{seed}"
@@ -403,11 +426,7 @@ def run_ab(
     title = f"A/B: {path.stem} ({base.train.steps} steps, {len(seed_list)} seed(s))"
     show = console is not None and main
     with _live(console if show else None, lambda: live_table(arms, seed_list, work, base.train.steps, title)):
-        if jobs > 1:
-            _run_parallel(data, overrides, jobs_list, work, jobs, reuse)
-        else:
-            for arm, seed in jobs_list:
-                _run_one(data, overrides, arm, seed, str(work), reuse)
+        run_tasks([(_run_one, (data, overrides, arm, seed, str(work), reuse)) for arm, seed in jobs_list], jobs)
     state.wait_for_everyone()
     runs = {arm: [read_run(work / folder_name(arm, seed), seed) for seed in seed_list] for arm in arms}
     arm_entries = [arm_report(arm, runs[arm], runs[arms[0]]) for arm in arms]
@@ -451,13 +470,19 @@ def check_scratch_arms(data: dict, common: list[str], arms: list[Arm], seed: int
         gc.collect()
 
 
-def _run_parallel(data, overrides, jobs_list, work: Path, jobs: int, reuse: bool) -> None:
+def run_tasks(tasks: list[tuple], jobs: int) -> None:
+    """Call every (function, arguments) of TASKS: in turn, or (jobs > 1) in that many one-thread worker
+    processes (the functions are module-level, so a spawned worker can import them)."""
+    if jobs <= 1:
+        for function, arguments in tasks:
+            function(*arguments)
+        return
     import concurrent.futures
     import multiprocessing
 
     context = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=context, initializer=_one_thread) as pool:
-        futures = [pool.submit(_run_one, data, overrides, arm, seed, str(work), reuse) for arm, seed in jobs_list]
+        futures = [pool.submit(function, *arguments) for function, arguments in tasks]
         for future in futures:
             future.result()
 
@@ -474,13 +499,13 @@ def _live(console, table) -> Iterator[None]:
         yield
 
 
-def _check_output(out: Path, overwrite: bool) -> None:
-    """OUT may be replaced only if it is an earlier A/B output (holds ab.json) and overwrite is set."""
+def _check_output(out: Path, overwrite: bool, marker: str = AB_JSON) -> None:
+    """OUT may be replaced only if it is an earlier A/B output (holds MARKER) and overwrite is set."""
     if out.exists() and not out.is_dir():
         raise RecipeError(f"--output: {out} is a file, not a folder; choose another path")
     if out.is_dir() and any(out.iterdir()):
-        if not (out / AB_JSON).is_file():
-            raise RecipeError(f"--output: {out} exists and is not an A/B output (no {AB_JSON}); choose another folder")
+        if not (out / marker).is_file():
+            raise RecipeError(f"--output: {out} exists and is not an A/B output (no {marker}); choose another folder")
         if not overwrite:
             raise RecipeError(f"--output: {out} already holds an A/B; pass --overwrite to replace it, or choose another folder")
 

@@ -167,10 +167,11 @@ def build_corpus(recipe: Recipe, tokenizer, train_tokens_needed: int) -> Corpus:
 
 class SequenceOrder:
     """Position p of the training stream -> sequence index. Epoch e = p // N is a permutation seeded by
-    (seed, e); nothing else is state, so resuming needs only p."""
+    (seed, e); nothing else is state, so resuming needs only p. OFFSET (data.start_step x the global batch)
+    shifts every position: a continued run reads on where an earlier run of the same seed stopped."""
 
-    def __init__(self, count: int, seed: int):
-        self.count, self.seed = count, seed
+    def __init__(self, count: int, seed: int, offset: int = 0):
+        self.count, self.seed, self.offset = count, seed, offset
         self._epoch, self._permutation = -1, np.arange(count)
 
     def _perm(self, epoch: int) -> np.ndarray:
@@ -180,11 +181,11 @@ class SequenceOrder:
         return self._permutation
 
     def take(self, start: int, count: int) -> np.ndarray:
-        positions = np.arange(start, start + count)
+        positions = np.arange(self.offset + start, self.offset + start + count)
         return np.asarray([self._perm(int(p) // self.count)[int(p) % self.count] for p in positions], dtype=np.int64)
 
     def epoch_of(self, position: int) -> float:
-        return position / self.count
+        return (self.offset + position) / self.count
 
 
 def local_micro_batches(order: SequenceOrder, step: int, micro_batch: int, grad_accum: int, rank: int, world: int) -> list[np.ndarray]:

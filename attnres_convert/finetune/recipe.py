@@ -156,6 +156,10 @@ class DataSection(_Section):
     max_tokens: int | None = Field(
         None, ge=1, description="Tokenise at most this many training tokens (default for datasets: what the run consumes)."
     )
+    start_step: int = Field(
+        0, ge=0, description="Read the training stream from where step N of a run with the same data, seed and batch left "
+        "off (continued pretraining on unseen text; `attnres ab --retrofit-after` sets it)."
+    )
 
     @model_validator(mode="after")
     def _train_source(self):
@@ -269,6 +273,22 @@ class CheckpointSection(_Section):
     keep_last: int = Field(2, ge=1, description="Keep this many of the newest checkpoints.")
 
 
+class RetrofitSection(_Section):
+    """`attnres ab --retrofit-after N`: the continued phase after N pretraining steps; a field left null keeps train's."""
+
+    steps: int | None = Field(None, ge=1, description="Continued steps from each pretrained checkpoint (required by --retrofit-after).")
+    lr: float | None = Field(None, gt=0, description="Peak learning rate of the continued phase (default: train.lr).")
+    attnres_lr: float | None = Field(None, gt=0, description="Peak learning rate of the AttnRes parameters (default: train.attnres_lr).")
+    warmup_steps: int | None = Field(None, ge=0, description="Warmup of the continued phase (default: train.warmup_steps).")
+    trainable: Literal["lora", "full"] = Field("full", description="What trains in the continued phase (lora: the recipe's lora section).")
+
+    @model_validator(mode="after")
+    def _warmup_fits(self):
+        if self.steps is not None and self.warmup_steps is not None and self.warmup_steps >= self.steps:
+            raise ValueError(f"warmup_steps ({self.warmup_steps}) must be smaller than steps ({self.steps})")
+        return self
+
+
 class OutputSection(_Section):
     """The run folder and where the result goes."""
 
@@ -302,6 +322,7 @@ class Recipe(_Section):
     eval: EvalSection = Field(default_factory=EvalSection)
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
     output: OutputSection
+    retrofit: RetrofitSection = Field(default_factory=RetrofitSection)
 
     @model_validator(mode="after")
     def _something_trains(self):

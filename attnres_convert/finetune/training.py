@@ -172,10 +172,10 @@ class FinetuneRecipe:
         self.global_batch = self.world * recipe.train.grad_accum * recipe.train.micro_batch
         with accelerator.main_process_first():
             # A streamed dataset is read only as far as the run needs (+1%: packing drops each source's tail).
-            needed = recipe.train.steps * self.global_batch * recipe.data.seq_len
+            needed = (recipe.data.start_step + recipe.train.steps) * self.global_batch * recipe.data.seq_len
             self.corpus: Corpus = build_corpus(recipe, start.tokenizer, needed + needed // 100 + recipe.data.seq_len)
         self.report.say(self.corpus.describe)
-        self.order = SequenceOrder(len(self.corpus.train), recipe.train.seed)
+        self.order = SequenceOrder(len(self.corpus.train), recipe.train.seed, recipe.data.start_step * self.global_batch)
         optimizer = make_optimizer(model, recipe)
         self.scheduler = make_scheduler(optimizer, recipe)
         new = {id(p) for _, p in attnres_parameters(model)}
@@ -356,9 +356,9 @@ class FinetuneRecipe:
     def evaluate(self) -> float:
         """Held-out loss now, written to metrics.jsonl."""
         self._set_gate()  # the model as it is at this step
-        loss, count = heldout_loss_across_processes(self.model, self.corpus.eval, self.accelerator, self.eval_batch)
+        loss, count, se = heldout_loss_across_processes(self.model, self.corpus.eval, self.accelerator, self.eval_batch)
         step = self.state.step
-        self.metrics.write({"kind": "eval", "step": step, "loss": loss, "perplexity": perplexity(loss), "predictions": count})
+        self.metrics.write({"kind": "eval", "step": step, "loss": loss, "perplexity": perplexity(loss), "predictions": count, "loss_se": se})
         self.report.print(f"step {step}: held-out loss {loss:.4f}, perplexity {perplexity(loss):.2f}")
         return loss
 

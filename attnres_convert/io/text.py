@@ -188,6 +188,16 @@ def token_loss(model, batch: dict, device) -> tuple[torch.Tensor, int]:
     return F.cross_entropy(logits, targets, ignore_index=-100, reduction="sum"), batch["predictions"]
 
 
+def token_loss_by_sequence(model, batch: dict, device) -> tuple[torch.Tensor, int, torch.Tensor, torch.Tensor]:
+    """`token_loss` (the same sum, bit for bit), and each sequence's loss sum and prediction count: what the
+    standard error of a held-out loss is estimated from (sequences, not tokens, are the independent draws)."""
+    logits, targets = _logits_and_targets(model, batch, device)
+    rows = batch["input_ids"].shape[0]
+    per_token = F.cross_entropy(logits, targets, ignore_index=-100, reduction="none").view(rows, -1)
+    counts = (targets != -100).view(rows, -1).sum(1)
+    return F.cross_entropy(logits, targets, ignore_index=-100, reduction="sum"), batch["predictions"], per_token.sum(1), counts
+
+
 def token_loss_and_kl(model, reference, batch: dict, device) -> tuple[torch.Tensor, torch.Tensor]:
     """The cross-entropy sum of `token_loss` and the sum of KL(reference || model) over the same positions:
     how far the model's next-token distributions moved from the reference model's."""

@@ -38,9 +38,14 @@ class UnsupportedModelError(ValueError):
 
 @dataclass(frozen=True)
 class Branch:
-    norm: str  # attribute of the decoder layer: the PreNorm that reads the residual stream
+    # Attribute of the decoder layer: the PreNorm that reads the residual stream; "" (RAW_STREAM) where the module
+    # reads the stream itself (Gemma 4's per-layer-input gate). With source_scaling "count" the depth mix at zero
+    # queries is the stream itself, so such a reader still reads exactly what it read in the base model.
+    norm: str
     module: str  # attention or MLP module
-    post: tuple[str, ...] = ()  # modules applied to the branch output before it joins the stream
+    # Modules applied to the branch output before it joins the stream; an entry `*name` multiplies the branch's
+    # value by the layer's argument `name` (Gemma 4's gate times its `per_layer_input`).
+    post: tuple[str, ...] = ()
     attention: bool = False  # receives the layer's call arguments (mask, positions, cache)
     scale: float | None = None  # residual multiplier applied to the branch output (Granite)
     # Where the module takes the layer's arguments under other names (Falcon-H1's Mamba mixer gets the layer's
@@ -57,6 +62,9 @@ class Branch:
     # Values of the module's output tuple that the decoder layer returns after the stream, for the base model to
     # keep (a recurrent state: RWKV's, xLSTM's): (position in the layer's output tuple, index in the module's).
     returns: tuple[tuple[int, int], ...] = ()
+    # The norm reads the stream flattened to [tokens, width] (Gemma 4's experts take their tokens flat); the
+    # branch's output is given the stream's shape again.
+    flat: bool = False
 
     def to_dict(self) -> dict:
         data = {"norm": self.norm, "module": self.module}
@@ -74,6 +82,8 @@ class Branch:
             data["output_bias"] = self.output_bias
         if self.returns:
             data["returns"] = [list(pair) for pair in self.returns]
+        if self.flat:
+            data["flat"] = True
         if self.post_arguments:
             data["post_arguments"] = {
                 name: {"arguments": None if args is None else dict(args), "constants": dict(constants)}
@@ -91,7 +101,7 @@ class Branch:
         return cls(data["norm"], data["module"], tuple(data.get("post", ())), bool(data.get("attention", False)),
                    data.get("scale"), None if arguments is None else tuple(arguments.items()),
                    tuple(data.get("constants", {}).items()), post_arguments, int(data.get("output_bias", 0)),
-                   tuple((int(p), int(i)) for p, i in data.get("returns", ())))
+                   tuple((int(p), int(i)) for p, i in data.get("returns", ())), bool(data.get("flat", False)))
 
     def call_kwargs(self, layer_kwargs: dict, x) -> dict:
         """The keyword arguments the module takes, from those the decoder layer was called with (X: the module's
@@ -113,6 +123,24 @@ def _kwargs(arguments, constants, layer_kwargs: dict, x) -> dict:
     return {**kwargs, **dict(constants)}
 
 
+RAW_STREAM = ""  # Branch.norm of a module that reads the residual stream itself
+OUTPUT = "<output:"  # a module argument that is a side module's output: `<output:NAME:INDEX>` (Sublayer.side)
+
+
+def output_of(module: str, index: int) -> str:
+    return f"{OUTPUT}{module}:{index}>"
+TIMES = "*"  # prefix of a Branch.post entry that multiplies by a layer argument
+
+
+def reads_raw_stream(branch: Branch) -> bool:
+    return branch.norm == RAW_STREAM
+
+
+def times_argument(post: str) -> str | None:
+    """The layer argument a post entry `*name` multiplies by, or None for a module's name."""
+    return post[len(TIMES):] if post.startswith(TIMES) else None
+
+
 # Sources of a module argument that are not the layer's: the module's own input again (CTRL's attention takes
 # v, k, q), or the residual stream that the module adds to its output itself (Bloom, MPT's MLP): zeros stand in
 # for it, so the module returns its own output, which AttnRes adds as a source.
@@ -131,20 +159,39 @@ def _argument(source: str, layer_kwargs: dict, x):
 class Sublayer:
     name: str  # prefix of its AttnRes parameters: "self_attention" or "mlp"
     branches: tuple[Branch, ...]
+    # Modules applied to the sum of the branches before it joins the stream (Gemma 4's MoE block normalises the
+    # sum of its dense MLP and its experts).
+    post: tuple[str, ...] = ()
+    # Side modules: (name, flat) for a module that reads the sublayer's input itself (flattened to [tokens, width]
+    # where flat) and whose outputs a branch's module takes as arguments (`<output:NAME:INDEX>`): Gemma 4's router.
+    side: tuple[tuple[str, bool], ...] = ()
 
     def to_dict(self) -> dict:
-        return {"name": self.name, "branches": [branch.to_dict() for branch in self.branches]}
+        data = {"name": self.name, "branches": [branch.to_dict() for branch in self.branches]}
+        if self.post:
+            data["post"] = list(self.post)
+        if self.side:
+            data["side"] = [[name, flat] for name, flat in self.side]
+        return data
 
     @classmethod
     def from_dict(cls, data: dict) -> Sublayer:
-        return cls(data["name"], tuple(Branch.from_dict(branch) for branch in data["branches"]))
+        return cls(data["name"], tuple(Branch.from_dict(branch) for branch in data["branches"]),
+                   tuple(data.get("post", ())), tuple((name, bool(flat)) for name, flat in data.get("side", ())))
 
     def describe(self) -> str:
-        """e.g. `input_layernorm -> self_attn -> post_attention_layernorm`, branches joined by ` + `."""
+        """e.g. `input_layernorm -> self_attn -> post_attention_layernorm`, branches joined by ` + ` (`stream ->`
+        for a module that reads the raw stream, `* name` for a product with the layer's argument `name`)."""
         parts = []
         for branch in self.branches:
-            text = " -> ".join((branch.norm, branch.module, *branch.post))
+            module = branch.module
+            sides = sorted({source.split(":")[1] for _, source in branch.arguments or () if source.startswith(OUTPUT)})
+            if sides:  # the side modules whose outputs it takes
+                module = f"{module}({', '.join(sides)})"
+            text = " -> ".join((branch.norm or "stream", module, *(p.replace(TIMES, "* ", 1) for p in branch.post)))
             parts.append(text if branch.scale is None else f"{text} x {branch.scale:g}")
+        if self.post:
+            return f"({' + '.join(parts)}) -> {' -> '.join(self.post)}"
         return " + ".join(parts)
 
 
@@ -168,6 +215,9 @@ class ModelPlan:
     # A module of the first decoder layer whose output replaces the stream it receives (RWKV's `pre_ln`): applied
     # to the embeddings, it makes the first source, as it makes the first stream of the base model.
     stream_start: str | None = None
+    # Per decoder layer, the factor it multiplies the whole stream by before returning it (Gemma 4's
+    # `layer_scalar`); None: 1 everywhere. See `stream_scales`.
+    layer_scalars: tuple[float, ...] | None = None
 
     def sublayers(self, layer_index: int) -> tuple[Sublayer, ...]:
         return self.kinds[self.layer_kinds[layer_index]]
@@ -179,6 +229,17 @@ class ModelPlan:
     @property
     def num_sublayers(self) -> int:
         return sum(len(self.kinds[kind]) for kind in self.layer_kinds)
+
+    def stream_scales(self) -> tuple[tuple[float, ...], float]:
+        """(P_k for each decoder layer, P for the final norm): how much the base model's stream has been scaled by the
+        layer scalars of the layers before (the product of their `layer_scalars`). Layer k's outputs join the
+        sources divided by P_k and its readers read P_k times their mix, so every source stays in the units of the
+        embedding and, at zero queries, a reader reads exactly the base model's (scaled) stream."""
+        scales, product = [], 1.0
+        for scalar in self.layer_scalars or (1.0,) * self.num_layers:
+            scales.append(product)
+            product *= scalar
+        return tuple(scales), product
 
     def to_dict(self) -> dict:
         data = {
@@ -197,12 +258,16 @@ class ModelPlan:
             data["tuple_output"] = True if self.tuple_output == 1 else int(self.tuple_output)
         if self.stream_start:
             data["stream_start"] = self.stream_start
+        if self.layer_scalars is not None:
+            data["layer_scalars"] = list(self.layer_scalars)
         return data
 
     @classmethod
     def from_dict(cls, data: dict) -> ModelPlan:
         kinds = tuple(tuple(Sublayer.from_dict(s) for s in kind) for kind in data["kinds"])
         optional = {k: data[k] for k in ("logit_scale", "logit_divisor", "logit_softcap", "tuple_output", "stream_start") if data.get(k) is not None}
+        if data.get("layer_scalars") is not None:
+            optional["layer_scalars"] = tuple(float(v) for v in data["layer_scalars"])
         return cls(tuple(data["layer_kinds"]), kinds, float(data["eps"]), data["base_model"], data["layers"],
                    data["final_norm"], data["lm_head"], **optional)
 
@@ -262,11 +327,25 @@ def text_config_of(config):
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
+def vocab_size_of(model) -> int | None:
+    """The vocabulary size: the config's `vocab_size`, else, for a config that names its sizes its own way
+    (`n_vocab`, `padded_vocab_size`...), the rows of the model's input embedding."""
+    vocab = getattr(text_config_of(model.config), "vocab_size", None)
+    if isinstance(vocab, int) and not isinstance(vocab, bool):
+        return vocab
+    try:
+        embeddings = model.get_input_embeddings()
+    except (AttributeError, NotImplementedError):
+        return None
+    return getattr(embeddings, "num_embeddings", None)
+
+
 def _head_by_shape(model) -> str | None:
     """The LM head of a model whose class names none (no `get_output_embeddings`, a head not called `lm_head`):
-    its one direct child that is a Linear from the hidden size to the vocabulary."""
+    its one direct child that is a Linear from the hidden size to the vocabulary (both read from the input
+    embedding where the config does not name them)."""
     config = text_config_of(model.config)
-    vocab = getattr(config, "vocab_size", None)
+    vocab = vocab_size_of(model)
     embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     hidden = getattr(embeddings, "embedding_dim", None) or getattr(config, "hidden_size", None)
     found = [
@@ -291,7 +370,8 @@ def _decoder_of(model) -> nn.Module | None:
 
 
 def locate(model, lm_head: str | None = None) -> Where:
-    """The base model, its decoder stack (the ModuleList of num_hidden_layers layers with the most parameters),
+    """The base model, its decoder stack (the ModuleList of num_hidden_layers layers, or of any length where the
+    config names no num_hidden_layers, with the most parameters),
     the LM head, and the final norm where the base model has exactly one norm outside its layers. From the
     module tree alone: works on the meta device, before any weights are loaded. LM_HEAD: the head's attribute
     path where the caller found it from the model's logits (discovery.head_from_logits)."""
@@ -300,9 +380,11 @@ def locate(model, lm_head: str | None = None) -> Where:
         lm_head = _child_name(model, head) if head is not None else _head_by_shape(model)
     if lm_head is None:
         raise UnsupportedModelError(
-            f"{type(model).__name__} names no LM head (no get_output_embeddings) and has not exactly one Linear from "
-            "its hidden size to its vocabulary among its direct modules"
+            f"{type(model).__name__} names no LM head: get_output_embeddings returns none and not exactly one of its "
+            "direct modules is a Linear from its hidden size to its vocabulary"
         )
+    # A config that names its layer count its own way (`n_layer`, `n_blocks`): the stack is the shallowest list of
+    # modules with the most parameters, and its length is the layer count.
     want = getattr(text_config_of(model.config), "num_hidden_layers", None)
     prefix = getattr(model, "base_model_prefix", "")
     base = getattr(model, prefix, None) if prefix else None
@@ -504,7 +586,12 @@ def config_refusal(config) -> str | None:
     """Why this config cannot be converted, where the config alone says so; None otherwise."""
     model_type = getattr(config, "model_type", None)
     for refused_type, attr, bad, why in CONFIG_REFUSALS:
-        if model_type == refused_type and getattr(config, attr, None) == bad:
+        if model_type != refused_type:
+            continue
+        value = getattr(config, attr, None)
+        if value is None:  # the setting of a composite's (image-text) language model
+            value = getattr(text_config_of(config), attr, None)
+        if value == bad:
             return f"{model_type} with {attr}={bad!r} cannot be converted: {why}"
     if model_type in REFUSED:
         return REFUSED[model_type]

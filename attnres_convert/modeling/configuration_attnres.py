@@ -36,6 +36,11 @@ class AttnResConfig(PreTrainedConfig):
             stream), A [r, d] random and B [d, r] zero at conversion, so the converted model is still exactly
             the base model. Runs on the plain PyTorch path (no score tables, no Triton kernels).
         base_model_type (`str`): the base model's `model_type`, for people and tools reading config.json.
+        stream_width (`int`, *optional*):
+            d, the width of the residual stream (the size of every query and key norm), as the conversion read it
+            from the model's decoder layers: the shipped code reads it here, so a base config that names its
+            sizes its own way (`d_model`, `n_embd`, no `hidden_size`) loads too. Absent: the base config's
+            `hidden_size`.
         structure (`dict`, *optional*):
             The plan the forward executes (architectures.ModelPlan): where the decoder stack, final norm and
             head are, and each decoder layer's sublayers (norm -> module -> post-modules, scalars, parallel
@@ -56,6 +61,7 @@ class AttnResConfig(PreTrainedConfig):
     source_scaling: str = "count"
     query_rank: int = 0
     base_model_type: str | None = None
+    stream_width: int | None = None
     structure: dict | None = None
     tie_word_embeddings: bool = False
 

@@ -21,6 +21,7 @@ transformers only. Load with `AutoModelForCausalLM.from_pretrained(path, trust_r
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 from typing import NamedTuple
 
@@ -30,7 +31,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from .architectures import ModelPlan, Sublayer, module_at, plan_for
+from .architectures import ModelPlan, Sublayer, module_at, output_of, plan_for, times_argument
 from .cache_names import CURRENT, INSTALLED, LEGACY, RECURRENT, cache_keyword, cache_of
 from .configuration_attnres import AttnResConfig
 from .depth_attention import STATE_TYPES, TrainState, add_output, close_block, current_stream, depth_mix, start_state, wants_queries
@@ -38,7 +39,7 @@ from .depth_core import pseudo_query
 from .depth_kernels_cpu import fused_norm
 from .depth_modules import AttnResKeyNorm, AttnResQuery, depth_params, init_depth_module, placed
 from .depth_plan import SublayerPlan, output_num_sources, plan_sublayers
-from .transformers_compat import MODEL_FOR_CAUSAL_LM_MAPPING, MissingTransformersInternal, internal
+from .transformers_compat import BETWEEN_LAYER_SHORTCUTS, MODEL_FOR_CAUSAL_LM_MAPPING, MissingTransformersInternal, internal
 from .remote_code import ship_base_code
 from .weight_names import default_save_conversions, guard_all
 
@@ -57,6 +58,8 @@ class _LayerSpec(NamedTuple):
     query_rank: int  # > 0: input-dependent queries (the plain BlockState path, see start_state)
     stream_start: str | None  # the first layer's: its module that makes the first source (ModelPlan.stream_start)
     returns: bool  # a branch's module output is returned after the stream (Branch.returns)
+    # P_k (ModelPlan.stream_scales): the base model's stream here is this times the sum of the sources (layer scalars)
+    stream_scale: float
     # One per model, shared by its layers and final norm: the decoding buffers a forward without autograd keeps
     # for the next (see start_state), the open recorders (`record_depth_weights`), the training-time depth
     # gate (see `set_depth_gate`) and the config (where the C++ kernels' source is looked for).
@@ -90,8 +93,10 @@ class AttnResDecoderLayerMixin:
         # Readers take their query from the state where it holds them all, folded once per forward.
         folded = state.queries is not None
         gate = spec.runtime.get("gate", 1.0)
-        # With the C++ kernels a reader's mix can come out normed by its sublayer's norm (see `fused_norm`).
-        native = getattr(state, "native", None) if gate == 1.0 else None
+        scale = spec.stream_scale
+        # With the C++ kernels a reader's mix can come out normed by its sublayer's norm (see `fused_norm`), where
+        # the mix is the norm's whole input.
+        native = getattr(state, "native", None) if gate == 1.0 and scale == 1.0 else None
         returned = {} if spec.returns else None
         for sublayer, plan, names in zip(spec.sublayers, spec.plans, spec.param_names):
             if plan.closes_block:
@@ -102,7 +107,10 @@ class AttnResDecoderLayerMixin:
             h = depth_mix(state, *params, spec.eps, spec.scaling, reader=plan.index - 1, projection=projection, norm=norm)
             if gate != 1.0:
                 h = gated(state, h, gate)
-            state = add_output(state, run_sublayer(self, sublayer, h, call_kwargs, normed=bool(norm), returned=returned))
+            if scale != 1.0:  # the earlier layers' scalars: the stream the base model's sublayer read (stream_scales)
+                h = h * scale
+            output = run_sublayer(self, sublayer, h, call_kwargs, normed=bool(norm), returned=returned)
+            state = add_output(state, output if scale == 1.0 else output / scale)
         if not spec.tuple_output:
             return state
         output = [state] + [None] * (int(spec.tuple_output) - 1)  # (hidden, attention weights) where unpacked
@@ -129,18 +137,33 @@ def run_sublayer(
     receives the module outputs the layer returns after the stream (Branch.returns), by position. The
     conversion's per-layer proof runs this same function."""
     total, children = None, layer._modules
+    if sublayer.side:  # modules whose outputs the branches' modules take as arguments (Gemma 4's router)
+        call_kwargs = dict(call_kwargs)
+        for name, flat in sublayer.side:
+            out = module_at(layer, name)(h.reshape(-1, h.shape[-1]) if flat else h)
+            for index, value in enumerate(out if isinstance(out, tuple) else (out,)):
+                call_kwargs[output_of(name, index)] = value
     for branch in sublayer.branches:
         # A plain child name is looked up in place (a decoding step pays for every call), a dotted path by module_at.
-        norm, module = children.get(branch.norm), children.get(branch.module)
-        norm = module_at(layer, branch.norm) if norm is None else norm
+        module = children.get(branch.module)
         module = module_at(layer, branch.module) if module is None else module
-        x = h if normed else norm(h)
+        if normed or not branch.norm:  # normed by the kernel already, or a module that reads the raw stream
+            x = h
+        else:
+            norm = children.get(branch.norm)
+            x = (module_at(layer, branch.norm) if norm is None else norm)(h.reshape(-1, h.shape[-1]) if branch.flat else h)
+        if branch.flat and x.dim() != 2:
+            x = x.reshape(-1, x.shape[-1])
         y = module(x, **branch.call_kwargs(call_kwargs, x)) if branch.attention else module(x)
         if isinstance(y, tuple):  # attention returns (output, weights); some MoE blocks (output, router)
             if returned is not None:
                 returned.update((position, y[index]) for position, index in branch.returns)
             y = y[0] if not branch.output_bias or y[branch.output_bias] is None else y[0] + y[branch.output_bias]
         for post in branch.post:
+            argument = times_argument(post)
+            if argument is not None:  # the branch's value times a layer argument (Gemma 4's per-layer input)
+                y = y * call_kwargs[argument]
+                continue
             extra = branch.post_kwargs(post, call_kwargs, y) if branch.post_arguments else None
             y = module_at(layer, post)(y) if extra is None else module_at(layer, post)(y, **extra)
             if isinstance(y, tuple):
@@ -156,6 +179,10 @@ def run_sublayer(
         if branch.scale is not None:
             y = y * branch.scale
         total = y if total is None else total + y
+    for post in sublayer.post:  # applied to the sum of the branches (Gemma 4's MoE block)
+        total = module_at(layer, post)(total)
+        if isinstance(total, tuple):
+            total = total[0]
     return total
 
 
@@ -218,10 +245,10 @@ class AttnResFinalNormMixin:
 
     def forward(self, hidden_states, *args, **kwargs):
         if isinstance(hidden_states, STATE_TYPES):
-            owner, eps, scaling, runtime = self._attnres_output
+            owner, eps, scaling, runtime, scale = self._attnres_output
             state, like = hidden_states, hidden_states.stream
             if getattr(state, "queries", None) is not None:  # folded with the sublayers' (see `_all_queries`)
-                native = getattr(state, "native", None) if runtime.get("gate", 1.0) == 1.0 else None
+                native = getattr(state, "native", None) if runtime.get("gate", 1.0) == 1.0 and scale == 1.0 else None
                 norm = () if native is None else fused_norm(native, self)
                 hidden_states = depth_mix(state, None, None, eps, scaling, reader=-1, norm=norm)
                 if norm:
@@ -237,6 +264,8 @@ class AttnResFinalNormMixin:
             gate = runtime.get("gate", 1.0)
             if gate != 1.0:
                 hidden_states = gated(state, hidden_states, gate)
+            if scale != 1.0:  # every layer's scalar (ModelPlan.stream_scales)
+                hidden_states = hidden_states * scale
         return super().forward(hidden_states, *args, **kwargs)
 
 
@@ -300,11 +329,13 @@ def attach_depth_attention(causal_lm: nn.Module, config: AttnResConfig, plan: Mo
     eps = plan.eps
     reference = base.get_input_embeddings().weight
     factory = {"device": reference.device, "dtype": reference.dtype}
-    hidden = text_config.get_text_config().hidden_size  # a composite's (image-text) language model
+    # Recorded at conversion, read from the layers; else the config's (a composite's: its language model's).
+    hidden = config.stream_width or text_config.get_text_config().hidden_size
     rank = config.query_rank
     # One per model: what its forwards keep (see _LayerSpec.runtime); the config says where the model was loaded from.
     runtime = {"config": config}
     first = 0
+    scales, output_scale = plan.stream_scales()
     for index, layer in enumerate(layers):
         sublayers = plan.sublayers(index)
         param_names = tuple((f"{sublayer.name}_res_proj", f"{sublayer.name}_res_norm") for sublayer in sublayers)
@@ -331,6 +362,7 @@ def attach_depth_attention(causal_lm: nn.Module, config: AttnResConfig, plan: Mo
             rank,
             plan.stream_start if index == 0 else None,
             any(branch.returns for sublayer in sublayers for branch in sublayer.branches),
+            scales[index],
             runtime,
         )
         first += len(sublayers)
@@ -341,7 +373,7 @@ def attach_depth_attention(causal_lm: nn.Module, config: AttnResConfig, plan: Mo
         norm.__class__ = _attnres_class(AttnResFinalNormMixin, type(norm))
     # A plain (unregistered) reference to the owner: the parameters belong to the base model module,
     # where the checkpoint contract puts them; the norm only reads them.
-    norm._attnres_output = (base, eps, config.source_scaling, runtime)
+    norm._attnres_output = (base, eps, config.source_scaling, runtime, output_scale)
 
 
 class AttnResPreTrainedModel(PreTrainedModel):
@@ -408,6 +440,16 @@ class AttnResPreTrainedModel(PreTrainedModel):
             fill_unsaved_buffers(self)
 
 
+def _turn_off_between_layer_shortcuts(model: nn.Module) -> None:
+    """Turn off what a base model's loop would do to the hidden states between its layers as an optimisation only
+    (BETWEEN_LAYER_SHORTCUTS: Gemma 4's slicing before its KV-shared layers), which a depth-attention state cannot
+    undergo; the same function is computed without it."""
+    for module in model.modules():
+        for attribute, off in BETWEEN_LAYER_SHORTCUTS.items():
+            if attribute in module.__dict__:
+                setattr(module, attribute, off)
+
+
 def fill_unsaved_buffers(model: nn.Module) -> None:
     """Runs the base model's own init on itself and on each module holding a non-persistent buffer: a checkpoint
     does not hold those (Falcon-H1's `mup_vector`), and transformers skips a module of custom code (this class)
@@ -451,6 +493,7 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
         self._tied_weights_keys = getattr(type(base_model), "_tied_weights_keys", None)
         for name, child in base_model.named_children():
             self.add_module(name, child)
+        _turn_off_between_layer_shortcuts(self)
         attach_depth_attention(self, config, plan)
         # device_map="auto" must keep each decoder layer whole: its depth-attention parameters are read with
         # its sublayers. The converted layers' classes are AttnRes<Base>; the base names stay for tools
@@ -566,7 +609,7 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
         loss = None
         if labels is not None:
             loss = self.loss_function(
-                logits=logits, labels=labels, vocab_size=self.config.text_config.get_text_config().vocab_size, **kwargs
+                logits=logits, labels=labels, vocab_size=logits.shape[-1], **kwargs
             )
         result = CausalLMOutputWithPast(
             loss=loss,
@@ -591,11 +634,15 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
             if not recorded:
                 recorded.append(args[0])
 
-        def after(module, args, output):
-            recorded.append(stream_state(output))
+        scales = self._attnres_plan.stream_scales()[0]  # the stream after layer k is P_(k+1) times the sources' sum
+
+        def after(module, args, output, scale=1.0):
+            stream = stream_state(output)
+            recorded.append(stream if scale == 1.0 else stream * scale)
 
         hooks = [layers[0].register_forward_pre_hook(first)]
-        hooks += [layer.register_forward_hook(after) for layer in layers[:-1]]
+        hooks += [layer.register_forward_hook(functools.partial(after, scale=scale))
+                  for layer, scale in zip(layers[:-1], scales[1:])]
         return hooks, recorded
 
 

@@ -16,6 +16,12 @@ from __future__ import annotations
 # test both ends). tests/test_transformers_compat.py checks that the two say the same.
 TESTED_TRANSFORMERS = ">=5.16.1,<6"
 
+# Attributes of transformers' base models that make their own loop act on the hidden states between decoder layers,
+# as an optimisation only, and the value that turns it off: a converted layer hands the next one a depth-attention
+# state, not a tensor. Gemma 4 slices the stream to the positions whose logits are kept before its first KV-shared
+# layer (this attribute's index; with none, it never slices, and computes the same logits at those positions).
+BETWEEN_LAYER_SHORTCUTS: dict[str, object] = {"first_kv_shared_layer_idx": None}
+
 # name: (module, what attnres needs it for)
 INTERNALS: dict[str, tuple[str, str]] = {
     "SubConfigSpec": ("transformers.configuration_utils", "declaring the converted config's text_config sub-config"),

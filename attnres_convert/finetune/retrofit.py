@@ -1,0 +1,503 @@
+"""`attnres ab RECIPE --retrofit-after N[,N...]`: what a retrofit gains, by how long its base was pretrained.
+
+Per seed, the recipe's baseline (model.convert=false) is trained from scratch once, over the recipe's whole
+schedule (train.steps), and its model is saved after each N steps (`snapshots/step-N` in that run folder).
+Then, per N, the paired A/B of `attnres ab` starts from that model: the baseline continued, and the same
+model converted (exact at step 0) and continued, with the recipe's `retrofit` section (retrofit.steps
+continued steps, its learning rates and what trains), the same optimiser and the same data order. The
+continued runs read the training stream on from step N (data.start_step), so every continued step sees
+text the base never saw, the text the from-scratch runs see at steps N+1 .. N + retrofit.steps.
+
+With `--from-scratch` the AttnRes arm is also trained from scratch over the same schedule: its lead over the
+pretraining run (which is the from-scratch baseline, the same run) at step N + retrofit.steps is the
+from-scratch lead at the tokens the retrofit has seen.
+
+Lead = baseline - AttnRes held-out loss at the same seed (positive: AttnRes ahead). A lead is called a saving
+only with two seeds or more, when its mean exceeds both the seeds' sample standard deviation and the
+evaluation's standard error (`savings_claim`).
+
+The output folder holds retrofit.json, retrofit.md and retrofit.png (lead against N, lead against the
+continued steps), `after-N/ab.*` (each N's A/B report, as `attnres ab` writes it) and, with the from-scratch
+arms, `from-scratch/ab.*`; written atomically at the end. The run folders go to the work folder, where
+`--reuse` finds what has already finished (a pretraining run counts only with a snapshot at every N, a
+continued run only if it finished after the snapshot it starts from was written).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+from .ab import (
+    RETROFIT_OPTION as OPTION,
+    Arm,
+    _check_output,
+    _live,
+    _machine,
+    _run_one,
+    arm_recipe,
+    add_compute_equivalents,
+    arm_report,
+    check_scratch_arms,
+    finished,
+    folder_name,
+    live_table,
+    paired,
+    read_run,
+    run_tasks,
+    write_report,
+)
+from .metrics import METRICS, read_metrics
+from .recipe import Recipe, RecipeError, apply_overrides, find_recipe, parse_recipe, read_yaml
+from .scratch import SCRATCH_FIELDS
+from .training import FinetuneRecipe, TrainingError
+
+RETROFIT_JSON, RETROFIT_MD, RETROFIT_PNG = "retrofit.json", "retrofit.md", "retrofit.png"
+SNAPSHOTS = "snapshots"
+BASELINE, ATTNRES = Arm("baseline", ("model.convert=false",)), Arm("attnres", ())
+ARMS = [BASELINE, ATTNRES]
+
+
+@dataclass
+class Study:
+    recipe: str
+    data: dict
+    overrides: list[str]
+    base: Recipe
+    after: list[int]
+    seeds: list[int]
+    scratch_arms: bool
+    work: Path
+
+    @property
+    def scratch_overrides(self) -> list[str]:
+        """The from-scratch runs: the retrofit section left out, so that changing it does not retrain them."""
+        return [*self.overrides, "retrofit={}"]
+
+    @property
+    def continued(self) -> int:
+        return self.base.retrofit.steps
+
+    @property
+    def scratch_work(self) -> Path:
+        return self.work / "scratch"
+
+    def after_work(self, n: int) -> Path:
+        return self.work / f"after-{n}"
+
+    def snapshot(self, seed: int, n: int) -> Path:
+        return self.scratch_work / folder_name(BASELINE, seed) / SNAPSHOTS / f"step-{n}"
+
+    def continued_overrides(self, seed: int, n: int) -> list[str]:
+        """The recipe turned into the continued phase after N steps: the snapshot as the source (no longer from
+        scratch), the retrofit section's settings, the training stream read on from step N."""
+        retrofit = self.base.retrofit
+        overrides = [
+            *self.overrides,
+            f"model.source={self.snapshot(seed, n)}",
+            "model.from_scratch=false",
+            *(f"model.{name}=null" for name in SCRATCH_FIELDS),
+            "model.tokenizer=source",
+            f"train.steps={retrofit.steps}",
+            f"train.trainable={retrofit.trainable}",
+            f"data.start_step={n}",
+            "retrofit={}",  # copied into train above: the run folder's recipe says what trained
+        ]
+        for name in ("lr", "attnres_lr", "warmup_steps"):
+            value = getattr(retrofit, name)
+            if value is not None:
+                overrides.append(f"train.{name}={value}")
+        return overrides
+
+
+def eval_steps(recipe: Recipe) -> set[int]:
+    every, steps = recipe.eval.every, recipe.train.steps
+    return {0, steps} | (set(range(every, steps, every)) if every else set())
+
+
+def plan_study(recipe, overrides: list[str], after: list[int], seeds: int, scratch_arms: bool, work: Path) -> Study:
+    """Every refusal before anything trains, each naming the field to change."""
+    data = read_yaml(find_recipe(recipe))
+    base = parse_recipe(apply_overrides(data, overrides))
+    train = base.train
+    if not base.model.from_scratch:
+        source = "the embedded SmolLM2-135M-Instruct" if base.model.is_default else base.model.source
+        raise RecipeError(
+            f"{OPTION}: the study pretrains its baseline from scratch, but model.from_scratch is false (model.source is "
+            f"{source}, pretrained weights). Use a from-scratch recipe (model.from_scratch: true, e.g. ab-retrofit-cpu) or "
+            f"--from-scratch; to retrofit a pretrained model, run `attnres ab RECIPE` without {OPTION}"
+        )
+    if base.data.train.dataset and base.data.max_tokens is None:
+        raise RecipeError(
+            f"data.max_tokens: {OPTION} on a dataset needs data.max_tokens set, so that the pretraining and the continued "
+            "runs read the same text (each reads only what it needs otherwise, and the continued runs read on from step N)"
+        )
+    if base.retrofit.steps is None:
+        raise RecipeError(f"retrofit.steps: required by {OPTION} (the continued steps from each pretrained model), e.g. retrofit.steps=400")
+    past = [n for n in after if n > train.steps]
+    if past:
+        raise RecipeError(
+            f"{OPTION}: {', '.join(map(str, past))} pretraining steps is past the recipe's schedule (train.steps = {train.steps}); "
+            f"set train.steps={max(after)} or more, or give smaller N"
+        )
+    if seeds < 1:
+        raise RecipeError(f"--seeds: must be >= 1 (got {seeds})")
+    study = Study(str(recipe), data, overrides, base, after, [train.seed + i for i in range(seeds)], scratch_arms, work)
+    if scratch_arms:
+        needed = max(after) + study.continued
+        if needed > train.steps:
+            raise RecipeError(
+                f"train.steps: the from-scratch arms give the same-token lead at N + retrofit.steps = {needed} steps, past "
+                f"train.steps = {train.steps}; set train.steps={needed}, or leave out --from-scratch"
+            )
+        missing = [n + study.continued for n in after if n + study.continued not in eval_steps(base)]
+        if missing:
+            raise RecipeError(
+                f"eval.every: the from-scratch arms are compared with the retrofit at steps {', '.join(map(str, missing))} "
+                f"(N + retrofit.steps), which eval.every = {base.eval.every} does not evaluate; choose an eval.every that divides them"
+            )
+    for arm in ARMS:  # the pretraining (and from-scratch) arms
+        arm_recipe(data, study.scratch_overrides, arm, study.seeds[0], study.scratch_work)
+    for n in after:  # the continued arms: refused now, not after the pretraining
+        for arm in ARMS:
+            try:
+                arm_recipe(data, study.continued_overrides(study.seeds[0], n), arm, study.seeds[0], study.after_work(n))
+            except RecipeError as error:
+                raise RecipeError(
+                    f"retrofit: the continued phase after {n} steps (the recipe's train fields, retrofit's in their place): {error}"
+                ) from None
+    check_scratch_arms(data, study.scratch_overrides, ARMS, study.seeds[0], study.scratch_work)
+    return study
+
+
+# --- training -------------------------------------------------------------------------------------
+
+
+class Pretraining(FinetuneRecipe):
+    """The baseline from scratch, its model saved after each of SNAPSHOT_STEPS steps (in the run folder,
+    so that a run replacing an earlier one swaps its snapshots in with it)."""
+
+    def __init__(self, recipe: Recipe, snapshot_steps: list[int], **kwargs):
+        super().__init__(recipe, **kwargs)
+        self.snapshot_steps = set(snapshot_steps)
+
+    def train_step(self):
+        stats = super().train_step()
+        if self.state.step in self.snapshot_steps:
+            self.snapshot()
+        return stats
+
+    def snapshot(self) -> Path:
+        from ..io.saving import atomic_folder
+
+        accelerator = self.accelerator
+        state_dict = accelerator.get_state_dict(self.model) if self.distributed == "FSDP" else None  # every process gathers
+        path = self.folder / SNAPSHOTS / f"step-{self.state.step}"
+        if self.main:
+            model = accelerator.unwrap_model(self.model)
+
+            def write(folder: Path) -> None:
+                model.save_pretrained(folder, state_dict=state_dict)
+                self.start.tokenizer.save_pretrained(folder)
+
+            atomic_folder(path, write, owned=True)
+        accelerator.wait_for_everyone()
+        return path
+
+
+def has_snapshots(folder: Path, after: list[int]) -> bool:
+    return all((folder / SNAPSHOTS / f"step-{n}" / "config.json").is_file() for n in after)
+
+
+def _pretrain_one(data: dict, overrides: list[str], seed: int, workdir: str, after: list[int], reuse: bool) -> None:
+    """The baseline from scratch at one seed, with its snapshots (in this process or a worker process)."""
+    import gc
+
+    recipe = arm_recipe(data, overrides, BASELINE, seed, Path(workdir))
+    if reuse and finished(recipe) and has_snapshots(Path(recipe.output.dir), after):
+        return
+    try:
+        Pretraining(recipe, after).run()
+    except (RecipeError, TrainingError) as error:
+        raise type(error)(f"pretraining, seed {seed}: {error}") from None
+    gc.collect()
+
+
+def continued_is_current(recipe: Recipe, snapshot: Path) -> bool:
+    """A continued run finished with this recipe after its starting save was written: a pretraining run again
+    (another recipe, or another set of N) rewrites the saves, and every run continued from them trains again."""
+    final = Path(recipe.output.dir) / "final_metrics.json"
+    try:
+        return finished(recipe) and final.stat().st_mtime_ns > (snapshot / "config.json").stat().st_mtime_ns
+    except OSError:
+        return False
+
+
+def _continue_one(data: dict, overrides: list[str], arm: Arm, seed: int, workdir: str, reuse: bool, snapshot: str) -> None:
+    """One arm continued from a save (in this process or a worker process)."""
+    if reuse and continued_is_current(arm_recipe(data, overrides, arm, seed, Path(workdir)), Path(snapshot)):
+        return
+    _run_one(data, overrides, arm, seed, workdir, False)
+
+
+def run_retrofit(
+    recipe: str | os.PathLike,
+    overrides: list[str] | None = None,
+    *,
+    after: list[int],
+    seeds: int = 1,
+    from_scratch: bool = False,
+    output: str | os.PathLike | None = None,
+    workdir: str | os.PathLike | None = None,
+    jobs: int = 1,
+    reuse: bool = False,
+    overwrite: bool = False,
+    console=None,
+    command: str | None = None,
+):
+    """Pretrain, snapshot, continue both arms from every snapshot (and the from-scratch AttnRes arm with
+    FROM_SCRATCH), then write the study's report. Returns ab.ABResult (OUT, the report)."""
+    from .ab import ABResult
+
+    overrides = list(overrides or [])
+    if from_scratch:
+        overrides = ["model.from_scratch=true", *overrides]
+    if jobs < 1:
+        raise RecipeError(f"--jobs: must be >= 1 (got {jobs})")
+    path = find_recipe(recipe)
+    out = Path(output or f"outputs/retrofit-{path.stem}").expanduser().resolve()
+    work = Path(workdir).expanduser().resolve() if workdir else out.with_name(out.name + "-runs")
+    study = plan_study(recipe, overrides, after, seeds, from_scratch, work)
+    _check_output(out, overwrite, RETROFIT_JSON)
+    from accelerate import PartialState
+
+    state = PartialState()
+    if jobs > 1 and state.num_processes > 1:
+        raise RecipeError("--jobs: under accelerate launch every process trains every arm together; use --jobs 1")
+    data, seed_list, steps = study.data, study.seeds, study.base.train.steps
+    scratch = study.scratch_overrides
+    first = [(_pretrain_one, (data, scratch, seed, str(study.scratch_work), after, reuse)) for seed in seed_list]
+    if from_scratch:
+        first += [(_run_one, (data, scratch, ATTNRES, seed, str(study.scratch_work), reuse)) for seed in seed_list]
+    then = [
+        (_continue_one, (data, study.continued_overrides(seed, n), arm, seed, str(study.after_work(n)), reuse, str(study.snapshot(seed, n))))
+        for seed in seed_list for n in after for arm in ARMS
+    ]
+
+    def tables():
+        from rich.console import Group
+
+        scratch = ARMS if from_scratch else [BASELINE]
+        shown = [live_table(scratch, seed_list, study.scratch_work, steps, f"Pretraining from scratch ({steps} steps)")]
+        shown += [live_table(ARMS, seed_list, study.after_work(n), study.continued, f"Retrofit after {n} steps") for n in after]
+        return Group(*shown)
+
+    show = console is not None and state.is_main_process
+    with _live(console if show else None, tables):
+        run_tasks(first, jobs)  # the continued runs start from the pretraining's snapshots
+        run_tasks(then, jobs)
+    state.wait_for_everyone()
+    report, sub_reports = study_report(study, command or "", jobs)
+    if state.is_main_process:
+        from ..io.saving import atomic_folder
+
+        atomic_folder(out, lambda folder: write_study(report, sub_reports, folder), owned=True)
+    state.wait_for_everyone()
+    return ABResult(out, report)
+
+
+# --- the report -----------------------------------------------------------------------------------
+
+
+def final_se(folder: Path) -> float | None:
+    """The standard error of a run's last held-out evaluation (metrics.jsonl's loss_se)."""
+    evals = [r for r in read_metrics(folder / METRICS) if r.get("kind") == "eval"]
+    return evals[-1].get("loss_se") if evals else None
+
+
+def se_at(folder: Path, step: int) -> float | None:
+    for record in read_metrics(folder / METRICS):
+        if record.get("kind") == "eval" and record["step"] == step:
+            return record.get("loss_se")
+    return None
+
+
+def difference_se(pairs: list[tuple[float | None, float | None]]) -> float | None:
+    """The evaluation's standard error of a mean over seeds of (baseline - AttnRes), the two losses' errors
+    taken as independent (conservative: both arms score the same held-out sequences, which correlates them)."""
+    if not pairs or any(a is None or b is None for a, b in pairs):
+        return None
+    return math.sqrt(sum(a * a + b * b for a, b in pairs)) / len(pairs)
+
+
+def savings_claim(lead: dict, eval_se: float | None) -> dict:
+    """Whether a lead (paired over seeds) supports a claim: two seeds or more, and a mean beyond both the seeds'
+    sample standard deviation and the evaluation's standard error."""
+    mean = lead["mean"]
+    if len(lead["per_seed"]) < 2:
+        return {"claim": False, "why": "one seed"}
+    if abs(mean) <= lead["std"]:
+        return {"claim": False, "why": "within the seeds' spread"}
+    if eval_se is not None and abs(mean) <= eval_se:
+        return {"claim": False, "why": "within the evaluation's standard error"}
+    return {"claim": True, "why": "AttnRes ahead" if mean > 0 else "AttnRes behind"}
+
+
+def _lead(base: dict[int, float], arm: dict[int, float], seeds: list[int]) -> dict:
+    return paired([base[s] - arm[s] for s in seeds])
+
+
+def study_report(study: Study, command: str, jobs: int) -> tuple[dict, dict[str, dict]]:
+    """retrofit.json, and the A/B reports of every N (and of the from-scratch arms) keyed by their folder."""
+    seeds, base = study.seeds, study.base
+    tokens_per_step = base.train.micro_batch * base.train.grad_accum * base.data.seq_len
+    machine = _machine(jobs)
+    sub_reports: dict[str, dict] = {}
+    scratch_runs = {}
+    if study.scratch_arms:
+        scratch_runs = {arm.name: {s: read_run(study.scratch_work / folder_name(arm, s), s) for s in seeds} for arm in ARMS}
+        entries = [arm_report(arm, [scratch_runs[arm.name][s] for s in seeds], [scratch_runs["baseline"][s] for s in seeds]) for arm in ARMS]
+        add_compute_equivalents(entries, base.train.steps)
+        sub_reports["from-scratch"] = {
+            "recipe": f"{study.recipe} (from scratch)", "from_scratch": True, "overrides": study.overrides, "command": command,
+            "steps": base.train.steps, "seeds": seeds, "machine": machine, "workdir": str(study.scratch_work), "arms": entries,
+        }
+    points = []
+    for n in study.after:
+        work = study.after_work(n)
+        runs = {arm.name: [read_run(work / folder_name(arm, s), s) for s in seeds] for arm in ARMS}
+        entries = [arm_report(arm, runs[arm.name], runs["baseline"]) for arm in ARMS]
+        add_compute_equivalents(entries, study.continued)
+        sub_reports[f"after-{n}"] = {
+            "recipe": f"{study.recipe} after {n} pretraining steps", "from_scratch": False,
+            "overrides": study.continued_overrides(seeds[0], n), "command": command, "steps": study.continued, "seeds": seeds,
+            "machine": machine, "workdir": str(work), "arms": entries,
+        }
+        base_final = {r.seed: r.eval_loss_final for r in runs["baseline"]}
+        arm_final = {r.seed: r.eval_loss_final for r in runs["attnres"]}
+        lead = _lead(base_final, arm_final, seeds)
+        base_curves = {r.seed: dict(r.eval) for r in runs["baseline"]}
+        arm_curves = {r.seed: dict(r.eval) for r in runs["attnres"]}
+        steps = sorted(set.intersection(*(set(c) for c in [*base_curves.values(), *arm_curves.values()])))
+        eval_se = difference_se([(final_se(work / folder_name(BASELINE, s)), final_se(work / folder_name(ATTNRES, s))) for s in seeds])
+        point = {
+            "after": n,
+            "pretraining_tokens": n * tokens_per_step,
+            "continued_tokens": study.continued * tokens_per_step,
+            "baseline_at_start": statistics.fmean(base_curves[s][0] for s in seeds) if 0 in steps else None,
+            "baseline_final": statistics.fmean(base_final.values()),
+            "attnres_final": statistics.fmean(arm_final.values()),
+            "lead_final": lead,
+            "lead_curve": [(step, _lead({s: base_curves[s][step] for s in seeds}, {s: arm_curves[s][step] for s in seeds}, seeds)) for step in steps],
+            "eval_se": eval_se,
+            "verdict": savings_claim(lead, eval_se),
+            "token_equivalent": entries[1]["compute_equivalent"],
+        }
+        if study.scratch_arms:
+            at = n + study.continued
+            base_at = {s: dict(scratch_runs["baseline"][s].eval)[at] for s in seeds}
+            arm_at = {s: dict(scratch_runs["attnres"][s].eval)[at] for s in seeds}
+            scratch_lead = _lead(base_at, arm_at, seeds)
+            scratch_se = difference_se([
+                (se_at(study.scratch_work / folder_name(BASELINE, s), at), se_at(study.scratch_work / folder_name(ATTNRES, s), at)) for s in seeds
+            ])
+            point["scratch"] = {"step": at, "tokens": at * tokens_per_step, "lead": scratch_lead, "eval_se": scratch_se,
+                                "verdict": savings_claim(scratch_lead, scratch_se)}
+        points.append(point)
+    report = {
+        "recipe": study.recipe,
+        "command": command,
+        "overrides": study.overrides,
+        "seeds": seeds,
+        "pretraining_steps": base.train.steps,
+        "continued_steps": study.continued,
+        "tokens_per_step": tokens_per_step,
+        "retrofit": base.retrofit.model_dump(),
+        "from_scratch_arms": study.scratch_arms,
+        "machine": machine,
+        "workdir": str(study.work),
+        "after": points,
+    }
+    return report, sub_reports
+
+
+def write_study(report: dict, sub_reports: dict[str, dict], folder: Path) -> None:
+    from ..analysis.plots import retrofit_plot
+
+    (folder / RETROFIT_JSON).write_text(json.dumps(report, indent=2))
+    (folder / RETROFIT_MD).write_text(markdown(report))
+    retrofit_plot(report, folder / RETROFIT_PNG)
+    for name, sub in sub_reports.items():
+        (folder / name).mkdir()
+        write_report(sub, folder / name)
+
+
+def _spread(lead: dict) -> str:
+    if len(lead["per_seed"]) == 1:
+        return f"{lead['mean']:+.4f}"
+    return f"{lead['mean']:+.4f} ± {lead['std']:.4f} ({', '.join(f'{v:+.4f}' for v in lead['per_seed'])})"
+
+
+def _verdict(verdict: dict) -> str:
+    return verdict["why"] if verdict["claim"] else f"no savings claim ({verdict['why']})"
+
+
+def _ratios(figure: dict) -> tuple[str, str]:
+    one = "not reached" if figure["ratio"] is None else f"{figure['ratio']:.2f}x"
+    other = "not reached" if figure.get("ratio_at_baseline_final") is None else f"{figure['ratio_at_baseline_final']:.2f}x"
+    return one, other
+
+
+def markdown(report: dict) -> str:
+    seeds, machine = report["seeds"], report["machine"]
+    continued, per_step = report["continued_steps"], report["tokens_per_step"]
+    scratch = report["from_scratch_arms"]
+    lines = [
+        f"# Retrofit study: {report['recipe']} (pretraining schedule {report['pretraining_steps']} steps, "
+        f"{continued} continued steps, seed{'s' if len(seeds) > 1 else ''} {', '.join(map(str, seeds))})",
+        "",
+        f"Command: `{report['command']}`" if report["command"] else "",
+        "",
+        f"Machine: {machine['cpu']}{', ' + machine['accelerator'] if machine['accelerator'] else ''}; torch {machine['torch']}, "
+        f"{machine['threads_per_arm']} thread(s) per run, {machine['jobs']} run(s) at a time.",
+        "",
+        f"Per seed, the baseline was pretrained from scratch and saved after N steps ({per_step:,} tokens a step); from "
+        f"each save the baseline continued and the same model converted to AttnRes and continued, {continued} steps each, "
+        "on the text after step N. Lead = baseline - AttnRes held-out loss at the same seed (nats per token, positive: "
+        "AttnRes ahead): mean ± sample standard deviation (per seed). Eval SE: the evaluation's standard error of the "
+        "mean lead. A lead is a saving only with two seeds or more and a mean beyond both the spread and the SE.",
+        "",
+        "| N | baseline at N | lead after the continued steps | eval SE | baseline tokens to AttnRes's final loss | "
+        "AttnRes tokens to the baseline's final loss | verdict |" + (" from-scratch lead at N + continued | verdict |" if scratch else ""),
+        "|---|---|---|---|---|---|---|" + ("---|---|" if scratch else ""),
+    ]
+    for point in report["after"]:
+        one, other = _ratios(point["token_equivalent"])
+        start = f"{point['baseline_at_start']:.4f}" if point["baseline_at_start"] is not None else ""
+        se = f"{point['eval_se']:.4f}" if point["eval_se"] is not None else ""
+        row = f"| {point['after']} | {start} | {_spread(point['lead_final'])} | {se} | {one} | {other} | {_verdict(point['verdict'])} |"
+        if scratch:
+            s = point["scratch"]
+            row += f" {_spread(s['lead'])} (step {s['step']}) | {_verdict(s['verdict'])} |"
+        lines.append(row)
+    lines += [
+        "",
+        "Token equivalents (mean curves of the continued runs): the continued tokens the baseline needs to reach "
+        "AttnRes's final loss, as a multiple of AttnRes's; and the baseline's continued tokens as a multiple of those "
+        "after which AttnRes reaches the baseline's final loss. \"Not reached\": not within the run. A ratio beside "
+        "\"no savings claim\" is noise, not a saving.",
+        "",
+        "Lead during the continued steps (mean over the seeds):",
+        "",
+        "| continued step | " + " | ".join(f"after {p['after']}" for p in report["after"]) + " |",
+        "|---" * (1 + len(report["after"])) + "|",
+    ]
+    curves = [dict((step, lead["mean"]) for step, lead in p["lead_curve"]) for p in report["after"]]
+    for step in sorted(set().union(*curves)):
+        lines.append(f"| {step} | " + " | ".join(f"{c[step]:+.4f}" if step in c else "" for c in curves) + " |")
+    lines += ["", "Each N's A/B report: `after-N/ab.md`" + ("; the from-scratch arms: `from-scratch/ab.md`." if scratch else ".")]
+    return "\n".join(lines) + "\n"
