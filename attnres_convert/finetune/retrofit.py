@@ -426,14 +426,20 @@ def study_report(study: Study, command: str, jobs: int) -> tuple[dict, dict[str,
 
 
 def write_study(report: dict, sub_reports: dict[str, dict], folder: Path) -> None:
-    from ..analysis.plots import retrofit_plot
+    from .result import plot_unless_missing
 
     (folder / RETROFIT_JSON).write_text(json.dumps(report, indent=2))
     (folder / RETROFIT_MD).write_text(markdown(report))
-    retrofit_plot(report, folder / RETROFIT_PNG)
+    plot_unless_missing(lambda: _plot(report, folder / RETROFIT_PNG), f"{RETROFIT_PNG} (the study's curves)")
     for name, sub in sub_reports.items():
         (folder / name).mkdir()
         write_report(sub, folder / name)
+
+
+def _plot(report: dict, path: Path) -> None:
+    from ..analysis.plots import retrofit_plot
+
+    retrofit_plot(report, path)
 
 
 def _spread(lead: dict) -> str:
