@@ -31,7 +31,8 @@ from attnres_convert.cli_kit import (  # noqa: F401 - shared by every command
     user_errors,
     written_files,
 )
-from attnres_convert.conversion.options import ConvertOptions, DTypeName, OptionsError
+from attnres_convert.cli_tables import depth_table, eval_table, finetune_table, summary_table, verification_table  # noqa: F401
+from attnres_convert.conversion.options import ConvertOptions, OptionsError, canonical_dtype
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -60,40 +61,6 @@ def _root(
     ] = False,
 ) -> None:
     """Keep `attnres` a command group even while it has one command."""
-
-
-DType = Enum("DType", {name: name for name in get_args(DTypeName)}, type=str)
-
-
-def verification_table(report) -> Table:
-    table = Table(title=f"Verification against the original ({report.tokens} tokens, {report.dtype})")
-    for column in ("max |Δ logit|", "KL (nats)", "top-1 agreement", f"greedy ×{report.new_tokens} (KV cache)", "result"):
-        table.add_column(column, justify="right")
-    greedy = "identical" if report.greedy_identical else f"differs at {report.first_divergence}"
-    verdict = "[green]PASS[/]" if report.passed else "[red]FAIL[/]"
-    table.add_row(
-        f"{report.max_abs_logit_diff:.2e}", f"{report.kl:.2e}", f"{report.top1_agreement:.2%}", greedy, verdict
-    )
-    return table
-
-
-def summary_table(summary) -> Table:
-    from attnres_convert.io.card import describe_sources
-
-    table = Table(title="Block AttnRes structure")
-    table.add_column("what")
-    table.add_column("value", justify="right")
-    table.add_row("base model type", summary.model_type)
-    table.add_row("decoder layers / sublayers", f"{summary.num_layers} / {summary.num_sublayers}")
-    table.add_row("block size S (sublayers)", str(summary.block_size))
-    table.add_row("blocks", str(summary.num_blocks))
-    counts = summary.sources_per_sublayer
-    table.add_row("sources per sublayer", f"{min(counts)}..{max(counts)} (output: {summary.output_sources})")
-    table.add_row("output aggregation reads", describe_sources(summary.num_sublayers, summary.block_size)[-1])
-    if summary.query_rank:
-        table.add_row("queries", f"input-dependent, rank {summary.query_rank}")
-    table.add_row("parameters added", f"{summary.params_added:,} ({summary.params_added / summary.params_total:.4%})")
-    return table
 
 
 # Hub options shared by every command that writes a model folder (convert, finetune).
@@ -131,7 +98,7 @@ def push_saved(folder: Path, repo_id: str, **kwargs) -> None:
 
 
 def options_from(model: type, parameter: str = "options", panel: str = "Options"):
-    """Add MODEL's fields (a pydantic model) to a command as options and pass them to it as one MODEL.
+    """Add MODEL's fields (ConvertOptions.model_fields) to a command as options and pass them to it as one MODEL.
 
     Each field is `--field-name` with the field's description as help; a bool that defaults to True is
     `--name/--no-name`; a Literal is a choice. Fields with json_schema_extra={"cli": False} stay library-only.
@@ -146,8 +113,10 @@ def options_from(model: type, parameter: str = "options", panel: str = "Options"
             flag = f"{flag}/--no-{name.replace('_', '-')}" if field.default else flag
         description, metavar = field.description, None
         if get_origin(annotation) is Literal:  # a short metavar keeps the help readable at 80 columns
-            annotation = Enum(name, {value: value for value in get_args(annotation)}, type=str)
             metavar = name.upper()
+            # A field whose model takes aliases (a dtype: bf16 for bfloat16) is text the model checks; others a choice.
+            takes_aliases = field.aliases
+            annotation = str if takes_aliases else Enum(name, {value: value for value in get_args(annotation)}, type=str)
             if not all(choice in description for choice in get_args(field.annotation)):  # the help names the choices
                 description = f"{description} One of: {', '.join(get_args(field.annotation))}."
         info = typer.Option(
@@ -227,26 +196,9 @@ def push(
     token: TokenOption = None,
 ) -> None:
     """Upload a converted or fine-tuned model folder to the HuggingFace hub, after checking it loads."""
+    if not folder.expanduser().is_dir():  # before the hub libraries are imported
+        fail(f"{folder} is not a folder. Pass the output folder of `attnres convert` or `attnres finetune`.")
     push_saved(folder, repo_id, private=private, revision=revision, commit_message=commit_message, token=token)
-
-
-def depth_table(depth) -> Table:
-    """Compact enough for 80 columns with 8 blocks: short labels, no vertical rules."""
-    from rich import box
-
-    table = Table(
-        title=f"Depth-attention weights (mean over {depth.tokens} tokens)",
-        caption="L3 attn: layer 3's attention reads; emb: embedding, bK/sK: block/sublayer K; blank: not read",
-        box=box.SIMPLE_HEAD, pad_edge=False,
-    )
-    table.add_column("reader", no_wrap=True)
-    for column in depth.columns:
-        short = column.replace("embedding", "emb").replace("block ", "b").replace("sublayer ", "s")
-        table.add_column(short, justify="right", no_wrap=True)
-    for reader, row in zip(depth.readers, depth.matrix):
-        label = reader.replace("layer ", "L").replace("attention", "attn")
-        table.add_row(label, *("" if value != value else f"{value:.2f}" for value in row))
-    return table
 
 
 @app.command("inspect")
@@ -293,6 +245,8 @@ def inspect_command(
         console.print(f"[green]Wrote[/] {path}")
 
 
+from attnres_convert.analysis.bench_settings import QUICK_SETTINGS_TEXT, ROUND_COST  # noqa: E402 - the help's facts
+
 BenchDevice = Enum("BenchDevice", {name: name for name in ("cpu", "cuda")}, type=str)
 BenchKernels = Enum("BenchKernels", {name: name for name in ("eager", "triton", "cpu")}, type=str)
 
@@ -304,7 +258,11 @@ def bench_command(
     ] = None,
     device: Annotated[BenchDevice, typer.Option(help="Where both models run.")] = BenchDevice.cpu,
     dtype: Annotated[
-        Optional[str], typer.Option(help="float32, bfloat16 or float16 \\[default: float32 on cpu, bfloat16 on cuda].", show_default=False)
+        Optional[str],
+        typer.Option(
+            metavar="DTYPE", help="float32, bfloat16 or float16 (fp32, bf16, fp16) \\[default: float32 on cpu, bfloat16 on cuda].",
+            show_default=False,
+        ),
     ] = None,
     kernels: Annotated[
         Optional[BenchKernels], typer.Option(help="The converted model's depth mix (ATTNRES_KERNEL) \\[default: as set, auto].", show_default=False)
@@ -313,7 +271,18 @@ def bench_command(
     batch: Annotated[int, typer.Option(help="Sequences per prefill and training step.")] = 1,
     seq_len: Annotated[int, typer.Option(help="Tokens per sequence of a prefill and a training step.")] = 512,
     decode_tokens: Annotated[int, typer.Option(help="Greedy tokens generated with the KV cache, after a 32-token prompt.")] = 64,
-    rounds: Annotated[int, typer.Option(help="Timed rounds (each runs both models once, after one warm-up).")] = 5,
+    rounds: Annotated[
+        int,
+        typer.Option(
+            help=f"Timed rounds, each running both models once, after one warm-up round. {ROUND_COST}",
+        ),
+    ] = 5,
+    quick: Annotated[
+        bool,
+        typer.Option(
+            "--quick", help=f"A rough look: {QUICK_SETTINGS_TEXT} (where left at their defaults), no memory measure.",
+        ),
+    ] = False,
     threads: Annotated[Optional[int], typer.Option(help="torch threads on CPU \\[default: torch's].", show_default=False)] = None,
     measure: Annotated[str, typer.Option(help="What to measure, comma-separated: prefill, decode, train, memory.")] = "prefill,decode,train,memory",
     block_size: Annotated[Optional[int], typer.Option(help="Convert with this block size S \\[default: convert's].", show_default=False)] = None,
@@ -322,20 +291,30 @@ def bench_command(
     markdown: Annotated[bool, typer.Option("--markdown", help="Print the results as Markdown (the docs' tables).")] = False,
 ) -> None:
     """Convert MODEL and measure it against the original: prefill, decoding, a training step, peak memory."""
+    from attnres_convert.analysis.bench_settings import (
+        BenchSettings, check_values, estimate, output_problem, quick_settings, runs_total,
+    )
     from attnres_convert.io.paths import resolve_source
 
-    with user_errors():
-        resolve_source(model)  # a missing path is answered before torch is imported
-    from attnres_convert.analysis.bench import BenchSettings, run_bench, runs_total
-    from attnres_convert.analysis.bench_report import console_table, markdown as to_markdown, output_problem, write_json
-
-    if json_file is not None and (problem := output_problem(json_file)):
-        fail(f"--json {json_file}: cannot write there ({problem}).")
     settings = BenchSettings(
         device=device.value, dtype=dtype, kernels=kernels.value if kernels else None, compile=compile_, batch=batch,
         seq_len=seq_len, decode_tokens=decode_tokens, rounds=rounds, threads=threads,
         measure=tuple(m.strip() for m in measure.split(",") if m.strip()), block_size=block_size, full=full,
     )
+    with user_errors():  # before torch is imported: every setting the command can check by itself
+        source = resolve_source(model)
+        if dtype is not None:
+            settings.dtype = canonical_dtype(dtype, "--dtype", allowed=("float32", "bfloat16", "float16"))
+        if quick:
+            settings = quick_settings(settings)
+        check_values(settings)
+    if json_file is not None and (problem := output_problem(json_file)):
+        fail(f"--json {json_file}: cannot write there ({problem}).")
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    err_console.print(estimate(settings, source.kind == "default", os.cpu_count() or 1, load), highlight=False)
+    from attnres_convert.analysis.bench import run_bench
+    from attnres_convert.analysis.bench_report import console_table, markdown as to_markdown, write_json
+
     command = "attnres bench " + shlex.join(sys.argv[2:]) if len(sys.argv) > 1 and sys.argv[1] == "bench" else None
     with user_errors(), stages("bench") as stage:
         runs: list = []  # the line of timed runs, shown from the first run on
@@ -384,19 +363,6 @@ def _is_main_process() -> bool:
     return int(os.environ.get("RANK", "0")) == 0
 
 
-def eval_table(result) -> Table:
-    from attnres_convert.io.console import shorten_middle
-
-    table = Table(title=f"Held-out evaluation ({result.sequences} x {result.seq_len} tokens, {result.dtype})")
-    for column in ("model", "AttnRes", "tokens", "loss (nats)", "perplexity"):
-        table.add_column(column, justify="left" if column == "model" else "right", no_wrap=True)
-    table.add_row(
-        escape(shorten_middle(result.model, 30)), "yes" if result.converted else "no", f"{result.tokens:,}",
-        f"{result.loss:.4f}", f"{result.perplexity:.3f}",
-    )
-    return table
-
-
 @app.command("eval")
 def eval_command(
     model: Annotated[
@@ -405,12 +371,17 @@ def eval_command(
     ] = None,
     data: Annotated[
         list[str],
-        typer.Option("--data", help="Held-out text: .txt/.md, .jsonl/.json, .parquet files, globs, or shakespeare:NAME (repeatable)."),
+        typer.Option(
+            "--data", metavar="FILE",
+            help="Held-out text: .txt/.md, .jsonl/.json, .parquet files, globs, or shakespeare:NAME (repeatable).",
+        ),
     ] = ...,
     seq_len: Annotated[int, typer.Option("--seq-len", help="Tokens per sequence.")] = 256,
     max_tokens: Annotated[Optional[int], typer.Option("--max-tokens", help="Read at most this many tokens of text.")] = None,
     batch_size: Annotated[int, typer.Option("--batch-size", help="Sequences per forward pass.")] = 1,
-    dtype: Annotated[DType, typer.Option(help="auto keeps the checkpoint's dtype.")] = DType.auto,
+    dtype: Annotated[
+        str, typer.Option("--dtype", metavar="DTYPE", help="auto keeps the checkpoint's dtype; or float32, bfloat16, float16 (fp32, bf16, fp16).")
+    ] = "auto",
     as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON on stdout.")] = False,
     trust_remote_code: Annotated[bool, typer.Option("--trust-remote-code", help="Allow the model's own code to run.")] = False,
 ) -> None:
@@ -418,9 +389,18 @@ def eval_command(
     import json
 
     from attnres_convert.io.files import checked_files
+    from attnres_convert.io.paths import resolve_source
 
-    with user_errors():  # before torch is imported
+    with user_errors():  # before torch is imported: every argument the command can check by itself
+        resolve_source(model)
+        dtype = canonical_dtype(dtype, "--dtype")
         checked_files(data, "--data")
+    if seq_len < 2:
+        fail(f"--seq-len must be at least 2, got {seq_len}")
+    if batch_size < 1:
+        fail(f"--batch-size must be at least 1, got {batch_size}")
+    if max_tokens is not None and max_tokens < seq_len:
+        fail(f"--max-tokens {max_tokens} is not enough for one sequence of --seq-len {seq_len}: give at least {seq_len}")
     with user_errors(), stages("eval") as stage, stage("Evaluating"):
         from attnres_convert.analysis.evaluate import evaluate
 
@@ -430,7 +410,7 @@ def eval_command(
             seq_len=seq_len,
             max_tokens=max_tokens,
             batch_size=batch_size,
-            dtype=dtype.value,
+            dtype=dtype,
             trust_remote_code=trust_remote_code,
         )
     if as_json:
@@ -487,17 +467,6 @@ def finetune_command(
         console.print(f"[green]Pushed[/] to [bold]{result.pushed.url}[/]")
 
 
-def finetune_table(metrics: dict) -> Table:
-    title = f"Fine-tuned {metrics['steps']} steps, {metrics['tokens']:,} tokens ({metrics['processes']} process(es))"
-    table = Table(title=title, min_width=len(title))  # a title never wraps over a narrow table
-    for column in ("", "held-out loss", "perplexity"):
-        table.add_column(column, justify="right", no_wrap=True)
-    if metrics["eval_loss_start"] is not None:
-        table.add_row("before (step 0)", f"{metrics['eval_loss_start']:.4f}", f"{metrics['eval_perplexity_start']:.2f}")
-    table.add_row("after", f"{metrics['eval_loss']:.4f}", f"{metrics['eval_perplexity']:.2f}")
-    return table
-
-
 @app.command("ab")
 def ab_command(
     recipe: Annotated[str, typer.Argument(help="A recipe that trains lora or full (e.g. ab-smollm2-shakespeare).")],
@@ -506,10 +475,13 @@ def ab_command(
     ] = None,
     sweep: Annotated[
         Optional[list[str]],
-        typer.Option("--sweep", help='An extra AttnRes arm: space- or comma-separated overrides, e.g. "train.attnres_lr=1e-3" (repeatable).'),
+        typer.Option(
+            "--sweep", metavar="OVERRIDES",
+            help='An extra AttnRes arm: space- or comma-separated overrides, e.g. "train.attnres_lr=1e-3" (repeatable).',
+        ),
     ] = None,
     seeds: Annotated[int, typer.Option("--seeds", help="Run every arm with train.seed, train.seed+1, ...: deltas paired per seed.")] = 1,
-    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Output folder (default outputs/ab-RECIPE).")] = None,
+    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Output folder (default outputs/ab-RECIPE, or outputs/RECIPE for a recipe named ab-...).")] = None,
     workdir: Annotated[Optional[Path], typer.Option("--workdir", help="Where the arms' run folders go (default OUTPUT-runs).")] = None,
     no_plain: Annotated[bool, typer.Option("--no-plain", help="With --sweep: no AttnRes arm without extra overrides.")] = False,
     jobs: Annotated[int, typer.Option("--jobs", help="Train this many arms at once, in one-thread worker processes (CPU).")] = 1,
@@ -526,12 +498,18 @@ def ab_command(
         "N steps, and A/B the retrofit from each save (the recipe's retrofit section); with --from-scratch, the from-scratch lead beside it.",
     )] = None,
 ) -> None:
-    """A/B: the recipe trained as a baseline (model.convert=false, same trainable budget) and as AttnRes,
-    plus sweep arms, from the same start and data order; writes ab.json, ab.md and ab.png."""
+    """A/B: the recipe trained as a baseline and as AttnRes from the same start and data order.
+
+    The baseline is model.convert=false with the same trainable budget; --sweep adds AttnRes arms. Writes ab.json, ab.md, ab.png."""
     from attnres_convert.finetune.ab import run_ab
     from attnres_convert.finetune.recipe import load_recipe
     from attnres_convert.io.console import quiet_libraries
 
+    for name, value in (("--seeds", seeds), ("--jobs", jobs)):  # before torch and transformers are imported
+        if value < 1:
+            fail(f"{name}: must be >= 1 (got {value})")
+    if throughput < 0:
+        fail(f"--throughput: must be >= 0 (got {throughput})")
     main = _is_main_process()
     arms = [[o for o in entry.replace(",", " ").split() if o] for entry in (sweep or [])]
     interrupted = "Finished arms are kept in the work folder: run the same command with --reuse to train only the others."
@@ -560,11 +538,16 @@ def ab_command(
             )
     if not main:
         return
-    from rich.markdown import Markdown
+    from attnres_convert.finetune.ab import console_report
 
-    what, name = ("Retrofit study", "retrofit") if after is not None else ("A/B", "ab")
-    console.print(Markdown((result.output / f"{name}.md").read_text()))
-    console.print(f"[green]{what}[/] [bold]{escape(str(result.output))}[/] ({written_files(result.output, *(name + x for x in ('.json', '.md', '.png')))}{', after-N/' if after else ''})")
+    if after is not None:  # the study's own report: a table per N (retrofit.md holds it, and every A/B's)
+        from rich.markdown import Markdown
+
+        console.print(Markdown((result.output / "retrofit.md").read_text()))
+        console.print(f"[green]Retrofit study[/] [bold]{escape(str(result.output))}[/] ({written_files(result.output, 'retrofit.json', 'retrofit.md', 'retrofit.png')}, after-N/)")
+        return
+    console.print(console_report(result.report, result.output), highlight=False)
+    console.print(f"[green]A/B[/] [bold]{escape(str(result.output))}[/] ({written_files(result.output, 'ab.json', 'ab.md', 'ab.png')})")
 
 
 @app.command("architectures")
@@ -629,31 +612,34 @@ def architectures_command(
         for row in report.rows:
             table.add_row(escape(row.label), f"[{colours[row.status]}]{row.status}[/]", escape(row.detail))
         console.print(table)
-    counts = report.counts
-    console.print(
-        f"converted {counts['converted']}, refused {counts['refused']}, not built {counts['not built']} "
-        f"({len(report.rows)} rows)", highlight=False,
-    )
+    console.print(report.summary(), highlight=False)
 
 
 @recipes_app.command("list")
 def recipes_list() -> None:
     """The shipped recipes."""
+    from rich.padding import Padding
+
     from attnres_convert.errors import first_line
     from attnres_convert.finetune.recipe import RecipeError, load_recipe, recipes_dir, shipped_recipes
 
-    table = Table(title=f"Recipes in {recipes_dir()}")
-    for column in ("name", "model", "trains", "steps", "description"):
-        table.add_column(column)
+    # A recipe per entry, its name first on its line: the name is what the user types and is never cut; the
+    # rest wraps to the terminal (a table's five columns cut names at 80).
+    console.print(f"Recipes in {escape(str(recipes_dir()))} (attnres recipes show NAME prints one):", highlight=False)
     for name, path in shipped_recipes().items():
+        console.print()
         try:
             recipe = load_recipe(path)
         except RecipeError as error:
-            table.add_row(name, "", "", "", f"[red]invalid:[/] {escape(first_line(error))}")
+            console.print(f"[bold]{escape(name)}[/] [red]invalid:[/] {escape(first_line(error))}", highlight=False)
             continue
         source = recipe.model.source if not recipe.model.is_default else "embedded SmolLM2"
-        table.add_row(name, source, recipe.train.trainable, str(recipe.train.steps), escape(recipe.description or ""))
-    console.print(table)
+        console.print(
+            f"[bold]{escape(name)}[/]: {escape(source)}, trains {recipe.train.trainable}, {recipe.train.steps} steps",
+            highlight=False,
+        )
+        if recipe.description:
+            console.print(Padding(escape(recipe.description), (0, 0, 0, 2)), highlight=False)
 
 
 @recipes_app.command("show")
@@ -670,6 +656,7 @@ def recipes_show(name: Annotated[str, typer.Argument(help="A shipped recipe name
 def recipes_validate(
     recipe: Annotated[str, typer.Argument(help="A recipe file or a shipped recipe name.")],
     overrides: Annotated[Optional[list[str]], typer.Argument(help="key.path=value overrides.", show_default=False)] = None,
+    show: Annotated[bool, typer.Option("--show", help="Also print the resolved recipe (every field, overrides applied) as YAML.")] = False,
 ) -> None:
     """Check a recipe (schema, data files, model source, sequence length) without loading or writing anything."""
     from attnres_convert.finetune.preflight import check_recipe, existing_output_problem
@@ -678,10 +665,19 @@ def recipes_validate(
     with user_errors():
         parsed = load_recipe(recipe, list(overrides or []))
         check_recipe(parsed, check_output=False)
-    console.print(escape(parsed.to_yaml()), highlight=False)
-    console.print(f"[green]valid:[/] {escape(recipe)}")
-    if (taken := existing_output_problem(parsed)) is not None:
-        console.print(f"[yellow]note:[/] `attnres finetune` refuses it as it stands: {escape(taken)}", highlight=False)
+    taken = existing_output_problem(parsed)
+    refused = f"`attnres finetune` refuses it as it stands: {taken}" if taken is not None else None
+    if show:  # printed as is, never wrapped to the terminal: what looks like YAML parses as YAML, verdict included
+        print(parsed.to_yaml().rstrip("\n"))
+        print(f"# valid: {recipe}")
+        if refused:
+            print(f"# note: {' '.join(refused.split())}")
+        return
+    console.print(f"[green]valid:[/] {escape(recipe)}", highlight=False)
+    console.print(escape(parsed.headline()), highlight=False)
+    if refused:
+        console.print(f"[yellow]note:[/] {escape(refused)}", highlight=False)
+    console.print("--show prints the resolved recipe (every field) as YAML.", highlight=False)
 
 
 def _terminate(signum, frame) -> None:

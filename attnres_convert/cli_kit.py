@@ -32,22 +32,33 @@ from rich.text import Text
 
 err_console = Console(stderr=True)
 
-def _flags_take_no_value() -> None:
-    """Typer 0.29 shows `<bool>` beside every flag in --help, as if it took a value: a flag shows none."""
-    from typer.core import TyperOption
+def _readable_value_types() -> None:
+    """Typer 0.29 shows `<bool>` beside every flag in --help, as if it took a value: a flag shows none. It
+    shows a repeatable argument (`overrides...`) as `<list[str]>`, Python's type, not what is typed: each
+    value is a `<str>`, and the `...` beside the name already says there may be several."""
+    from typer.core import TyperArgument, TyperOption
 
     shown = getattr(TyperOption, "display_type_rich", None)
-    if shown is None or getattr(shown, "flags_take_no_value", False):  # None: a typer before 0.29, nothing to hide
+    if shown is None or getattr(shown, "readable", False):  # None: a typer before 0.29, which shows no types
         return
 
-    def display_type_rich(self, ctx):
+    def option_type(self, ctx):
         return None if self.is_flag else shown(self, ctx)
 
-    display_type_rich.flags_take_no_value = True
-    TyperOption.display_type_rich = display_type_rich
+    shown_argument = TyperArgument.display_type_rich
+
+    def argument_type(self, ctx):
+        text = shown_argument(self, ctx)
+        if text and text.startswith("<list[") and text.endswith("]>"):
+            return "<" + text[len("<list[") : -len("]>")] + ">"
+        return text
+
+    option_type.readable = argument_type.readable = True
+    TyperOption.display_type_rich = option_type
+    TyperArgument.display_type_rich = argument_type
 
 
-_flags_take_no_value()
+_readable_value_types()
 
 EXIT_BAD_INPUT = 2
 EXIT_FAILED_CHECK = 1
@@ -197,9 +208,28 @@ function that advances it. Ctrl-C removes the running lines (no frozen spinner) 
     from attnres_convert.io.console import library_bars_to, quiet_libraries, shorten_middle
 
     running: list[str] = []
+    stopped: list[str] = []  # the innermost stage a Ctrl-C stopped, named in the message
+
+    def describe() -> str:
+        where = stopped[:1] or running[-1:]
+        return f"{what} ({where[0].lower()})" if where else what
+
     with contextlib.ExitStack() as stack:
-        stack.enter_context(interrupts(lambda: f"{what} ({running[-1].lower()})" if running else what, left_behind))
-        progress = stack.enter_context(Progress(*stage_columns(), console=err_console, transient=False))
+        stack.enter_context(interrupts(describe, left_behind))
+        progress = Progress(*stage_columns(), console=err_console, transient=False)
+        progress.start()
+        interrupted: list[bool] = []
+        # Stopped by Ctrl-C: the display goes without Progress.stop's empty line (printed when piped), so the
+        # message follows the last stage line directly, as docs/first-run.md shows it.
+        def finish() -> None:
+            if not interrupted:
+                progress.stop()
+                return
+            progress.live.stop()
+            if not progress.console.is_interactive and any(task.visible for task in progress.tasks):
+                progress.console.print()  # piped: end the last stage line, and no more
+
+        stack.callback(finish)
         stack.enter_context(quiet_libraries())
 
         @contextlib.contextmanager
@@ -213,9 +243,13 @@ function that advances it. Ctrl-C removes the running lines (no frozen spinner) 
             running.append(name)
             try:
                 yield
+            except BaseException:
+                stopped.append(name)  # a stopped stage is not shown as done
+                raise
+            else:
+                progress.update(task, completed=1)
             finally:
                 running.remove(name)
-                progress.update(task, completed=1)
 
         def library_bar(description: str, total: int | None):  # a tqdm bar of transformers, datasets, ...
             task = progress.add_task(f"  {shorten_middle(description, 28)}", total=total, items=True)
@@ -233,5 +267,9 @@ function that advances it. Ctrl-C removes the running lines (no frozen spinner) 
         except KeyboardInterrupt:
             for task in progress.tasks:
                 if not task.finished:
-                    progress.update(task, visible=False)
+                    progress.update(task.id, visible=False)
+            if not any(task.visible for task in progress.tasks):
+                # Nothing left to show: the display goes without leaving an empty line above the message.
+                progress.live.transient = True
+            interrupted.append(True)
             raise

@@ -1,7 +1,7 @@
 """Regenerate the reference pages from their single sources, or check that they are current.
 
     python docs/generate.py           # rewrite docs/recipes.md (recipe schema), docs/cli.md (Typer app) and the
-                                      # bench tables of README.md and docs/performance.md (benchmarks/results)
+                                      # bench tables of docs/performance.md (benchmarks/results)
     python docs/generate.py --check   # exit 1 naming every page that differs from what would be generated
 
 tests/test_docs.py runs the check, so a new recipe field or CLI option fails the suite until its page is
@@ -45,7 +45,7 @@ def cli_reference() -> str:
 
 
 # Pages whose `<!-- bench: FILE -->` blocks are tables made from `attnres bench --json FILE` results.
-BENCH_PAGES = [ROOT / "README.md", ROOT / "docs" / "performance.md"]
+BENCH_PAGES = [ROOT / "docs" / "performance.md"]
 
 
 def bench_pages() -> dict[Path, str]:

@@ -28,11 +28,22 @@ def setup(tmp_path_factory):
     return {"root": root, "model": model, "corpus": corpus, "recipe": write_recipe(root / "ab.yaml", recipe)}
 
 
-def test_ab_end_to_end_writes_paired_deltas_over_seeds(setup, tmp_path):
+def test_ab_end_to_end_writes_paired_deltas_over_seeds(setup, tmp_path, monkeypatch):
+    import io
+
+    from rich.console import Console
+
+    from attnres_convert import cli
+
     out = tmp_path / "ab"
+    screen = Console(width=80, file=io.StringIO(), record=True, color_system=None)
+    monkeypatch.setattr(cli, "console", screen)
     result = runner.invoke(app, ["ab", str(setup["recipe"]), "train.warmup_steps=0", "--seeds", "2", "-o", str(out),
                                  "--sweep", "train.attnres_lr=1e-3 model.num_blocks=null model.full=true"])
     assert result.exit_code == 0, result.output
+    shown = screen.export_text()  # the final report at 80 columns: whole, the sweep arm's overrides included
+    assert all(len(line) <= 80 for line in shown.splitlines()) and "…" not in shown, shown
+    assert "sweep 1: train.attnres_lr=1e-3 model.num_blocks=null model.full=true" in " ".join(shown.split()), shown
     assert sorted(p.name for p in out.iterdir()) == ["ab.json", "ab.md", "ab.png"]
     report = json.loads((out / "ab.json").read_text())
     assert report["seeds"] == [0, 1] and report["steps"] == 4 and report["overrides"] == ["train.warmup_steps=0"]
@@ -43,6 +54,8 @@ def test_ab_end_to_end_writes_paired_deltas_over_seeds(setup, tmp_path):
         assert [step for step, _ in arm["eval"]] == [0, 2, 4]
         assert arm["tokens_per_s"] > 0 and arm["tokens"] == 4 * 4 * 32
         assert [r["seed"] for r in arm["runs"]] == [0, 1]
+        assert all(r["eval_stderr_final"] > 0 for r in arm["runs"])  # the final evaluation's standard error
+        assert arm["eval_stderr_final"] == pytest.approx(sum(r["eval_stderr_final"] for r in arm["runs"]) / 2)
         for step, loss in arm["eval"]:  # the mean of the seeds' curves
             assert loss == pytest.approx(sum(dict(r["eval"])[step] for r in arm["runs"]) / 2)
     base = {r["seed"]: r for r in arms[0]["runs"]}
@@ -220,3 +233,13 @@ def test_an_arm_run_again_replaces_its_earlier_folder_only_once_finished(setup, 
     assert not (arm / "marker.txt").exists() and json.loads((arm / "final_metrics.json").read_text())["steps"] == 3
     assert again.report["steps"] == 3 and [step for step, _ in again.report["arms"][0]["eval"]] == [0, 2, 3]
     assert ab._live_folder(arm) == arm and not [p for p in arm.parent.iterdir() if p.name.startswith(".")]
+
+
+def test_the_default_output_names_the_recipe_once():
+    from pathlib import Path
+
+    from attnres_convert.finetune.ab import default_output
+
+    assert default_output(Path("recipes/ab-scratch-cpu.yaml")) == Path("outputs/ab-scratch-cpu")
+    assert default_output(Path("recipes/quickstart-cpu.yaml")) == Path("outputs/ab-quickstart-cpu")
+    assert "ab-ab-" not in str(default_output(Path("ab-smollm2-shakespeare.yaml")))

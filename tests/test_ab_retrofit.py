@@ -143,8 +143,10 @@ def test_retrofit_study_end_to_end(setup, tmp_path):
 
 def test_savings_claim_follows_the_noise_rule():
     assert savings_claim(paired([0.05]), 0.001) == {"claim": False, "why": "one seed"}
-    assert savings_claim(paired([0.01, 0.03, -0.01]), 0.001) == {"claim": False, "why": "within the seeds' spread"}
-    assert savings_claim(paired([0.010, 0.011, 0.012]), 0.02) == {"claim": False, "why": "within the evaluation's standard error"}
+    spread = savings_claim(paired([0.01, 0.03, -0.01]), 0.001)
+    assert not spread["claim"] and spread["why"].startswith("|Δ| 0.0100 <= the seeds' spread 0.02")
+    assert savings_claim(paired([0.010, 0.011, 0.012]), 0.02) == {
+        "claim": False, "why": "|Δ| 0.0110 <= the evaluation's standard error 0.0200"}
     assert savings_claim(paired([0.010, 0.011, 0.012]), 0.002) == {"claim": True, "why": "AttnRes ahead"}
     assert savings_claim(paired([-0.010, -0.011, -0.012]), None) == {"claim": True, "why": "AttnRes behind"}
     # Two independent errors of 0.03 and 0.04 at each of two seeds: sqrt(2 x 0.05^2) / 2.

@@ -5,7 +5,10 @@ before any training."""
 from __future__ import annotations
 
 import json
+import math
 import re
+import statistics
+from pathlib import Path
 
 import pytest
 import torch
@@ -147,3 +150,64 @@ def test_sizes_that_make_no_model_and_a_config_that_is_not_prenorm(setup, tmp_pa
         run_ab(setup["recipe"], [f"model.source={olmo2}"], output=tmp_path / "ab")
     # Refused before the baseline trained: no run folder was written.
     assert not (tmp_path / "ab").exists() and not list((tmp_path / "ab-runs").rglob("metrics.jsonl"))
+
+
+def _arm(name, overrides, loss, deltas=None, stderr=0.01, ratio=1.5):
+    entry = {"name": name, "overrides": overrides, "eval": [(0, 5.0), (30, loss)], "eval_loss_final": loss,
+             "eval_stderr_final": stderr, "tokens": 30_544, "runs": []}
+    if deltas is not None:
+        entry["delta_final"] = {"mean": sum(deltas) / len(deltas), "per_seed": deltas,
+                                "std": statistics.stdev(deltas) if len(deltas) > 1 else 0.0,
+                                "min": min(deltas), "max": max(deltas)}
+        entry["compute_equivalent"] = {"target_loss": loss, "arm_tokens": 30_544, "baseline_tokens": ratio * 30_544,
+                                       "ratio": ratio, "arm_tokens_to_baseline_final": 20_000,
+                                       "ratio_at_baseline_final": 1.53, "per_seed": [ratio] * len(deltas),
+                                       "per_seed_at_baseline_final": [1.53] * len(deltas)}
+    return entry
+
+
+def test_a_difference_within_the_noise_claims_no_savings():
+    from attnres_convert.finetune.ab import within_noise
+
+    base = _arm("baseline", ["model.convert=false"], 3.0)
+    assert within_noise(_arm("attnres", [], 2.9998, [-0.0002]), base) == (
+        "one seed; |Δ| 0.0002 <= the evaluation's standard error 0.0141")
+    assert within_noise(_arm("attnres", [], 2.9, [-0.3]), base) == "one seed"  # a clear difference, but one seed
+    assert "the seeds' spread" in within_noise(_arm("attnres", [], 2.99, [-0.05, 0.03, -0.01]), base)
+    assert within_noise(_arm("attnres", [], 2.99, [-0.012, -0.011]), base) == (
+        "|Δ| 0.0115 <= the evaluation's standard error 0.0141")
+    assert within_noise(_arm("attnres", [], 2.8, [-0.21, -0.19, -0.2]), base) is None  # clear: a figure stands
+    # ab.md gives no figure for a difference within the noise.
+    noisy = _arm("attnres", [], 2.9998, [-0.0002])
+    noisy["compute_equivalent"]["noise"] = within_noise(noisy, base)
+    lines = "\n".join(compute_equivalent_lines([base, noisy]))
+    assert "| attnres | 2.9998 | within the noise (one seed; |Δ| 0.0002 <= the evaluation's standard error 0.0141): no savings claim |" in lines
+    assert "1.50x" not in lines and "1.53x" not in lines
+
+
+def test_the_ab_console_report_is_whole_at_80_columns():
+    import io
+
+    from rich.console import Console
+
+    from attnres_convert.finetune.ab import console_report, within_noise
+
+    base = _arm("baseline", ["model.convert=false"], 3.0)
+    long = ["train.attnres_lr=1e-3", "model.num_blocks=null", "model.full=true", "train.depth_gate_steps=100"]
+    arms = [base, _arm("attnres", [], 2.9998, [-0.0002, 0.0001]), _arm("attnres " + " ".join(long), long, 2.5, [-0.51, -0.49])]
+    for arm in arms[1:]:
+        arm["compute_equivalent"]["noise"] = within_noise(arm, base)
+    report = {"recipe": "ab-scratch-cpu", "steps": 30, "seeds": [0, 1], "arms": arms, "from_scratch": True}
+    console = Console(width=80, file=io.StringIO(), record=True, color_system=None)
+    console.print(console_report(report, Path("outputs/ab-scratch-cpu")))
+    text = console.export_text()
+    assert all(len(line) <= 80 for line in text.splitlines()), text
+    assert "…" not in text
+    words = " ".join(text.split())
+    assert "sweep 1: " + " ".join(long) in words  # the overrides whole
+    assert "baseline: model.convert=false" in words and "attnres: none: the recipe as written" in words
+    for cell in ("random init (step 0)", "3.0000 ± 0.0100", "-0.0001 ± 0.0002", "within the noise", "-0.5000 ± 0.0141",
+                 "1.50x"):
+        assert any(cell in line for line in text.splitlines()), f"{cell!r} cut or missing:\n{text}"
+    assert "Within the noise, so no savings claimed: attnres: |Δ| 0.0001 <= the seeds' spread 0.0002" in words
+    assert "outputs/ab-scratch-cpu/ab.md" in words

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -43,13 +44,18 @@ COMMANDS = [("convert",), ("push",), ("inspect",), ("eval",), ("finetune",), ("a
             ("kernels", "build"), ("recipes", "list"), ("recipes", "show"), ("recipes", "validate")]
 
 
-def declared_helps(*command: str) -> list[str]:
-    """The help texts the command's options and arguments declare, as Rich is to print them (`\\[` is a bracket)."""
+def declared_command(*command: str):
     import typer
 
     node = typer.main.get_command(cli.app)
     for name in command:
         node = node.commands[name]
+    return node
+
+
+def declared_helps(*command: str) -> list[str]:
+    """The help texts the command's options and arguments declare, as Rich is to print them (`\\[` is a bracket)."""
+    node = declared_command(*command)
     return [param.help.replace("\\[", "[") for param in node.params if getattr(param, "help", None)]
 
 # A short reference of facts each --help must state (squashed: Rich wraps anywhere a space is).
@@ -65,7 +71,13 @@ HELP_FACTS = {
 def test_every_help_is_true_and_fits_80_columns(command):
     text = help_of(*command)
     assert "<bool>" not in text  # a flag takes no value
+    assert "list[" not in text  # a repeatable value is shown by what is typed (<str>, FILE), not Python's type
     assert all(len(line) <= 80 for line in text.splitlines()), text
+    for line in text.splitlines():  # a metavar such as <auto|float32|...> stands whole on its line, never split mid-word
+        assert not re.search(r"<[^>]*$", line), f"a value type split across lines:\n{text}"
+    # The description's paragraphs are sentences Rich wraps to the terminal: no line break of the source inside one.
+    node = declared_command(*command)
+    assert not re.search(r"[^\n]\n[^\n]", (node.help or "").strip()), f"line break inside a paragraph: {node.help!r}"
     for fact in HELP_FACTS.get(command, []):
         assert squash(fact) in flat(text), f"{fact!r} missing from `attnres {' '.join(command)} --help`:\n{text}"
     # Every declared help is printed whole: Rich would take an unescaped "[default: ...]" for markup and drop it.
@@ -101,14 +113,14 @@ def test_misspelt_command_gets_a_suggestion():
 # ---------------------------------------------------------------- argument errors before torch
 
 
-def _cli_in_subprocess(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+def _cli_in_subprocess(args: list[str], cwd: Path, columns: int = 200) -> subprocess.CompletedProcess:
     """`attnres ARGS` in a fresh interpreter that reports, on exit, whether torch / transformers were imported."""
     code = (
         "import sys\nfrom attnres_convert.cli import main\nsys.argv = ['attnres', *sys.argv[1:]]\n"
         "try:\n    main()\n    status = 0\nexcept SystemExit as stop:\n    status = stop.code\n"
         "print('IMPORTED', 'torch' in sys.modules, 'transformers' in sys.modules, file=sys.stderr)\nsys.exit(status)\n"
     )
-    env = {**os.environ, **ONE_THREAD_ENV, "PYTHONPATH": str(ROOT), "COLUMNS": "200"}
+    env = {**os.environ, **ONE_THREAD_ENV, "PYTHONPATH": str(ROOT), "COLUMNS": str(columns)}
     return subprocess.run([sys.executable, "-c", code, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
 
 
@@ -127,6 +139,22 @@ ARGUMENT_ERRORS = {
     "finetune: missing data": (["finetune", "quickstart-cpu", "data.train.files=[missing.txt]"], "missing.txt does not exist"),
     "architectures: misspelt type": (["architectures", "lama"], "Did you mean llama"),
     "bench: no such path": (["bench", "/nonexistent/folder"], "no such file or folder: /nonexistent/folder"),
+    "eval: a play without its prefix": (["eval", "--data", "hamlet"], "file hamlet does not exist; for the Shakespeare play write 'shakespeare:hamlet'"),
+    "eval: not a model folder": (["eval", "taken", "--data", "shakespeare:hamlet"], "taken is not a model folder: it has no config.json"),
+    "eval: --seq-len 1": (["eval", "--seq-len", "1", "--data", "shakespeare:hamlet"], "--seq-len must be at least 2, got 1"),
+    "eval: --batch-size 0": (["eval", "--batch-size", "0", "--data", "shakespeare:hamlet"], "--batch-size must be at least 1, got 0"),
+    "inspect: a run folder": (["inspect", "run"], "It is a fine-tuning run folder: its model is run/model. Pass that."),
+    "bench: --rounds 0": (["bench", "--rounds", "0"], "--rounds 0: must be at least 1."),
+    "bench: --seq-len 0": (["bench", "--seq-len", "0"], "--seq-len 0: must be at least 1."),
+    "bench: unknown measure": (["bench", "--measure", "prefill,speed"], "--measure prefill,speed: choose from"),
+    "bench: triton on cpu": (["bench", "--kernels", "triton"], "--kernels triton runs the Triton kernels on CUDA tensors"),
+    "push: no such folder": (["push", "/nonexistent/folder", "alice/x"], "/nonexistent/folder is not a folder"),
+    "ab: --seeds 0": (["ab", "quickstart-cpu", "--seeds", "0"], "--seeds: must be >= 1 (got 0)"),
+    "eval: --max-tokens below a sequence": (["eval", "--max-tokens", "10", "--data", "shakespeare:hamlet"], "--max-tokens 10 is not enough for one sequence of --seq-len 256"),
+    "convert: no such dtype": (["convert", "--dtype", "bf17", "-o", "out"], "--dtype 'bf17' is not a data type we know: use auto, float32, bfloat16 or float16 (or bf16, fp16, fp32)"),
+    "eval: no such dtype": (["eval", "--dtype", "fp8", "--data", "shakespeare:hamlet"], "--dtype 'fp8' is not a data type we know"),
+    "bench: no such dtype": (["bench", "--dtype", "auto"], "--dtype 'auto' is not a data type we know: use float32, bfloat16 or float16"),
+    "finetune: no such dtype": (["finetune", "quickstart-cpu", "model.dtype=bf17"], "model.dtype: 'bf17' is not a data type we know"),
 }
 
 
@@ -144,11 +172,15 @@ def test_argument_errors_are_answered_without_importing_torch(tmp_path, case):
     args, message = ARGUMENT_ERRORS[case]
     (tmp_path / "taken").mkdir()
     (tmp_path / "taken" / "keep.txt").write_text("a user's file")
+    run = tmp_path / "run"  # a fine-tuning run folder: its model is in run/model
+    (run / "model").mkdir(parents=True)
+    (run / "recipe.yaml").write_text("{}")
+    (run / "model" / "config.json").write_text("{}")
     result = _cli_in_subprocess(args, tmp_path)
     assert result.returncode == 2, result.stderr
-    assert message in result.stderr, result.stderr
+    assert message in " ".join(result.stderr.split()), result.stderr
     assert "IMPORTED False False" in result.stderr, f"torch or transformers imported before the error:\n{result.stderr}"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["taken"]  # nothing written
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run", "taken"]  # nothing written
 
 
 def test_valid_recipe_is_validated_without_importing_torch(tmp_path):
@@ -226,7 +258,7 @@ def test_eval_and_finetune_tables_fit_80_columns():
     assert any("…" in line for line in lines)  # shortened in the middle, not wrapped
     metrics = {"steps": 1000, "tokens": 1_024_000, "processes": 1, "eval_loss_start": 3.28, "eval_perplexity_start": 26.6,
                "eval_loss": 3.01, "eval_perplexity": 20.3}
-    assert_unwrapped(render(cli.finetune_table(metrics)), "Fine-tuned 1000 steps, 1,024,000 tokens (1 process(es))")
+    assert_unwrapped(render(cli.finetune_table(metrics)), "Fine-tuned 1000 steps, 1,024,000 tokens (1 process)")
 
 
 def test_progress_lines_fit_80_columns():
@@ -418,3 +450,196 @@ def test_stage_lines_with_a_byte_bar_fit_80_columns():
     lines = render(progress.make_tasks_table(progress.tasks))
     assert_unwrapped(lines, "Verifying against the original", "200.0/538.1 MB ETA 0:", "100/273")
     assert len(lines) == 3
+
+
+# ---------------------------------------------------------------- what a command prints at 80 columns
+
+
+def screen(monkeypatch, *args: str, width: int = 80) -> tuple[int, str]:
+    """`attnres ARGS` as a terminal of WIDTH columns shows it: (exit code, the text on the screen)."""
+    shown = Console(width=width, file=io.StringIO(), record=True, color_system=None)
+    monkeypatch.setattr(cli, "console", shown)
+    result = runner.invoke(cli.app, list(args), env={"COLUMNS": str(width)})
+    return result.exit_code, shown.export_text() + result.stdout
+
+
+def test_recipes_list_never_cuts_a_name(monkeypatch):
+    from attnres_convert.finetune.recipe import shipped_recipes
+
+    code, text = screen(monkeypatch, "recipes", "list")
+    assert code == 0, text
+    lines = text.splitlines()
+    assert all(len(line) <= 80 for line in lines), text
+    named = {line.split(":")[0] for line in lines if line and not line.startswith(" ")}
+    assert set(shipped_recipes()) <= named, text  # every name whole, first on its line
+    assert "…" not in text
+    words = " ".join(text.split())  # the descriptions whole, wherever Rich wrapped them
+    assert "Embedded SmolLM2-135M-Instruct on Shakespeare (3 plays held out)" in words, text
+
+
+def _yaml_of(text: str) -> dict:
+    import yaml
+
+    return yaml.safe_load(text)
+
+
+def test_recipes_validate_prints_a_verdict_and_the_recipe_only_with_show(monkeypatch, tmp_path):
+    from attnres_convert.finetune.recipe import load_recipe
+
+    code, text = screen(monkeypatch, "recipes", "validate", "quickstart-cpu")
+    assert code == 0 and "valid: quickstart-cpu" in text and "--show" in text, text
+    assert "description:" not in text and len(text.splitlines()) <= 6, text
+    code, text = screen(monkeypatch, "recipes", "validate", "quickstart-cpu", "train.steps=7", "--show")
+    assert code == 0, text
+    expected = load_recipe("quickstart-cpu", ["train.steps=7"]).model_dump(mode="json")
+    assert _yaml_of(text) == expected  # the whole screen is YAML: the verdict is a comment
+    assert "# valid: quickstart-cpu" in text
+    # Piped, in a fresh process at 80 columns: the same YAML, unwrapped by Rich.
+    result = _cli_in_subprocess(["recipes", "validate", "quickstart-cpu", "train.steps=7", "--show"], tmp_path, columns=80)
+    assert result.returncode == 0, result.stderr
+    assert _yaml_of(result.stdout) == expected
+
+
+# ---------------------------------------------------------------- dtypes by their usual names
+
+
+@pytest.mark.parametrize("typed, meant", [
+    ("bf16", "bfloat16"), ("BF16", "bfloat16"), ("bfloat16", "bfloat16"), ("torch.bfloat16", "bfloat16"),
+    ("fp16", "float16"), ("half", "float16"), ("f16", "float16"), ("fp32", "float32"), ("float", "float32"),
+    ("float32", "float32"), ("auto", "auto"),
+])
+def test_dtype_aliases_mean_the_dtype_everywhere_one_is_taken(typed, meant):
+    from attnres_convert.conversion.options import ConvertOptions, canonical_dtype
+    from attnres_convert.finetune.recipe import load_recipe
+
+    assert canonical_dtype(typed) == meant
+    assert ConvertOptions.build(dtype=typed).dtype == meant
+    if meant != "auto":
+        assert load_recipe("quickstart-cpu", [f"model.dtype={typed}"]).model.dtype == meant
+
+
+def test_mixed_precision_takes_the_dtype_names_too():
+    from attnres_convert.finetune.recipe import load_recipe
+
+    assert load_recipe("quickstart-cpu", ["train.mixed_precision=bfloat16"]).train.mixed_precision == "bf16"
+    assert load_recipe("quickstart-cpu", ["train.mixed_precision=float16"]).train.mixed_precision == "fp16"
+
+
+@pytest.mark.parametrize("args", [
+    ["convert", "--dtype", "bf17", "-o", "out"],
+    ["finetune", "quickstart-cpu", "model.dtype=bf17"],
+    ["recipes", "validate", "quickstart-cpu", "model.dtype=bf17"],
+])
+def test_a_wrong_dtype_is_answered_in_our_words(tmp_path, monkeypatch, args):
+    monkeypatch.chdir(tmp_path)
+    result = runner.invoke(cli.app, args)
+    assert result.exit_code == 2, result.output
+    words = " ".join(result.output.split())
+    assert "'bf17' is not a data type we know" in words and "bf16" in words, words
+    assert "Value error" not in words and "literal_error" not in words and "pydantic" not in words
+
+
+def test_where_it_trains_is_said_in_words():
+    from attnres_convert.finetune.training import where_it_trains
+
+    assert where_it_trains("cpu", 1, "NO", "no") == "Training on cpu in 1 process, no mixed precision"
+    assert where_it_trains("cuda:0", 4, "FSDP", "bf16") == "Training on cuda:0 in 4 processes (FSDP), bf16 mixed precision"
+    assert where_it_trains("cpu", 2, "MULTI_CPU", "no") == "Training on cpu in 2 processes (DDP), no mixed precision"
+
+
+@pytest.mark.filterwarnings("ignore:.*has no tokenizer")  # the tiny model ships none; not what this test is about
+def test_convert_shows_its_stages_in_the_order_it_works(tmp_path, tiny_llama_folder):
+    """The display agrees with the README: the converted folder is verified before it is put in place."""
+    import contextlib
+
+    from attnres_convert import convert
+
+    out, seen = tmp_path / "out", []
+
+    @contextlib.contextmanager
+    def stage(name):
+        seen.append((name, out.exists()))
+        yield
+
+    @contextlib.contextmanager
+    def progress(name, total):
+        seen.append((name, out.exists()))
+        yield lambda nbytes: None
+
+    convert(str(tiny_llama_folder), out, stage=stage, progress=progress)
+    names = [name for name, _ in seen]
+    assert names.index("Writing shards") < names.index("Verifying against the original"), names
+    assert not any(name.startswith("Saving") for name in names), names
+    assert dict(seen)["Verifying against the original"] is False  # OUT appears only after the verification
+    assert (out / "config.json").is_file()
+
+
+@pytest.mark.parametrize("earlier_stage", [False, True])
+def test_ctrl_c_names_the_stage_it_stopped_with_no_blank_line(monkeypatch, earlier_stage):
+    """As docs/first-run.md shows it: `interrupted: convert (loading model) stopped; ...`, right under the last
+    finished stage line (piped, Progress.stop would print an empty line first); the stopped stage is not left
+    on the screen as if done."""
+    import typer
+
+    from attnres_convert import cli_kit
+
+    shown = io.StringIO()
+    monkeypatch.setattr(cli_kit, "err_console", Console(file=shown, width=80, color_system=None))
+    with pytest.raises(typer.Exit) as stop:
+        with cli_kit.stages("convert", "nothing was written to out") as stage:
+            if earlier_stage:
+                with stage("Reading config"):
+                    pass
+            with stage("Loading model"):
+                raise KeyboardInterrupt
+    assert stop.value.exit_code == 130
+    lines = shown.getvalue().splitlines()
+    assert lines[-1] == "interrupted: convert (loading model) stopped; nothing was written to out.", lines
+    assert all(line.strip() for line in lines), lines  # no blank line
+    assert [line.split()[:2] for line in lines[:-1]] == ([["Reading", "config"]] if earlier_stage else [])
+
+
+# ---------------------------------------------------------------- bench: how long, and its lines piped
+
+
+def test_bench_says_how_long_before_it_starts():
+    from attnres_convert.analysis.bench_settings import PACE_S, SETUP_S, MEMORY_S, BenchSettings, estimate, quick_settings
+
+    idle = estimate(BenchSettings(threads=1), embedded=True, cores=2, load=0.5)
+    round_s = 2 * sum(PACE_S.values())  # 1 thread, the default sizes: the measured pace
+    total = SETUP_S + 6 * round_s + MEMORY_S
+    assert f"about {total / 60:.0f} min with 1 thread(s), 6 rounds (one a warm-up) of about {round_s:.0f} s" in idle, idle
+    assert "busy" not in idle and "--quick" in idle
+    busy = estimate(BenchSettings(), embedded=True, cores=2, load=7.3)
+    assert "This machine is busy (load average 7.3 on 2 cores)" in busy
+    other = estimate(BenchSettings(), embedded=False, cores=2, load=0.1)
+    assert "one of the embedded SmolLM2-135M would take about" in other and "bigger model" in other
+    quick = quick_settings(BenchSettings())
+    assert (quick.rounds, quick.seq_len, quick.decode_tokens, quick.measure) == (1, 128, 16, ("prefill", "decode", "train"))
+    assert quick_settings(BenchSettings(seq_len=256, measure=("prefill",))).seq_len == 256  # what the user set stays
+    assert "--quick" not in estimate(quick, embedded=True, cores=2, load=0.1)
+    assert estimate(quick, embedded=True, cores=2) < idle or True
+    assert "rounds (one a warm-up) of about" in estimate(quick, embedded=True, cores=2)
+
+
+@pytest.mark.parametrize("source", ["", "/models/Meta-Llama-3.1-8B-Instruct-Q4_K_M-imatrix-long-name.gguf",
+                                    "some-organisation-name/a-rather-long-model-repository-name-v2"])
+def test_bench_stage_lines_are_whole_piped_at_80_columns(tmp_path, source):
+    from rich.progress import Progress
+
+    from attnres_convert.analysis.bench import saving_stage
+    from attnres_convert.cli_kit import stage_columns
+    from attnres_convert.io.paths import ModelSource
+
+    kind = "default" if not source else ("gguf" if source.endswith(".gguf") else "hub")
+    model = ModelSource(kind, str(Path(source).parent) if kind == "gguf" else source or "/x",
+                        Path(source).name if kind == "gguf" else ("SmolLM2-135M-Instruct.Q4_1.gguf" if kind == "default" else None),
+                        given=source or None)
+    names = [saving_stage(model), "Converting", "Loading both models", "prefill", "decode", "train step",
+             "peak memory of a training step (a process per model)"]
+    console = Console(width=80, file=io.StringIO(), color_system=None)  # piped: Rich crops a line at the width
+    progress = Progress(*stage_columns(), console=console)
+    for name in names:
+        progress.add_task(name, total=1, completed=1)
+    lines = render(progress.make_tasks_table(progress.tasks))
+    assert_unwrapped(lines, *names)

@@ -45,7 +45,7 @@ def test_bad_options_fail_before_anything_is_read(tmp_path):
         convert("no/such-model", out, verify_tokens="many")
     with pytest.raises(OptionsError, match="dtype"):
         convert("no/such-model", out, dtype="float8")
-    # on the command line dtype is a choice built from the same Literal
+    # on the command line the same field checks it (its usual aliases accepted, bf16 for bfloat16)
     result = run_cli("convert", "no/such-model", "-o", out, "--dtype", "float8")
     assert result.exit_code == 2 and "float8" in result.output and "bfloat16" in result.output
     assert leftovers(out) == []

@@ -94,3 +94,22 @@ def test_docs_table_is_the_walk(report):
     assert coverage.table_in(document) == coverage.markdown(report), (
         "docs/architectures.md is stale: run `attnres architectures --write docs/architectures.md`"
     )
+
+
+def test_the_summary_counts_model_types_and_variants_apart(monkeypatch):
+    """`attnres architectures` ends with the README's numbers: model types (their default configs), then the
+    config variants apart, never one sum of rows."""
+    from typer.testing import CliRunner
+
+    from attnres_convert import cli
+
+    rows = [coverage.CoverageRow("llama", "", "converted", "x", 0.1), coverage.CoverageRow("olmo2", "", "refused", "y", 0.1),
+            coverage.CoverageRow("gpt2", "", "converted", "z", 0.1),
+            coverage.CoverageRow("llama", "tied head", "converted", "x", 0.1),
+            coverage.CoverageRow("gemma3", "sliding", "refused", "y", 0.1)]
+    report = coverage.CoverageReport(rows, transformers.__version__)
+    assert report.summary() == "3 model types: 2 converted, 1 refused, 0 not built; 2 config variants: 1 converted"
+    monkeypatch.setattr(coverage, "walk", lambda *args, **kwargs: report)
+    result = CliRunner().invoke(cli.app, ["architectures"])
+    assert result.exit_code == 0, result.output
+    assert " ".join(result.output.split()).endswith(report.summary()), result.output  # wherever Rich wrapped it

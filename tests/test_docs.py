@@ -30,8 +30,14 @@ def _generator():
 
 
 # docs/cli.md is Typer's rendering of the CLI, which changes with Typer's release: generated with the lock's.
-# README.md and performance.md carry tables made from `attnres bench` results (benchmarks/results).
-GENERATED = [pytest.param("cli.md", marks=pytest.mark.locked_versions), "recipes.md", "README.md", "performance.md"]
+# performance.md carries tables made from `attnres bench` results (benchmarks/results).
+GENERATED = [pytest.param("cli.md", marks=pytest.mark.locked_versions), "recipes.md", "performance.md"]
+
+
+def test_the_readme_is_a_landing_page():
+    """README.md says what attnres is, how to start and where each subject's page is; the detail lives in docs/."""
+    size = (ROOT / "README.md").stat().st_size
+    assert size <= 25_000, f"README.md is {size / 1000:.1f} KB, over 25 KB: move detail into docs/ and link to it"
 
 
 @pytest.mark.parametrize("name", GENERATED)

@@ -72,7 +72,7 @@ def test_embedded_corpus_names(setup):
         (["--data", "nowhere/*.txt"], "no file matches"),
         ([], "Missing option '--data'"),
         (["--seq-len", "512"], "longer than the model's 256 positions"),
-        (["--seq-len", "100000", "--max-tokens", "10"], "longer than"),
+        (["--seq-len", "100000", "--max-tokens", "200000"], "longer than"),
         (["--seq-len", "200", "--max-tokens", "100"], "not enough for one sequence"),
     ],
 )

@@ -273,7 +273,7 @@ def test_two_processes_match_one_with_the_same_global_batch(setup, tmp_path):
                     eval={"every": 2, "max_sequences": 5}, checkpoint={"every": 2})
     recipe = write_recipe(tmp_path / "recipe.yaml", tiny_recipe(setup["model"], setup["corpus"], tmp_path / "two", **sections))
     launched = _finetune_in_two_processes(recipe, tmp_path)
-    assert "Fine-tuned 4 steps, 512 tokens (2 process(es))" in " ".join(launched.stdout.split())
+    assert "Fine-tuned 4 steps, 512 tokens (2 processes)" in " ".join(launched.stdout.split())
     assert launched.stdout.count("held-out loss") == 1  # one summary table, from the main process
 
     single = run(setup, tmp_path / "one", **{**sections, "train": {**sections["train"], "grad_accum": 2}})
@@ -440,3 +440,40 @@ def test_resume_with_overwrite_continues_in_place(setup, tmp_path):
     assert resumed.metrics["steps"] == 4 and (out / "marker.txt").is_file()
     assert [r["step"] for r in resumed.records if r["kind"] == "train"] == [1, 2, 3, 4]
     assert _hidden_siblings(out) == []
+
+
+def test_a_tied_model_checkpoints_quietly_and_resumes_to_the_same_weights(tmp_path, caplog, capfd):
+    """Tied input and output embeddings share one tensor: Accelerate's checkpoint keeps it under one name and
+    logs "Removed shared tensor {'lm_head.weight'} ... check ...". Harmless: a run stopped and resumed from such a
+    checkpoint ends with the uninterrupted run's weights, still tied; and the line stays off the console."""
+    import logging
+
+    from rich.console import Console
+
+    from tiny_models import tiny_model
+    from finetune_helpers import char_tokenizer
+
+    folder = tmp_path / "tied"
+    model = tiny_model("llama", tie_word_embeddings=True)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    model.save_pretrained(folder)
+    char_tokenizer().save_pretrained(folder)
+    corpus = write_corpus(tmp_path / "corpus")
+    sections = dict(train={"trainable": "full", "steps": 4, "lr": 1e-3}, eval={"every": 0, "max_sequences": 4},
+                    checkpoint={"every": 0})
+    whole = finetune(parse_recipe(tiny_recipe(folder, corpus, tmp_path / "whole", **sections)))
+    recipe = parse_recipe(tiny_recipe(folder, corpus, tmp_path / "cut", **sections))
+    shown = Console(width=80, file=__import__("io").StringIO(), record=True, color_system=None)
+    with caplog.at_level(logging.WARNING), pytest.raises(TrainingInterrupted) as stopped:
+        finetune(recipe, stop_at_step=2, console=shown)
+    saved = load_file(stopped.value.checkpoint / "model.safetensors")
+    assert any("embed_tokens" in name for name in saved) and not any("lm_head" in name for name in saved)  # one name kept
+    said = shown.export_text() + caplog.text + "".join(capfd.readouterr())
+    assert "Removed shared tensor" not in said, said
+    resumed = finetune(recipe, resume=True)
+    final = weights(resumed.model_dir)
+    assert final.keys() == weights(whole.model_dir).keys()
+    for name, tensor in weights(whole.model_dir).items():
+        assert torch.equal(final[name], tensor), name
+    loaded = load_converted(resumed.model_dir)
+    assert loaded.lm_head.weight is loaded.get_input_embeddings().weight  # still tied after the reload

@@ -19,7 +19,7 @@ from attnres_convert.modeling import SHIPPED_CODE
 
 PACKAGE = Path(attnres_convert.__file__).resolve().parent
 ROOT = "(the package root, which re-exports every layer)"
-RANK = {"errors": 0, "optional": 0.5, "modeling": 1, "io": 2, "conversion": 3, "hub": 4, "analysis": 4, "finetune": 5, ROOT: 6, "cli_kit": 6.5, "cli": 7, "__main__": 8}
+RANK = {"errors": 0, "optional": 0.5, "modeling": 1, "io": 2, "conversion": 3, "hub": 4, "analysis": 4, "finetune": 5, ROOT: 6, "cli_kit": 6.5, "cli_tables": 6.6, "cli": 7, "__main__": 8}
 # triton comes with the CUDA builds of torch; shipped code imports it only where it is importable.
 SHIPPED_MAY_IMPORT = {"torch", "transformers", "triton", "__future__"} | set(sys.stdlib_module_names)
 # huggingface_hub: transformers' own dependency, with which the CPU kernels fetch their C++ source for a Hub model.

@@ -276,7 +276,9 @@ def test_cli_recipes_list_show_validate(tmp_path):
     assert shown.returncode == 0 and yaml.safe_load(shown.stdout)["data"]["train"]["files"] == ["shakespeare:*"]
     assert shown.stdout == (ROOT / "recipes" / "quickstart-cpu.yaml").read_text()
     valid = run_cli("recipes", "validate", "quickstart-cpu", "train.steps=5")
-    assert valid.returncode == 0 and "valid" in valid.stdout and "steps: 5" in valid.stdout
+    assert valid.returncode == 0 and "valid: quickstart-cpu" in valid.stdout and "5 steps" in valid.stdout
+    shown_valid = run_cli("recipes", "validate", "quickstart-cpu", "train.steps=5", "--show")
+    assert shown_valid.returncode == 0 and yaml.safe_load(shown_valid.stdout)["train"]["steps"] == 5
     bad = write_recipe(tmp_path / "r.yaml", minimal(data={"train": {"files": [str(tmp_path / "none.txt")]}}))
     invalid = run_cli("recipes", "validate", str(bad))
     assert invalid.returncode == 2 and f"data.train.files[0]: file {tmp_path / 'none.txt'} does not exist" in invalid.stderr

@@ -33,39 +33,8 @@ from ..modeling.architectures import UnsupportedModelError, vocab_size_of
 from ..conversion.surgery import BlockSizeError
 from ..io.sources import DTYPES, ModelSource, load_model, load_tokenizer, resolve_source
 from . import step_memory
+from .bench_settings import DEVICES, KERNELS, MEASURES, BenchError, BenchSettings, check_values, runs_total  # noqa: F401
 from .timing import compared, device_sync, interleaved, kernel_env, resident
-
-MEASURES = ("prefill", "decode", "train", "memory")
-KERNELS = ("eager", "triton", "cpu")
-DEVICES = ("cpu", "cuda")
-
-
-class BenchError(AttnResError):
-    """A bench setting this machine cannot run (device, dtype, kernels): the message names it."""
-
-
-@dataclass
-class BenchSettings:
-    """What `attnres bench` measures and how. dtype None: float32 on CPU, bfloat16 on CUDA. kernels None:
-    the depth mix runs where ATTNRES_KERNEL sends it (auto: Triton on CUDA, eager on CPU)."""
-
-    device: str = "cpu"
-    dtype: str | None = None
-    kernels: str | None = None
-    compile: bool = False
-    batch: int = 1
-    seq_len: int = 512
-    decode_tokens: int = 64
-    prompt_tokens: int = 32
-    rounds: int = 5
-    threads: int | None = None
-    measure: tuple[str, ...] = MEASURES
-    block_size: int | None = None
-    full: bool = False
-
-    @property
-    def resolved_dtype(self) -> str:
-        return self.dtype or ("bfloat16" if self.device == "cuda" else "float32")
 
 
 @dataclass
@@ -87,30 +56,12 @@ class BenchResult:
 
 def check_settings(settings: BenchSettings) -> None:
     """Refuse, before anything is loaded, what this machine cannot run; the message names the setting."""
-    for name in ("batch", "seq_len", "decode_tokens", "prompt_tokens", "rounds"):
-        if getattr(settings, name) < 1:
-            raise BenchError(f"--{name.replace('_', '-')} {getattr(settings, name)}: must be at least 1.")
-    if settings.threads is not None and settings.threads < 1:
-        raise BenchError(f"--threads {settings.threads}: must be at least 1.")
-    unknown = [m for m in settings.measure if m not in MEASURES]
-    if unknown or not settings.measure:
-        raise BenchError(f"--measure {','.join(settings.measure)}: choose from {', '.join(MEASURES)}.")
-    if settings.device not in DEVICES:
-        raise BenchError(f"--device {settings.device!r} is not a device bench runs on: use cpu or cuda.")
+    check_values(settings)
     if settings.device == "cuda" and not torch.cuda.is_available():
         why = "this torch was built without CUDA" if torch.version.cuda is None else "no CUDA GPU is visible"
         raise BenchError(f"--device cuda: {why} (torch {torch.__version__}). Run on a machine with a GPU, or use --device cpu.")
     dtype = settings.resolved_dtype
-    if dtype not in DTYPES or dtype == "auto":
-        raise BenchError(f"--dtype {dtype!r}: use float32, bfloat16 or float16.")
     _check_dtype_runs(settings.device, dtype)
-    if settings.kernels is not None and settings.kernels not in KERNELS:
-        raise BenchError(f"--kernels {settings.kernels!r}: use eager, triton or cpu.")
-    if settings.compile and settings.kernels in ("triton", "cpu"):
-        raise BenchError(
-            f"--kernels {settings.kernels} does not run under --compile: torch.compile fuses the eager depth mix "
-            f"itself. Use --kernels eager with --compile, or drop --compile."
-        )
     if settings.kernels == "triton":
         _check_triton(settings.device)
     if settings.kernels == "cpu":
@@ -182,6 +133,16 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def saving_stage(source: ModelSource) -> str:
+    """The stage line of saving SOURCE as a folder: short enough for 80 columns piped (Rich crops a stage line
+    there), since the full name of the embedded model alone is 66 characters."""
+    from ..io.console import shorten_middle
+
+    if source.kind == "default":
+        return "Saving the embedded GGUF as a model folder"
+    return f"Saving {shorten_middle(source.short_name, 28)} as a model folder"
+
+
 def _original_folder(source: ModelSource, work: Path) -> Path:
     """SOURCE as a folder that from_pretrained reads: itself, or saved once (a GGUF file dequantised)."""
     if source.kind == "folder":
@@ -248,7 +209,7 @@ def run_bench(
         with tempfile.TemporaryDirectory(prefix="attnres-bench-") as tmp:
             work = Path(tmp)
             if source.kind != "folder":
-                with stage(f"Saving {source.name} as a model folder"):
+                with stage(saving_stage(source)):
                     original_folder = _original_folder(source, work)
             else:
                 original_folder = Path(source.location)
@@ -281,12 +242,6 @@ def run_bench(
                   "params_added": summary.params_added, "model_type": summary.model_type,
                   "converted_class": f"{type(attnres).__module__}.{type(attnres).__name__}"}
     return BenchResult(source.name, settings_dict, machine, conversion, rows, command, notes)
-
-
-def runs_total(settings: BenchSettings) -> int:
-    """How many timed and warm-up runs `run_bench` makes (both models), for a progress bar's total."""
-    timed = [m for m in settings.measure if m in ("prefill", "decode", "train")]
-    return len(timed) * 2 * (settings.rounds + 1)
 
 
 def _measure(original, converted, settings: BenchSettings, stage, on_run) -> tuple[list[dict], list[str]]:

@@ -14,7 +14,8 @@ from pathlib import Path
 
 from rich.table import Table
 
-from ..io.saving import current_umask, write_problem
+from ..io.saving import current_umask
+from .bench_settings import output_problem  # noqa: F401 - re-exported
 
 RATIO_MEANING = "ratio: converted / original (time, memory)"
 
@@ -76,11 +77,6 @@ def markdown(result: dict, json_path: str | None = None) -> str:
                      f"{row['ratio']:.3f} | {paired} |")
     lines += [f"\n{note}" for note in result.get("notes", [])]
     return "\n".join(lines) + "\n"
-
-
-def output_problem(path: Path) -> str | None:
-    """Why a results file cannot be written at PATH, or None (checked before a run, not after it)."""
-    return f"{path} is a folder" if path.is_dir() else write_problem(path.parent)
 
 
 def write_json(result: dict, path: str | os.PathLike) -> Path:

@@ -218,7 +218,8 @@ def _convert_streamed(
         for name, text in _extra_files(plan.skeleton, result["summary"], report, model_source).items():
             (tmp / name).write_text(text)
 
-    with stage("Saving"):
+    # The display's order is the work's: written to a temporary folder, that folder verified, then moved into place.
+    with stage("Writing to a temporary folder"):
         output = atomic_folder(Path(out), write, opts.overwrite)
     return ConvertResult(
         model_source.name, output, result["summary"], result["report"],

@@ -92,6 +92,21 @@ class CoverageReport:
     def defaults(self) -> list[CoverageRow]:
         return [row for row in self.rows if not row.variant]
 
+    def summary(self) -> str:
+        """The counts as the README states them: model types (each type's default config), then the config
+        variants apart, so that the rows of both are never added up into one number."""
+        types = self.defaults()
+        count = {status: sum(1 for row in types if row.status == status) for status in STATUSES}
+        line = (
+            f"{len(types)} model types: {count['converted']} converted, {count['refused']} refused, "
+            f"{count['not built']} not built"
+        )
+        variants = [row for row in self.rows if row.variant]
+        if variants:
+            converted = sum(1 for row in variants if row.status == "converted")
+            line += f"; {len(variants)} config variants: {converted} converted"
+        return line
+
     def converted_types(self) -> list[str]:
         return sorted(row.model_type for row in self.defaults() if row.status == "converted")
 

@@ -25,7 +25,26 @@ from ..io.samples import SAMPLE_TEXT
 from ..io.hub_access import DEFAULT_MAX_SHARD_SIZE
 
 
+DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
+# The names people type for the same dtypes (PyTorch's, Accelerate's, llama.cpp's); matched case-insensitively.
+DTYPE_ALIASES = {
+    "fp32": "float32", "f32": "float32", "float": "float32", "torch.float32": "float32",
+    "bf16": "bfloat16", "torch.bfloat16": "bfloat16",
+    "fp16": "float16", "f16": "float16", "half": "float16", "torch.float16": "float16",
+}
+# A dtype field (convert's --dtype, a recipe's model.dtype, which also takes the aliases: finetune.recipe).
 DTypeName = Literal["auto", "float32", "bfloat16", "float16"]
+
+
+def canonical_dtype(value, what: str = "dtype", allowed: tuple[str, ...] = DTYPE_NAMES) -> str:
+    """VALUE as one of ALLOWED (float32, bfloat16, float16, auto), its usual aliases (fp32, bf16, fp16, half, ...)
+    accepted; anything else is an AttnResError naming WHAT and the choices."""
+    text = str(getattr(value, "value", value)).strip().lower()
+    name = DTYPE_ALIASES.get(text, text)
+    if name not in allowed:
+        choices = ", ".join(allowed[:-1]) + f" or {allowed[-1]}"
+        raise AttnResError(f"{what} {value!r} is not a data type we know: use {choices} (or bf16, fp16, fp32)")
+    return name
 
 
 class OptionsError(AttnResError):
@@ -41,14 +60,15 @@ class OptionField:
     description: str
     ge: int | None = None
     cli: bool = True
+    aliases: bool = False  # the value may be an alias the options turn into a choice (a dtype: bf16 for bfloat16)
 
     @property
     def json_schema_extra(self) -> dict | None:  # pydantic's spelling, read by the command line
         return None if self.cli else {"cli": False}
 
 
-def _option(default, description: str, *, ge: int | None = None, cli: bool = True):
-    return dataclasses.field(default=default, metadata={"description": description, "ge": ge, "cli": cli})
+def _option(default, description: str, *, ge: int | None = None, cli: bool = True, aliases: bool = False):
+    return dataclasses.field(default=default, metadata={"description": description, "ge": ge, "cli": cli, "aliases": aliases})
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -66,7 +86,9 @@ class ConvertOptions:
         "train with the AttnRes parameters); 0: static queries. Runs the plain PyTorch depth mix.",
         ge=0,
     )
-    dtype: DTypeName = _option("auto", "auto keeps the checkpoint's dtype; or float32, bfloat16, float16.")
+    dtype: DTypeName = _option(
+        "auto", "auto keeps the checkpoint's dtype; or float32, bfloat16, float16 (fp32, bf16, fp16).", aliases=True
+    )
     verify: bool = _option(True, "Check logits and greedy generation against the original.")
     verify_tokens: int = _option(256, "Tokens of the sample text the check runs on.", ge=1)
     verify_new_tokens: int = _option(32, "Greedy tokens generated (with the KV cache) by the check.", ge=1)
@@ -96,6 +118,12 @@ class ConvertOptions:
             if name in ("max_shard_size", "max_memory") and isinstance(value, int) and not isinstance(value, bool):
                 # The library also takes a number of bytes; the flag is text ("5GB"), parsed where it is used.
                 object.__setattr__(self, name, value := str(value))
+            if name == "dtype":  # an alias (bf16, fp32, ...) becomes the canonical name; anything else is said in our words
+                try:
+                    object.__setattr__(self, name, value := canonical_dtype(value, name))
+                except AttnResError as error:
+                    problems.append(str(error))
+                    continue
             problem = _type_problem(field.annotation, value)
             if problem is None and field.ge is not None and value is not None and value < field.ge:
                 problem = f"{name} must be >= {field.ge}, got {value!r}"
@@ -142,7 +170,7 @@ def _type_problem(annotation, value) -> str | None:
 
 _HINTS = typing.get_type_hints(ConvertOptions)
 ConvertOptions.model_fields = {
-    f.name: OptionField(_HINTS[f.name], f.default, f.metadata["description"], f.metadata["ge"], f.metadata["cli"])
+    f.name: OptionField(_HINTS[f.name], f.default, **f.metadata)
     for f in dataclasses.fields(ConvertOptions)
 }
 

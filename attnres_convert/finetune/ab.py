@@ -26,10 +26,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+# The report's files and how they are written and shown: ab_report.py (re-exported here for callers of ab).
+from .ab_report import AB_JSON, AB_MD, AB_PNG, compute_equivalent_lines, console_report, markdown, write_report  # noqa: F401
 from .metrics import METRICS, read_metrics
 from .recipe import Recipe, RecipeError, apply_overrides, find_recipe, parse_recipe, read_yaml
 
-AB_JSON, AB_MD, AB_PNG = "ab.json", "ab.md", "ab.png"
 ARM_SETTINGS = ("output.save_model=false", "output.overwrite=true", "eval.at_start=true", "output.push_to_hub=null")
 
 
@@ -125,12 +126,14 @@ class RunSummary:
     converted: bool
     grad_norm: list[tuple[int, float]] = field(default_factory=list)
     attnres_grad_norm: list[tuple[int, float]] = field(default_factory=list)
+    eval_stderr_final: float | None = None  # the final evaluation's standard error (None: not recorded)
 
 
 def read_run(folder: Path, seed: int) -> RunSummary:
     final = json.loads((folder / "final_metrics.json").read_text())
     records = read_metrics(folder / METRICS)
     trains = [r for r in records if r["kind"] == "train"]
+    evals = [r for r in records if r["kind"] == "eval"]
     return RunSummary(
         seed=seed,
         eval=[(r["step"], r["loss"]) for r in records if r["kind"] == "eval"],
@@ -144,6 +147,7 @@ def read_run(folder: Path, seed: int) -> RunSummary:
         converted=final["converted"],
         grad_norm=[(r["step"], r["grad_norm"]) for r in trains if r.get("grad_norm") is not None],
         attnres_grad_norm=[(r["step"], r["attnres_grad_norm"]) for r in trains if r.get("attnres_grad_norm") is not None],
+        eval_stderr_final=evals[-1].get("loss_se") if evals else None,
     )
 
 
@@ -156,6 +160,11 @@ def paired(values: list[float]) -> dict:
         "max": max(values),
         "per_seed": values,
     }
+
+
+def _mean_or_none(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return statistics.fmean(known) if known else None
 
 
 def _mean_curve(runs: list[RunSummary]) -> list[tuple[int, float]]:
@@ -172,6 +181,7 @@ def arm_report(arm: Arm, runs: list[RunSummary], baseline: list[RunSummary] | No
         "converted": runs[0].converted,
         "eval": _mean_curve(runs),
         "eval_loss_final": statistics.fmean(r.eval_loss_final for r in runs),
+        "eval_stderr_final": _mean_or_none([r.eval_stderr_final for r in runs]),
         "tokens": runs[0].tokens,
         "tokens_per_s": statistics.fmean(speeds) if speeds else None,
         "trainable_parameters": runs[0].trainable_parameters,
@@ -215,9 +225,36 @@ def compute_equivalent(baseline_curve: list[tuple[int, float]], arm_final: float
     return figure
 
 
+def noise_reasons(mean: float, std: float, seeds: int, eval_se: float | None) -> list[str]:
+    """Why a mean difference over SEEDS paired seeds is within the run's noise (empty: it stands out): one seed (no
+    spread to judge it by), |Δ| no larger than the seeds' spread STD, or no larger than the evaluation's standard
+    error EVAL_SE of the difference (the held-out text is a sample too). The A/B and the retrofit study both
+    claim no savings then."""
+    size, reasons = abs(mean), []
+    if seeds == 1:
+        reasons.append("one seed")
+    elif size <= std:
+        reasons.append(f"|Δ| {size:.4f} <= the seeds' spread {std:.4f}")
+    if eval_se is not None and size <= eval_se:
+        reasons.append(f"|Δ| {size:.4f} <= the evaluation's standard error {eval_se:.4f}")
+    return reasons
+
+
+def within_noise(entry: dict, base: dict) -> str | None:
+    """Why the arm's final difference to the baseline is within this run's noise (`noise_reasons`: the seeds'
+    spread is the sample standard deviation of the per-seed Δ, the evaluation's standard error the two final
+    evaluations' combined), or None when it stands out."""
+    delta = entry.get("delta_final")
+    if delta is None:
+        return None
+    errors = [e for e in (entry.get("eval_stderr_final"), base.get("eval_stderr_final")) if e is not None]
+    eval_se = math.sqrt(sum(e * e for e in errors)) if errors else None
+    return "; ".join(noise_reasons(delta["mean"], delta["std"], len(delta["per_seed"]), eval_se)) or None
+
+
 def add_compute_equivalents(entries: list[dict], steps: int) -> None:
     """Every AttnRes arm's compute-equivalent figure against the baseline (entries[0]): from the mean curves,
-    and per seed from that seed's baseline curve."""
+    and per seed from that seed's baseline curve; `noise` says why it is no claim, where it is not one."""
     base = entries[0]
     base_runs = {r["seed"]: r for r in base["runs"]}
     for entry in entries[1:]:
@@ -225,6 +262,7 @@ def add_compute_equivalents(entries: list[dict], steps: int) -> None:
         per_seed = [compute_equivalent(base_runs[r["seed"]]["eval"], r["eval_loss_final"], r["tokens"], steps, r["eval"]) for r in entry["runs"]]
         figure["per_seed"] = [f["ratio"] for f in per_seed]
         figure["per_seed_at_baseline_final"] = [f["ratio_at_baseline_final"] for f in per_seed]
+        figure["noise"] = within_noise(entry, base)
         entry["compute_equivalent"] = figure
 
 
@@ -411,7 +449,7 @@ def run_ab(
     state = PartialState()
     if jobs > 1 and state.num_processes > 1:
         raise RecipeError("--jobs: under accelerate launch every process trains every arm together; use --jobs 1")
-    out = Path(output or f"outputs/ab-{path.stem}").expanduser().resolve()
+    out = Path(output or default_output(path)).expanduser().resolve()
     _check_output(out, overwrite)
     work = Path(workdir).expanduser().resolve() if workdir else out.with_name(out.name + "-runs")
     arms = plan_arms(sweep or [], plain)
@@ -452,6 +490,12 @@ def run_ab(
         atomic_folder(out, lambda folder: write_report(report, folder), owned=True)
     state.wait_for_everyone()
     return ABResult(out, report)
+
+
+def default_output(recipe_path: Path) -> Path:
+    """outputs/ab-RECIPE, the prefix not doubled for a recipe named ab-... (outputs/ab-scratch-cpu, not ab-ab-...)."""
+    stem = recipe_path.stem
+    return Path("outputs") / (stem if stem.startswith("ab-") else f"ab-{stem}")
 
 
 def check_scratch_arms(data: dict, common: list[str], arms: list[Arm], seed: int, workdir: Path) -> None:
@@ -522,131 +566,3 @@ def _machine(jobs: int) -> dict:
         "jobs": jobs,
         "processes": PartialState().num_processes,
     }
-
-
-def write_report(report: dict, folder: Path) -> None:
-    from .result import plot_unless_missing
-
-    (folder / AB_JSON).write_text(json.dumps(report, indent=2))
-    (folder / AB_MD).write_text(markdown(report))
-    plot_unless_missing(lambda: _curves(report, folder / AB_PNG), f"{AB_PNG} (the held-out curves)")
-
-
-def _curves(report: dict, path: Path) -> None:
-    from ..analysis.plots import ab_curves_plot
-
-    ab_curves_plot(report, path)
-
-
-# --- ab.md ----------------------------------------------------------------------------------------
-
-
-def _delta(entry: dict) -> str:
-    delta = entry.get("delta_final")
-    if delta is None:
-        return ""
-    if len(delta["per_seed"]) == 1:
-        return f"{delta['mean']:+.4f}"
-    return f"{delta['mean']:+.4f} ± {delta['std']:.4f} ({delta['min']:+.4f} .. {delta['max']:+.4f})"
-
-
-def markdown(report: dict) -> str:
-    arms = report["arms"]
-    base = arms[0]
-    seeds = report["seeds"]
-    machine = report["machine"]
-    start = base["eval"][0] if base["eval"] and base["eval"][0][0] == 0 else None
-    lines = [
-        f"# A/B: {report['recipe']} ({report['steps']} steps, {base['tokens']:,} training tokens per arm, "
-        f"seed{'s' if len(seeds) > 1 else ''} {', '.join(map(str, seeds))})",
-        "",
-        f"Command: `{report['command']}`" if report["command"] else "",
-        "",
-        f"Machine: {machine['cpu']}{', ' + machine['accelerator'] if machine['accelerator'] else ''}; torch {machine['torch']}, "
-        f"{machine.get('processes', 1)} process(es) and {machine['threads_per_arm']} thread(s) per arm, {machine['jobs']} arm(s) at a time "
-        "(tokens/s depend on what else "
-        "the machine was running).",
-        "",
-        "Held-out loss in nats per token (mean over the seeds); Δ = arm - baseline at the same seed: mean ± sample "
-        "standard deviation (min .. max) over the seeds. Negative is better.",
-        "",
-        "| arm | overrides | held-out loss | perplexity | Δ vs baseline | trainable params | tokens/s |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    if start is not None:
-        origin = "random initialisation (step 0)" if report.get("from_scratch") else "original model (step 0)"
-        lines.append(f"| {origin} | | {start[1]:.4f} | {math.exp(start[1]):.2f} | | | |")
-        for entry in arms[1:]:
-            if entry["eval"] and entry["eval"][0][0] == 0:
-                lines.append(
-                    f"| converted (step 0) | | {entry['eval'][0][1]:.4f} | {math.exp(entry['eval'][0][1]):.2f} | "
-                    f"{entry['eval'][0][1] - start[1]:+.1e} vs original | | |"
-                )
-                break
-    for entry in arms:
-        params = f"{entry['trainable_parameters']:,}" + (f" (AttnRes {entry['attnres_parameters']:,})" if entry["attnres_parameters"] else "")
-        speed = f"{entry['tokens_per_s']:,.0f}" if entry["tokens_per_s"] else ""
-        if entry.get("tokens_per_s_interleaved"):
-            ratio = entry["tokens_per_s_interleaved"] / base["tokens_per_s_interleaved"]
-            speed += f" (interleaved {entry['tokens_per_s_interleaved']:,.0f}, {ratio:.2f}x)"
-        overrides = " ".join(f"`{o}`" for o in entry["overrides"])
-        lines.append(
-            f"| {entry['name']} | {overrides} | {entry['eval_loss_final']:.4f} | {math.exp(entry['eval_loss_final']):.2f} | "
-            f"{_delta(entry)} | {params} | {speed} |"
-        )
-    lines += compute_equivalent_lines(arms)
-    lines += ["", "Held-out loss during training (mean over the seeds; Δ vs baseline in brackets):", ""]
-    lines += ["| step | " + " | ".join(e["name"] for e in arms) + " |", "|---" * (1 + len(arms)) + "|"]
-    for step, loss in base["eval"]:
-        cells = [f"{loss:.4f}"]
-        for entry in arms[1:]:
-            curve, deltas = dict(entry["eval"]), dict(entry.get("delta_curve", []))
-            cell = f"{curve[step]:.4f}" if step in curve else ""
-            if step in deltas and step:
-                cell += f" ({deltas[step]['mean']:+.4f})"
-            cells.append(cell)
-        lines.append(f"| {step} | " + " | ".join(cells) + " |")
-    norms = [(e["name"], e["runs"][0]) for e in arms if e["runs"][0]["grad_norm"]]
-    if norms:
-        lines += ["", f"Gradient norms before clipping (seed {seeds[0]}; median over the run):", ""]
-        lines += ["| arm | base / LoRA | AttnRes |", "|---|---|---|"]
-        for name, run in norms:
-            attn = [v for _, v in run["attnres_grad_norm"]]
-            base_norm = statistics.median(v for _, v in run["grad_norm"])
-            lines.append(f"| {name} | {base_norm:.3f} | {f'{statistics.median(attn):.3f}' if attn else ''} |")
-    return "\n".join(lines) + "\n"
-
-
-def _ratio(figure: dict) -> str:
-    if figure["ratio"] is None:
-        return f"not reached (> {figure['arm_tokens']:,} tokens)"
-    return f"{figure['ratio']:.2f}x ({figure['baseline_tokens']:,.0f} tokens)"
-
-
-def compute_equivalent_lines(arms: list[dict]) -> list[str]:
-    """Compute equivalent: the baseline tokens that reach each arm's final loss, on the baseline's curve."""
-    figures = [(e["name"], e["compute_equivalent"]) for e in arms[1:] if e.get("compute_equivalent")]
-    if not figures:
-        return []
-    lines = [
-        "",
-        "Compute equivalent: the training tokens the baseline needs to reach the arm's final held-out loss, read off "
-        "the baseline's own curve (linear between evaluations), as a multiple of the arm's tokens; above 1 the arm "
-        "saves compute. \"not reached\": the baseline never gets there in this run. The other way round: the tokens "
-        "after which the arm reaches the baseline's final loss, and the baseline's tokens as a multiple of them.",
-        "",
-        "| arm | final loss | baseline tokens to match (mean curves) | per seed | arm tokens to the baseline's final loss | per seed |",
-        "|---|---|---|---|---|---|",
-    ]
-
-    def ratios(values) -> str:
-        return ", ".join("not reached" if r is None else f"{r:.2f}x" for r in values)
-
-    for name, figure in figures:
-        reached = figure.get("arm_tokens_to_baseline_final")
-        other = "not reached" if reached is None else f"{reached:,.0f} tokens: {figure['ratio_at_baseline_final']:.2f}x"
-        lines.append(
-            f"| {name} | {figure['target_loss']:.4f} | {_ratio(figure)} | {ratios(figure.get('per_seed', []))} | {other} | "
-            f"{ratios(figure.get('per_seed_at_baseline_final', []))} |"
-        )
-    return lines

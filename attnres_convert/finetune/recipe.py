@@ -17,20 +17,21 @@ import copy
 import difflib
 import os
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import yaml
 
 from ..optional import require
 
 require("pydantic", "a fine-tuning recipe (attnres finetune, ab and recipes)")  # the schema below is pydantic's
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator  # noqa: E402
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator  # noqa: E402
 
-from ..conversion.options import ConvertOptions, DTypeName, parse_size
+from ..conversion.options import ConvertOptions, DTypeName, canonical_dtype, parse_size
 from ..io.hub_access import DEFAULT_MAX_SHARD_SIZE
 from ..errors import AttnResError
 
 DEFAULT_SOURCES = (None, "", "default")
+_PRECISION_ALIASES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "no", "fp32": "no"}
 
 
 class RecipeError(AttnResError):
@@ -40,6 +41,18 @@ class RecipeError(AttnResError):
 class _Section(BaseModel):
     # mergekit style: a typo in a key is an error, not a silently ignored setting.
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+def _canonical_dtype_field(value):
+    # A before-validator: a ValueError becomes the field's error, worded by canonical_dtype.
+    try:
+        return canonical_dtype(value, "")
+    except AttnResError as error:
+        raise ValueError(str(error).strip()) from None
+
+
+# model.dtype: convert's dtype names, the usual aliases (bf16, fp32, ...) turned into them before the check.
+DTypeField = Annotated[DTypeName, BeforeValidator(_canonical_dtype_field)]
 
 
 def _convert_option(name: str):
@@ -63,7 +76,7 @@ class ModelSection(_Section):
     full: bool = _convert_option("full")
     query_rank: int = _convert_option("query_rank")
     # Not convert's default (auto): training keeps float32 weights, bf16 compute is train.mixed_precision.
-    dtype: DTypeName = Field("float32", description="Weights dtype; keep float32 and use train.mixed_precision for bf16 compute.")
+    dtype: DTypeField = Field("float32", description="Weights dtype; keep float32 and use train.mixed_precision for bf16 compute.")
     trust_remote_code: bool = _convert_option("trust_remote_code")
     # Training from scratch (finetune/scratch.py): the source's config, resized, with random weights.
     from_scratch: bool = Field(
@@ -210,12 +223,22 @@ class TrainSection(_Section):
         "linearly from 0 to 1 over this many steps (a scheduled gate, as in reskip's retrofit); 0: off. The saved model is "
         "plain AttnRes (g = 1). No effect without AttnRes (the A/B baseline)."
     )
-    mixed_precision: Literal["no", "bf16", "fp16"] = Field("no", description="Accelerate's mixed precision for the compute.")
+    mixed_precision: Literal["no", "bf16", "fp16"] = Field(
+        "no", description="Accelerate's mixed precision for the compute (bfloat16 and float16 are taken as bf16 and fp16)."
+    )
     gradient_checkpointing: bool = Field(
         False, description="Recompute activations in the backward pass (non-reentrant) to save memory."
     )
     seed: int = Field(0, description="Seeds the data order, LoRA initialisation and dropout.")
     log_every: int = Field(1, ge=1, description="Write metrics.jsonl every N steps.")
+
+    @field_validator("mixed_precision", mode="before")
+    @classmethod
+    def _precision_by_dtype_name(cls, value):
+        # A dtype's usual names mean the same precision here: bfloat16 is bf16, float16 fp16, float32 no.
+        if isinstance(value, str):
+            return _PRECISION_ALIASES.get(value.strip().lower(), value)
+        return value
 
     @model_validator(mode="after")
     def _warmup_fits(self):

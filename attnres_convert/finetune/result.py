@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -55,9 +54,11 @@ def save_result(accelerator, model, start: StartingModel, recipe: Recipe, out: P
         state_dict = accelerator.get_state_dict(model)  # gathers the shards; every process takes part
     if not accelerator.is_main_process:
         return None
+    from ..analysis.plots import loss_curve_plot, plot_unless_missing
+
     history = loss_history(records)
     title = f"{'AttnRes' if start.converted else 'Baseline (no AttnRes)'}: {start.source.short_name}"
-    plotted = plot_unless_missing(lambda: _loss_curve(history, out / LOSS_CURVE, title), f"{LOSS_CURVE} (the loss curve)")
+    plotted = plot_unless_missing(lambda: loss_curve_plot(history, out / LOSS_CURVE, title=title), f"{LOSS_CURVE} (the loss curve)")
     (out / FINAL_METRICS).write_text(json.dumps(final, indent=2))
     if not recipe.output.save_model:
         return None
@@ -92,24 +93,6 @@ def save_result(accelerator, model, start: StartingModel, recipe: Recipe, out: P
     # A model folder left by an earlier attempt of this run is swapped out only once the new one is complete.
     atomic_folder(model_dir, write, owned=True)
     return model_dir
-
-
-def _loss_curve(history, path: Path, title: str) -> None:
-    from ..analysis.plots import loss_curve_plot
-
-    loss_curve_plot(history, path, title=title)
-
-
-def plot_unless_missing(draw, what: str) -> bool:
-    """DRAW() where matplotlib is installed; without it, a warning that WHAT is not drawn and how to get it
-    (the run's numbers are all written: the picture is the one thing left out). Whether it drew."""
-    from ..optional import available, missing_message
-
-    if not available("matplotlib"):
-        warnings.warn(f"{what} is not drawn: {missing_message('matplotlib', 'drawing it')}", UserWarning, stacklevel=2)
-        return False
-    draw()
-    return True
 
 
 def model_card(model, start: StartingModel, recipe: Recipe, final: dict, history, corpus, plotted: bool = True) -> str:

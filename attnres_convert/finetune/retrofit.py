@@ -46,6 +46,7 @@ from .ab import (
     finished,
     folder_name,
     live_table,
+    noise_reasons,
     paired,
     read_run,
     run_tasks,
@@ -335,16 +336,11 @@ def difference_se(pairs: list[tuple[float | None, float | None]]) -> float | Non
 
 
 def savings_claim(lead: dict, eval_se: float | None) -> dict:
-    """Whether a lead (paired over seeds) supports a claim: two seeds or more, and a mean beyond both the seeds'
-    sample standard deviation and the evaluation's standard error."""
-    mean = lead["mean"]
-    if len(lead["per_seed"]) < 2:
-        return {"claim": False, "why": "one seed"}
-    if abs(mean) <= lead["std"]:
-        return {"claim": False, "why": "within the seeds' spread"}
-    if eval_se is not None and abs(mean) <= eval_se:
-        return {"claim": False, "why": "within the evaluation's standard error"}
-    return {"claim": True, "why": "AttnRes ahead" if mean > 0 else "AttnRes behind"}
+    """Whether a lead (paired over seeds) supports a claim: the A/B's noise rule (`ab.noise_reasons`)."""
+    reasons = noise_reasons(lead["mean"], lead["std"], len(lead["per_seed"]), eval_se)
+    if reasons:
+        return {"claim": False, "why": "; ".join(reasons)}
+    return {"claim": True, "why": "AttnRes ahead" if lead["mean"] > 0 else "AttnRes behind"}
 
 
 def _lead(base: dict[int, float], arm: dict[int, float], seeds: list[int]) -> dict:
@@ -426,20 +422,14 @@ def study_report(study: Study, command: str, jobs: int) -> tuple[dict, dict[str,
 
 
 def write_study(report: dict, sub_reports: dict[str, dict], folder: Path) -> None:
-    from .result import plot_unless_missing
+    from ..analysis.plots import plot_unless_missing, retrofit_plot
 
     (folder / RETROFIT_JSON).write_text(json.dumps(report, indent=2))
     (folder / RETROFIT_MD).write_text(markdown(report))
-    plot_unless_missing(lambda: _plot(report, folder / RETROFIT_PNG), f"{RETROFIT_PNG} (the study's curves)")
+    plot_unless_missing(lambda: retrofit_plot(report, folder / RETROFIT_PNG), f"{RETROFIT_PNG} (the study's curves)")
     for name, sub in sub_reports.items():
         (folder / name).mkdir()
         write_report(sub, folder / name)
-
-
-def _plot(report: dict, path: Path) -> None:
-    from ..analysis.plots import retrofit_plot
-
-    retrofit_plot(report, path)
 
 
 def _spread(lead: dict) -> str:

@@ -135,10 +135,8 @@ class FinetuneRecipe:
             report.say(f"[bold]Resolved recipe[/]\n{escape(recipe.to_yaml())}")
         else:
             report.say(escape(recipe.headline()) + " [dim](--verbose: the whole recipe)[/]")
-        report.say(
-            f"Accelerate: {self.distributed}, {self.accelerator.num_processes} process(es) on {self.accelerator.device}, "
-            f"mixed precision {self.accelerator.mixed_precision}"
-        )
+        report.say(where_it_trains(self.accelerator.device, self.accelerator.num_processes, self.distributed,
+                                   self.accelerator.mixed_precision))
         if os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true" and self.distributed != "FSDP":
             report.say(f"[yellow]note:[/] FSDP was asked for but Accelerate runs {self.distributed} here (FSDP needs GPUs)")
         if self.resume and self.checkpoint_path is None:
@@ -389,6 +387,15 @@ class FinetuneRecipe:
             self.report.say(f"Pushing {model_dir} to {self.recipe.output.push_to_hub} ...")
             pushed = push_folder(model_dir, self.recipe.output.push_to_hub, token=self.token, private=self.recipe.output.private)
         return FinetuneResult(self.out, model_dir, final, records, pushed)
+
+
+def where_it_trains(device, processes: int, distributed: str, mixed_precision: str) -> str:
+    """Accelerate's settings in words: 'Training on cpu in 1 process, float32', 'on cuda in 4 processes (FSDP), bf16
+    mixed precision' (Accelerate's own names, NO and MULTI_CPU, say little to a reader)."""
+    how = "" if processes == 1 else f" ({'FSDP' if distributed == 'FSDP' else 'DDP'})"
+    count = "1 process" if processes == 1 else f"{processes} processes"
+    precision = "no mixed precision" if mixed_precision == "no" else f"{mixed_precision} mixed precision"
+    return f"Training on {device} in {count}{how}, {precision}"
 
 
 def finetune(

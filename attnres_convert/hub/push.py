@@ -17,8 +17,6 @@ from pathlib import Path
 
 from ..io.hub_access import hub_endpoint, hub_reachable
 from ..errors import AttnResError, first_line, scrub
-from ..modeling import SHIPPED_CODE
-from ..modeling.remote_code import GENERATED
 
 TOKENIZER_VOCABS = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
 # Weight files a new push replaces: stale shards of an earlier push must not survive next to a new index.
@@ -136,6 +134,11 @@ def _config_problems(folder: Path) -> tuple[list[str], str | None]:
     for auto in ("AutoConfig", "AutoModelForCausalLM"):
         if auto not in auto_map:
             problems.append(f"config.json has no auto_map entry for {auto}: the model would not load with trust_remote_code")
+    # Imported here, not at the top: the modeling code imports torch, and a wrong folder or repo id is
+    # answered before that (tests/test_cli_screens.py, argument errors).
+    from ..modeling import SHIPPED_CODE
+    from ..modeling.remote_code import GENERATED
+
     # An auto_map entry is "module.Class", or "repo--module.Class" once it points into a hub repo.
     code = set(SHIPPED_CODE) | {f"{str(ref).split('--')[-1].split('.')[0]}.py" for ref in auto_map.values()}
     if (folder / GENERATED).is_file():  # a base model's own code, imported by base_code.py

