@@ -3,6 +3,7 @@
 # constraints.txt, the embedded model and text) on first use.
 # `make test-latest` and `make test-lowest` run the suite on the newest releases pyproject.toml allows and on
 # its lower bounds, each in its own venv; `make lock` rewrites constraints.txt from a green `make test-latest`.
+# `make venv-tf TF=5.19.0` makes a load-only venv where tests/test_across_versions.py loads converted folders.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin

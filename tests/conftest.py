@@ -40,6 +40,10 @@ def warn_as_the_module_caller(message, category=None, stacklevel=1, *args, **kwa
 
 
 warnings.warn = warn_as_the_module_caller
+# TorchScript compiles a `warnings.warn` call as its builtin op, found by the function's identity: a module that
+# scripts a function at import (transformers 5.16.1's GPT-BigCode, through F.softmax) would otherwise try to
+# compile this wrapper and fail on its *args.
+torch.jit._builtins._register_builtin(warn_as_the_module_caller, "aten::warn")
 
 # Tiny models are dominated by per-operation overhead, where a second thread only adds contention;
 # tests on the real model ask for two threads themselves (see `two_threads`).

@@ -1,7 +1,8 @@
 """A converted folder outlives the transformers release it was written with, and is loaded wherever models are
 served: a folder converted in one environment loads with `trust_remote_code=True` in another, without attnres
-importable there, and gives the same logits (within 1e-5: the same torch everywhere) and the same cached greedy
-generation. The environments are the ends of pyproject.toml's range and what serving engines pin:
+importable there, and gives the same logits (within 1e-5: the same torch everywhere), the same cached greedy
+generation and the same training loss and depth-attention gradients; saved there, it reloads unchanged, and the
+shipped code warns nothing. The environments are the ends of pyproject.toml's range and what serving engines pin:
 
 - `.venv` (`make install`): the lock, transformers 5.24;
 - `.venv-lowest` (`make venv-lowest`, or `make test-lowest`): every lower bound, transformers 5.16.1 (vLLM 0.33's lowest);
@@ -48,19 +49,32 @@ ENVIRONMENTS = {
 # llama: the common decoder with a KV cache; mamba: a recurrent state, whose name changed at transformers 5.24.
 FAMILIES = ["llama", "mamba"]
 
+# Loads, runs, trains a step, saves and reloads, recording what the shipped code warned (nothing may warn).
 LOAD = textwrap.dedent(
     """
-    import json, sys
+    import json, sys, warnings
     import torch, transformers
     from transformers import AutoModelForCausalLM
     torch.set_num_threads(int(sys.argv[3]))
     folder, ids = sys.argv[1], torch.tensor(json.loads(sys.argv[2]))
-    model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, dtype=torch.float32).eval()
-    with torch.no_grad():
-        logits = model(ids).logits
-        generated = model.generate(ids, max_new_tokens=%d, do_sample=False, use_cache=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, dtype=torch.float32).eval()
+        with torch.no_grad():
+            logits = model(ids).logits
+            generated = model.generate(ids, max_new_tokens=%d, do_sample=False, use_cache=True)
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        query_grad = sum(p.grad.abs().sum().item() for n, p in model.named_parameters() if n.endswith("_res_proj.weight"))
+        model.save_pretrained(folder + "-resaved")
+        reloaded = AutoModelForCausalLM.from_pretrained(folder + "-resaved", trust_remote_code=True, dtype=torch.float32)
+        with torch.no_grad():
+            resaved_delta = (reloaded.eval()(ids).logits - logits).abs().max().item()
+    ours = [f"{w.category.__name__}: {w.message} ({w.filename}:{w.lineno})" for w in caught
+            if "transformers_modules" in w.filename]
     print("RESULT " + json.dumps({"transformers": transformers.__version__, "logits": logits.tolist(),
-                                  "generated": generated.tolist()}))
+                                  "generated": generated.tolist(), "loss": loss.item(), "query_grad": query_grad,
+                                  "resaved_delta": resaved_delta, "warnings": ours}))
     """ % NEW_TOKENS
 )
 
@@ -89,8 +103,11 @@ def convert_and_expect(family: str, folder: str) -> dict:
     with torch.no_grad():
         logits = model(ids).logits
         generated = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, use_cache=True)
+    loss = model(ids, labels=ids).loss
+    loss.backward()
+    query_grad = sum(p.grad.abs().sum().item() for n, p in model.named_parameters() if n.endswith("_res_proj.weight"))
     return {"transformers": transformers.__version__, "ids": ids.tolist(), "logits": logits.tolist(),
-            "generated": generated.tolist()}
+            "generated": generated.tolist(), "loss": loss.item(), "query_grad": query_grad}
 
 
 def _this_environment() -> str | None:
@@ -124,6 +141,10 @@ def _assert_same(loaded: dict, expected: dict) -> None:
     delta = (torch.tensor(loaded["logits"]) - torch.tensor(expected["logits"])).abs().max().item()
     assert delta <= 1e-5, f"max |delta logit| {delta:.2e}"
     assert loaded["generated"] == expected["generated"]
+    assert loaded["loss"] == pytest.approx(expected["loss"], abs=1e-5)
+    assert expected["query_grad"] > 0 and loaded["query_grad"] == pytest.approx(expected["query_grad"], rel=1e-4)
+    assert loaded["resaved_delta"] == 0.0, "saved and reloaded there, the logits changed"
+    assert not loaded["warnings"], loaded["warnings"]
 
 
 @pytest.mark.slow  # a model load in another Python

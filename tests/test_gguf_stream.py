@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 from safetensors.torch import load_file
 
 from attnres_convert import convert_model
@@ -79,11 +80,14 @@ def test_gguf_streams_tensor_by_tensor_to_the_in_memory_result(smollm2_path, smo
 def test_a_gguf_the_stream_cannot_map_says_why(smollm2_path, monkeypatch):
     """An architecture transformers converts with its newer pipeline is not streamed; convert falls back to memory
     with this reason in its warning."""
-    import transformers.integrations.gguf.utils as gguf_utils
-
     from attnres_convert.io.sources import load_config, resolve_source
     from attnres_convert.conversion.streaming import stream_input
     from attnres_convert.io.shards import NotStreamable
+    from attnres_convert.modeling.transformers_compat import SINCE, has
+
+    if not has("is_gguf_arch_supported"):  # every GGUF streams: see test_gguf_streams_tensor_by_tensor_to_the_in_memory_result
+        pytest.skip(f"transformers {transformers.__version__} has no GGUF weight-conversion pipeline (since {SINCE['is_gguf_arch_supported'][0]})")
+    import transformers.integrations.gguf.utils as gguf_utils
 
     source = resolve_source(str(smollm2_path))
     monkeypatch.setattr(gguf_utils, "is_gguf_arch_supported", lambda arch: True)

@@ -120,8 +120,24 @@ def shrunk_values(default, tower: bool = False) -> dict:
     for name in getattr(default, "sub_configs", {}) or {}:
         sub = getattr(default, name, None)
         if hasattr(sub, "to_dict") and hasattr(sub, "model_type"):
-            values[name] = {**sub.to_dict(), **shrunk_values(sub, tower=name != "text_config")}
+            values[name] = {**_settings(sub), **shrunk_values(sub, tower=name != "text_config")}
     return _merged(values, TYPE_OVERRIDES.get(getattr(default, "model_type", ""), {}))
+
+
+def _settings(config) -> dict:
+    """CONFIG's to_dict without the generic settings it holds at their defaults and its class does not declare
+    (`_name_or_path`, `output_attentions`): a sub-config class of transformers 5.16.1 (Dbrx's FFN config)
+    refuses those as unknown keywords, and every release gives them the same defaults without."""
+    import dataclasses
+
+    from transformers import PreTrainedConfig
+
+    generic = PreTrainedConfig().to_dict()
+    declared = {field.name for field in dataclasses.fields(config)} if dataclasses.is_dataclass(config) else set()
+    return {
+        key: value for key, value in config.to_dict().items()
+        if key in declared or key == "model_type" or key not in generic or value != generic[key]
+    }
 
 
 def _merged(values: dict, overrides: dict) -> dict:

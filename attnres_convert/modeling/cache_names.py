@@ -20,6 +20,9 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 CURRENT = "cache"
 LEGACY = "past_key_values"
 RECURRENT = "cache_params"  # a recurrent family's own name before the rename (transformers < 5.24)
+# The names generate reads a recurrent state under from a model's output before the rename: Mamba's and xLSTM's
+# cache_params, RWKV's state (its ALL_CACHE_NAMES).
+RECURRENT_STATES = (RECURRENT, "state")
 
 # The installed transformers' name, the same for every model in this process: the field its causal-LM output
 # declares (a release that renamed the cache renamed it there too).

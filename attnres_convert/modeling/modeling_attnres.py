@@ -32,7 +32,7 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .architectures import ModelPlan, Sublayer, module_at, output_of, plan_for, times_argument
-from .cache_names import CURRENT, INSTALLED, LEGACY, RECURRENT, cache_keyword, cache_of
+from .cache_names import CURRENT, INSTALLED, LEGACY, RECURRENT, RECURRENT_STATES, cache_keyword, cache_of
 from .configuration_attnres import AttnResConfig
 from .depth_attention import STATE_TYPES, TrainState, add_output, close_block, current_stream, depth_mix, start_state, wants_queries
 from .depth_core import pseudo_query
@@ -486,9 +486,6 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
         # the forward hands that state on in its output.
         own = getattr(type(base_model), "_update_model_kwargs_for_generation", None)
         self._attnres_own_state = own is not None and own is not GenerationMixin._update_model_kwargs_for_generation
-        # A recurrent base model's output carries its state under its own name where generate reads it there
-        # (transformers < 5.24: RWKV's `state`, Mamba's and xLSTM's `cache_params`): the forward hands it on too.
-        self._attnres_hands_state_on = self._attnres_own_state or self._is_stateful
         self.base_model_prefix = plan.base_model
         self._tied_weights_keys = getattr(type(base_model), "_tied_weights_keys", None)
         for name, child in base_model.named_children():
@@ -618,10 +615,14 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
             hidden_states=tuple(hidden_states) if hidden_states is not None else None,
             attentions=getattr(outputs, "attentions", None),
         )
-        if self._attnres_hands_state_on:  # a state the base model returns under its own name (RWKV's `state`)
+        if self._attnres_own_state:  # a state the base model returns under its own name (RWKV's `state`)
             for name, value in outputs.items():
                 if name not in _BASE_OUTPUT_FIELDS and value is not None:
                     result[name] = value
+        elif self._is_stateful:  # where generate reads it by that name (transformers < 5.24), handed on too
+            for name in RECURRENT_STATES:
+                if outputs.get(name) is not None:
+                    result[name] = outputs[name]
         return result
 
     def _record_streams(self, base) -> tuple[list, list]:

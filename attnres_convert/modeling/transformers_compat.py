@@ -3,9 +3,10 @@
 transformers' public API (`AutoConfig`, `PreTrainedModel`, `GenerationMixin`, `modeling_outputs`, `utils.logging`)
 is imported where it is used. Everything else lives in modules transformers may move or rename in any release:
 each such name is listed once in INTERNALS with the module it comes from and what attnres needs it for, and is
-imported from here (`from .transformers_compat import SubConfigSpec`, resolved lazily on first use). When an
+imported from here (`from .transformers_compat import PrefixChange`, resolved lazily on first use). When an
 upgrade moves one, the import fails here, naming the internal, and tests/test_transformers_compat.py fails with
-one test per internal.
+one test per internal. The few that older releases of the tested range lack are listed in SINCE: the code asks
+`has(name)` and does what such a release needs instead, so a converted folder loads on every tested release.
 
 This file ships next to converted weights: it imports transformers and the standard library only.
 """
