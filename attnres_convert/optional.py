@@ -20,7 +20,7 @@ from .errors import AttnResError
 
 # import name -> the requirement that installs it (the lower bounds of pyproject.toml)
 REQUIREMENTS = {
-    "pydantic": "pydantic>=2.5",
+    "pydantic": "pydantic>=2.5.3",
     "datasets": "datasets>=3.0",
     "pyarrow": "pyarrow",
     "gguf": "gguf>=0.17.1",
