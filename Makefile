@@ -19,7 +19,7 @@ PIP_INSTALL := pip install --quiet --disable-pip-version-check
 # the cross-version runs leave them out, and the GPU tests as `make test` does.
 NOT_LOCKED := -m "not locked_versions and not cuda and not vllm"
 
-.PHONY: install demo test test-fast test-vllm test-gpu test-aot-triton test-aot-triton-all test-latest test-lowest venv-lowest venv-tf lock bench bench-overhead clean
+.PHONY: install demo test test-fast test-vllm test-gpu gpu-check gpu-check-wheels test-aot-triton test-aot-triton-all test-latest test-lowest venv-lowest venv-tf lock bench bench-overhead clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -68,6 +68,29 @@ test-fast: install
 # torch built with CUDA in .venv (TORCH_SPEC=torch==2.13.0 from the CUDA index).
 test-gpu: install
 	TRITON_INTERPRET=0 $(BIN)/python -m pytest -q -m cuda tests/test_kernels_cuda.py $(PYTEST_ARGS)
+
+# One prepared check of the GPU path for a GPU lent for a few minutes, nothing installed: PYTHON as given, the
+# package from this checkout, random-weight models of SmolLM2-135M's and Llama-3.2-1B's shapes; at most 8 minutes
+# (attnres_convert/analysis/gpu_check.py). Reports: $(GPU_CHECK_OUT)/gpu-check.json and .md; RESULTS=1 also copies
+# them into benchmarks/results. `make gpu-check DEVICE=cpu QUICK=1` runs the plumbing on a CPU (tiny shapes).
+GPU_CHECK_OUT ?= gpu-check
+DEVICE ?= cuda
+QUICK ?=
+RESULTS ?=
+gpu-check:
+	PYTHONPATH="$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH}" $(PYTHON) -m attnres_convert.analysis.gpu_check --device $(DEVICE) \
+		--out "$(GPU_CHECK_OUT)" $(if $(QUICK),--quick) $(if $(RESULTS),--results benchmarks/results)
+
+# The wheels gpu-check's A/B needs where pydantic is not installed (a recipe is a pydantic schema), at the lock's
+# versions, for the Pythons a GPU image may have: a few MB to copy along with the checkout, unpacked, never installed.
+GPU_CHECK_WHEEL_PYTHONS := 3.10 3.11 3.12 3.13
+gpu-check-wheels:
+	for version in $(GPU_CHECK_WHEEL_PYTHONS); do \
+		$(PYTHON) -m pip download --quiet --disable-pip-version-check --only-binary=:all: --no-deps \
+			--python-version $$version --platform manylinux2014_x86_64 --dest gpu-check-wheels \
+			$$(grep -i -E '^(pydantic|pydantic[-_]core|annotated[-_]types|typing[-_]inspection|typing[-_]extensions)==' $(LOCK)) || exit 1; \
+	done
+	ls -l gpu-check-wheels
 
 # The ahead-of-time compile tests (marker aot) under another Triton, in an environment of its own:
 # TRITON=3.2.0 is the Triton that torch 2.6 (the lowest torch supported) requires; TRITON=3.9.0 the newest release.

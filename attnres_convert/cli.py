@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Annotated, Literal, Optional, get_args, get_origin
 
 import typer
-from pydantic import BeforeValidator
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
@@ -24,11 +23,13 @@ from attnres_convert.cli_kit import (  # noqa: F401 - shared by every command
     err_console,
     fail,
     interrupts,
+    missing_package_exits,
     scrubbed,
     stages,
     training_errors,
     user_error_kinds,
     user_errors,
+    written_files,
 )
 from attnres_convert.cli_tables import depth_table, eval_table, finetune_table, summary_table, verification_table  # noqa: F401
 from attnres_convert.conversion.options import ConvertOptions, OptionsError, canonical_dtype
@@ -97,7 +98,7 @@ def push_saved(folder: Path, repo_id: str, **kwargs) -> None:
 
 
 def options_from(model: type, parameter: str = "options", panel: str = "Options"):
-    """Add MODEL's fields (a pydantic model) to a command as options and pass them to it as one MODEL.
+    """Add MODEL's fields (ConvertOptions.model_fields) to a command as options and pass them to it as one MODEL.
 
     Each field is `--field-name` with the field's description as help; a bool that defaults to True is
     `--name/--no-name`; a Literal is a choice. Fields with json_schema_extra={"cli": False} stay library-only.
@@ -114,7 +115,7 @@ def options_from(model: type, parameter: str = "options", panel: str = "Options"
         if get_origin(annotation) is Literal:  # a short metavar keeps the help readable at 80 columns
             metavar = name.upper()
             # A field whose model takes aliases (a dtype: bf16 for bfloat16) is text the model checks; others a choice.
-            takes_aliases = any(isinstance(rule, BeforeValidator) for rule in field.metadata)
+            takes_aliases = field.aliases
             annotation = str if takes_aliases else Enum(name, {value: value for value in get_args(annotation)}, type=str)
             if not all(choice in description for choice in get_args(field.annotation)):  # the help names the choices
                 description = f"{description} One of: {', '.join(get_args(field.annotation))}."
@@ -459,7 +460,7 @@ def finetune_command(
     console.print(table)
     if metrics["tokens_per_s"]:
         console.print(f"training throughput: {metrics['tokens_per_s']:,.0f} tokens/s", highlight=False)
-    console.print(f"[green]Run folder[/] [bold]{escape(str(result.output))}[/] (metrics.jsonl, loss_curve.png, final_metrics.json)")
+    console.print(f"[green]Run folder[/] [bold]{escape(str(result.output))}[/] ({written_files(result.output, 'metrics.jsonl', 'loss_curve.png', 'final_metrics.json')})")
     if result.model_dir is not None:
         console.print(f"[green]Model[/] [bold]{escape(str(result.model_dir))}[/]")
     if result.pushed is not None:
@@ -543,10 +544,10 @@ def ab_command(
         from rich.markdown import Markdown
 
         console.print(Markdown((result.output / "retrofit.md").read_text()))
-        console.print(f"[green]Retrofit study[/] [bold]{escape(str(result.output))}[/] (retrofit.json, retrofit.md, retrofit.png, after-N/)")
+        console.print(f"[green]Retrofit study[/] [bold]{escape(str(result.output))}[/] ({written_files(result.output, 'retrofit.json', 'retrofit.md', 'retrofit.png')}, after-N/)")
         return
     console.print(console_report(result.report, result.output), highlight=False)
-    console.print(f"[green]A/B[/] [bold]{escape(str(result.output))}[/] (ab.json, ab.md, ab.png)")
+    console.print(f"[green]A/B[/] [bold]{escape(str(result.output))}[/] ({written_files(result.output, 'ab.json', 'ab.md', 'ab.png')})")
 
 
 @app.command("architectures")
@@ -686,7 +687,8 @@ def _terminate(signum, frame) -> None:
 
 def main() -> None:
     signal.signal(signal.SIGTERM, _terminate)
-    app()
+    with missing_package_exits():
+        app()
 
 
 if __name__ == "__main__":

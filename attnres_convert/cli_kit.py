@@ -38,8 +38,8 @@ def _readable_value_types() -> None:
     value is a `<str>`, and the `...` beside the name already says there may be several."""
     from typer.core import TyperArgument, TyperOption
 
-    shown = TyperOption.display_type_rich
-    if getattr(shown, "readable", False):
+    shown = getattr(TyperOption, "display_type_rich", None)
+    if shown is None or getattr(shown, "readable", False):  # None: a typer before 0.29, which shows no types
         return
 
     def option_type(self, ctx):
@@ -96,6 +96,24 @@ def user_errors() -> Iterator[None]:
         if not isinstance(error, user_error_kinds()):
             raise
         fail(str(error))
+
+
+@contextlib.contextmanager
+def missing_package_exits() -> Iterator[None]:
+    """A missing optional package raised by the import a command makes before its own error handling (the
+    recipe schema, pydantic): the message that names it and its pip command, exit code 2."""
+    from attnres_convert.optional import MissingPackageError
+
+    try:
+        yield
+    except MissingPackageError as error:
+        err_console.print(f"[bold red]error:[/] {escape(scrubbed(str(error)))}", highlight=False)
+        sys.exit(EXIT_BAD_INPUT)
+
+
+def written_files(folder, *names: str) -> str:
+    """Those of NAMES that FOLDER holds, for a command's closing line (no picture where matplotlib is missing)."""
+    return ", ".join(name for name in names if (folder / name).exists())
 
 
 def user_error_kinds() -> tuple[type[Exception], ...]:

@@ -270,6 +270,10 @@ def inspect_source(
     weights), OUT-relative.png (the same against uniform) and OUT-magnitudes.png (residual sum against
     AttnRes). Profiles need a backward pass: they
     run when plotting unless `profiles` says otherwise."""
+    if plot:  # said before the model is loaded, not after the measurement
+        from ..optional import require
+
+        require("matplotlib", "--plot (drawing the depth-attention weights)")
     from ..io.loading import load_any
     from ..io.samples import SAMPLE_TEXT
     from ..conversion.surgery import convert_model

@@ -8,12 +8,25 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
 
 ORIGINAL_COLOR, CONVERTED_COLOR = "#7f7f7f", "#d62728"
+
+
+def plot_unless_missing(draw, what: str) -> bool:
+    """DRAW() where matplotlib is installed; without it, a warning that WHAT is not drawn and how to install it
+    (a run's numbers are all written: the picture is the one thing left out). Whether it drew."""
+    from ..optional import available, missing_message
+
+    if not available("matplotlib"):
+        warnings.warn(f"{what} is not drawn: {missing_message('matplotlib', 'drawing it')}", UserWarning, stacklevel=2)
+        return False
+    draw()
+    return True
 
 
 def _figure(width: float, height: float):

@@ -5,14 +5,20 @@ MergeOptions does for its library and CLI).
 A field becomes `--field-name` on the command line; a bool defaulting to True becomes
 `--name/--no-name`. Fields marked `cli=False` are library-only. Range and combination checks stay in
 `resolve_block_size` and the loaders, so the library and the command fail with the same messages.
+
+A frozen dataclass checked by hand rather than a pydantic model: `attnres convert` and `attnres bench` run
+where pydantic is not installed (optional.py). `model_fields` describes the fields as pydantic's does
+(annotation, default, description, json_schema_extra), for the command line and the recipe's model section.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+import dataclasses
+import typing
+from dataclasses import dataclass
+from typing import ClassVar, Literal
 
 from huggingface_hub.serialization._base import parse_size_to_int
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ..errors import AttnResError
 from ..io.samples import SAMPLE_TEXT
@@ -26,6 +32,8 @@ DTYPE_ALIASES = {
     "bf16": "bfloat16", "torch.bfloat16": "bfloat16",
     "fp16": "float16", "f16": "float16", "half": "float16", "torch.float16": "float16",
 }
+# A dtype field (convert's --dtype, a recipe's model.dtype, which also takes the aliases: finetune.recipe).
+DTypeName = Literal["auto", "float32", "bfloat16", "float16"]
 
 
 def canonical_dtype(value, what: str = "dtype", allowed: tuple[str, ...] = DTYPE_NAMES) -> str:
@@ -39,98 +47,132 @@ def canonical_dtype(value, what: str = "dtype", allowed: tuple[str, ...] = DTYPE
     return name
 
 
-def _canonical_dtype_field(value):
-    # A pydantic before-validator: a ValueError becomes the field's error, worded by the messages above.
-    try:
-        return canonical_dtype(value, "")
-    except AttnResError as error:
-        raise ValueError(str(error).strip()) from None
-
-
-# A dtype field (convert's --dtype, a recipe's model.dtype): aliases become the canonical name before the check.
-DTypeName = Annotated[Literal["auto", "float32", "bfloat16", "float16"], BeforeValidator(_canonical_dtype_field)]
-
-
 class OptionsError(AttnResError):
     """An unknown option or a value of the wrong type."""
 
 
-class ConvertOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+@dataclass(frozen=True)
+class OptionField:
+    """One option's declaration: its type, default, help text, lower bound, and whether it is a flag."""
 
+    annotation: object
+    default: object
+    description: str
+    ge: int | None = None
+    cli: bool = True
+    aliases: bool = False  # the value may be an alias the options turn into a choice (a dtype: bf16 for bfloat16)
+
+    @property
+    def json_schema_extra(self) -> dict | None:  # pydantic's spelling, read by the command line
+        return None if self.cli else {"cli": False}
+
+
+def _option(default, description: str, *, ge: int | None = None, cli: bool = True, aliases: bool = False):
+    return dataclasses.field(default=default, metadata={"description": description, "ge": ge, "cli": cli, "aliases": aliases})
+
+
+@dataclass(frozen=True, kw_only=True)
+class ConvertOptions:
     # block_size, num_blocks, full, query_rank and trust_remote_code are also a fine-tuning recipe's `model.*`
     # settings, which take these declarations (finetune.recipe.ModelSection).
-    block_size: int | None = Field(
-        None, ge=1, description="Sublayers per block S (give at most one of the block size, number of blocks, full)."
+    block_size: int | None = _option(
+        None, "Sublayers per block S (give at most one of the block size, number of blocks, full).", ge=1
     )
-    num_blocks: int | None = Field(
-        None, ge=1, description="At most this many blocks, S in whole layers (default: 8)."
-    )
-    full: bool = Field(False, description="Full AttnRes (S = 1).")
-    query_rank: int = Field(
+    num_blocks: int | None = _option(None, "At most this many blocks, S in whole layers (default: 8).", ge=1)
+    full: bool = _option(False, "Full AttnRes (S = 1).")
+    query_rank: int = _option(
         0,
-        ge=0,
-        description="Rank r of input-dependent queries, w + B A x per token (B zero at conversion: still exact; A and B "
+        "Rank r of input-dependent queries, w + B A x per token (B zero at conversion: still exact; A and B "
         "train with the AttnRes parameters); 0: static queries. Runs the plain PyTorch depth mix.",
+        ge=0,
     )
-    dtype: DTypeName = Field("auto", description="auto keeps the checkpoint's dtype; or float32, bfloat16, float16 (fp32, bf16, fp16).")
-    verify: bool = Field(True, description="Check logits and greedy generation against the original.")
-    verify_tokens: int = Field(256, ge=1, description="Tokens of the sample text the check runs on.")
-    verify_new_tokens: int = Field(32, ge=1, description="Greedy tokens generated (with the KV cache) by the check.")
-    verify_text: str = Field(
-        SAMPLE_TEXT, description="Text the check runs on (default: a built-in sample).", json_schema_extra={"cli": False}
+    dtype: DTypeName = _option(
+        "auto", "auto keeps the checkpoint's dtype; or float32, bfloat16, float16 (fp32, bf16, fp16).", aliases=True
     )
-    overwrite: bool = Field(False, description="Replace an existing output folder.")
-    trust_remote_code: bool = Field(False, description="Allow the source model's own code (auto_map) to run.")
-    stream: bool = Field(
+    verify: bool = _option(True, "Check logits and greedy generation against the original.")
+    verify_tokens: int = _option(256, "Tokens of the sample text the check runs on.", ge=1)
+    verify_new_tokens: int = _option(32, "Greedy tokens generated (with the KV cache) by the check.", ge=1)
+    verify_text: str = _option(SAMPLE_TEXT, "Text the check runs on (default: a built-in sample).", cli=False)
+    overwrite: bool = _option(False, "Replace an existing output folder.")
+    trust_remote_code: bool = _option(False, "Allow the source model's own code (auto_map) to run.")
+    stream: bool = _option(
         True,
-        description="Write the converted folder from the input's files, tensor by tensor, without loading the model "
+        "Write the converted folder from the input's files, tensor by tensor, without loading the model "
         "(safetensors copied, GGUF de-quantised); --no-stream loads it in memory (pickle checkpoints always are).",
     )
-    max_shard_size: str = Field(
-        DEFAULT_MAX_SHARD_SIZE, description="Largest weight file written, e.g. 5GB or 500MB (the hub refuses files over 50GB)."
+    max_shard_size: str = _option(
+        DEFAULT_MAX_SHARD_SIZE, "Largest weight file written, e.g. 5GB or 500MB (the hub refuses files over 50GB)."
     )
-    max_memory: str | None = Field(
+    max_memory: str | None = _option(
         None,
-        description="Memory the verification may use, e.g. 16GB; a larger model is streamed layer by layer from its "
+        "Memory the verification may use, e.g. 16GB; a larger model is streamed layer by layer from its "
         "files (default: 80% of the free memory).",
     )
 
-    @field_validator("max_shard_size", "max_memory", mode="before")
-    @classmethod
-    def _bytes_as_text(cls, value):
-        # The library also takes a number of bytes; the flag is text ("5GB"), parsed where it is used.
-        return str(value) if isinstance(value, int) and not isinstance(value, bool) else value
+    model_fields: ClassVar[dict[str, OptionField]]
 
-    @model_validator(mode="after")
-    def _one_block_choice(self):
-        chosen = [name for name in ("block_size", "num_blocks") if getattr(self, name) is not None] + (["full"] if self.full else [])
-        if len(chosen) > 1:
-            raise ValueError(f"give only one of block_size, num_blocks, full (got {', '.join(chosen)})")
-        return self
+    def __post_init__(self):
+        problems = []
+        for name, field in self.model_fields.items():
+            value = getattr(self, name)
+            if name in ("max_shard_size", "max_memory") and isinstance(value, int) and not isinstance(value, bool):
+                # The library also takes a number of bytes; the flag is text ("5GB"), parsed where it is used.
+                object.__setattr__(self, name, value := str(value))
+            if name == "dtype":  # an alias (bf16, fp32, ...) becomes the canonical name; anything else is said in our words
+                try:
+                    object.__setattr__(self, name, value := canonical_dtype(value, name))
+                except AttnResError as error:
+                    problems.append(str(error))
+                    continue
+            problem = _type_problem(field.annotation, value)
+            if problem is None and field.ge is not None and value is not None and value < field.ge:
+                problem = f"{name} must be >= {field.ge}, got {value!r}"
+            elif problem is not None:
+                problem = f"{name}: {problem} (got {value!r})"
+            if problem:
+                problems.append(problem)
+        if not problems:
+            chosen = [n for n in ("block_size", "num_blocks") if getattr(self, n) is not None] + (["full"] if self.full else [])
+            if len(chosen) > 1:
+                problems.append(f"give only one of block_size, num_blocks, full (got {', '.join(chosen)})")
+        if problems:
+            raise OptionsError(f"invalid convert option: {'; '.join(problems)}")
 
     @classmethod
     def build(cls, options: ConvertOptions | None = None, **overrides) -> ConvertOptions:
         """OPTIONS (or the defaults) with OVERRIDES applied; a misspelt or mistyped option is an OptionsError."""
-        try:
-            if options is None:
-                return cls(**overrides)
-            return cls(**{**options.model_dump(), **overrides}) if overrides else options
-        except ValidationError as error:
-            problems = "; ".join(map(_problem, error.errors()))
-            raise OptionsError(f"invalid convert option: {problems}") from None
+        unknown = [name for name in overrides if name not in cls.model_fields]
+        if unknown:
+            raise OptionsError(
+                f"invalid convert option: unknown option {', '.join(unknown)} (known: {', '.join(cls.model_fields)})"
+            )
+        if options is None:
+            return cls(**overrides)
+        return dataclasses.replace(options, **overrides) if overrides else options
+
+    def model_dump(self) -> dict:
+        return dataclasses.asdict(self)
 
 
-def _problem(error: dict) -> str:
-    """One pydantic error in words, named by its field (the command line turns names into --flags)."""
-    if not error["loc"]:  # a check across fields
-        return error["msg"].removeprefix("Value error, ")
-    name = ".".join(map(str, error["loc"]))
-    if error["type"] == "greater_than_equal":
-        return f"{name} must be >= {error['ctx']['ge']}, got {error['input']!r}"
-    if error["type"] == "value_error":  # our own validator's words, without pydantic's "Value error, "
-        return f"{name} {error['ctx']['error']}"
-    return f"{name}: {error['msg']} (got {error['input']!r})"
+def _type_problem(annotation, value) -> str | None:
+    """What is wrong with VALUE for ANNOTATION (int, bool, str, a Literal, or one of them | None), or None."""
+    choices = typing.get_args(annotation)
+    if typing.get_origin(annotation) is Literal:
+        return None if value in choices else f"must be one of {', '.join(map(repr, choices))}"
+    if choices:  # X | None
+        return None if value is None else _type_problem(next(c for c in choices if c is not type(None)), value)
+    if annotation is bool:
+        return None if isinstance(value, bool) else "must be true or false"
+    if annotation is int:
+        return None if isinstance(value, int) and not isinstance(value, bool) else "must be an integer"
+    return None if isinstance(value, annotation) else f"must be a {annotation.__name__}"
+
+
+_HINTS = typing.get_type_hints(ConvertOptions)
+ConvertOptions.model_fields = {
+    f.name: OptionField(_HINTS[f.name], f.default, **f.metadata)
+    for f in dataclasses.fields(ConvertOptions)
+}
 
 
 def parse_size(value: int | str, what: str) -> int:
@@ -145,7 +187,7 @@ def parse_size(value: int | str, what: str) -> int:
     return size
 
 
-def options_doc(model: type[BaseModel]) -> str:
+def options_doc(model: type) -> str:
     """The fields of MODEL as a docstring section (name, default, description)."""
     lines = ["Options (keyword arguments):"]
     for name, field in model.model_fields.items():

@@ -12,11 +12,11 @@ AB_JSON, AB_MD, AB_PNG = "ab.json", "ab.md", "ab.png"
 
 
 def write_report(report: dict, folder: Path) -> None:
-    from ..analysis.plots import ab_curves_plot
+    from ..analysis.plots import ab_curves_plot, plot_unless_missing
 
     (folder / AB_JSON).write_text(json.dumps(report, indent=2))
     (folder / AB_MD).write_text(markdown(report))
-    ab_curves_plot(report, folder / AB_PNG)
+    plot_unless_missing(lambda: ab_curves_plot(report, folder / AB_PNG), f"{AB_PNG} (the held-out curves)")
 
 
 # --- ab.md ----------------------------------------------------------------------------------------

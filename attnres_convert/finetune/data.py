@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import DataError, first_line
+from ..optional import require
 from ..io.text import TOKENIZE_BATCH, Sequences, TokenBudget, chunk, expand_files, file_documents, pack, pad_token_id, tokenize
 from .recipe import Recipe, RecipeError, TextSource
 
@@ -49,8 +50,7 @@ def recipe_file_documents(paths: list[Path], field: str, where: str) -> Iterator
 
 def dataset_documents(source: TextSource, where: str) -> Iterator[str]:
     """One document per record of a `datasets` dataset (streamed if the recipe says so)."""
-    import datasets
-
+    datasets = require("datasets", f"reading the dataset {source.dataset!r} ({where}.dataset)")
     try:
         dataset = datasets.load_dataset(
             source.dataset, source.name, split=source.split, streaming=source.streaming, data_files=source.data_files

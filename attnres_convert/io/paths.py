@@ -48,10 +48,12 @@ def resolve_source(source: str | None) -> ModelSource:
     """Decide what SOURCE is, without loading anything."""
     if source is None or source == "":
         path = default_model_path()
+        _require_gguf(f"the embedded default model ({path.name})")
         return ModelSource("default", str(path.parent), path.name)
     path = Path(source).expanduser()
     if path.is_file():
         if path.suffix.lower() == ".gguf":
+            _require_gguf(f"reading {source} (a GGUF file)")
             return ModelSource("gguf", str(path.parent.resolve()), path.name, given=source)
         raise SourceError(
             f"{source} is a file but not a .gguf file. Pass a model folder (with config.json and "
@@ -64,6 +66,13 @@ def resolve_source(source: str | None) -> ModelSource:
     if _looks_like_path(source):
         raise SourceError(f"no such file or folder: {source}. Check the path, or pass a hub id like HuggingFaceTB/SmolLM2-135M.")
     return ModelSource("hub", source, given=source)
+
+
+def _require_gguf(needed_for: str) -> None:
+    """transformers reads a GGUF file with the `gguf` package: a missing one is said before any work starts."""
+    from ..optional import require
+
+    require("gguf", needed_for)
 
 
 def _what_to_pass(folder: Path, source: str) -> str:
