@@ -571,7 +571,10 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
         for older in (past_key_values, recurrent):
             if older is not None:
                 if cache is not None and cache is not older:
-                    raise ValueError("Pass the KV cache once: as `cache` (current) or `past_key_values` (older name).")
+                    raise ValueError(
+                        "Pass the KV cache once: as `cache` (current), `past_key_values` (older name) or, for a "
+                        "recurrent family before transformers renamed it, `cache_params`."
+                    )
                 cache = older
         output_hidden_states = kwargs.pop("output_hidden_states", None) or self.config.output_hidden_states
         kwargs.pop("return_dict", None)
