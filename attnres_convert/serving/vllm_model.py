@@ -20,8 +20,7 @@ from collections.abc import Iterable
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import AutoModelForCausalLM, PreTrainedConfig
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers import AttentionInterface, AutoModelForCausalLM, PreTrainedConfig
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.models.transformers.fusers.attention import interface_call
 
@@ -53,7 +52,7 @@ def paged_attention(module: nn.Module, query, key, value, attention_mask, **kwar
     return output.reshape(1, tokens, -1, head_dim_v), None
 
 
-ALL_ATTENTION_FUNCTIONS.register(ATTENTION_IMPLEMENTATION, paged_attention)
+AttentionInterface.register(ATTENTION_IMPLEMENTATION, paged_attention)  # transformers' public registry of attention functions
 
 
 class AttnResForCausalLMVllm(nn.Module):
