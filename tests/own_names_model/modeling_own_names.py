@@ -2,6 +2,8 @@
 n_layer), modules (`transformer.wte`, `transformer.h`, `transformer.ln_f`) and a head, `unembed`, that is a plain
 Linear which `get_output_embeddings` does not return (the class keeps no `lm_head`)."""
 
+import dataclasses
+
 import torch
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
@@ -9,6 +11,10 @@ from transformers.cache_utils import DynamicCache
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
 from .configuration_own_names import OwnNamesConfig
+
+# The output field the installed transformers declares for the cache (`cache`, `past_key_values` before the rename),
+# as a repository's own code written for that release names it.
+CACHE_FIELD = "cache" if "cache" in {f.name for f in dataclasses.fields(BaseModelOutputWithPast)} else "past_key_values"
 
 
 class OwnLayerNorm(nn.Module):
@@ -97,7 +103,7 @@ class OwnNamesModel(OwnNamesPreTrainedModel):
             mask = mask & attention_mask[:, None, None, : past + length].bool()
         for block in self.h:
             hidden = block(hidden, mask, cache if use_cache else None)
-        return BaseModelOutputWithPast(last_hidden_state=self.ln_f(hidden), cache=cache if use_cache else None)
+        return BaseModelOutputWithPast(last_hidden_state=self.ln_f(hidden), **{CACHE_FIELD: cache if use_cache else None})
 
 
 class OwnNamesForCausalLM(OwnNamesPreTrainedModel, GenerationMixin):
@@ -125,4 +131,4 @@ class OwnNamesForCausalLM(OwnNamesPreTrainedModel, GenerationMixin):
                                    cache=cache, inputs_embeds=inputs_embeds, use_cache=use_cache)
         hidden = outputs.last_hidden_state
         logits = self.unembed(hidden[:, -logits_to_keep:] if logits_to_keep else hidden)
-        return CausalLMOutputWithPast(logits=logits, cache=outputs.cache)
+        return CausalLMOutputWithPast(logits=logits, **{CACHE_FIELD: getattr(outputs, CACHE_FIELD)})
