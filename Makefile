@@ -52,7 +52,7 @@ $(VLLM_VENV)/.installed: pyproject.toml $(VLLM_LOCK)
 	$(VLLM_VENV)/bin/pip uninstall --quiet --yes torchvision torchaudio torchcodec
 	touch $@
 
-# 13 min from a fresh clone on 2 cores (the venv 5 min 37 s, 30 tests 7 min 23 s).
+# About 12 min from a fresh clone on 2 cores (the venv 5 min 37 s, 30 tests 5 min 53 s).
 test-vllm: $(VLLM_VENV)/.installed
 	OMP_NUM_THREADS=1 $(VLLM_VENV)/bin/python -m pytest -q -m vllm tests/test_vllm.py $(PYTEST_ARGS)
 
@@ -60,7 +60,7 @@ test-vllm: $(VLLM_VENV)/.installed
 test: install
 	$(BIN)/python -m pytest -q -m "not cuda and not vllm" $(PYTEST_ARGS)
 
-# Everything but the tests marked slow (real weights, process launches, wheel builds, trainings): 4 min 7 s on 2 cores (`time make test-fast`).
+# Everything but the tests marked slow (real weights, process launches, wheel builds, trainings): 5 min 18 s on 2 cores (`time make test-fast`).
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not slow and not cuda and not vllm" $(PYTEST_ARGS)
 
