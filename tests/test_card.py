@@ -33,6 +33,7 @@ def test_conversion_card(tmp_path):
     assert card_identity(out) == ("acme/tiny-llama", "mit")  # a fine-tune of this folder keeps them
     assert "trust_remote_code=True" in body
     assert "vllm serve PATH_OR_REPO --trust-remote-code" in body  # docs/serving.md
+    assert "benchmarks/vllm_serving.py --original BASE_FOLDER --converted THIS_FOLDER" in body
     assert "block size S = 3 sublayers, 2 blocks" in body
     assert "| sublayer 5 | y0, y1:3, y4 |" in body and "| output | y0, y1:3, y4:6 |" in body  # design table
     report = json.loads((out / "attnres_conversion.json").read_text())["verification"]

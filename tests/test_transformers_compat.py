@@ -113,3 +113,20 @@ def test_no_module_imports_an_internal_directly():
         for module in _transformers_imports(path) - PUBLIC_MODULES
     }
     assert not direct, f"import these through modeling/transformers_compat.py: {sorted(direct)}"
+
+
+def test_causal_lm_class_found_where_an_older_mapping_keys_it_by_the_composite_type(monkeypatch):
+    """transformers before 5.2x maps Emu3's text causal LM only under `emu3` (Emu3Config), so a converted Emu3
+    folder (its base config an Emu3TextConfig, base_model_type 'emu3_text_model') builds its base model from the
+    entry whose type its type starts with and whose class takes its config."""
+    from transformers import Emu3ForCausalLM, Emu3TextConfig, LlamaConfig, LlamaForCausalLM
+
+    older = {LlamaConfig: LlamaForCausalLM}  # no entry for Emu3TextConfig
+    names = {"llama": "LlamaForCausalLM", "emu3": "Emu3ForCausalLM", "emu": "NoSuchClassForCausalLM"}
+    real = transformers_compat.internal
+    monkeypatch.setattr(transformers_compat, "internal", lambda name: {
+        "MODEL_FOR_CAUSAL_LM_MAPPING": older, "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES": names}.get(name) or real(name))
+    assert transformers_compat.causal_lm_class(Emu3TextConfig(), "emu3_text_model") is Emu3ForCausalLM
+    assert transformers_compat.causal_lm_class(LlamaConfig(), "llama") is LlamaForCausalLM
+    with pytest.raises(KeyError):  # nothing takes it: the mapping's own error
+        transformers_compat.causal_lm_class(Emu3TextConfig(), "mllama_text_model")

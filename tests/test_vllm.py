@@ -31,10 +31,12 @@ from vllm_helpers import (  # noqa: E402
 HELPERS = Path(__file__).with_name("vllm_helpers.py")
 NEW_TOKENS = 16
 # Llama, Qwen3, Mistral, Gemma 3, Phi-3, GPT-NeoX (parallel residual) and two mixtures of experts; then the head's
-# and the attention's own scalars (Gemma 2's soft caps, Granite's multipliers, Cohere's logit scale) and GPT-2's
-# Conv1D projections. The hybrid stacks (Mamba / linear-attention layers) are refused, see HYBRIDS.
+# and the attention's own scalars (Gemma 2's soft caps, Granite's multipliers, Cohere's logit scale), GPT-2's
+# Conv1D projections and DeepSeek-V3's latent attention (values narrower than keys, its cache one key and value per
+# head). The hybrid stacks (Mamba / linear-attention layers) are refused, see HYBRIDS. benchmarks/vllm_sweep.py
+# runs every other converting type the same way (docs/serving.md's table).
 SERVED = ["llama", "qwen3", "mistral", "gemma3_text", "phi3", "gpt_neox_parallel", "qwen3_moe", "mixtral",
-          "gemma2", "granite", "cohere", "gpt2"]
+          "gemma2", "granite", "cohere", "gpt2", "deepseek_v3"]
 HYBRIDS = ["jamba", "falcon_h1", "qwen3_next"]
 
 
@@ -93,6 +95,25 @@ def test_a_hybrid_is_refused_by_the_engine_with_family_reason_and_fallback(tmp_p
     log = result.stdout + result.stderr  # vLLM's worker logs the error on stdout
     assert "vLLM cannot serve this AttnRes model (base family 'jamba'): decoder layer 0 (" in log
     assert "Fallback: serve it with transformers' `generate`" in log
+
+
+def test_a_folder_whose_code_predates_the_plan_is_refused_naming_the_release(tmp_path):
+    """A folder whose shipped code keeps its layout under another name than the `_attnres_plan` the serving class
+    reads (as code older than that plan does): `generate` still runs it, vLLM refuses it naming the attnres release
+    to re-save it with."""
+    from attnres_convert.serving.vllm_support import release
+
+    folder = converted_folder("llama", tmp_path / "llama")
+    code = folder / "modeling_attnres.py"
+    assert "_attnres_plan" in code.read_text()
+    code.write_text(code.read_text().replace("_attnres_plan", "_attnres_layout"))
+    assert len(generate_tokens(folder, prompts()[:1], 4)[0]) >= 1  # the folder itself still works in transformers
+    result = run_engine(folder, prompts()[:1], tmp_path)
+    assert result.returncode != 0
+    log = result.stdout + result.stderr
+    assert ("vLLM cannot serve this AttnRes model (base family 'llama'): its modeling code predates the plan vLLM "
+            "serving reads") in log, log[-3000:]
+    assert f"with attnres >= {release()}, whose modeling code vLLM serves" in log
 
 
 # ---- the OpenAI-compatible server --------------------------------------------------------------------------------

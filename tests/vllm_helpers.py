@@ -22,8 +22,11 @@ from tiny_models import CONFIGS, randomize_queries, tiny_model  # noqa: E402
 def cpu_head_size(family: str) -> dict:
     """Config overrides giving heads of 32: vLLM's CPU attention takes head sizes 32, 64, 80..., not the tiny
     models' 16. A config that names its head size gets 32; one whose modules derive it from the hidden size gets
-    2 heads (of 64 / 2), and as many key-value heads where it has them."""
+    2 heads (of 64 / 2), and as many key-value heads where it has them; latent attention (DeepSeek's MLA) has
+    heads of qk_nope + qk_rope = 32 already."""
     config = CONFIGS[family]()
+    if getattr(config, "kv_lora_rank", None):
+        return {}
     if getattr(config, "head_dim", None) is not None:
         return dict(head_dim=32)
     grouped = dict(num_key_value_heads=2) if getattr(config, "num_key_value_heads", None) is not None else {}

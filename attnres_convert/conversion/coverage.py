@@ -123,9 +123,13 @@ def _short_error(error: BaseException) -> str:
 
 
 def _build(model_type: str, overrides: dict):
+    return random_model(tiny_config(model_type, **overrides))
+
+
+def random_model(config):
+    """A random causal LM of the tiny CONFIG, initialised so that an inexact conversion shows (see below)."""
     from transformers import AutoModelForCausalLM
 
-    config = tiny_config(model_type, **overrides)
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config)
     size = sum(p.numel() for p in skeleton.parameters())

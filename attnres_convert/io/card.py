@@ -114,6 +114,10 @@ def _load_section() -> list[str]:
         "vllm serve PATH_OR_REPO --trust-remote-code",
         "```",
         "",
+        "Its speed against the base model in the same engine, with both downloaded to local folders: "
+        "`python benchmarks/vllm_serving.py --original BASE_FOLDER --converted THIS_FOLDER` from the attnres "
+        "repository (requests/s and output tokens/s, and their ratios).",
+        "",
     ]
 
 

@@ -39,7 +39,7 @@ from .depth_core import pseudo_query
 from .depth_kernels_cpu import fused_norm
 from .depth_modules import AttnResKeyNorm, AttnResQuery, depth_params, init_depth_module, placed
 from .depth_plan import SublayerPlan, output_num_sources, plan_sublayers
-from .transformers_compat import BETWEEN_LAYER_SHORTCUTS, MODEL_FOR_CAUSAL_LM_MAPPING, MissingTransformersInternal, internal
+from .transformers_compat import BETWEEN_LAYER_SHORTCUTS, MissingTransformersInternal, causal_lm_class, internal
 from .remote_code import ship_base_code
 from .weight_names import default_save_conversions, guard_all
 
@@ -477,7 +477,7 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
     def __init__(self, config: AttnResConfig, base_model: PreTrainedModel | None = None):
         super().__init__(config)
         if base_model is None:
-            base_model = MODEL_FOR_CAUSAL_LM_MAPPING[type(config.text_config)](config.text_config)
+            base_model = causal_lm_class(config.text_config, config.base_model_type)(config.text_config)
         plan = plan_for(config.text_config, config.structure, base_model)
         self._attnres_plan = plan
         self._attnres_base_class = type(base_model)  # its own code, if any, is saved with the model

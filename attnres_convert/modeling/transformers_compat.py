@@ -170,6 +170,23 @@ def has(name: str) -> bool:
     return True
 
 
+def causal_lm_class(config, model_type: str):
+    """The causal-LM class transformers builds for CONFIG (of MODEL_TYPE). Releases before 5.2x map the causal LM
+    of some image-text families' text model (Emu3's, Mllama's) only under the composite config's type (`emu3`), so
+    where CONFIG's class has no entry, the class of an entry whose type MODEL_TYPE starts with and whose
+    `config_class` is CONFIG's class ('emu3_text_model' -> Emu3ForCausalLM under `emu3`)."""
+    import transformers
+
+    mapping = internal("MODEL_FOR_CAUSAL_LM_MAPPING")
+    if type(config) in mapping:
+        return mapping[type(config)]
+    for key, class_name in internal("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES").items():
+        candidate = getattr(transformers, class_name, None) if model_type.startswith(key) else None
+        if candidate is not None and getattr(candidate, "config_class", None) is type(config):
+            return candidate
+    return mapping[type(config)]  # the mapping's own KeyError
+
+
 def build_sub_config(value, default_model_type: str):
     """VALUE (a config, a dict or None) as the sub-config transformers' SubConfigSpec builds from it, for a config
     whose transformers has no SubConfigSpec (it then names the sub-config in `sub_configs` only): a dict by its

@@ -15,7 +15,9 @@ of the package imports it."""
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -41,7 +43,8 @@ def paged_attention(module: nn.Module, query, key, value, attention_mask, **kwar
     attention = module._modules[VLLM_ATTENTION]
     _CALLS[0] += 1
     tokens, head_dim_qk, head_dim_v = query.shape[-2], query.shape[-1], value.shape[-1]
-    query, key, value = (x.transpose(1, 2).reshape(tokens, -1) for x in (query, key, value))
+    # contiguous: vLLM's kernels read each head's entries as adjacent (a key broadcast over heads is not)
+    query, key, value = (x.transpose(1, 2).reshape(tokens, -1).contiguous() for x in (query, key, value))
     if head_dim_v < head_dim_qk:  # values narrower than queries and keys (latent attention expanded): padded
         value = F.pad(value.view(tokens, -1, head_dim_v), (0, head_dim_qk - head_dim_v)).reshape(tokens, -1)
     output = attention(query, key, value)
@@ -53,6 +56,37 @@ def paged_attention(module: nn.Module, query, key, value, attention_mask, **kwar
 
 
 AttentionInterface.register(ATTENTION_IMPLEMENTATION, paged_attention)  # transformers' public registry of attention functions
+
+# The shapes each attention module hands over, recorded by one probe forward when the model is built: vLLM's model
+# config describes the attention as vLLM's own implementation of the family runs it (DeepSeek's latent attention as
+# one latent head, a multi-query model's heads as its config names them), while what reaches the cache here is what
+# transformers' module computes, layer by layer (Gemma 4's global layers have heads of their own size).
+PROBE_IMPLEMENTATION = "attnres_vllm_probe"
+PROBE_TOKENS = 7  # a length no head count or head size of a real model shares (see probe_attention)
+_SHAPES: dict[int, "AttentionShape"] = {}
+
+
+class AttentionShape(NamedTuple):
+    heads: int
+    kv_heads: int
+    head_size: int  # of queries and keys (narrower values are padded to it in paged_attention)
+    call: dict  # the scalar settings the module passes with the call (scaling, sliding_window, softcap)
+    data: tuple  # the names of tensors over pairs of tokens passed with the call (a position bias)
+
+
+def probe_attention(module: nn.Module, query, key, value, attention_mask, **kwargs):
+    """Records the module's query, key and value shapes ([1, heads, T, head_dim]) and returns zeros of the output's."""
+    call = {k: v for k, v in kwargs.items() if k in ("scaling", "sliding_window", "softcap")}
+    # A tensor over pairs of tokens (a relative position bias: [.., T, T]) changes the attention scores, which vLLM's
+    # attention cannot take; per-token inputs that a decoder layer's keyword arguments carry through the call (Gemma
+    # 4's per_layer_input) are not read by it.
+    tokens = query.shape[-2]
+    data = tuple(k for k, v in kwargs.items() if isinstance(v, torch.Tensor) and list(v.shape).count(tokens) >= 2)
+    _SHAPES[id(module)] = AttentionShape(query.shape[1], key.shape[1], query.shape[-1], call, data)
+    return query.new_zeros(query.shape[0], query.shape[2], query.shape[1], value.shape[-1]), None
+
+
+AttentionInterface.register(PROBE_IMPLEMENTATION, probe_attention)
 
 
 class AttnResForCausalLMVllm(nn.Module):
@@ -80,43 +114,89 @@ class AttnResForCausalLMVllm(nn.Module):
         reason = unservable_reason(self.model, interface_call)
         if reason is not None:
             raise ServingRefused(self.family, reason)
-        self.attention_layers = self._attach_attention(vllm_config, prefix)
-        # Every config the modules read their attention implementation from (at each call) names vLLM's.
+        # Every config the modules read their attention implementation from (at each call).
         configs = [config, config.get_text_config()]
         configs += [m.config for m in self.model.modules() if isinstance(getattr(m, "config", None), PreTrainedConfig)]
-        for each in {id(c): c for c in configs}.values():
-            each._attn_implementation = ATTENTION_IMPLEMENTATION
+        self._configs = list({id(c): c for c in configs}.values())
+        shapes = self._probe_shapes(device)
+        self.attention_layers = self._attach_attention(vllm_config, prefix, shapes)
+        self._use_attention(ATTENTION_IMPLEMENTATION)
+
+    def _use_attention(self, implementation: str) -> None:
+        for each in self._configs:
+            each._attn_implementation = implementation
+
+    @torch.no_grad()
+    def _probe_shapes(self, device) -> dict[int, AttentionShape]:
+        """Each attention module's shapes, from one forward of a few tokens through the probe (see PROBE_IMPLEMENTATION)."""
+        self._use_attention(PROBE_IMPLEMENTATION)
+        _SHAPES.clear()
+        tokens = torch.zeros(1, PROBE_TOKENS, dtype=torch.long, device=device)
+        self._run_base(dict(input_ids=tokens), torch.arange(PROBE_TOKENS, device=device))
+        shapes = dict(_SHAPES)
+        _SHAPES.clear()
+        return shapes
 
     @property
     def base(self) -> nn.Module:
         """The base model inside the converted one (a property, not a second registration of the same module)."""
         return module_path(self.model, self.plan.base_model)
 
-    def _attach_attention(self, vllm_config, prefix: str) -> int:
+    def _run_base(self, tokens: dict, positions: torch.Tensor):
+        """The base model on a flattened batch (TOKENS as a batch of one, POSITIONS [T]), as vLLM runs it. The
+        first run is at engine start (the probe), so a model that cannot run this way is refused there, with the
+        cause."""
+        try:
+            return self.base(**tokens, position_ids=positions[None], use_cache=False)
+        except Exception as error:
+            raise ServingRefused(self.family, (
+                "its forward fails on vLLM's batch (every request's tokens as one sequence with their positions, no "
+                f"attention mask): {type(error).__name__}: {error}. A module that reads other tokens itself instead "
+                "of through transformers' attention interface (a sparse-attention indexer, for one) cannot run on it"
+            )) from error
+
+    def _attach_attention(self, vllm_config, prefix: str, shapes: dict[int, AttentionShape]) -> int:
         """One vLLM `Attention` per decoder layer, for the module of that layer that calls transformers'
         attention interface: its heads, scale, window and soft cap as the module computes them."""
-        model_config, parallel_config = vllm_config.model_config, vllm_config.parallel_config
-        text_config = model_config.hf_text_config
+        text_config = vllm_config.model_config.hf_text_config
+        # vLLM's `Attention` falls back to the config's model-wide window for a layer given none; here each layer's
+        # window is what its module applies (Moshi's config names a window its attention never applies).
+        cache_config = copy.copy(vllm_config.cache_config)
+        cache_config.sliding_window = None
         layer_types = getattr(text_config, "layer_types", None)
         layers = module_path(self.base, self.plan.layers)
         layers_prefix = ".".join(filter(None, [prefix, self.plan.base_model, self.plan.layers]))
         for index, layer in enumerate(layers):
             name, module = next((n, m) for n, m in layer.named_modules() if interface_call(type(m).forward) is not None)
-            scale = getattr(module, "scaling", None)
+            if id(module) not in shapes:
+                raise ServingRefused(self.family, f"the attention of layer {index} ({type(module).__name__}) was not "
+                                     "called through transformers' attention interface in a forward")
+            shape = shapes[id(module)]
+            if shape.data:
+                raise ServingRefused(self.family, f"the attention of layer {index} ({type(module).__name__}) passes "
+                                     f"{', '.join(f'`{k}`' for k in shape.data)} with the call, a tensor vLLM's "
+                                     "attention has no input for")
+            scale = shape.call.get("scaling", getattr(module, "scaling", None))
             if scale is None:
                 raise ServingRefused(self.family, f"the attention of layer {index} ({type(module).__name__}) has no "
                                      "`scaling` to give vLLM's attention")
-            sliding = layer_types is not None and index < len(layer_types) and layer_types[index] == "sliding_attention"
+            if "sliding_window" in shape.call:  # what the module passes for its own layer
+                window = shape.call["sliding_window"]
+            else:
+                sliding = layer_types is not None and index < len(layer_types) and layer_types[index] == "sliding_attention"
+                window = text_config.sliding_window if sliding else None
             module.add_module(VLLM_ATTENTION, Attention(
-                num_heads=model_config.get_num_attention_heads(parallel_config),
-                head_size=model_config.get_head_size(),
+                num_heads=shape.heads,
+                head_size=shape.head_size,
                 scale=float(scale),
-                num_kv_heads=model_config.get_num_kv_heads(parallel_config),
-                cache_config=vllm_config.cache_config,
+                num_kv_heads=shape.kv_heads,
+                cache_config=cache_config,
                 quant_config=vllm_config.quant_config,
-                logits_soft_cap=getattr(text_config, "attn_logit_softcapping", None),
-                per_layer_sliding_window=text_config.sliding_window if sliding else None,
+                logits_soft_cap=shape.call.get("softcap", getattr(text_config, "attn_logit_softcapping", None)),
+                per_layer_sliding_window=window,
                 prefix=f"{layers_prefix}.{index}.{name}.{VLLM_ATTENTION}",
+                # Learned attention sinks (GPT-OSS, Granite SWA: `s_aux` in the attention call), loaded already.
+                **({"sinks": module.sinks.detach()} if isinstance(getattr(module, "sinks", None), torch.Tensor) else {}),
             ))
         return len(layers)
 
@@ -128,7 +208,7 @@ class AttnResForCausalLMVllm(nn.Module):
         # vLLM's flattened tokens as a batch of one sequence, the layout transformers' modules expect.
         tokens = dict(inputs_embeds=inputs_embeds[None]) if inputs_embeds is not None else dict(input_ids=input_ids[None])
         _CALLS[0] = 0
-        outputs = self.base(**tokens, position_ids=positions[None], use_cache=False)
+        outputs = self._run_base(tokens, positions)
         if _CALLS[0] != self.attention_layers:
             # An attention that did not reach vLLM ran transformers' own over all requests' tokens as one sequence.
             raise RuntimeError(
