@@ -52,7 +52,7 @@ $(VLLM_VENV)/.installed: pyproject.toml $(VLLM_LOCK)
 	$(VLLM_VENV)/bin/pip uninstall --quiet --yes torchvision torchaudio torchcodec
 	touch $@
 
-# About 12 to 16 min from a fresh clone on 2 cores (the venv 5 min 37 s, 33 tests 6 to 10 min: docs/serving.md).
+# About 12 min from a fresh clone on 2 cores (the venv 5 to 6 min, 33 tests 6 min 14 s: docs/serving.md).
 test-vllm: $(VLLM_VENV)/.installed
 	OMP_NUM_THREADS=1 $(VLLM_VENV)/bin/python -m pytest -q -m vllm tests/test_vllm.py $(PYTEST_ARGS)
 
