@@ -24,6 +24,7 @@ import pytest
 pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm", reason="vLLM is not installed here: `make test-vllm` runs these tests in .venv-vllm")
 
+import vllm_helpers  # noqa: E402
 from vllm_helpers import (  # noqa: E402
     CHAT_TEMPLATE, ENGINE, converted_folder, generate_tokens, prompts, up_to_end,
 )
@@ -45,10 +46,7 @@ def engine_env() -> dict:
 
 
 def run_engine(folder: Path, token_lists: list[list[int]], tmp_path: Path) -> subprocess.CompletedProcess:
-    request = tmp_path / "request.json"
-    request.write_text(json.dumps({"prompts": token_lists, "max_new_tokens": NEW_TOKENS}))
-    return subprocess.run([sys.executable, str(HELPERS), str(folder), str(request)], capture_output=True, text=True,
-                          timeout=600, env=engine_env())
+    return vllm_helpers.run_engine(folder, token_lists, NEW_TOKENS, tmp_path)
 
 
 @pytest.mark.parametrize("family", SERVED)
@@ -58,8 +56,8 @@ def test_vllm_greedy_tokens_equal_generate(family, tmp_path):
     expected = generate_tokens(folder, token_lists, NEW_TOKENS)
     result = run_engine(folder, token_lists, tmp_path)
     assert result.returncode == 0, f"{family}: vLLM failed:\n{result.stderr[-4000:]}"
-    line = next(line for line in result.stdout.splitlines() if line.startswith("VLLM_TOKENS "))
-    served = json.loads(line.removeprefix("VLLM_TOKENS "))
+    served = vllm_helpers.served_tokens(result)
+    assert served is not None, f"{family}: vLLM printed no tokens:\n{result.stdout[-4000:]}"
     assert [len(tokens) for tokens in served] == [NEW_TOKENS] * len(token_lists)
     assert [up_to_end(tokens) for tokens in served] == expected, family
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import copy
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -65,11 +67,16 @@ def converted_folder(family: str, folder: Path, block_size: int = 2) -> Path:
     return folder
 
 
-def generate_tokens(folder: Path, token_lists: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    """transformers' greedy `generate` on the folder (float32), one prompt at a time; it stops at the end token."""
+def generate_tokens(folder: Path, token_lists: list[list[int]], max_new_tokens: int,
+                    past_end: bool = False) -> list[list[int]]:
+    """transformers' greedy `generate` on the folder (float32), one prompt at a time; it stops at the end token, or
+    with PAST_END goes on past it as vLLM's `ignore_eos` does (`min_new_tokens` would instead forbid the end token,
+    changing the argmax)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, dtype=torch.float32).eval()
+    if past_end:
+        model.generation_config.eos_token_id = None
     outputs = []
     for tokens in token_lists:
         ids = torch.tensor([tokens])
@@ -80,11 +87,29 @@ def generate_tokens(folder: Path, token_lists: list[list[int]], max_new_tokens: 
 
 
 END_TOKEN = 2  # the tiny models' eos_token_id
+TOKENS_LINE = "VLLM_TOKENS "  # how an engine run's answer starts on its standard output
 
 
 def up_to_end(tokens: list[int]) -> list[int]:
     """The tokens up to and including the first end token: what `generate` returns of a longer greedy run."""
     return tokens[: tokens.index(END_TOKEN) + 1] if END_TOKEN in tokens else tokens
+
+
+def run_engine(folder: Path, token_lists: list[list[int]], max_new_tokens: int, scratch: Path, timeout: float = 600,
+               **env: str) -> subprocess.CompletedProcess:
+    """This file's engine run (`vllm_tokens`, below) in a process of its own, one thread, ENV added to its
+    environment; the request is written to SCRATCH. `served_tokens` reads its answer."""
+    request = scratch / "request.json"
+    request.write_text(json.dumps({"prompts": token_lists, "max_new_tokens": max_new_tokens}))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parent), **env}
+    return subprocess.run([sys.executable, __file__, str(folder), str(request)], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def served_tokens(result: subprocess.CompletedProcess) -> list[list[int]] | None:
+    """The tokens an engine run printed, or None where it printed none (it failed)."""
+    line = next((line for line in result.stdout.splitlines() if line.startswith(TOKENS_LINE)), None)
+    return None if line is None else json.loads(line.removeprefix(TOKENS_LINE))
 
 
 def vllm_tokens(folder: str, token_lists: list[list[int]], max_new_tokens: int) -> list[list[int]]:
@@ -128,4 +153,4 @@ if __name__ == "__main__":
         sys.exit(0)
     request = json.loads(Path(sys.argv[2]).read_text())
     tokens = vllm_tokens(sys.argv[1], request["prompts"], request["max_new_tokens"])
-    print("VLLM_TOKENS " + json.dumps(tokens))
+    print(TOKENS_LINE + json.dumps(tokens))
