@@ -341,11 +341,10 @@ def kernels_build() -> None:
     """Compile the C++ depth-mix kernels (ATTNRES_KERNEL=cpu) into torch's extension cache now, not on first use."""
     import time
 
-    from attnres_convert.modeling import depth_kernels_cpu
+    from .kernels import cpu as depth_kernels_cpu
 
     start = time.perf_counter()
-    with warnings.catch_warnings():
-        warnings.showwarning = _show_warning  # a compiler without OpenMP: what to install
+    with user_errors():  # a compiler without OpenMP: a warning saying what to install
         with stages() as stage, stage("Building the C++ depth-mix kernels (once per machine)"):
             try:
                 kernels = depth_kernels_cpu.build()

@@ -7,8 +7,8 @@ a decoding step, on the eager path and with the C++ kernels (ATTNRES_KERNEL=cpu)
 The converted model is loaded as users load it (`from_pretrained(..., trust_remote_code=True)` of the folder
 `attnres convert` wrote, so the shipped modeling code runs), and the functions the converted layers call are
 wrapped with timers in that loaded module: `start_state`, `_all_queries` (every sublayer's query folded
-with its key norm, once per forward), the readers' `depth_mix`, `add_output` and `close_block` (the same calls for a prefill and a decoding
-step). The timers cost a little themselves, so the parts are an upper bound; what they show is the split. The reference rows are a plain `torch.add` over the bytes a prefill reader moves and over 100 MB.
+with its key norm, once per forward) and the readers' `depth_mix` (the same calls for a prefill and a decoding
+step; a block's close and an output's add are the state's methods, counted in the layer's own time). The timers cost a little themselves, so the parts are an upper bound; what they show is the split. The reference rows are a plain `torch.add` over the bytes a prefill reader moves and over 100 MB.
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ from rich.table import Table  # noqa: E402
 from benchmarks.overhead import converted_folder, prepare_folder, resident  # noqa: E402
 
 console = Console()
-PARTS = ("start_state", "_all_queries", "depth_mix", "add_output", "close_block", "run_sublayer")
-SHOWN = ("start_state", "_all_queries", "depth_mix", "add_output", "close_block")
+PARTS = ("start_state", "_all_queries", "depth_mix", "run_sublayer")
+SHOWN = ("start_state", "_all_queries", "depth_mix")
 
 
 def timed_parts(module, totals: dict) -> None:

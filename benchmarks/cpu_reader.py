@@ -29,8 +29,8 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from attnres_convert.modeling import depth_attention as da  # noqa: E402
-from attnres_convert.modeling import depth_kernels_cpu  # noqa: E402
+from attnres_convert.modeling import modeling_attnres as da  # noqa: E402
+from attnres_convert.kernels import cpu as depth_kernels_cpu  # noqa: E402
 
 D, READERS, EPS = 576, 61, 1e-5
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from attnres_convert.modeling import depth_triton
+from attnres_convert.kernels import triton as depth_triton
 
 TARGETS = (80, 90)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -149,7 +149,7 @@ def sass_fmas(cubin: bytes, folder: Path) -> list[str]:
 def compile_all(out) -> None:
     import triton
 
-    from attnres_convert.modeling import depth_triton_kernels
+    from attnres_convert.kernels import triton_kernels as depth_triton_kernels
 
     assert not os.environ.get("TRITON_INTERPRET", "0") == "1", "run with TRITON_INTERPRET=0"
     folder = Path(tempfile.mkdtemp())

@@ -14,7 +14,7 @@ from transformers.utils.deprecation import deprecate_kwarg
 from attnres_convert import save_converted
 from attnres_convert.conversion.surgery import convert_model
 from attnres_convert.io.saving import SHIPPED_CODE
-from attnres_convert.modeling.cache_names import INSTALLED, cache_keyword, cache_of
+from attnres_convert.modeling.modeling_attnres import INSTALLED, cache_keyword, cache_of
 from test_save_load import run_isolated
 from tiny_models import randomize_queries, tiny_model, token_ids
 

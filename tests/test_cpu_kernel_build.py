@@ -17,7 +17,7 @@ import pytest
 from torch.utils.cpp_extension import _get_build_directory
 from torch.utils.file_baton import FileBaton
 
-from attnres_convert.modeling import depth_kernels_cpu
+from attnres_convert.kernels import cpu as depth_kernels_cpu
 
 ROOT = Path(__file__).resolve().parent.parent
 

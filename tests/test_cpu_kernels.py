@@ -17,7 +17,8 @@ import torch
 import torch.utils.cpp_extension
 
 from attnres_convert import convert_model, save_converted
-from attnres_convert.modeling import depth_attention, depth_kernels_cpu
+from attnres_convert.modeling import modeling_attnres as depth_attention
+from attnres_convert.kernels import cpu as depth_kernels_cpu
 from test_structure import _reference_llama
 from tiny_models import CONFIGS, randomize_queries, tiny_model, token_ids
 

@@ -109,7 +109,7 @@ def test_head_is_found_from_the_logits_where_the_modules_do_not_tell():
 
 
 def test_no_head_that_makes_the_logits_is_refused_with_the_reason():
-    from attnres_convert.modeling.architectures import UnsupportedModelError
+    from attnres_convert.architectures import UnsupportedModelError
 
     class ScaledByHand(TwoHeadsForCausalLM):  # logits from both heads summed: neither one's output is the logits
         def forward(self, input_ids=None, **kwargs):

@@ -11,7 +11,7 @@ from attnres_convert.conversion.proof import prove
 from attnres_convert.conversion.single_thread import run_single_threaded
 from attnres_convert.conversion.surgery import convert_model
 from attnres_convert.conversion.trace import trace_model
-from attnres_convert.modeling.architectures import FAMILIES, ModelPlan, UnsupportedModelError, locate
+from attnres_convert.architectures import FAMILIES, ModelPlan, UnsupportedModelError, locate
 from tiny_models import tiny_model, token_ids
 import transformers as T
 
@@ -200,7 +200,7 @@ def test_a_layer_that_scales_its_stream_converts_exactly():
 
 
 def test_stream_scales_are_the_products_of_the_earlier_layer_scalars():
-    from attnres_convert.modeling.architectures import ModelPlan, Sublayer, Branch
+    from attnres_convert.architectures import ModelPlan, Sublayer, Branch
 
     plan = ModelPlan.uniform(3, (Sublayer("mlp", (Branch("norm", "mlp"),)),), 1e-6, layer_scalars=(0.5, 4.0, 3.0))
     assert plan.stream_scales() == ((1.0, 0.5, 2.0), 6.0)
@@ -212,7 +212,7 @@ def test_gemma4_moe_block_is_one_sublayer_with_a_side_router_and_a_norm_of_its_s
     """Gemma 4's MoE block: the dense MLP and the experts read the same stream (the experts' norm reads it flattened),
     the router reads the flattened raw stream for the experts' arguments, and a norm takes the sum of both: the
     layout says so, and survives the converted config (test_exactness checks the conversion's numbers)."""
-    from attnres_convert.modeling.architectures import Sublayer
+    from attnres_convert.architectures import Sublayer
 
     converted = convert_model(tiny_model("gemma4_moe"), block_size=3)
     moe = converted._attnres_plan.sublayers(0)[1]

@@ -83,7 +83,7 @@ def test_a_gguf_the_stream_cannot_map_says_why(smollm2_path, monkeypatch):
     from attnres_convert.io.sources import load_config, resolve_source
     from attnres_convert.conversion.streaming import stream_input
     from attnres_convert.io.shards import NotStreamable
-    from attnres_convert.modeling.transformers_compat import SINCE, has
+    from attnres_convert.transformers_compat import SINCE, has
 
     if not has("is_gguf_arch_supported"):  # every GGUF streams: see test_gguf_streams_tensor_by_tensor_to_the_in_memory_result
         pytest.skip(f"transformers {transformers.__version__} has no GGUF weight-conversion pipeline (since {SINCE['is_gguf_arch_supported'][0]})")

@@ -21,7 +21,7 @@ from attnres_convert.finetune.checkpoints import list_checkpoints
 from attnres_convert.finetune.recipe import RecipeError, parse_recipe
 from attnres_convert.finetune.training import TrainingInterrupted, finetune
 from attnres_convert.modeling.configuration_attnres import AttnResConfig
-from attnres_convert.modeling.depth_attention import KERNEL_ENV
+from attnres_convert.modeling.modeling_attnres import KERNEL_ENV
 from attnres_convert.modeling.modeling_attnres import AttnResQuery
 from finetune_helpers import tiny_model_folder, tiny_recipe, write_corpus
 from test_save_load import run_isolated

@@ -13,7 +13,7 @@ from matplotlib.image import imread
 from typer.testing import CliRunner
 
 from attnres_convert import convert_model, save_converted
-from attnres_convert.modeling.depth_attention import source_ranges
+from attnres_convert.block_sizes import source_ranges
 from attnres_convert.analysis.inspection import depth_weights, inspect_model, original_behaviour, sublayer_profile
 from attnres_convert.modeling.modeling_attnres import AttnResQuery
 from attnres_convert.analysis.plots import depth_heatmaps, loss_curve_plot, magnitude_profiles

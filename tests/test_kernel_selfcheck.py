@@ -18,7 +18,7 @@ pytest.importorskip("triton", reason="the kernel tests need triton (make test in
 from triton.runtime.errors import OutOfResources  # noqa: E402
 
 from attnres_convert import convert_model  # noqa: E402
-from attnres_convert.modeling import depth_triton, depth_triton_check, depth_triton_reference  # noqa: E402
+from attnres_convert.kernels import triton as depth_triton, triton_check as depth_triton_check, triton_reference as depth_triton_reference  # noqa: E402
 from tiny_models import randomize_queries, tiny_model, token_ids  # noqa: E402
 
 

@@ -17,7 +17,8 @@ if os.environ.get("TRITON_INTERPRET") != "1":  # conftest sets it: the kernels r
 pytest.importorskip("triton", reason="the kernel tests need triton (make test installs it)")
 
 from attnres_convert import convert_model, save_converted  # noqa: E402
-from attnres_convert.modeling import depth_attention, depth_backends  # noqa: E402
+from attnres_convert.modeling import modeling_attnres as depth_attention  # noqa: E402
+from attnres_convert import kernels as depth_backends  # noqa: E402
 from test_structure import _reference_llama  # noqa: E402
 from tiny_models import randomize_queries, tiny_model, token_ids
 from tiny_models import with_kernels as _with  # noqa: E402

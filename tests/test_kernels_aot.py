@@ -24,7 +24,7 @@ import torch
 pytest.importorskip("triton", reason="the compile tests need triton (the test extra installs it)")
 
 import aot_compile  # noqa: E402
-from attnres_convert.modeling import depth_triton  # noqa: E402
+from attnres_convert.kernels import triton as depth_triton  # noqa: E402
 
 pytestmark = pytest.mark.aot
 

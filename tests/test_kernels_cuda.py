@@ -126,7 +126,7 @@ def test_training_gradients_match_the_eager_backward(block_size, table, dtype, m
 
 def test_every_variant_a_model_uses_passes_its_self_check(monkeypatch):
     """On this GPU, each compiled variant matches its PyTorch reference within the promise: none falls back."""
-    from attnres_convert.modeling import depth_triton_check
+    from attnres_convert.kernels import triton_check as depth_triton_check
 
     monkeypatch.setattr(depth_triton_check, "_VERDICTS", {})
     for dtype in DTYPES.values():

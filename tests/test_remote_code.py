@@ -144,7 +144,7 @@ def test_own_code_that_claims_a_transformers_model_type_is_refused(tmp_path):
     """A converted folder registers the base code under its model type; one transformers ships cannot be
     registered over, so the folder would silently build transformers' implementation instead."""
     from attnres_convert.conversion.surgery import convert_model
-    from attnres_convert.modeling.architectures import UnsupportedModelError
+    from attnres_convert.architectures import UnsupportedModelError
 
     source = own_code_folder(tmp_path / "tiny-own-code")
     model = AutoModelForCausalLM.from_pretrained(source, trust_remote_code=True)

@@ -382,7 +382,8 @@ def test_cpu_kernel_build_compiles_only_its_own_source(monkeypatch):
     import torch
     import torch.utils.cpp_extension
 
-    from attnres_convert.modeling import depth_attention, depth_kernels_cpu
+    from attnres_convert.modeling import modeling_attnres as depth_attention
+    from attnres_convert.kernels import cpu as depth_kernels_cpu
 
     calls = []
     monkeypatch.setattr(torch.utils.cpp_extension, "load_inline", lambda *args, **kwargs: calls.append((args, kwargs)) or "built")

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from attnres_convert.modeling.depth_attention import default_block_size, plan_sublayers, source_ranges
+from attnres_convert.block_sizes import default_block_size, source_ranges
+from attnres_convert.modeling.modeling_attnres import plan_sublayers
 from attnres_convert.conversion.surgery import convert_model
 from tiny_models import randomize_queries, tiny_model, token_ids
 
@@ -129,7 +130,8 @@ def test_inference_buffer_and_autograd_state_compute_the_same(family, length, bl
     tokens every reader recomputes all scores, for more it reads the completed sources' scores from the
     table written when each completed (with a block completing between a layer's readers when S = 1).
     With autograd it is a TrainState (blocks in a cache outside autograd). All paths compute the same function."""
-    from attnres_convert.modeling.depth_attention import SMALL_STEP_TOKENS, SourceBuffer, record_depth_weights
+    from attnres_convert.kernels.step import SMALL_STEP_TOKENS
+    from attnres_convert.modeling.modeling_attnres import SourceBuffer, record_depth_weights
 
     model = convert_model(tiny_model(family), block_size=block_size, source_scaling=scaling).eval()
     randomize_queries(model, 0.5, seed=3, key_norms=0.3)
@@ -195,7 +197,7 @@ def test_training_gradients_match_autograd_through_the_reference(block_size, sca
     backward through the same graph (retain_graph) must add exactly as much again. Without the table
     (queries that are not whole tensors on one device, as under FSDP) every reader scores the blocks itself."""
     from attnres_convert.modeling import modeling_attnres
-    from attnres_convert.modeling.depth_attention import TrainState
+    from attnres_convert.kernels.training import TrainState
 
     if not table:
         monkeypatch.setattr(modeling_attnres, "_all_queries", lambda spec, like: None)
@@ -224,7 +226,7 @@ def test_hidden_states_are_the_originals_and_stay_so(length):
     """In a float32 model the plain stream lives in the inference buffer (one add updates it and the partial
     sum): the hidden states handed out must be copies, equal to the original model's bit for bit, and not
     changed by the layers that run after them."""
-    from attnres_convert.modeling.depth_attention import SourceBuffer
+    from attnres_convert.modeling.modeling_attnres import SourceBuffer
 
     original = tiny_model("llama")
     model = convert_model(tiny_model("llama"), block_size=3).eval()

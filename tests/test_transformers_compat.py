@@ -10,15 +10,8 @@ import pytest
 import transformers
 from packaging.version import Version
 
-from attnres_convert.modeling import transformers_compat
-from attnres_convert.modeling.transformers_compat import (
-    INTERNALS,
-    MODULES,
-    SINCE,
-    MissingTransformersInternal,
-    has,
-    internal,
-)
+from attnres_convert import transformers_compat
+from attnres_convert.transformers_compat import INTERNALS, MODULES, SINCE, MissingTransformersInternal, has, internal
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "attnres_convert"

@@ -131,7 +131,7 @@ FLOAT32_ONLY = {"to_bfloat16", "to_float64"}  # the C++ kernels run float32 mode
 
 
 def _cpu_kernels_or_skip() -> None:
-    from attnres_convert.modeling import depth_kernels_cpu
+    from attnres_convert.kernels import cpu as depth_kernels_cpu
 
     try:
         depth_kernels_cpu.build()  # compiled once per machine (about 25 s), before any forward

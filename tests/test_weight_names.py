@@ -9,7 +9,7 @@ from transformers.conversion_mapping import _build_checkpoint_conversion_mapping
 
 from attnres_convert import load_converted, save_converted
 from attnres_convert.conversion.surgery import convert_model
-from attnres_convert.modeling.weight_names import guarded
+from attnres_convert.modeling.modeling_attnres import guarded
 from test_save_load import run_isolated
 from tiny_models import randomize_queries, tiny_model, token_ids
 

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from ..errors import AttnResError, first_line
-from ..modeling.architectures import UnsupportedModelError, vocab_size_of
+from ..architectures import UnsupportedModelError, vocab_size_of
 from ..conversion.surgery import BlockSizeError
 from ..io.sources import DTYPES, ModelSource, load_model, load_tokenizer, resolve_source
 from . import step_memory
@@ -94,7 +94,7 @@ def _check_cpu_kernels(device: str, dtype: str) -> None:
             f"--kernels cpu runs the C++ kernels on float32 CPU tensors (asked: {dtype} on {device}): use "
             f"--device cpu --dtype float32, or --kernels eager."
         )
-    from ..modeling import depth_kernels_cpu
+    from ..kernels import cpu as depth_kernels_cpu
 
     try:
         depth_kernels_cpu.build()
@@ -172,7 +172,7 @@ def _load(folder: Path, settings: BenchSettings, remote_code: bool):
     is the one the folder ships (what trust_remote_code=True loads in a fresh process), even where this process
     has registered the package's own AttnRes classes, which transformers would otherwise prefer."""
     from transformers import AutoConfig, AutoModelForCausalLM
-    from ..modeling.transformers_compat import get_class_from_dynamic_module
+    from ..transformers_compat import get_class_from_dynamic_module
 
     dtype = DTYPES[settings.resolved_dtype]
     if remote_code:

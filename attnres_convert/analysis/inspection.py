@@ -23,9 +23,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..modeling.architectures import module_at, times_argument
+from ..architectures import module_at, times_argument
 from ..errors import SourceError
-from ..modeling.depth_attention import record_depth_weights, source_ranges
+from ..modeling.modeling_attnres import record_depth_weights
+from ..block_sizes import source_ranges
 from ..modeling.modeling_attnres import AttnResForCausalLM, AttnResQuery
 from ..conversion.surgery import ConversionSummary, summarize
 
@@ -280,7 +281,7 @@ def inspect_source(
     from ..conversion.verify import fit_to_context, sample_input_ids
 
     from ..conversion.convert import refusal
-    from ..modeling.architectures import UnsupportedModelError, vocab_size_of
+    from ..architectures import UnsupportedModelError, vocab_size_of
 
     try:
         loaded = load_any(model, dtype, trust_remote_code)

@@ -61,7 +61,7 @@ def _main() -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from ..modeling.architectures import vocab_size_of
+    from ..architectures import vocab_size_of
 
     parser = argparse.ArgumentParser()
     parser.add_argument("folder")

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from ..io.card import conversion_card
-from ..modeling.architectures import UnsupportedModelError, vocab_size_of
+from ..architectures import UnsupportedModelError, vocab_size_of
 from ..errors import VerificationError, first_line
 from ..modeling.modeling_attnres import AttnResForCausalLM
 from .memory_budget import plan_verification, verify_saved

@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..architectures import UnsupportedModelError, config_refusal, describe
 from ..errors import first_line
-from ..modeling.architectures import UnsupportedModelError, config_refusal
 from .single_thread import run_single_threaded
 from .tiny_configs import tiny_config
 
@@ -112,7 +112,7 @@ class CoverageReport:
 
 
 def causal_lm_model_types() -> list[str]:
-    from ..modeling.transformers_compat import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    from ..transformers_compat import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
 
@@ -184,7 +184,7 @@ def _padded_logits(model, padded, strict: bool = False) -> torch.Tensor | None:
 
 def _structure_text(model) -> str:
     plan = model._attnres_plan
-    kinds = [" | ".join(s.describe() for s in kind) for kind in plan.kinds]
+    kinds = [" | ".join(describe(s) for s in kind) for kind in plan.kinds]
     text = kinds[0] if len(kinds) == 1 else "; ".join(f"layers {_ranges(plan, i)}: {k}" for i, k in enumerate(kinds))
     if plan.stream_start:
         text = f"stream starts as layer 0's {plan.stream_start}(embeddings); {text}"

@@ -21,23 +21,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..modeling.architectures import (
-    OUTPUT,
-    RAW_STREAM,
-    TIMES,
-    Branch,
-    ModelPlan,
-    Sublayer,
-    UnsupportedModelError,
-    Where,
-    config_refusal,
-    family_for,
-    is_norm,
-    locate,
-    module_at,
-    norm_eps,
-    reads_raw_stream,
-)
+from ..architectures import OUTPUT, RAW_STREAM, TIMES, Branch, ModelPlan, Sublayer, UnsupportedModelError, Where, config_refusal, family_for, is_norm, locate, module_at, norm_eps, reads_raw_stream
 from . import stream_settings
 from .proof import LayerFailure, StructureError, prove, relative_difference
 from .trace import LayerCall, ModelTrace, evaluating, first_tensor, probe_hidden, probe_ids, run_probes, trace_layer, trace_model

@@ -124,7 +124,7 @@ def verify_saved(source, folder, budget: VerifyBudget, dtype: str, tokenizer, te
 
     from ..modeling.modeling_attnres import AttnResForCausalLM
     from ..io.sources import DTYPES, load_model
-    from ..modeling.architectures import vocab_size_of
+    from ..architectures import vocab_size_of
     from .verify import capture_reference, compare, fit_to_context, sample_input_ids
 
     offload = Path(tempfile.mkdtemp(prefix=".attnres-offload-", dir=Path(folder).parent))

@@ -16,11 +16,25 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..architectures import (
+    ModelPlan,
+    Sublayer,
+    UnsupportedModelError,
+    describe,
+    module_at,
+)
 from ..errors import first_line
-from ..modeling.architectures import ModelPlan, Sublayer, UnsupportedModelError, module_at
-from ..modeling.depth_attention import add_output, close_block, depth_mix, start_state
-from ..modeling.modeling_attnres import run_sublayer
-from .trace import LayerCall, ModelTrace, evaluating, first_tensor, one_more_token_logits, probe_hidden, probe_ids, run_probes
+from ..modeling.modeling_attnres import depth_mix, run_sublayer, start_state
+from .trace import (
+    LayerCall,
+    ModelTrace,
+    evaluating,
+    first_tensor,
+    one_more_token_logits,
+    probe_hidden,
+    probe_ids,
+    run_probes,
+)
 
 RELATIVE_TOLERANCE = 1e-6  # fp32: bit-equal, or this close where the base forward orders its adds differently
 HALF_RELATIVE_TOLERANCE = 1e-2  # bf16 / fp16: a reordered add rounds at the format's precision (2^-8)
@@ -89,17 +103,17 @@ def prove_layer(
         try:
             h = h + run_sublayer(layer, sublayer, h, call_kwargs)
         except Exception as error:  # noqa: BLE001 - a candidate that cannot even run is a failed candidate
-            return LayerFailure(index, sub_index + 1, f"the rewritten {sublayer.describe()} raised {first_line(error, with_type=True)}")
+            return LayerFailure(index, sub_index + 1, f"the rewritten {describe(sublayer)} raised {first_line(error, with_type=True)}")
         # The original's stream where the next sublayer reads it, else (last sublayer) the layer's output.
         last = sub_index + 1 == len(sublayers)
         reference = want if last else inputs.get(sub_index + 1)
         if reference is not None and reference.shape == h.shape:
             difference, relative = relative_difference(h * scalar if last else h, reference)
             if not relative <= limit:
-                return LayerFailure(index, sub_index + 1, sublayer.describe(), difference, relative, limit)
+                return LayerFailure(index, sub_index + 1, describe(sublayer), difference, relative, limit)
     difference, relative = relative_difference(h * scalar, want)
     if not relative <= limit:
-        return LayerFailure(index, len(sublayers), sublayers[-1].describe(), difference, relative, limit)
+        return LayerFailure(index, len(sublayers), describe(sublayers[-1]), difference, relative, limit)
     args, kwargs = call.fresh()
     call_kwargs = call.call_kwargs(args, kwargs)
     hidden = h0.shape[-1]
@@ -107,13 +121,13 @@ def prove_layer(
     state = start_state(h0, eps)
     returned: dict[int, object] = {}
     for sublayer in sublayers:
-        state = close_block(state, eps)
+        state = state.close(eps)
         mix = depth_mix(state, query, key_norm, eps, "count")
-        state = add_output(state, run_sublayer(layer, sublayer, mix, call_kwargs, returned=returned))
-    mixed = depth_mix(close_block(state, eps), query, key_norm, eps, "count") * scalar
+        state = state.add(run_sublayer(layer, sublayer, mix, call_kwargs, returned=returned))
+    mixed = depth_mix(state.close(eps), query, key_norm, eps, "count") * scalar
     difference, relative = relative_difference(mixed, want)
     if not relative <= limit:
-        return LayerFailure(index, len(sublayers), "depth mix with zero queries: " + sublayers[-1].describe(),
+        return LayerFailure(index, len(sublayers), "depth mix with zero queries: " + describe(sublayers[-1]),
                             difference, relative, limit)
     for position, value in returned.items():
         expected = output[position] if isinstance(output, tuple) and position < len(output) else None

@@ -22,8 +22,8 @@ from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedConfi
 
 from ..errors import OutputError
 from ..modeling import SHIPPED_CODE
-from ..modeling.transformers_compat import custom_object_save
-from ..modeling.architectures import ModelPlan, family_for
+from ..transformers_compat import custom_object_save
+from ..architectures import ModelPlan, family_for
 from ..modeling.modeling_attnres import AttnResForCausalLM, AttnResKeyNorm, AttnResQuery
 from ..io.shards import DTYPES, NotStreamable, OutputTensor, checkpoint_files, checkpoint_tensors, plan_shards, write_sharded
 from ..io.sources import DTYPES as DTYPE_CHOICES
@@ -190,7 +190,7 @@ def _saved_base_shapes(model: AttnResForCausalLM, added: set[str]) -> dict[str, 
     """Names and shapes of the base tensors save_pretrained writes for MODEL (tied copies dropped, the
     checkpoint format's names restored, e.g. Mixtral's experts one by one), computed on meta tensors. The
     AttnRes tensors keep the contract's names: transformers' renaming patterns are not meant for them."""
-    from ..modeling.transformers_compat import remove_tied_weights_from_state_dict, revert_weight_conversion
+    from ..transformers_compat import remove_tied_weights_from_state_dict, revert_weight_conversion
 
     state = remove_tied_weights_from_state_dict(model.state_dict(), model)
     state = revert_weight_conversion(model, {name: tensor for name, tensor in state.items() if name not in added})

@@ -10,16 +10,31 @@ from dataclasses import dataclass
 from torch import nn
 from transformers import PreTrainedModel
 
-from ..modeling.architectures import FAMILIES, ModelPlan, UnsupportedModelError, config_refusal, family_for, module_at
-from ..modeling.configuration_attnres import AttnResConfig
-from ..modeling.depth_attention import default_block_size, output_num_sources, plan_sublayers, source_ranges
+from ..architectures import (
+    FAMILIES,
+    ModelPlan,
+    UnsupportedModelError,
+    config_refusal,
+    family_for,
+    module_at,
+    plan_to_dict,
+)
+from ..block_sizes import default_block_size
+from ..io.saving import register_auto_classes
 from ..modeling import SHIPPED_CODE
-from ..modeling.modeling_attnres import AttnResForCausalLM, AttnResKeyNorm, AttnResQuery
-from ..modeling.remote_code import GENERATED, base_code_files
+from ..modeling.configuration_attnres import AttnResConfig
+from ..modeling.modeling_attnres import BASE_CODE as BASE_CODE
+from ..modeling.modeling_attnres import (
+    AttnResForCausalLM,
+    AttnResKeyNorm,
+    AttnResQuery,
+    base_code_files,
+    output_num_sources,
+    plan_sublayers,
+)
 from . import stream_settings
 from .discovery import find_plan
 from .proof import check_converted
-from ..io.saving import register_auto_classes
 
 DEFAULT_NUM_BLOCKS = 8
 
@@ -153,7 +168,7 @@ def convert_model(
     attn_implementation, dtype = config._attn_implementation, config.dtype
     experts_implementation = getattr(config, "_experts_implementation", None)
     attn_config = AttnResConfig(
-        text_config=config, block_size=size, source_scaling=source_scaling, structure=plan.to_dict(), query_rank=query_rank,
+        text_config=config, block_size=size, source_scaling=source_scaling, structure=plan_to_dict(plan), query_rank=query_rank,
         stream_width=_stream_width(base_model, plan, trace),
     )
     attn_config._attn_implementation = attn_implementation
@@ -187,7 +202,7 @@ def _check_base_code(base_model: PreTrainedModel) -> None:
     """A base model's own code is shipped beside the converted model's (remote_code.py) and registered under its
     model type: no file may share a name with ours, and the type must not be one transformers ships (the folder
     would then build transformers' implementation, not the model's own)."""
-    from ..modeling.transformers_compat import CONFIG_MAPPING_NAMES
+    from ..transformers_compat import CONFIG_MAPPING_NAMES
 
     files = base_code_files(type(base_model.config), type(base_model))
     model_type = base_model.config.model_type
@@ -197,7 +212,7 @@ def _check_base_code(base_model: PreTrainedModel) -> None:
             "converted folder cannot load that code instead of transformers' own. Convert without "
             "--trust-remote-code to use transformers' implementation of the model type"
         )
-    clashes = sorted(set(files) & {*SHIPPED_CODE, GENERATED})
+    clashes = sorted(set(files) & {*SHIPPED_CODE, BASE_CODE})
     if clashes:
         raise UnsupportedModelError(
             f"the model's own code has files named like the converted model's code ({', '.join(clashes)}), and both "

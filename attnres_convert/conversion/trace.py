@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..modeling.architectures import INPUT, RESIDUAL, UnsupportedModelError, Where, is_norm, module_at, output_of, vocab_size_of
-from ..modeling.cache_names import cache_keyword, cache_of
+from ..architectures import INPUT, RESIDUAL, UnsupportedModelError, Where, is_norm, module_at, output_of, vocab_size_of
+from ..modeling.modeling_attnres import cache_keyword, cache_of
 from ..modeling.modeling_attnres import positional_argnames
 from .single_thread import run_single_threaded
 

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
-from ..modeling.architectures import text_config_of
+from ..architectures import text_config_of
 
 
 @dataclass(frozen=True)

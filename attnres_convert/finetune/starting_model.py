@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from transformers import PreTrainedModel
 
 from ..errors import SourceError
-from ..modeling.architectures import UnsupportedModelError
+from ..architectures import UnsupportedModelError
 from .recipe import Recipe, RecipeError
 from .scratch import byte_tokenizer, init_model, scratch_config, use_tokenizer
 from ..io.saving import is_converted_folder, load_converted

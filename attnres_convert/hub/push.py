@@ -137,14 +137,14 @@ def _config_problems(folder: Path) -> tuple[list[str], str | None]:
     # Imported here, not at the top: the modeling code imports torch, and a wrong folder or repo id is
     # answered before that (tests/test_cli_screens.py, argument errors).
     from ..modeling import SHIPPED_CODE
-    from ..modeling.remote_code import GENERATED
+    from ..modeling.modeling_attnres import BASE_CODE as BASE_CODE
 
     # An auto_map entry is "module.Class", or "repo--module.Class" once it points into a hub repo.
     code = set(SHIPPED_CODE) | {f"{str(ref).split('--')[-1].split('.')[0]}.py" for ref in auto_map.values()}
-    if (folder / GENERATED).is_file():  # a base model's own code, imported by base_code.py
-        from ..modeling.transformers_compat import get_relative_imports
+    if (folder / BASE_CODE).is_file():  # a base model's own code, imported by base_code.py
+        from ..transformers_compat import get_relative_imports
 
-        code |= {f"{name}.py" for name in get_relative_imports(folder / GENERATED)}
+        code |= {f"{name}.py" for name in get_relative_imports(folder / BASE_CODE)}
     problems += [f"shipped code {name} is missing" for name in sorted(code) if not (folder / name).is_file()]
     return problems, "attnres"
 

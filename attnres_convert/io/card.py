@@ -15,7 +15,7 @@ from pathlib import Path
 import yaml
 
 from ..errors import scrub
-from ..modeling.depth_attention import source_ranges
+from ..block_sizes import source_ranges
 
 # Licences of the models that ship offline with this project.
 KNOWN_LICENSES = {"SmolLM2-135M-Instruct.Q4_1.gguf": "apache-2.0"}

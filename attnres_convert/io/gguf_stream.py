@@ -59,7 +59,7 @@ def _file_tensors(path: Path) -> tuple[str, list[tuple[str, np.ndarray, object, 
     (gguf's GGUFReader parses every token string: seconds per read), or with GGUFReader where transformers has none."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-    from ..modeling.transformers_compat import has, internal
+    from ..transformers_compat import has, internal
 
     if not has("GgufHeader"):
         return _file_tensors_read_whole(path)
@@ -129,7 +129,7 @@ def gguf_base_tensors(path: Path, config: PreTrainedConfig, dtype: str = "auto",
     """The GGUF's tensors under their transformers names, in file order, each computed when written: float32
     (the in-memory path's dtype for a GGUF) or DTYPE. NotStreamable when transformers would not load the file
     tensor by tensor."""
-    from ..modeling.transformers_compat import TENSOR_PROCESSORS, TensorProcessor, has, internal
+    from ..transformers_compat import TENSOR_PROCESSORS, TensorProcessor, has, internal
 
     architecture, file_tensors = _file_tensors(path)
     # Before transformers had the weight-conversion pipeline for GGUF (5.17), every architecture it loads goes tensor by tensor.

@@ -25,7 +25,7 @@ from ..modeling import SHIPPED_CODE
 from ..modeling.configuration_attnres import AttnResConfig
 from ..errors import OutputError, SourceError
 from ..modeling.modeling_attnres import AttnResForCausalLM
-from ..modeling.remote_code import GENERATED
+from ..modeling.modeling_attnres import BASE_CODE as BASE_CODE
 from .hub_access import DEFAULT_MAX_SHARD_SIZE
 from .paths import check_output, is_attnres_output, is_converted_folder, write_problem  # noqa: F401 - re-exported
 
@@ -283,14 +283,14 @@ def load_converted(path: str | os.PathLike, trust_remote_code: bool = False, **k
 def _register_base_code(folder: Path, trust_remote_code: bool) -> None:
     """Import the base model's own code shipped in FOLDER (its base_code.py registers it), as
     from_pretrained(trust_remote_code=True) would."""
-    from ..modeling.transformers_compat import get_class_from_dynamic_module, get_relative_imports
+    from ..transformers_compat import get_class_from_dynamic_module, get_relative_imports
 
-    generated = folder / GENERATED
+    generated = folder / BASE_CODE
     if not generated.is_file() or not get_relative_imports(generated):
         return  # a base model transformers ships
     if not trust_remote_code:
         raise SourceError(
-            f"{folder} holds a model whose base has its own code (shipped in the folder, see {GENERATED}). attnres "
+            f"{folder} holds a model whose base has its own code (shipped in the folder, see {BASE_CODE}). attnres "
             "runs such code only when asked: rerun with --trust-remote-code if you trust that code."
         )
     get_class_from_dynamic_module(f"{generated.stem}.BASE_CLASSES", str(folder))

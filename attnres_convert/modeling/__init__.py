@@ -1,13 +1,8 @@
-"""The code shipped next to converted weights.
+"""The code shipped next to converted weights: `configuration_attnres.py` and `modeling_attnres.py`, which
+`from_pretrained(..., trust_remote_code=True)` imports without this package installed. So they import only torch,
+transformers and the standard library (and, optionally, fla-core and this package's kernels where installed).
 
-Every `.py` file in this folder except this one, and the C++ source of the CPU kernels, is copied into a
-converted model's folder, where `from_pretrained(..., trust_remote_code=True)` imports it without this package
-installed. So these files import only torch, transformers, the standard library and each other (relative imports).
+modeling_attnres.py is generated from sources/ by `python -m attnres_convert.modeling.generate` (generate.py).
 """
 
-from pathlib import Path
-
-SHIPPED_SUFFIXES = (".py", ".cpp")
-SHIPPED_CODE = tuple(
-    sorted(p.name for p in Path(__file__).parent.iterdir() if p.suffix in SHIPPED_SUFFIXES and p.name != "__init__.py")
-)
+SHIPPED_CODE = ("configuration_attnres.py", "modeling_attnres.py")

@@ -5,17 +5,17 @@ generation and caches see the base architecture); this config adds the depth-att
 Its `model_type` is its own, so a tool that does not know AttnRes refuses the folder instead of
 silently loading it as the base model without the new weights.
 
-This file ships next to converted weights: it imports transformers and its siblings only (base_code.py: a base
-model's own code, where it has some).
+This file ships next to converted weights: it imports transformers and the standard library only.
 """
 
 from __future__ import annotations
 
 from transformers import AutoConfig, PreTrainedConfig
 
-from .base_code import BASE_CLASSES  # noqa: F401 - registers a base model's own code shipped in the folder
-from .remote_code import ship_kernel_source
-from .transformers_compat import build_sub_config, has, internal
+try:  # transformers >= 5.20 builds a sub-config from its spec; before, this config builds it (`build_sub_config`)
+    from transformers.configuration_utils import SubConfigSpec
+except ImportError:
+    SubConfigSpec = None
 
 
 class AttnResConfig(PreTrainedConfig):
@@ -41,18 +41,17 @@ class AttnResConfig(PreTrainedConfig):
             from the model's decoder layers: the shipped code reads it here, so a base config that names its
             sizes its own way (`d_model`, `n_embd`, no `hidden_size`) loads too. Absent: the base config's
             `hidden_size`.
-        structure (`dict`, *optional*):
-            The plan the forward executes (architectures.ModelPlan): where the decoder stack, final norm and
+        structure (`dict`):
+            The plan the forward executes (modeling_attnres.ModelPlan): where the decoder stack, final norm and
             head are, and each decoder layer's sublayers (norm -> module -> post-modules, scalars, parallel
-            branches), as found and proven layer by layer at conversion. Absent in configs converted before
-            plans were recorded: the plan then comes from the architecture table.
+            branches), as found and proven layer by layer at conversion.
     """
 
     model_type = "attnres"
     # text_config is built by its model_type (a Llama config where there is none): by transformers from a
     # SubConfigSpec where it has them, by __post_init__ (build_sub_config) before (transformers < 5.20).
-    if has("SubConfigSpec"):
-        sub_configs_defaults = {"text_config": internal("SubConfigSpec")(config_class=AutoConfig, model_type="llama")}
+    if SubConfigSpec is not None:
+        sub_configs_defaults = {"text_config": SubConfigSpec(config_class=AutoConfig, model_type="llama")}
     else:
         sub_configs = {"text_config": AutoConfig}
 
@@ -97,11 +96,20 @@ class AttnResConfig(PreTrainedConfig):
     def to_diff_dict(self) -> dict:
         return self._hide_base_type(super().to_diff_dict())
 
-    def save_pretrained(self, save_directory, *args, **kwargs):
-        # Every writer of a converted folder saves its config (save_pretrained, the streaming conversion), and
-        # transformers copies only the .py files of the model's code: the C++ source of the CPU kernels goes here.
-        super().save_pretrained(save_directory, *args, **kwargs)
-        ship_kernel_source(self, save_directory)
+
+
+def build_sub_config(value, default_model_type: str):
+    """VALUE (a config, a dict or None) as the sub-config transformers' SubConfigSpec builds from it, for a
+    transformers without SubConfigSpec: a dict by its `model_type` (else DEFAULT_MODEL_TYPE), None as that type's
+    defaults. Where transformers has one, VALUE unchanged: transformers builds it."""
+    if SubConfigSpec is not None or isinstance(value, PreTrainedConfig):
+        return value
+    if value is None:
+        return AutoConfig.for_model(default_model_type)
+    if not isinstance(value, dict):
+        raise TypeError(f"a sub-config must be a dict, a PreTrainedConfig or None, got {type(value)}")
+    settings = dict(value)
+    return AutoConfig.for_model(settings.pop("model_type", default_model_type), **settings)
 
 
 __all__ = ["AttnResConfig"]

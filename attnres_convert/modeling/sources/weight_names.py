@@ -10,13 +10,13 @@ A rule may still move an AttnRes tensor with its module (a prefix change such as
 `model.language_model.layers.` applies to the whole layer), but never change the tensor's own name
 (`mlp_res_proj.weight`): every rule the converted model loads or saves with is wrapped so that such a
 renaming does not happen.
-
-This file ships next to converted weights: it imports transformers only (and only where it is there).
 """
 
 from __future__ import annotations
 
 import re
+
+from .compat import missing_internal
 
 # The AttnRes tensors' own names, relative to the module that holds them (architectures.py names the sublayers
 # `self_attention`, `mlp`, `mlp_2`...; the output aggregation is `output_attn`).
@@ -71,7 +71,10 @@ def guard_all(transforms):
 def default_save_conversions(model):
     """What transformers reverts when it saves a model that from_pretrained did not load: the registered rules of
     every base model inside (no legacy rules, no prefix changes), or None where there are none."""
-    from .transformers_compat import PrefixChange, get_model_conversion_mapping
-
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import PrefixChange
+    except ImportError as error:
+        raise missing_internal("conversion_mapping.get_model_conversion_mapping", "the renaming rules a save reverts") from error
     conversions = [c for c in get_model_conversion_mapping(model, add_legacy=False) if not isinstance(c, PrefixChange)]
     return conversions or None

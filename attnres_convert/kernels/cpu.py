@@ -1,6 +1,6 @@
 """C++ kernels for the depth mix on CPU, compiled on first use (ATTNRES_KERNEL=cpu): their build, their Python
-wrappers and the check that lets them fuse a sublayer's norm. The math is depth_core.py's; the buffers they serve
-are depth_cpu.py's.
+wrappers and the check that lets them fuse a sublayer's norm. The math is modeling_attnres.py's; the buffers they serve
+are cpu_buffers.py's.
 
 On CPU the eager reader is a chain of small operations, and both forwards pay for it in their own way:
 
@@ -23,9 +23,8 @@ for a float32 model are what these read.
 
 The source, `depth_kernels_cpu.cpp`, is compiled by torch.utils.cpp_extension on the first call in a process
 that selected it, once per machine (cached under TORCH_EXTENSIONS_DIR, about 25 s on 2 cores); it needs a C++
-compiler, ninja and the Python headers. Both files ship next to converted weights; this one imports torch and
-the standard library only (and huggingface_hub, a dependency of transformers, to fetch the .cpp of a model
-loaded from the Hub, see `source_text`).
+compiler, ninja and the Python headers. It ships in the attnres package (never in a converted folder): a model
+loaded from a folder uses it where attnres is installed.
 """
 
 from __future__ import annotations
@@ -82,42 +81,18 @@ def _build_timeout() -> float:
         raise RuntimeError(f"{BUILD_TIMEOUT_ENV}={text!r} is not a number of seconds") from None
 
 
-def source_text(config=None) -> str:
-    """The C++ source. Looked for next to this file (the package, or a converted folder imported in place), then in
-    the folder the model was loaded from (`config.name_or_path`: transformers copies only a remote-code model's .py
-    files into its modules cache), then, for a model loaded from the Hub, downloaded from its repository. So a model
-    run by this package's own code compiles the package's source, never a folder's; only a model whose code came
-    from its folder (trust_remote_code) compiles that folder's."""
-    here = Path(__file__).with_name(SOURCE_NAME)
-    if here.is_file():
-        return here.read_text()
-    origin = str(getattr(config, "name_or_path", "") or "")
-    if origin and Path(origin).is_dir():
-        local = Path(origin) / SOURCE_NAME
-        if local.is_file():
-            return local.read_text()
-    elif origin:
-        from huggingface_hub import hf_hub_download  # transformers' own dependency; only a Hub model needs it
-
-        try:
-            return Path(hf_hub_download(origin, SOURCE_NAME, revision=getattr(config, "_commit_hash", None))).read_text()
-        except Exception as error:  # noqa: BLE001 - offline, missing file, ...: reported below with what to do
-            origin = f"{origin} ({type(error).__name__}: {error})"
-    raise RuntimeError(
-        f"ATTNRES_KERNEL=cpu: the C++ source of the depth-mix kernels, {SOURCE_NAME}, was found neither next to "
-        f"{Path(__file__).name} nor in the model's folder {origin or '(unknown)'}. Copy {SOURCE_NAME} from the "
-        f"converted model's folder (or the attnres package) next to the model's code, or unset ATTNRES_KERNEL "
-        f"to run the eager path."
-    )
+def source_text() -> str:
+    """The C++ source, shipped in this package beside this file."""
+    return Path(__file__).with_name(SOURCE_NAME).read_text()
 
 
-def build(config=None):
+def build():
     """The compiled kernels (built on the first call in this process, from torch's extension cache after the
     first build on this machine). `config`: the model's, to find the source where it is not next to this file
     (see `source_text`). Raises RuntimeError saying what is missing where the build fails."""
     with _LOCK:
         if not _BUILT:
-            built = _build(source_text(config))
+            built = _build(source_text())
             if isinstance(built, BuildLockTimeout):
                 raise built  # another process's build: the next call may find it done, so it is not kept
             _BUILT.append(built)

@@ -1,18 +1,17 @@
 """The inference buffers on the C++ kernels (ATTNRES_KERNEL=cpu, float32 on CPU; the kernels are
-depth_kernels_cpu.py's). The buffers are the eager path's (depth_eager.py); what changes is who makes the residual
+cpu.py's). The buffers are the eager path's (modeling_attnres.py (SourceBuffer) and step.py); what changes is who makes the residual
 adds: a sublayer's output is kept as the buffer's `added` output, and the next kernel (the next reader's mix, or
 the block's close) adds it to the partial sum and the stream in the same pass over each row that reads them.
 `current_stream` makes the adds for anyone who reads the stream before (output_hidden_states, a depth gate).
-
-This file ships next to converted weights: it imports torch only.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .depth_eager import SourceBuffer, StepBuffer
-from .depth_kernels_cpu import NO_NORM, NONE, buffer_mix
+from ..modeling.modeling_attnres import SourceBuffer
+from .step import StepBuffer
+from .cpu import NO_NORM, NONE, buffer_mix, fused_norm
 
 
 class _Added:
@@ -45,6 +44,10 @@ class _Added:
             new = new.reshape(partial.shape)
             partial.copy_(new) if first else partial.add_(new)
             self.stream.add_(new)
+
+    def fuse_norm(self, norm: torch.nn.Module) -> tuple:
+        """A reader's norm for the kernel to apply to its mix in the same pass (`fused_norm`), or ()."""
+        return fused_norm(self.native, norm)
 
     def current_stream(self) -> torch.Tensor:
         self.apply_added()

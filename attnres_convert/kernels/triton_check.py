@@ -1,12 +1,10 @@
 """The first-use self-check of the Triton kernels: the first time a kernel variant (its compiled program, its flags
 and its tensors' dtypes) runs on a device, it runs once on a small input beside its PyTorch reference
-(depth_triton_reference.py). A variant that fails to compile or launch, or differs beyond what docs/kernels.md
+(triton_reference.py). A variant that fails to compile or launch, or differs beyond what docs/kernels.md
 promises, runs the reference from then on, with one warning that names the kernel, the device and the difference.
 
 The promise, per launch: the residual stream a kernel writes, and at zero queries the mix, bit for bit; any other
 output within a rounding of its dtype at its scale (`TOLERANCE` times its largest magnitude, at least 1).
-
-This file ships next to converted weights: it imports torch and the standard library only.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Triton kernels for the depth mix (the math is depth_core.py's).
+"""Triton kernels for the depth mix (the math is modeling_attnres.py's).
 
 One reader of the eager path is a chain of small operations (norm, scores, softmax, the count-scaled
 mix, then the partial-sum and stream updates after its sublayer): on a GPU each is a kernel launch, and
@@ -20,12 +20,12 @@ deterministic. A program walks its row in chunks of BLOCK_D, twice where a resul
 scores and the partial sum's statistic, then the mix), so one compiled program serves any hidden size. The flags
 (has_part, has_new, ...) are runtime arguments, not constexprs: each kernel compiles to one program per block sizes
 and dtypes, and tests/test_kernels_aot.py compiles every one of them ahead of time for sm_80 and sm_90. Every launch
-states enable_fp_fusion=False (depth_triton.FP_POLICY): no product and sum are contracted into an FMA, so each
-rounds as written, as in the PyTorch reference (depth_triton_reference.py) and in Triton's interpreter.
+states enable_fp_fusion=False (triton.FP_POLICY): no product and sum are contracted into an FMA, so each
+rounds as written, as in the PyTorch reference (triton_reference.py) and in Triton's interpreter.
 
-The launchers, which size the programs and hand them tensors, are depth_triton.py's. This file ships next to
+The launchers, which size the programs and hand them tensors, are triton.py's. This file ships next to
 converted weights and is imported only when `triton` is importable and selected (ATTNRES_KERNEL, see
-depth_backends.kernels_for). On CPU tensors it runs under Triton's interpreter (TRITON_INTERPRET=1), which is
+kernels.triton_kernels_for). On CPU tensors it runs under Triton's interpreter (TRITON_INTERPRET=1), which is
 how the test suite checks it without a GPU.
 """
 

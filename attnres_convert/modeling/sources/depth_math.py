@@ -10,13 +10,10 @@ With w = 0 every source weighs 1/n, and the factor n (the number of sources) tur
 the exact residual sum, so a converted model reproduces its base model. Scores and softmax run in
 float32 whatever the model dtype.
 
-This file holds the math once, as plain tensor operations (`mix_blocks`), and the state that carries it
+This section holds the math once, as plain tensor operations (`mix_blocks`), and the state that carries it
 between sublayers as plain tensors (`BlockState`, traced by torch.compile and differentiated by autograd).
-The other states (depth_eager.py, depth_training.py, depth_cpu.py, depth_triton.py) compute the same function
-faster, each for the forwards it serves; every state answers the same four calls (`close`, `fold`/`query`,
-`mix`, `add`), which depth_attention.py's functions and the decoder layers use.
-
-This file ships next to converted weights: it imports torch only.
+The other states compute the same function faster, each for the forwards it serves, behind the same calls
+(`DepthState`).
 """
 
 from __future__ import annotations
@@ -50,12 +47,6 @@ def source_scores(keys: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     flat = keys.reshape(-1, keys.shape[-2], d)
     q = q.view(1, 1, d).expand(flat.shape[0], 1, d) if q.dim() == 1 else q.view(-1, 1, d)  # [D], or one per token
     return torch.bmm(q, flat.transpose(1, 2)).view(keys.shape[:-1])
-
-
-def table_scores(keys: torch.Tensor, queries: torch.Tensor, inv_rms: torch.Tensor) -> torch.Tensor:
-    """Phase 1: a completed source [BT, D] scored by every sublayer's query [R, D] in one product, with
-    its 1 / rms [BT]: the [BT, R] rows of a score table."""
-    return torch.mm(keys, queries.t()).mul_(inv_rms[:, None])
 
 
 def token_queries(
@@ -119,7 +110,7 @@ def no_autocast(like: torch.Tensor):
 
 def join(partial: torch.Tensor | None, stream: torch.Tensor, output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A sublayer's output joins the partial sum of its block (or starts it) and the residual stream, out of place
-    (the states with autograd). The inference buffers make the same two adds in place (depth_eager.py), or inside
+    (the states with autograd). The inference buffers make the same two adds in place, or inside
     the next kernel (`PendingOutput`)."""
     return (output if partial is None else partial + output), stream + output
 
@@ -187,7 +178,7 @@ class BlockState(NamedTuple):
         return BlockState(blocks, inv_rms, None, self.stream, self.recorder)
 
     def fold(self, query: torch.Tensor, key_norm_weight: torch.Tensor | None) -> torch.Tensor:
-        """A reader's query as this state's `mix` takes it (see depth_attention.depth_mix)."""
+        """A reader's query as this state's `mix` takes it (see `depth_mix`)."""
         return query if key_norm_weight is None else pseudo_query(query, key_norm_weight)
 
     def mix(self, q: torch.Tensor, eps: float, scaling: str, reader: int | None = None, norm: tuple = ()) -> torch.Tensor:

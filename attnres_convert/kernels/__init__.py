@@ -1,10 +1,13 @@
-"""Which backend runs the depth mix. ATTNRES_KERNEL=auto (default): the Triton kernels (depth_triton.py) for CUDA
-tensors when triton is importable, the eager path otherwise; triton: the kernels or an error, never a silent
-fallback (CPU tensors run under Triton's interpreter, TRITON_INTERPRET=1); cpu: the C++ kernels
-(depth_kernels_cpu.py, compiled on first use) for float32 inference on CPU, or an error; eager: never. Neither
-auto nor eager compiles anything.
+"""The attnres package's depth-mix kernels, which a converted model's code uses where attnres is installed
+(modeling_attnres.start_state asks `inference_state` and `training_state`; a model whose code follows another
+KERNEL_API does not ask).
 
-This file ships next to converted weights: it imports torch and the standard library only.
+ATTNRES_KERNEL picks the backend: auto (the default): Triton kernels (triton.py) for CUDA tensors where triton is
+importable, the token-major step buffer (step.py) for decoding steps on CPU, the hand-written training backward
+(training.py); triton: the Triton kernels or an error, never a silent fallback (CPU tensors run under Triton's
+interpreter, TRITON_INTERPRET=1); cpu: the C++ kernels (cpu.py, compiled on first use) for float32 inference on
+CPU, or an error; eager and fla: none of these (modeling_attnres's own paths, fla-core's). Neither auto nor eager
+compiles anything.
 """
 
 from __future__ import annotations
@@ -15,17 +18,49 @@ from typing import NamedTuple
 
 import torch
 
-from .depth_kernels_cpu import build
+from ..modeling.modeling_attnres import KERNEL_ENV, ModelRuntime, Recorder, kernel_mode
+from .cpu import build
+from .cpu_buffers import CpuBuffer, CpuStepBuffer
+from .step import StepBuffer, few_tokens
+from .training import TrainState
 
-KERNEL_ENV = "ATTNRES_KERNEL"
+# The contract with modeling_attnres (its KERNEL_API): the calls below and the states they return.
+KERNEL_API = 1
 
 # Process-wide on purpose: the outcome of importing triton (and compiling nothing) is the same for every model in
 # the process, and a failed import is not retried at every forward.
 _KERNELS: list = []  # the Kernels, or the ImportError of importing them
 
 
+def inference_state(embeddings: torch.Tensor, eps: float, capacity: int, queries, recorder: Recorder | None,
+                    runtime: ModelRuntime | None, mode: str):
+    """The state of a forward without autograd on these kernels, or None where modeling_attnres's own
+    SourceBuffer serves it (many tokens on CPU without ATTNRES_KERNEL=cpu)."""
+    if mode == "fla":
+        return None
+    triton = triton_kernels_for(embeddings, mode)
+    if triton is not None:
+        return triton.buffer.start(embeddings, eps, capacity, queries, recorder, triton)
+    native = None if recorder is not None else cpu_kernels_for(embeddings, mode)  # a recorder needs the eager weights
+    if few_tokens(embeddings):
+        if native is not None:
+            return CpuStepBuffer.start(embeddings, eps, capacity, queries, native, runtime)
+        return StepBuffer.start(embeddings, eps, capacity, queries, recorder, runtime)
+    if native is not None:
+        return CpuBuffer.start(embeddings, eps, capacity, queries, native)
+    return None
+
+
+def training_state(embeddings: torch.Tensor, eps: float, capacity: int, queries, recorder: Recorder | None, mode: str):
+    """The state of an eager forward with autograd: the hand-written backward (training.py), on the Triton kernels
+    where they are selected."""
+    if mode == "cpu":
+        return None  # the C++ kernels have no backward: autograd's path (BlockState)
+    return TrainState.start(embeddings, eps, capacity, queries, triton_kernels_for(embeddings, mode), recorder)
+
+
 class Kernels(NamedTuple):
-    """The Triton backend (depth_triton.py): its inference buffer and its launchers."""
+    """The Triton backend (triton.py): its inference buffer and its launchers."""
 
     buffer: type
     mix: Callable
@@ -44,21 +79,11 @@ def _import_kernels():
     return _KERNELS[0]
 
 
-def kernel_mode() -> str:
-    """ATTNRES_KERNEL: auto, triton, cpu or eager."""
-    mode = os.environ.get(KERNEL_ENV, "auto").strip().lower() or "auto"
-    if mode not in ("auto", "triton", "cpu", "eager"):
-        raise ValueError(
-            f"{KERNEL_ENV}={mode!r} is not a kernel choice: use auto (the default), triton, cpu or eager"
-        )
-    return mode
-
-
-def kernels_for(like: torch.Tensor, mode: str | None = None):
+def triton_kernels_for(like: torch.Tensor, mode: str | None = None):
     """The Triton kernels (`Kernels`) if selected (by `mode`, ATTNRES_KERNEL by default) for tensors
     like `like`, else None (the eager path)."""
     mode = mode or kernel_mode()
-    if mode in ("eager", "cpu"):
+    if mode in ("eager", "cpu", "fla"):
         return None
     forced = mode == "triton"
     if torch.compiler.is_compiling():
@@ -87,7 +112,7 @@ def kernels_for(like: torch.Tensor, mode: str | None = None):
     return kernels
 
 
-def cpu_kernels_for(like: torch.Tensor, mode: str | None = None, config=None):
+def cpu_kernels_for(like: torch.Tensor, mode: str | None = None):
     """The compiled C++ kernels where ATTNRES_KERNEL=cpu (or `mode`) selects them, for a forward without
     autograd of tensors like `like` (CPU, float32); None where it does not. Raises where it selects them and they
     cannot run: never a silent fallback. `config`: the model's, where its C++ source is looked for (see
@@ -104,4 +129,4 @@ def cpu_kernels_for(like: torch.Tensor, mode: str | None = None, config=None):
             f"{KERNEL_ENV}=cpu runs float32 models on CPU; this forward is {like.dtype} on {like.device.type}. "
             f"Load the model with dtype=torch.float32 on CPU, or unset {KERNEL_ENV} (auto: Triton on CUDA)."
         )
-    return build(config)
+    return build()

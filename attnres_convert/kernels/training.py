@@ -1,8 +1,6 @@
 """The state of an eager training forward (autograd on): completed blocks in one cache outside autograd, and the
-readers' backward written by hand (`_DepthMix`, `_CloseBlock`), on the eager operations of depth_core.py or on
-the Triton kernels (depth_triton.py).
-
-This file ships next to converted weights: it imports torch only.
+readers' backward written by hand (`_DepthMix`, `_CloseBlock`), on the eager operations of modeling_attnres.py or on
+the Triton kernels (triton.py).
 """
 
 from __future__ import annotations
@@ -12,7 +10,13 @@ from typing import NamedTuple
 import torch
 from torch.autograd.function import once_differentiable
 
-from .depth_core import Recorder, inverse_rms, join, mix_blocks, no_autocast, pseudo_query, record, table_scores
+from ..modeling.modeling_attnres import Recorder, inverse_rms, join, mix_blocks, no_autocast, pseudo_query, record
+
+
+def table_scores(keys: torch.Tensor, queries: torch.Tensor, inv_rms: torch.Tensor) -> torch.Tensor:
+    """Phase 1: a completed source [BT, D] scored by every sublayer's query [R, D] in one product, with
+    its 1 / rms [BT]: the [BT, R] rows of a score table."""
+    return torch.mm(keys, queries.t()).mul_(inv_rms[:, None])
 
 
 class BlockCache:

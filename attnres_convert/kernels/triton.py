@@ -1,25 +1,22 @@
-"""The Triton backend of the depth mix: the launchers of depth_triton_kernels.py's programs, and the inference buffer
-that runs on them (the training state, depth_training.py, calls the same launchers).
+"""The Triton backend of the depth mix: the launchers of triton_kernels.py's programs, and the inference buffer
+that runs on them (the training state, training.py, calls the same launchers).
 
 One reader of the eager path is a chain of small operations (norm, scores, softmax, the count-scaled mix, then the
 partial-sum and stream updates after its sublayer): on a GPU each is a kernel launch, and a decoding step is bound
 by launches. Here a reader is one launch (`mix`), which first applies the previous sublayer's output; a block
 boundary is one (`close`); a reader's backward is one (`mix_backward`).
-
-This file ships next to converted weights and is imported only when `triton` is importable and selected
-(ATTNRES_KERNEL, see depth_backends.kernels_for).
 """
 
 from __future__ import annotations
 
 import torch
 
-from .depth_eager import SourceBuffer
-from .depth_triton_check import PROBE_TOKENS, compare, run_both, trusted
-from .depth_triton_kernels import close_kernel, mix_backward_kernel, mix_kernel
-from .depth_triton_reference import close as reference_close
-from .depth_triton_reference import mix as reference_mix
-from .depth_triton_reference import mix_backward as reference_mix_backward
+from ..modeling.modeling_attnres import SourceBuffer
+from .triton_check import PROBE_TOKENS, compare, run_both, trusted
+from .triton_kernels import close_kernel, mix_backward_kernel, mix_kernel
+from .triton_reference import close as reference_close
+from .triton_reference import mix as reference_mix
+from .triton_reference import mix_backward as reference_mix_backward
 
 
 class TritonBuffer(SourceBuffer):
@@ -105,7 +102,7 @@ class TritonBuffer(SourceBuffer):
 
 # One program per token holds the scores over at most MAX_SOURCES sources and walks its row of D values in chunks of
 # BLOCK_D (any D). More sources, or more sublayer queries than MAX_QUERIES for the score table, run the reference
-# (depth_triton_reference.py) with a warning, as a variant that fails its self-check does.
+# (triton_reference.py) with a warning, as a variant that fails its self-check does.
 MAX_SOURCES = 256  # Full AttnRes of a 127-layer model: 254 sublayers and the embedding
 MAX_QUERIES = 256
 # The kernels' floating-point policy, stated at every launch: no multiply and add contracted into an FMA, so each

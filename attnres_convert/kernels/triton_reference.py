@@ -1,11 +1,9 @@
-"""The Triton launches of depth_triton.py written once more in plain PyTorch, with the same arguments and the
+"""The Triton launches of triton.py written once more in plain PyTorch, with the same arguments and the
 same in-place writes: the readable reference beside the kernels. The first-use self-check
-(depth_triton_check.py) compares a kernel with it, and a kernel variant that fails the check runs it instead.
+(triton_check.py) compares a kernel with it, and a kernel variant that fails the check runs it instead.
 
 The arithmetic follows the kernels (float32 throughout, the residual add rounded once to the stream's dtype,
 `n alpha_i - 1` as `(n e_i - sum e) / sum e`), so at zero queries the mix is the stream bit for bit here too.
-
-This file ships next to converted weights: it imports torch only.
 """
 
 from __future__ import annotations
@@ -19,7 +17,7 @@ def _rows(x: torch.Tensor | None, d: int) -> torch.Tensor | None:
 
 def mix(keys, m, q, stream, eps, count, *, inv_rms=None, table=None, partial=None, new=None,
         init_partial=False, stream_out=None, save=False):
-    """depth_triton.mix (same arguments, same writes: the partial sum and stream_out when `new` is given)."""
+    """triton.mix (same arguments, same writes: the partial sum and stream_out when `new` is given)."""
     d = stream.shape[-1]
     h = _rows(stream, d).float()
     keys = keys[:m].float()  # [m, BT, D]
@@ -59,7 +57,7 @@ def mix(keys, m, q, stream, eps, count, *, inv_rms=None, table=None, partial=Non
 
 def close(source, dst, inv_out, eps, *, new=None, init_partial=False, stream=None, stream_out=None,
           queries=None, table=None):
-    """depth_triton.close (same arguments, same writes: dst, inv_out, the table and stream_out)."""
+    """triton.close (same arguments, same writes: dst, inv_out, the table and stream_out)."""
     d = dst.shape[-1]
     k = _rows(source, d).float()
     if new is not None:
@@ -75,7 +73,7 @@ def close(source, dst, inv_out, eps, *, new=None, init_partial=False, stream=Non
 
 def mix_backward(grad, keys, m, q, weights, logits, count, block_grad, *, inv_rms=None, rms_grad=None,
                  score_grad=None, partial=None, inv_partial=None):
-    """depth_triton.mix_backward (same arguments, same in-place adds to block_grad and score_grad or rms_grad)."""
+    """triton.mix_backward (same arguments, same in-place adds to block_grad and score_grad or rms_grad)."""
     d, tokens, n = keys.shape[-1], keys.shape[1], weights.shape[-1]
     g = grad.reshape(tokens, d).float()
     keys = keys[:m].float()

@@ -1,32 +1,22 @@
-"""Which modules form each residual sublayer: the plan the shipped forward executes.
+"""The architecture table and the module-tree readers conversion uses to find a model's plan.
 
-A sublayer is what adds one output to the residual stream: one or more branches, each
-`scale * post(module(norm(h)))`, summed. A parallel-residual layer (GPT-NeoX with use_parallel_residual,
-Phi-1/2, GPT-J) has one sublayer with two branches read from the same input. Norms applied to a branch's
-output (Gemma 2/3 and GLM-4 post-norms, residual dropouts) and residual multipliers (Granite) belong to
-the branch.
-
-A `ModelPlan` says where the decoder stack, final norm and head are and which sublayers every decoder
-layer has (layers of one model may differ). Conversion finds it from the model itself and proves it
-layer by layer (attnres_convert/conversion/discovery.py and proof.py), then records it in the converted config
-(`structure`), so the shipped forward needs nothing else.
-
-The `FAMILIES` table below holds only what the module tree does not say: which norm and which module form each
+A converted model runs the plan recorded in its config (`structure`, modeling_attnres.ModelPlan). Conversion
+finds that plan from the model itself and proves it layer by layer (conversion/discovery.py and proof.py). The
+`FAMILIES` table below holds only what the module tree does not say: which norm and which module form each
 sublayer, by attribute name, and the config flag that makes a layer parallel. Where the decoder stack, final
 norm and head are, and the norms' eps, come from the model itself (`locate`, `norm_eps`; the meta device
 will do). The table gives the sublayer count from the config alone (block sizes are checked before weights
 load), the first candidate for the model types it lists, and the plan of configs converted before plans
 were recorded.
-
-This file ships next to converted weights: it imports torch and the standard library only.
 """
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 from torch import nn
+
+from .modeling.modeling_attnres import INPUT, OUTPUT, RAW_STREAM, RESIDUAL, TIMES, Branch, ModelPlan, Sublayer, module_at, output_of, reads_raw_stream, times_argument
 
 # Where norm classes keep their eps.
 EPS_ATTRIBUTES = ("eps", "variance_epsilon", "epsilon", "layer_norm_eps", "rms_norm_eps", "norm_eps")
@@ -36,255 +26,86 @@ class UnsupportedModelError(ValueError):
     """The model cannot be converted exactly; the message says why and what is supported."""
 
 
-@dataclass(frozen=True)
-class Branch:
-    # Attribute of the decoder layer: the PreNorm that reads the residual stream; "" (RAW_STREAM) where the module
-    # reads the stream itself (Gemma 4's per-layer-input gate). With source_scaling "count" the depth mix at zero
-    # queries is the stream itself, so such a reader still reads exactly what it read in the base model.
-    norm: str
-    module: str  # attention or MLP module
-    # Modules applied to the branch output before it joins the stream; an entry `*name` multiplies the branch's
-    # value by the layer's argument `name` (Gemma 4's gate times its `per_layer_input`).
-    post: tuple[str, ...] = ()
-    attention: bool = False  # receives the layer's call arguments (mask, positions, cache)
-    scale: float | None = None  # residual multiplier applied to the branch output (Granite)
-    # Where the module takes the layer's arguments under other names (Falcon-H1's Mamba mixer gets the layer's
-    # `mamba_attention_mask` as `attention_mask`, its cache as `cache_params`): (module keyword, layer keyword)
-    # pairs, and (module keyword, value) constants the layer passes; None: the layer's arguments as they are.
-    arguments: tuple[tuple[str, str], ...] | None = None
-    constants: tuple[tuple[str, object], ...] = ()
-    # Post-modules that take the layer's arguments too (Inkling's short convolutions after attention and the MLP
-    # keep their state in the cache): (post name, arguments as above, constants).
-    post_arguments: tuple[tuple[str, tuple | None, tuple], ...] = ()
-    # > 0: the module returns a bias at this index of its output tuple, which the layer adds to its output
-    # (GPT-NeoX-Japanese's attention).
-    output_bias: int = 0
-    # Values of the module's output tuple that the decoder layer returns after the stream, for the base model to
-    # keep (a recurrent state: RWKV's, xLSTM's): (position in the layer's output tuple, index in the module's).
-    returns: tuple[tuple[int, int], ...] = ()
-    # The norm reads the stream flattened to [tokens, width] (Gemma 4's experts take their tokens flat); the
-    # branch's output is given the stream's shape again.
-    flat: bool = False
+# The plan's records written into a converted config, and read by people (the forward reads them back with
+# their from_dict).
 
-    def to_dict(self) -> dict:
-        data = {"norm": self.norm, "module": self.module}
-        if self.post:
-            data["post"] = list(self.post)
-        if self.attention:
-            data["attention"] = True
-        if self.scale is not None:
-            data["scale"] = self.scale
-        if self.arguments is not None:
-            data["arguments"] = dict(self.arguments)
-        if self.constants:
-            data["constants"] = dict(self.constants)
-        if self.output_bias:
-            data["output_bias"] = self.output_bias
-        if self.returns:
-            data["returns"] = [list(pair) for pair in self.returns]
-        if self.flat:
-            data["flat"] = True
-        if self.post_arguments:
-            data["post_arguments"] = {
-                name: {"arguments": None if args is None else dict(args), "constants": dict(constants)}
-                for name, args, constants in self.post_arguments
-            }
-        return data
-
-    @classmethod
-    def from_dict(cls, data: dict) -> Branch:
-        arguments = data.get("arguments")
-        post_arguments = tuple(
-            (name, None if spec["arguments"] is None else tuple(spec["arguments"].items()), tuple(spec["constants"].items()))
-            for name, spec in data.get("post_arguments", {}).items()
-        )
-        return cls(data["norm"], data["module"], tuple(data.get("post", ())), bool(data.get("attention", False)),
-                   data.get("scale"), None if arguments is None else tuple(arguments.items()),
-                   tuple(data.get("constants", {}).items()), post_arguments, int(data.get("output_bias", 0)),
-                   tuple((int(p), int(i)) for p, i in data.get("returns", ())), bool(data.get("flat", False)))
-
-    def call_kwargs(self, layer_kwargs: dict, x) -> dict:
-        """The keyword arguments the module takes, from those the decoder layer was called with (X: the module's
-        input, for the markers below)."""
-        return _kwargs(self.arguments, self.constants, layer_kwargs, x)
-
-    def post_kwargs(self, post: str, layer_kwargs: dict, x) -> dict | None:
-        """The keyword arguments post-module POST takes, or None where it takes only the branch's output."""
-        for name, arguments, constants in self.post_arguments:
-            if name == post:
-                return _kwargs(arguments, constants, layer_kwargs, x)
-        return None
-
-
-def _kwargs(arguments, constants, layer_kwargs: dict, x) -> dict:
-    if arguments is None:
-        return layer_kwargs
-    kwargs = {name: _argument(source, layer_kwargs, x) for name, source in arguments}
-    return {**kwargs, **dict(constants)}
-
-
-RAW_STREAM = ""  # Branch.norm of a module that reads the residual stream itself
-OUTPUT = "<output:"  # a module argument that is a side module's output: `<output:NAME:INDEX>` (Sublayer.side)
-
-
-def output_of(module: str, index: int) -> str:
-    return f"{OUTPUT}{module}:{index}>"
-TIMES = "*"  # prefix of a Branch.post entry that multiplies by a layer argument
-
-
-def reads_raw_stream(branch: Branch) -> bool:
-    return branch.norm == RAW_STREAM
-
-
-def times_argument(post: str) -> str | None:
-    """The layer argument a post entry `*name` multiplies by, or None for a module's name."""
-    return post[len(TIMES):] if post.startswith(TIMES) else None
-
-
-# Sources of a module argument that are not the layer's: the module's own input again (CTRL's attention takes
-# v, k, q), or the residual stream that the module adds to its output itself (Bloom, MPT's MLP): zeros stand in
-# for it, so the module returns its own output, which AttnRes adds as a source.
-INPUT, RESIDUAL = "<input>", "<residual>"
-
-
-def _argument(source: str, layer_kwargs: dict, x):
-    if source == INPUT:
-        return x
-    if source == RESIDUAL:
-        return x.new_zeros(x.shape)
-    return layer_kwargs.get(source)
-
-
-@dataclass(frozen=True)
-class Sublayer:
-    name: str  # prefix of its AttnRes parameters: "self_attention" or "mlp"
-    branches: tuple[Branch, ...]
-    # Modules applied to the sum of the branches before it joins the stream (Gemma 4's MoE block normalises the
-    # sum of its dense MLP and its experts).
-    post: tuple[str, ...] = ()
-    # Side modules: (name, flat) for a module that reads the sublayer's input itself (flattened to [tokens, width]
-    # where flat) and whose outputs a branch's module takes as arguments (`<output:NAME:INDEX>`): Gemma 4's router.
-    side: tuple[tuple[str, bool], ...] = ()
-
-    def to_dict(self) -> dict:
-        data = {"name": self.name, "branches": [branch.to_dict() for branch in self.branches]}
-        if self.post:
-            data["post"] = list(self.post)
-        if self.side:
-            data["side"] = [[name, flat] for name, flat in self.side]
-        return data
-
-    @classmethod
-    def from_dict(cls, data: dict) -> Sublayer:
-        return cls(data["name"], tuple(Branch.from_dict(branch) for branch in data["branches"]),
-                   tuple(data.get("post", ())), tuple((name, bool(flat)) for name, flat in data.get("side", ())))
-
-    def describe(self) -> str:
-        """e.g. `input_layernorm -> self_attn -> post_attention_layernorm`, branches joined by ` + ` (`stream ->`
-        for a module that reads the raw stream, `* name` for a product with the layer's argument `name`)."""
-        parts = []
-        for branch in self.branches:
-            module = branch.module
-            sides = sorted({source.split(":")[1] for _, source in branch.arguments or () if source.startswith(OUTPUT)})
-            if sides:  # the side modules whose outputs it takes
-                module = f"{module}({', '.join(sides)})"
-            text = " -> ".join((branch.norm or "stream", module, *(p.replace(TIMES, "* ", 1) for p in branch.post)))
-            parts.append(text if branch.scale is None else f"{text} x {branch.scale:g}")
-        if self.post:
-            return f"({' + '.join(parts)}) -> {' -> '.join(self.post)}"
-        return " + ".join(parts)
-
-
-@dataclass(frozen=True)
-class ModelPlan:
-    """Where a causal LM keeps its decoder stack, final norm and head (attribute paths, dotted where nested),
-    and every decoder layer's sublayers: `kinds` lists the distinct layer layouts, `layer_kinds` the layout
-    of each layer. Serialised into the converted config as `structure`."""
-
-    layer_kinds: tuple[int, ...]
-    kinds: tuple[tuple[Sublayer, ...], ...]
-    eps: float  # the base model's norm eps, for the key norms
-    base_model: str = "model"
-    layers: str = "layers"  # relative to the base model
-    final_norm: str = "norm"  # relative to the base model
-    lm_head: str = "lm_head"
-    logit_scale: float | None = None  # logits * scale (Cohere)
-    logit_divisor: float | None = None  # logits / divisor (Granite)
-    logit_softcap: float | None = None  # tanh(logits / cap) * cap (Gemma 2)
-    tuple_output: int = 0  # the layers return a tuple of this length (True: 1) and the base model unpacks it; 0: a tensor
-    # A module of the first decoder layer whose output replaces the stream it receives (RWKV's `pre_ln`): applied
-    # to the embeddings, it makes the first source, as it makes the first stream of the base model.
-    stream_start: str | None = None
-    # Per decoder layer, the factor it multiplies the whole stream by before returning it (Gemma 4's
-    # `layer_scalar`); None: 1 everywhere. See `stream_scales`.
-    layer_scalars: tuple[float, ...] | None = None
-
-    def sublayers(self, layer_index: int) -> tuple[Sublayer, ...]:
-        return self.kinds[self.layer_kinds[layer_index]]
-
-    @property
-    def num_layers(self) -> int:
-        return len(self.layer_kinds)
-
-    @property
-    def num_sublayers(self) -> int:
-        return sum(len(self.kinds[kind]) for kind in self.layer_kinds)
-
-    def stream_scales(self) -> tuple[tuple[float, ...], float]:
-        """(P_k for each decoder layer, P for the final norm): how much the base model's stream has been scaled by the
-        layer scalars of the layers before (the product of their `layer_scalars`). Layer k's outputs join the
-        sources divided by P_k and its readers read P_k times their mix, so every source stays in the units of the
-        embedding and, at zero queries, a reader reads exactly the base model's (scaled) stream."""
-        scales, product = [], 1.0
-        for scalar in self.layer_scalars or (1.0,) * self.num_layers:
-            scales.append(product)
-            product *= scalar
-        return tuple(scales), product
-
-    def to_dict(self) -> dict:
-        data = {
-            "base_model": self.base_model,
-            "layers": self.layers,
-            "final_norm": self.final_norm,
-            "lm_head": self.lm_head,
-            "eps": self.eps,
-            "kinds": [[sublayer.to_dict() for sublayer in kind] for kind in self.kinds],
-            "layer_kinds": list(self.layer_kinds),
+def branch_to_dict(branch: Branch) -> dict:
+    """A branch as the converted config's `structure` records it (Branch.from_dict reads it back)."""
+    data = {"norm": branch.norm, "module": branch.module}
+    if branch.post:
+        data["post"] = list(branch.post)
+    if branch.attention:
+        data["attention"] = True
+    if branch.scale is not None:
+        data["scale"] = branch.scale
+    if branch.arguments is not None:
+        data["arguments"] = dict(branch.arguments)
+    if branch.constants:
+        data["constants"] = dict(branch.constants)
+    if branch.output_bias:
+        data["output_bias"] = branch.output_bias
+    if branch.returns:
+        data["returns"] = [list(pair) for pair in branch.returns]
+    if branch.flat:
+        data["flat"] = True
+    if branch.post_arguments:
+        data["post_arguments"] = {
+            name: {"arguments": None if args is None else dict(args), "constants": dict(constants)}
+            for name, args, constants in branch.post_arguments
         }
-        for key in ("logit_scale", "logit_divisor", "logit_softcap"):
-            if getattr(self, key) is not None:
-                data[key] = getattr(self, key)
-        if self.tuple_output:
-            data["tuple_output"] = True if self.tuple_output == 1 else int(self.tuple_output)
-        if self.stream_start:
-            data["stream_start"] = self.stream_start
-        if self.layer_scalars is not None:
-            data["layer_scalars"] = list(self.layer_scalars)
-        return data
-
-    @classmethod
-    def from_dict(cls, data: dict) -> ModelPlan:
-        kinds = tuple(tuple(Sublayer.from_dict(s) for s in kind) for kind in data["kinds"])
-        optional = {k: data[k] for k in ("logit_scale", "logit_divisor", "logit_softcap", "tuple_output", "stream_start") if data.get(k) is not None}
-        if data.get("layer_scalars") is not None:
-            optional["layer_scalars"] = tuple(float(v) for v in data["layer_scalars"])
-        return cls(tuple(data["layer_kinds"]), kinds, float(data["eps"]), data["base_model"], data["layers"],
-                   data["final_norm"], data["lm_head"], **optional)
-
-    @classmethod
-    def uniform(cls, num_layers: int, sublayers: tuple[Sublayer, ...], eps: float, **where) -> ModelPlan:
-        return cls((0,) * num_layers, (tuple(sublayers),), eps, **where)
+    return data
 
 
-def module_at(root, path: str):
-    """The submodule at a dotted attribute path ("model.decoder.layers"). A plain child name is read from the
-    module's dict first: this runs for every branch of every sublayer in every forward."""
-    if not path:
-        return root
-    if "." not in path:
-        found = getattr(root, "_modules", {}).get(path)
-        return found if found is not None else getattr(root, path)
-    return functools.reduce(getattr, path.split("."), root)
+def sublayer_to_dict(sublayer: Sublayer) -> dict:
+    data = {"name": sublayer.name, "branches": [branch_to_dict(branch) for branch in sublayer.branches]}
+    if sublayer.post:
+        data["post"] = list(sublayer.post)
+    if sublayer.side:
+        data["side"] = [[name, flat] for name, flat in sublayer.side]
+    return data
+
+
+def describe(sublayer: Sublayer) -> str:
+    """e.g. `input_layernorm -> self_attn -> post_attention_layernorm`, branches joined by ` + ` (`stream ->`
+    for a module that reads the raw stream, `* name` for a product with the layer's argument `name`)."""
+    parts = []
+    for branch in sublayer.branches:
+        module = branch.module
+        sides = sorted({source.split(":")[1] for _, source in branch.arguments or () if source.startswith(OUTPUT)})
+        if sides:  # the side modules whose outputs it takes
+            module = f"{module}({', '.join(sides)})"
+        text = " -> ".join((branch.norm or "stream", module, *(p.replace(TIMES, "* ", 1) for p in branch.post)))
+        parts.append(text if branch.scale is None else f"{text} x {branch.scale:g}")
+    if sublayer.post:
+        return f"({' + '.join(parts)}) -> {' -> '.join(sublayer.post)}"
+    return " + ".join(parts)
+
+
+def plan_to_dict(plan: ModelPlan) -> dict:
+    """The plan as the converted config's `structure` (ModelPlan.from_dict reads it back)."""
+    data = {
+        "base_model": plan.base_model,
+        "layers": plan.layers,
+        "final_norm": plan.final_norm,
+        "lm_head": plan.lm_head,
+        "eps": plan.eps,
+        "kinds": [[sublayer_to_dict(sublayer) for sublayer in kind] for kind in plan.kinds],
+        "layer_kinds": list(plan.layer_kinds),
+    }
+    for key in ("logit_scale", "logit_divisor", "logit_softcap"):
+        if getattr(plan, key) is not None:
+            data[key] = getattr(plan, key)
+    if plan.tuple_output:
+        data["tuple_output"] = True if plan.tuple_output == 1 else int(plan.tuple_output)
+    if plan.stream_start:
+        data["stream_start"] = plan.stream_start
+    if plan.layer_scalars is not None:
+        data["layer_scalars"] = list(plan.layer_scalars)
+    return data
+
+
+def uniform_plan(num_layers: int, sublayers: tuple[Sublayer, ...], eps: float, **where) -> ModelPlan:
+    return ModelPlan((0,) * num_layers, (tuple(sublayers),), eps, **where)
 
 
 @dataclass(frozen=True)
@@ -440,7 +261,7 @@ class Family:
         if eps is None:
             raise UnsupportedModelError(f"{self.name}: the norm `{first}` keeps no eps attribute")
         softcap = getattr(config, "final_logit_softcapping", None)
-        return ModelPlan.uniform(
+        return uniform_plan(
             int(config.num_hidden_layers), self.sublayers(config), eps, base_model=where.base_model,
             layers=where.layers, final_norm=where.final_norm, lm_head=where.lm_head,
             logit_softcap=float(softcap) if softcap else None,

@@ -6,8 +6,6 @@ recurrent families (Mamba, Mamba2, FalconMamba, xLSTM) took and returned their s
 `generate` named it by the model's class. This code ships inside converted checkpoints and runs on whatever
 release loads them, so it never hard-codes a name: it asks the forward it calls which keyword it takes, and an
 output class which field it declares.
-
-This file ships next to converted weights: it imports the standard library and transformers only.
 """
 
 from __future__ import annotations

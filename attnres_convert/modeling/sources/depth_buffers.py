@@ -1,0 +1,159 @@
+"""The inference buffers on the eager path (no autograd): every source of a forward in one preallocated float32
+buffer, written in place, source-major. The attnres package's kernels (a token-major buffer for decoding steps, C++ and Triton
+kernels) subclass it. The math is `mix_blocks`', in the operations each forward pays least for.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .depth_math import Recorder, inverse_rms, pseudo_query
+
+
+
+class SourceBuffer:
+    """The state of a forward without autograd (inference, generation), source-major: a block boundary is a
+    counter increment, a reader's sources are a view and the partial sum accumulates in its slot, so nothing is
+    concatenated or copied per sublayer (Full AttnRes with BlockState would copy the growing block tensor at
+    every sublayer). In-place updates are safe only without autograd; training uses TrainState (BlockState
+    under torch.compile). Many tokens make a forward bound by memory traffic; every source is one contiguous
+    tensor, so the partial sum's update and score, and the mix as a chain of elementwise multiply-adds, run at
+    memory speed (faster, per reader, than strided slots or one batched product over a token-major buffer).
+
+    sources:     [K, B, T, D] float32; completed sources in slots [0, count), the partial sum in slot count; K
+                 slots, the most sources any reader has (and one more for the stream, see shared_stream).
+    inv_rms:     1 / rms of the completed sources ([K, B, T]), written once when a source completes.
+    count:       the number of completed sources (embedding + completed blocks).
+    has_partial: whether slot `count` holds a partial sum (False right after a block boundary).
+    stream:      [B, T, D] the plain residual stream, as in BlockState.
+    queries:     [R, D] the folded pseudo-queries of all R sublayers, or None (then each reader folds its own).
+    scores:      [K, B, T, R] with queries: the scores (q_r . k_i * inv_rms_i) of each completed source
+                 for every sublayer r, written when the source completes (phase 1 of the two-phase
+                 computation: a completed block is read once by one product with all queries, not
+                 once per reader); a reader adds only its partial sum's score (phase 2).
+    shared_stream: the stream is the buffer's last slot (a float32 model: the buffer's dtype is the
+                 stream's), so an output joins the partial sum and the stream in one in-place add over a
+                 view of both slots (the partial slots start at zero). One operation less per sublayer, which
+                 a decoding step pays for; `current_stream` hands out copies.
+    recorder:    where the readers' weights go (`record_depth_weights`), or None.
+    """
+
+    __slots__ = ("sources", "inv_rms", "count", "has_partial", "stream", "queries", "scores", "shared_stream", "recorder")
+    zeroed = True  # partial sums start by adding to zeros where the stream is shared (see `start`)
+
+    def __init__(self, sources, inv_rms, count: int, has_partial: bool, stream, queries=None, scores=None,
+                 shared_stream: bool = False, recorder: Recorder | None = None):
+        self.sources, self.inv_rms, self.count, self.has_partial, self.stream = sources, inv_rms, count, has_partial, stream
+        self.queries, self.scores, self.shared_stream, self.recorder = queries, scores, shared_stream, recorder
+
+    @classmethod
+    def start(cls, embeddings: torch.Tensor, eps: float, capacity: int, queries=None, recorder=None) -> SourceBuffer:
+        """The buffer of a many-token forward, the embedding in slot 0 (with its scores where there are queries)."""
+        shared = embeddings.dtype == torch.float32
+        rows, stream = capacity + int(shared), embeddings
+        # Zeros where partial sums start by adding (an eager shared stream); a kernel backend writes a block's first output.
+        new = embeddings.new_zeros if shared and cls.zeroed else embeddings.new_empty
+        sources = new(rows, *embeddings.shape, dtype=torch.float32)
+        sources[0] = embeddings
+        if shared:
+            stream = sources[capacity]
+            stream.copy_(embeddings)
+        inv_rms = sources.new_empty(sources.shape[:-1])
+        inv_rms[0] = inverse_rms(sources[0], eps)
+        state = cls(sources, inv_rms, 1, False, stream, shared_stream=shared, recorder=recorder)
+        if queries is not None:
+            state.queries, state.scores = queries, sources.new_empty(*sources.shape[:-1], queries.shape[0])
+            state.score_source(0)
+        return state
+
+    def score_source(self, slot: int, first: int = 0) -> None:
+        """Phase 1 for a completed source: its scores by readers `first`.. (the ones after it; earlier columns stay
+        unwritten and unread), written into the table's strided rows by the scaling product itself."""
+        key, table = self.sources[slot], self.scores[slot]
+        d, readers = key.shape[-1], table.shape[-1]
+        scores = torch.mm(key.reshape(-1, d), self.queries[first:].t())
+        torch.mul(scores, self.inv_rms[slot].reshape(-1, 1), out=table.view(-1, readers)[:, first:])
+
+    def close(self, eps: float, first: int = 0) -> SourceBuffer:
+        """At a block boundary the partial sum becomes a completed source, with its statistics and scores (phase 1)
+        for reader `first` and the readers after it."""
+        if not self.has_partial:
+            return self
+        count = self.count
+        self.inv_rms[count] = inverse_rms(self.sources[count], eps)
+        if self.scores is not None:
+            self.score_source(count, first)
+        self.count, self.has_partial = count + 1, False
+        return self
+
+    def query(self, reader: int) -> torch.Tensor:
+        """Reader `reader`'s query from the ones folded once per forward."""
+        return self.queries[reader]
+
+    def fold(self, query: torch.Tensor, key_norm_weight: torch.Tensor | None) -> torch.Tensor:
+        """A reader's query w (and key norm g) as `mix` takes it: (w * g), or `query` where it is folded already."""
+        return query if key_norm_weight is None else pseudo_query(query, key_norm_weight)
+
+    def mix(self, q: torch.Tensor, eps: float, scaling: str, reader: int | None = None, norm: tuple = ()) -> torch.Tensor:
+        """Source-major scores [n, B, T], from the table where there is one (phase 2: only the partial sum is
+        scored here), else one product over the n contiguous sources; then the chained mix."""
+        n = self.count + int(self.has_partial)
+        m, d = self.count, self.sources.shape[-1]
+        if self.scores is not None and reader is not None:
+            logits = self.scores[:m, ..., reader]
+            if self.has_partial:
+                partial = self.sources[m]
+                partial_logit = (partial @ q).mul_(inverse_rms(partial, eps))
+                logits = torch.cat([logits, partial_logit.unsqueeze(0)])
+        else:
+            if self.has_partial:
+                self.inv_rms[m] = inverse_rms(self.sources[m], eps)
+            logits = torch.mv(self.sources[:n].view(-1, d), q).view(self.inv_rms[:n].shape).mul_(self.inv_rms[:n])
+        weights = torch.softmax(logits, dim=0)
+        if self.recorder is not None:
+            self.recorder.add(weights.clone())
+        return _chained_mix(self.stream, weights, self.sources, scaling)
+
+    def slot(self, j: int) -> torch.Tensor:
+        """Source j, [B, T, D]."""
+        return self.sources[j]
+
+    def with_stream(self, j: int) -> torch.Tensor:
+        """Source j and the shared stream as one [2, B, T, D] view."""
+        last = self.sources.shape[0] - 1
+        return self.sources[j::last - j]
+
+    def add(self, output: torch.Tensor) -> SourceBuffer:
+        """The output joins the partial sum of the current block and the stream, in place."""
+        if self.shared_stream:
+            self.with_stream(self.count).add_(output)  # both in one operation
+        else:
+            slot = self.slot(self.count)
+            if self.has_partial:
+                slot.add_(output)
+            else:  # the first output of a block initialises its slot (the buffer is allocated uninitialised)
+                slot.copy_(output)
+            self.stream = self.stream + output
+        self.has_partial = True
+        return self
+
+    def current_stream(self) -> torch.Tensor:
+        """The plain residual stream (a copy where it is the buffer's slot, which later outputs update in place)."""
+        return self.stream.clone() if self.shared_stream else self.stream
+
+
+def _chained_mix(stream: torch.Tensor, weights: torch.Tensor, sources: torch.Tensor, scaling: str) -> torch.Tensor:
+    """n * sum_i alpha_i k_i as H + sum_i n (alpha_i - 1/n) k_i (exactly H at zero queries), as one
+    elementwise multiply-add per source over a source-major buffer: weights [n, B, T] (this function's
+    own, changed in place), sources [K, B, T, D]. Faster than one batched product for the few sources a reader
+    has ([B*T, 1, n] @ [B*T, n, D] runs as B*T tiny matrix products)."""
+    n = weights.shape[0]
+    if scaling == "count":
+        coef = weights.sub_(1.0 / n).mul_(n).unsqueeze(-1)
+        mixed = torch.addcmul(stream.float(), coef[0], sources[0])
+    else:
+        coef = weights.unsqueeze(-1)
+        mixed = sources[0] * coef[0]
+    for i in range(1, n):
+        mixed.addcmul_(coef[i], sources[i])
+    return mixed.to(stream.dtype)

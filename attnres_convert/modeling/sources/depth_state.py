@@ -1,0 +1,225 @@
+"""Block Attention Residuals behind one contract: the state a decoder layer threads through its sublayers.
+
+    state = start_state(embeddings, eps, capacity, queries, ...)  # the embedding is the first source
+    state = state.close(eps, first)                               # at a block boundary
+    h = depth_mix(state, query, key_norm_weight, eps, scaling)    # a sublayer's (or the final norm's) input
+    state = state.add(sublayer(h))                                # the output joins the partial sum and stream
+    state.current_stream()                                        # the base model's residual stream
+
+Every state answers `DepthState`'s calls. Which one a forward gets depends on what it pays for:
+
+    autograd under torch.compile, input-dependent queries   BlockState      (this file's math)
+    autograd, CUDA, fla-core installed                      FlaState        (fla-core's fused kernels)
+    no autograd (inference, generation)                     SourceBuffer
+    anything else with autograd                             BlockState
+
+Where the attnres package is installed, its kernels take the forwards they are faster for (`installed_kernels`):
+a token-major buffer for decoding steps, C++ kernels on CPU (ATTNRES_KERNEL=cpu), Triton kernels on CUDA, and a
+training state with a hand-written backward.
+ATTNRES_KERNEL picks a backend explicitly: auto (the default), eager, cpu, triton or fla; an explicit choice that
+cannot run is an error, never a silent fallback.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from typing import Protocol
+
+import torch
+
+from .depth_buffers import SourceBuffer
+from .depth_fla import FlaState, fla_refusal
+from .depth_math import BlockState, Recorder
+
+KERNEL_ENV = "ATTNRES_KERNEL"
+KERNEL_CHOICES = ("auto", "eager", "cpu", "triton", "fla")
+# The contract between this file and the attnres package's kernels (attnres_convert/kernels): a package whose
+# kernels follow another contract is not used.
+KERNEL_API = 1
+
+
+class DepthState(Protocol):
+    """What a decoder layer and the final norm call on the state they receive."""
+
+    queries: torch.Tensor | None  # every reader's folded query [R, D] where the state keeps them, else None
+
+    def close(self, eps: float, first: int = 0) -> DepthState:
+        """At a block boundary the partial sum becomes a completed source (`first`: the next reader)."""
+
+    def query(self, reader: int) -> torch.Tensor:
+        """Reader `reader`'s folded query, from `queries`."""
+
+    def fold(self, query: torch.Tensor, key_norm_weight: torch.Tensor | None):
+        """A reader's query w and key norm g as `mix` takes them."""
+
+    def mix(self, q, eps: float, scaling: str, reader: int | None = None, norm: tuple = ()) -> torch.Tensor:
+        """The reader's input: attention over the state's sources."""
+
+    def add(self, output: torch.Tensor) -> DepthState:
+        """A sublayer's output joins the partial sum of its block and the residual stream."""
+
+    def current_stream(self) -> torch.Tensor:
+        """The plain residual stream the state stands for."""
+
+
+def is_state(value) -> bool:
+    """Whether a decoder layer received a depth-attention state (any backend's) rather than the embeddings."""
+    return not isinstance(value, torch.Tensor) and hasattr(value, "current_stream")
+
+
+def kernel_mode() -> str:
+    mode = os.environ.get(KERNEL_ENV, "auto").strip().lower() or "auto"
+    if mode not in KERNEL_CHOICES:
+        raise ValueError(f"{KERNEL_ENV}={mode!r} is not a kernel choice: use one of {', '.join(KERNEL_CHOICES)}")
+    return mode
+
+
+# Process-wide on purpose: whether the attnres package is importable is the same for every model in the process,
+# and a failed import is not retried at every forward.
+_INSTALLED: list = []
+
+
+def installed_kernels():
+    """The attnres package's kernels (attnres_convert.kernels), where it is installed and follows KERNEL_API;
+    else None."""
+    if not _INSTALLED:
+        try:
+            from attnres_convert import kernels
+        except ImportError:
+            kernels = None
+        _INSTALLED.append(kernels if getattr(kernels, "KERNEL_API", None) == KERNEL_API else None)
+    return _INSTALLED[0]
+
+
+def _needs_attnres(mode: str) -> RuntimeError:
+    return RuntimeError(
+        f"{KERNEL_ENV}={mode}: these kernels come with the attnres package, which is not installed here (or is a "
+        f"release with other kernels). Install it (pip install attnres), or unset {KERNEL_ENV} for the built-in path."
+    )
+
+
+def wants_queries() -> bool:
+    """Whether start_state would use all sublayers' folded queries (for a score table, or for a decoding step's
+    readers), so whether the caller should gather them."""
+    return not (torch.is_grad_enabled() and torch.compiler.is_compiling())
+
+
+def start_state(
+    embeddings: torch.Tensor,
+    eps: float,
+    capacity: int | None = None,
+    queries: torch.Tensor | None = None,
+    token_queries: bool = False,
+    runtime: ModelRuntime | None = None,
+) -> DepthState:
+    """The state of one forward, the embedding b_0 its first source. `capacity`: the most sources any reader has
+    (None: the plain BlockState). `queries`: all sublayers' folded pseudo-queries [R, D], where given, for a score
+    table (the two-phase mix) or a decoding step's readers. `token_queries`: the readers' queries depend on their
+    input (query_rank > 0), which only BlockState computes. `runtime`: the model's (ModelRuntime)."""
+    mode = kernel_mode()  # read once: a decoding step pays for every lookup
+    recorder = runtime.recorder() if runtime is not None else None
+    kernels = installed_kernels() if mode != "eager" else None
+    if mode in ("cpu", "triton") and kernels is None:
+        raise _needs_attnres(mode)
+    if token_queries:
+        if mode not in ("auto", "eager"):
+            raise RuntimeError(
+                f"{KERNEL_ENV}={mode}: the kernels score one static query per reader, and this model's queries depend "
+                f"on each token's input (query_rank > 0), which runs on the built-in path. Unset {KERNEL_ENV}."
+            )
+        return BlockState.start(embeddings, eps, recorder)
+    if capacity is None:
+        return BlockState.start(embeddings, eps, recorder)
+    if not torch.is_grad_enabled():
+        if mode == "fla":
+            raise RuntimeError(f"{KERNEL_ENV}=fla: fla-core's depth mix runs forwards with autograd (training) only")
+        state = kernels.inference_state(embeddings, eps, capacity, queries, recorder, runtime, mode) if kernels else None
+        if state is not None:
+            return state
+        return SourceBuffer.start(embeddings, eps, capacity, queries, recorder)
+    if torch.compiler.is_compiling():
+        if mode not in ("auto", "eager"):
+            raise RuntimeError(f"{KERNEL_ENV}={mode}: the kernels do not run under torch.compile; unset {KERNEL_ENV}")
+        return BlockState.start(embeddings, eps, recorder)  # plain tensor operations, which the compiler fuses
+    if mode in ("auto", "fla"):
+        refusal = fla_refusal(embeddings, recorder)
+        if refusal is None:
+            return FlaState.start(embeddings, eps, recorder)
+        if mode == "fla":
+            raise RuntimeError(f"{KERNEL_ENV}=fla: {refusal}; unset {KERNEL_ENV} for the built-in path")
+    state = kernels.training_state(embeddings, eps, capacity, queries, recorder, mode) if kernels else None
+    return state if state is not None else BlockState.start(embeddings, eps, recorder)
+
+
+def depth_mix(
+    state: DepthState,
+    query: torch.Tensor | None,
+    key_norm_weight: torch.Tensor | None,
+    eps: float,
+    scaling: str = "count",
+    reader: int | None = None,
+    projection: tuple[torch.Tensor, torch.Tensor] | None = None,
+    norm: tuple = (),
+) -> torch.Tensor:
+    """The input of one sublayer (or of the final norm): attention over the state's sources.
+
+    query: the pseudo-query w ([1, D] or [D]) and key_norm_weight g ([D]); or, with key_norm_weight None, the folded
+    query already. reader: the sublayer's 0-based index, to read its row of the queries folded once per forward.
+    projection: (A [r, D], B [D, r]) of a reader whose query depends on its input (`token_queries`; a BlockState).
+    norm: a state's own form of the sublayer's norm (`fuse_norm`): the result is then that norm of the mix.
+
+    With "count" scaling h = n * sum_i alpha_i k_i, computed as H + sum_i (n alpha_i - 1) k_i (see
+    `mix_blocks`): at zero queries, the base model's own residual stream bit for bit."""
+    if projection is not None:
+        if not isinstance(state, BlockState):
+            raise TypeError("input-dependent queries need the BlockState (start_state with token_queries=True)")
+        return state.mix_token_queries(query, key_norm_weight, projection, eps, scaling)
+    if reader is not None and state.queries is not None:
+        q = state.query(reader)
+    else:
+        q = state.fold(query, key_norm_weight)
+    return state.mix(q, eps, scaling, reader, norm)
+
+
+class ModelRuntime:
+    """What one converted model's forwards share, beside its parameters: its config, the training-time depth gate
+    (`set_depth_gate`), the open recorders (`record_depth_weights`) and, per thread, the buffers a decoding step
+    keeps for the next (see `step_buffer`). Each model has its own, shared by its layers and its final norm."""
+
+    def __init__(self, config):
+        self.config = config
+        self.gate = 1.0
+        self.recorders: list[Recorder] = []
+        self.steps: dict = {}
+
+    def recorder(self) -> Recorder | None:
+        return self.recorders[-1] if self.recorders else None
+
+
+def _runtime_of(model: torch.nn.Module) -> ModelRuntime:
+    for module in model.modules():
+        spec = module.__dict__.get("_attnres_spec")
+        if spec is not None:
+            return spec.runtime
+    raise ValueError(f"{type(model).__name__} has no AttnRes layers: there are no depth weights to record")
+
+
+@contextlib.contextmanager
+def record_depth_weights(model: torch.nn.Module) -> Iterator[list[torch.Tensor]]:
+    """Collect the softmax weights [n, B, T] of every depth mix of `model`'s forwards (sublayers 1..L in order,
+    then the output aggregation), for inspection and plots:
+
+        with record_depth_weights(model) as weights:
+            model(input_ids)
+
+    The recorder belongs to the model, so other models, and other threads' models, are not recorded."""
+    recorders = _runtime_of(model).recorders
+    recorder = Recorder()
+    recorders.append(recorder)
+    try:
+        yield recorder
+    finally:
+        recorder.open = False
+        del recorders[next(i for i, kept in enumerate(recorders) if kept is recorder)]  # by identity, not ==
