@@ -437,9 +437,14 @@ def family_for(config) -> Family:
     raise UnsupportedModelError(f"model type {model_type!r} has no entry in the architecture table")
 
 
-def plan_for(text_config, structure: dict | None, base_model) -> ModelPlan:
-    """The plan recorded in a converted config, or for a config converted before plans were recorded, the
-    table's, placed on BASE_MODEL (the base causal LM)."""
-    if structure:
-        return ModelPlan.from_dict(structure)
-    return family_for(text_config).plan(text_config, base_model)
+def table_structure(config) -> dict:
+    """The `structure` of an AttnRes CONFIG converted before plans were recorded in configs: the architecture table's
+    plan for its base model, placed on that model built on the meta device (no weights)."""
+    import torch
+
+    from .modeling.modeling_attnres import causal_lm_class
+
+    text_config = config.text_config
+    with torch.device("meta"):
+        base_model = causal_lm_class(text_config, config.base_model_type)(text_config)
+    return plan_to_dict(family_for(text_config).plan(text_config, base_model))

@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.utils.cpp_extension
 
+from attnres_convert.depth_controls import record_depth_weights
 from attnres_convert import convert_model, save_converted
 from attnres_convert.modeling import modeling_attnres as depth_attention
 from attnres_convert.kernels import cpu as depth_kernels_cpu
@@ -118,7 +119,7 @@ def test_recorded_weights_and_training_take_the_eager_path(monkeypatch):
     autograd trains on the eager path: its gradients are the eager run's."""
     model = _model(4)
     ids = token_ids(2, MANY)
-    with torch.no_grad(), depth_attention.record_depth_weights(model) as weights:
+    with torch.no_grad(), record_depth_weights(model) as weights:
         model(ids)
     assert len(weights) == 2 * LAYERS + 1 and all(torch.isfinite(w).all() for w in weights)
 
@@ -247,7 +248,7 @@ def test_hidden_states_and_depth_gate_see_every_residual_add(tokens, monkeypatch
     """The kernels make an output's residual adds inside the next reader's call (a layer's last one in the next
     layer's). Whatever reads the stream in between gets them made first: `output_hidden_states` (the original's
     hidden states bit for bit at zero queries, eager's with random queries) and a depth gate below 1."""
-    from attnres_convert.modeling.modeling_attnres import set_depth_gate
+    from attnres_convert.depth_controls import set_depth_gate
 
     ids = token_ids(2, tokens)
     original, zero, model = tiny_model("llama", num_hidden_layers=LAYERS), _model(3, random_queries=False), _model(3)

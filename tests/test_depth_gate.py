@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from attnres_convert.conversion.surgery import convert_model
-from attnres_convert.modeling.modeling_attnres import set_depth_gate
+from attnres_convert.depth_controls import set_depth_gate
 from tiny_models import randomize_queries, tiny_model, token_ids
 
 

@@ -11,7 +11,17 @@ from attnres_convert.conversion.proof import prove
 from attnres_convert.conversion.single_thread import run_single_threaded
 from attnres_convert.conversion.surgery import convert_model
 from attnres_convert.conversion.trace import trace_model
-from attnres_convert.architectures import FAMILIES, ModelPlan, UnsupportedModelError, locate
+from attnres_convert.architectures import (
+    FAMILIES,
+    ModelPlan,
+    Sublayer,
+    UnsupportedModelError,
+    describe,
+    locate,
+    plan_to_dict,
+    sublayer_to_dict,
+    uniform_plan,
+)
 from tiny_models import tiny_model, token_ids
 import transformers as T
 
@@ -59,7 +69,7 @@ def test_plan_round_trips_through_the_config():
     model = convert_model(tiny_model("deepseek_v3"), block_size=3)
     recorded = model.config.structure
     plan = ModelPlan.from_dict(recorded)
-    assert plan == model._attnres_plan and plan.to_dict() == recorded
+    assert plan == model._attnres_plan and plan_to_dict(plan) == recorded
     assert plan.num_layers == 3 and plan.num_sublayers == 6
     assert plan.eps == model.config.text_config.rms_norm_eps  # read from the norm module itself
 
@@ -102,7 +112,7 @@ def test_bf16_model_is_proven_at_its_own_precision():
 
 
 def test_a_folder_converted_before_plans_were_recorded_still_loads(tmp_path):
-    """config.json without `structure`: the shipped code takes the layout from the architecture table."""
+    """config.json without `structure`: the package loads it with the architecture table's plan."""
     import json
 
     from attnres_convert import load_converted, save_converted
@@ -111,10 +121,10 @@ def test_a_folder_converted_before_plans_were_recorded_still_loads(tmp_path):
     out = save_converted(model, tmp_path / "converted")
     config = json.loads((out / "config.json").read_text())
     assert config["structure"]["kinds"][0][0]["branches"][1]["module"] == "mlp"
-    del config["structure"]
+    config_structure = config.pop("structure")
     (out / "config.json").write_text(json.dumps(config))
     reloaded = load_converted(out).eval()
-    assert reloaded.config.structure is None
+    assert reloaded.config.structure == config_structure
     ids = token_ids()
     with torch.no_grad():
         assert torch.equal(reloaded(ids).logits, model(ids).logits)
@@ -200,25 +210,24 @@ def test_a_layer_that_scales_its_stream_converts_exactly():
 
 
 def test_stream_scales_are_the_products_of_the_earlier_layer_scalars():
-    from attnres_convert.architectures import ModelPlan, Sublayer, Branch
+    from attnres_convert.architectures import ModelPlan, Branch
 
-    plan = ModelPlan.uniform(3, (Sublayer("mlp", (Branch("norm", "mlp"),)),), 1e-6, layer_scalars=(0.5, 4.0, 3.0))
+    plan = uniform_plan(3, (Sublayer("mlp", (Branch("norm", "mlp"),)),), 1e-6, layer_scalars=(0.5, 4.0, 3.0))
     assert plan.stream_scales() == ((1.0, 0.5, 2.0), 6.0)
-    assert ModelPlan.from_dict(plan.to_dict()) == plan
-    assert ModelPlan.uniform(2, plan.kinds[0], 1e-6).stream_scales() == ((1.0, 1.0), 1.0)
+    assert ModelPlan.from_dict(plan_to_dict(plan)) == plan
+    assert uniform_plan(2, plan.kinds[0], 1e-6).stream_scales() == ((1.0, 1.0), 1.0)
 
 
 def test_gemma4_moe_block_is_one_sublayer_with_a_side_router_and_a_norm_of_its_sum():
     """Gemma 4's MoE block: the dense MLP and the experts read the same stream (the experts' norm reads it flattened),
     the router reads the flattened raw stream for the experts' arguments, and a norm takes the sum of both: the
     layout says so, and survives the converted config (test_exactness checks the conversion's numbers)."""
-    from attnres_convert.architectures import Sublayer
 
     converted = convert_model(tiny_model("gemma4_moe"), block_size=3)
     moe = converted._attnres_plan.sublayers(0)[1]
-    assert moe.describe() == ("(pre_feedforward_layernorm -> mlp -> post_feedforward_layernorm_1 + pre_feedforward_layernorm_2 "
+    assert describe(moe) == ("(pre_feedforward_layernorm -> mlp -> post_feedforward_layernorm_1 + pre_feedforward_layernorm_2 "
                               "-> experts(router) -> post_feedforward_layernorm_2) -> post_feedforward_layernorm")
     assert moe.name == "mlp" and moe.post == ("post_feedforward_layernorm",) and moe.side == (("router", True),)
     assert [b.flat for b in moe.branches] == [False, True]
     assert dict(moe.branches[1].arguments) == {"top_k_index": "<output:router:2>", "top_k_weights": "<output:router:1>"}
-    assert Sublayer.from_dict(moe.to_dict()) == moe
+    assert Sublayer.from_dict(sublayer_to_dict(moe)) == moe

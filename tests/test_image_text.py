@@ -8,6 +8,7 @@ and the output loads with the processor and generates exactly."""
 
 import torch
 
+from attnres_convert.architectures import describe
 from attnres_convert.conversion.coverage import _build
 from attnres_convert.conversion.surgery import convert_model
 
@@ -162,7 +163,7 @@ def test_gemma4_image_text_converts_exactly_with_its_raw_stream_gate():
     plan = converted._attnres_plan
     assert plan.layers == "language_model.layers" and plan.layer_scalars == (0.5, 2.0)
     gate = plan.sublayers(0)[-1]
-    assert gate.describe() == ("stream -> per_layer_input_gate -> act_fn -> * per_layer_input -> per_layer_projection "
+    assert describe(gate) == ("stream -> per_layer_input_gate -> act_fn -> * per_layer_input -> per_layer_projection "
                                "-> post_per_layer_input_norm")
     params = dict(converted.named_parameters())
     assert tower and all(torch.equal(params[name], value) for name, value in tower.items())

@@ -112,7 +112,7 @@ def test_the_buffers_of_ended_threads_go():
 def test_depth_weights_are_recorded_for_the_model_asked():
     """A recorder belongs to one model: another model's forwards inside it are not recorded, and forwards after it
     record nothing."""
-    from attnres_convert.modeling.modeling_attnres import record_depth_weights
+    from attnres_convert.depth_controls import record_depth_weights
 
     model, other, ids = _converted(), _converted(seed=1), token_ids(batch=1, length=5)
     with torch.no_grad():

@@ -131,7 +131,8 @@ def test_inference_buffer_and_autograd_state_compute_the_same(family, length, bl
     table written when each completed (with a block completing between a layer's readers when S = 1).
     With autograd it is a TrainState (blocks in a cache outside autograd). All paths compute the same function."""
     from attnres_convert.kernels.step import SMALL_STEP_TOKENS
-    from attnres_convert.modeling.modeling_attnres import SourceBuffer, record_depth_weights
+    from attnres_convert.depth_controls import record_depth_weights
+    from attnres_convert.modeling.modeling_attnres import SourceBuffer
 
     model = convert_model(tiny_model(family), block_size=block_size, source_scaling=scaling).eval()
     randomize_queries(model, 0.5, seed=3, key_norms=0.3)

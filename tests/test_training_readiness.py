@@ -64,7 +64,7 @@ def test_trains_under_bfloat16_autocast():
     """Accelerate's mixed precision runs the forward under autocast, the sublayers in bfloat16: training
     works through the hand-written backward (which turns autocast off inside, for the design's float32
     statistics), every reader's query gets a finite gradient and the weights stay float32."""
-    from attnres_convert.modeling.modeling_attnres import record_depth_weights
+    from attnres_convert.depth_controls import record_depth_weights
 
     model = convert_model(tiny_model("llama"), block_size=3).train()
     randomize_queries(model, 0.5)

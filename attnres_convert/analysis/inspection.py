@@ -25,7 +25,7 @@ import torch
 
 from ..architectures import module_at, times_argument
 from ..errors import SourceError
-from ..modeling.modeling_attnres import record_depth_weights
+from ..depth_controls import record_depth_weights
 from ..block_sizes import source_ranges
 from ..modeling.modeling_attnres import AttnResForCausalLM, AttnResQuery
 from ..conversion.surgery import ConversionSummary, summarize

@@ -23,12 +23,11 @@ from ..block_sizes import default_block_size
 from ..io.saving import register_auto_classes
 from ..modeling import SHIPPED_CODE
 from ..modeling.configuration_attnres import AttnResConfig
-from ..modeling.modeling_attnres import BASE_CODE as BASE_CODE
+from ..io.base_code import BASE_CODE, base_code_files
 from ..modeling.modeling_attnres import (
     AttnResForCausalLM,
     AttnResKeyNorm,
     AttnResQuery,
-    base_code_files,
     output_num_sources,
     plan_sublayers,
 )

@@ -1,5 +1,6 @@
 """What a finished run leaves: its final metrics, the loss curve, and the model folder with its card."""
 
+from ..io.base_code import ship_model_code
 from __future__ import annotations
 
 import json
@@ -79,6 +80,7 @@ def save_result(accelerator, model, start: StartingModel, recipe: Recipe, out: P
             adapter.save_pretrained(folder / "adapter")  # LoRA weights only
             base = adapter.unload()  # the AttnRes model without LoRA layers (its AttnRes params are trained)
         base.save_pretrained(folder, state_dict=state_dict, max_shard_size=recipe.output.max_shard_size)
+        ship_model_code(base, folder)
         if start.converted:
             missing = [name for name in SHIPPED_CODE if not (folder / name).is_file()]
             if missing:

@@ -23,6 +23,7 @@ arms, `from-scratch/ab.*`; written atomically at the end. The run folders go to 
 continued run only if it finished after the snapshot it starts from was written).
 """
 
+from ..io.base_code import ship_model_code
 from __future__ import annotations
 
 import json
@@ -203,6 +204,7 @@ class Pretraining(FinetuneRecipe):
 
             def write(folder: Path) -> None:
                 model.save_pretrained(folder, state_dict=state_dict)
+                ship_model_code(model, folder)
                 self.start.tokenizer.save_pretrained(folder)
 
             atomic_folder(path, write, owned=True)

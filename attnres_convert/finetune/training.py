@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from ..io.text import perplexity, token_loss, token_loss_and_kl
-from ..modeling.modeling_attnres import set_depth_gate
+from ..depth_controls import set_depth_gate
 from .accelerator import make_accelerator
 from .checkpoints import (
     TrainerState,

@@ -137,7 +137,7 @@ def _config_problems(folder: Path) -> tuple[list[str], str | None]:
     # Imported here, not at the top: the modeling code imports torch, and a wrong folder or repo id is
     # answered before that (tests/test_cli_screens.py, argument errors).
     from ..modeling import SHIPPED_CODE
-    from ..modeling.modeling_attnres import BASE_CODE as BASE_CODE
+    from ..io.base_code import BASE_CODE
 
     # An auto_map entry is "module.Class", or "repo--module.Class" once it points into a hub repo.
     code = set(SHIPPED_CODE) | {f"{str(ref).split('--')[-1].split('.')[0]}.py" for ref in auto_map.values()}

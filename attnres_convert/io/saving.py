@@ -25,7 +25,7 @@ from ..modeling import SHIPPED_CODE
 from ..modeling.configuration_attnres import AttnResConfig
 from ..errors import OutputError, SourceError
 from ..modeling.modeling_attnres import AttnResForCausalLM
-from ..modeling.modeling_attnres import BASE_CODE as BASE_CODE
+from .base_code import BASE_CODE, ship_model_code
 from .hub_access import DEFAULT_MAX_SHARD_SIZE
 from .paths import check_output, is_attnres_output, is_converted_folder, write_problem  # noqa: F401 - re-exported
 
@@ -250,6 +250,7 @@ def write_converted(
     self-contained code, tokenizer, extras."""
     register_auto_classes()
     model.save_pretrained(folder, max_shard_size=max_shard_size)
+    ship_model_code(model, folder)
     if tokenizer is not None:
         tokenizer.save_pretrained(folder)
     for name, text in (extra or {}).items():
@@ -277,6 +278,13 @@ def load_converted(path: str | os.PathLike, trust_remote_code: bool = False, **k
         raise SourceError(f"{path} is not an AttnRes model folder (no config.json with model_type 'attnres').")
     register_auto_classes()
     _register_base_code(Path(path), trust_remote_code)
+    if "config" not in kwargs:
+        config = AttnResConfig.from_pretrained(path)
+        if not config.structure:  # converted before plans were recorded in configs: the table's plan
+            from ..architectures import table_structure
+
+            config.structure = table_structure(config)
+            kwargs["config"] = config
     return AttnResForCausalLM.from_pretrained(path, **kwargs)
 
 

@@ -6,7 +6,8 @@
 As transformers' modular converter writes a model's `modeling_*.py`: the sources are short modules, each one
 idea, read and edited as such; the generated file is what runs, in the package and in every converted folder, so
 what the tests run is what a folder ships. Each source's imports of the others are dropped (the file holds them
-all), its other imports gathered at the top, its docstring kept as the comment that opens its section. Two
+all), its other imports gathered at the top, the first paragraph of its docstring kept as the comment that opens
+its section. Two
 sources defining one name is an error, as is a source importing anything but the standard library, torch,
 transformers, the other sources and configuration_attnres.
 """
@@ -58,7 +59,8 @@ def _section(name: str, tree: ast.Module, lines: list[str]) -> tuple[str, list[a
     for node in [*imports, *([tree.body[0]] if docstring else [])]:
         skip.update(range(node.lineno - 1, node.end_lineno))
     text = "".join(line for index, line in enumerate(lines) if index not in skip).strip("\n")
-    comment = "\n".join(f"# {line}".rstrip() for line in docstring.strip().splitlines())
+    summary = docstring.strip().split("\n\n")[0]  # the first paragraph: the whole text is in the source
+    comment = "\n".join(f"# {line}".rstrip() for line in summary.splitlines())
     rule = f"# {'-' * 4} {name} {'-' * (112 - len(name))}"
     defined = set()
     for node in body:

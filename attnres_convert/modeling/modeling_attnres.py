@@ -16,8 +16,6 @@ import functools
 import inspect
 import os
 import re
-import shutil
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple, Protocol
@@ -33,9 +31,6 @@ from .configuration_attnres import AttnResConfig
 
 # ---- compat ----------------------------------------------------------------------------------------------------------
 # The transformers internals the model uses, each imported where it is used by a static import statement.
-#
-# transformers' public API is imported as usual. Internals may move in any release: where one is missing, the error
-# names it and the releases this code was tested with, instead of a bare ImportError deep in a load.
 
 # The transformers releases this code was tested with (attnres's `make test-lowest` and `make test-latest`).
 TESTED_TRANSFORMERS = ">=5.16.1,<6"
@@ -94,13 +89,6 @@ def guard_torch_init_functions():
 
 # ---- cache_names -----------------------------------------------------------------------------------------------------
 # The name of the KV cache, as the installed transformers spells it.
-#
-# transformers 5.0 passes and returns the cache as `past_key_values`; later releases call it `cache` and
-# deprecate the old name (a FutureWarning per call, then an error once it is removed). Before that rename the
-# recurrent families (Mamba, Mamba2, FalconMamba, xLSTM) took and returned their state as `cache_params`, and
-# `generate` named it by the model's class. This code ships inside converted checkpoints and runs on whatever
-# release loads them, so it never hard-codes a name: it asks the forward it calls which keyword it takes, and an
-# output class which field it declares.
 
 CURRENT = "cache"
 LEGACY = "past_key_values"
@@ -134,17 +122,6 @@ def cache_of(output) -> object | None:
 
 # ---- weight_names ----------------------------------------------------------------------------------------------------
 # Keep the AttnRes tensors' names out of reach of the base model's checkpoint renaming rules.
-#
-# transformers v5 renames checkpoint keys with per-family regex rules when it loads a model (Mixtral's
-# `.block_sparse_moe.` -> `.mlp.`, fused experts...) and applies the rules reversed when it saves one, so the
-# folder keeps the original checkpoint format. Those rules are written for the base model's own names: reversed,
-# Mixtral's `.mlp.` (an unescaped regex) also matches `.mlp_res_proj` and would save the trained query as
-# `block_sparse_moe.res_proj`, which the next load does not find (the query silently starts at zero again).
-#
-# A rule may still move an AttnRes tensor with its module (a prefix change such as `model.layers.` ->
-# `model.language_model.layers.` applies to the whole layer), but never change the tensor's own name
-# (`mlp_res_proj.weight`): every rule the converted model loads or saves with is wrapped so that such a
-# renaming does not happen.
 
 # The AttnRes tensors' own names, relative to the module that holds them (architectures.py names the sublayers
 # `self_attention`, `mlp`, `mlp_2`...; the output aggregation is `output_attn`).
@@ -210,16 +187,6 @@ def default_save_conversions(model):
 
 # ---- structure -------------------------------------------------------------------------------------------------------
 # Which modules form each residual sublayer: the plan the forward executes.
-#
-# A sublayer is what adds one output to the residual stream: one or more branches, each
-# `scale * post(module(norm(h)))`, summed. A parallel-residual layer (GPT-NeoX with use_parallel_residual,
-# Phi-1/2, GPT-J) has one sublayer with two branches read from the same input. Norms applied to a branch's
-# output (Gemma 2/3 and GLM-4 post-norms, residual dropouts) and residual multipliers (Granite) belong to
-# the branch.
-#
-# A `ModelPlan` says where the decoder stack, final norm and head are and which sublayers every decoder
-# layer has (layers of one model may differ). Conversion finds it from the model itself, proves it layer by
-# layer and records it in the converted config (`structure`), so the forward needs nothing else.
 
 @dataclass(frozen=True)
 class Branch:
@@ -399,10 +366,6 @@ def module_at(root, path: str):
 
 # ---- block_plan ------------------------------------------------------------------------------------------------------
 # The block structure of Block Attention Residuals: which sources each reader reads.
-#
-# Sublayers are numbered 1..L in execution order and cut into consecutive blocks of S. Sublayer l at position
-# i (1..S) of block n reads the embedding, completed blocks 1..n-1 and, if i >= 2, its own block's partial sum.
-# The output aggregation reads the embedding, every completed block and the last partial sum.
 
 class SublayerPlan(NamedTuple):
     index: int  # 1-based position in execution order
@@ -425,21 +388,6 @@ def output_num_sources(num_sublayers: int, block_size: int) -> int:
 
 # ---- depth_math ------------------------------------------------------------------------------------------------------
 # Block Attention Residuals: softmax attention over depth, the reference math.
-#
-# A PreNorm decoder feeds sublayer l the plain sum of every earlier output. AttnRes replaces that sum
-# with a per-token softmax over *sources* (the embedding, completed blocks, the running partial sum of
-# the current block), scored by a static pseudo-query against RMS-normalised keys:
-#
-#     alpha_i = softmax_i( (w * g) . k_i / rms(k_i) )        h = n * sum_i alpha_i k_i
-#
-# With w = 0 every source weighs 1/n, and the factor n (the number of sources) turns the mix back into
-# the exact residual sum, so a converted model reproduces its base model. Scores and softmax run in
-# float32 whatever the model dtype.
-#
-# This section holds the math once, as plain tensor operations (`mix_blocks`), and the state that carries it
-# between sublayers as plain tensors (`BlockState`, traced by torch.compile and differentiated by autograd).
-# The other states compute the same function faster, each for the forwards it serves, behind the same calls
-# (`DepthState`).
 
 def inverse_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
     # One reduction pass (no squared copy of x to write, keep for backward and read back).
@@ -782,12 +730,6 @@ def _chained_mix(stream: torch.Tensor, weights: torch.Tensor, sources: torch.Ten
 # ---- depth_fla -------------------------------------------------------------------------------------------------------
 # The depth mix of a training forward on CUDA from fla-core (flash-linear-attention's `fused_attnres`), where it
 # is installed: one Triton launch per reader forward and backward, maintained by that project.
-#
-# fla-core computes the "mean" mix, sum_i alpha_i k_i, with the same scores as `mix_blocks` (the key norm's weight
-# folded into the query, 1 / rms(k) with the model's eps, float32 scores and softmax). The "count" mix is n times
-# it: the same function, equal to float32 rounding rather than bit for bit (at zero queries it is the stream to
-# within float32 rounding, where the built-in paths give the stream exactly). The sources it reads are float32, as
-# the other states keep them.
 
 # Process-wide on purpose: fla-core is importable or not for the whole process; a failed import is not retried.
 _FLA: list = []
@@ -866,25 +808,6 @@ class FlaState(NamedTuple):
 
 # ---- depth_state -----------------------------------------------------------------------------------------------------
 # Block Attention Residuals behind one contract: the state a decoder layer threads through its sublayers.
-#
-#     state = start_state(embeddings, eps, capacity, queries, ...)  # the embedding is the first source
-#     state = state.close(eps, first)                               # at a block boundary
-#     h = depth_mix(state, query, key_norm_weight, eps, scaling)    # a sublayer's (or the final norm's) input
-#     state = state.add(sublayer(h))                                # the output joins the partial sum and stream
-#     state.current_stream()                                        # the base model's residual stream
-#
-# Every state answers `DepthState`'s calls. Which one a forward gets depends on what it pays for:
-#
-#     autograd under torch.compile, input-dependent queries   BlockState      (this file's math)
-#     autograd, CUDA, fla-core installed                      FlaState        (fla-core's fused kernels)
-#     no autograd (inference, generation)                     SourceBuffer
-#     anything else with autograd                             BlockState
-#
-# Where the attnres package is installed, its kernels take the forwards they are faster for (`installed_kernels`):
-# a token-major buffer for decoding steps, C++ kernels on CPU (ATTNRES_KERNEL=cpu), Triton kernels on CUDA, and a
-# training state with a hand-written backward.
-# ATTNRES_KERNEL picks a backend explicitly: auto (the default), eager, cpu, triton or fla; an explicit choice that
-# cannot run is an error, never a silent fallback.
 
 KERNEL_ENV = "ATTNRES_KERNEL"
 KERNEL_CHOICES = ("auto", "eager", "cpu", "triton", "fla")
@@ -1051,33 +974,6 @@ class ModelRuntime:
         return self.recorders[-1] if self.recorders else None
 
 
-def _runtime_of(model: torch.nn.Module) -> ModelRuntime:
-    for module in model.modules():
-        spec = module.__dict__.get("_attnres_spec")
-        if spec is not None:
-            return spec.runtime
-    raise ValueError(f"{type(model).__name__} has no AttnRes layers: there are no depth weights to record")
-
-
-@contextlib.contextmanager
-def record_depth_weights(model: torch.nn.Module) -> Iterator[list[torch.Tensor]]:
-    """Collect the softmax weights [n, B, T] of every depth mix of `model`'s forwards (sublayers 1..L in order,
-    then the output aggregation), for inspection and plots:
-
-        with record_depth_weights(model) as weights:
-            model(input_ids)
-
-    The recorder belongs to the model, so other models, and other threads' models, are not recorded."""
-    recorders = _runtime_of(model).recorders
-    recorder = Recorder()
-    recorders.append(recorder)
-    try:
-        yield recorder
-    finally:
-        recorder.open = False
-        del recorders[next(i for i, kept in enumerate(recorders) if kept is recorder)]  # by identity, not ==
-
-
 # ---- depth_modules ---------------------------------------------------------------------------------------------------
 # The AttnRes parameters' modules (a reader's pseudo-query and key norm), and how a reader finds their weights
 # through the wrappers that training and big-model loading put around them.
@@ -1190,19 +1086,6 @@ def init_depth_module(module: AttnResQuery | AttnResKeyNorm, skip_loaded: bool =
 
 # ---- model -----------------------------------------------------------------------------------------------------------
 # Block Attention Residuals around a pretrained PreNorm causal LM.
-#
-# `AttnResForCausalLM` holds the base model's own modules under their original names (`model.layers.3.mlp...`)
-# and runs the base model's own forward (embeddings, masks, rotary, cache). Only two things change:
-#
-# * each decoder layer runs its sublayers (the config's plan, `ModelPlan`) on a depth-attention mix of the earlier
-#   sources instead of the residual sum, and passes a state (`DepthState`) to the next layer instead of one tensor;
-# * the final norm first aggregates the sources with one more pseudo-query (the output aggregation).
-#
-# New parameters, per decoder layer: `self_attention_res_proj.weight` [1, d] (pseudo-query, zero init),
-# `self_attention_res_norm.weight` [d] (key norm, one init), the same with `mlp_` (absent for a parallel
-# residual layer); on the base model module: `output_attn_res_proj.weight`, `output_attn_res_norm.weight`.
-# With `query_rank` r > 0 each query module also holds `down` [r, d] (A, random) and `up` [d, r] (B, zero):
-# the query becomes input-dependent, w + B A x / rms(x) per token (see `token_queries`).
 
 @dataclass(frozen=True)
 class LayerSpec:
@@ -1442,21 +1325,6 @@ def gated(state, mix: torch.Tensor, gate: float) -> torch.Tensor:
     return torch.lerp(state.current_stream(), mix, gate)
 
 
-def set_depth_gate(model: nn.Module, gate: float) -> bool:
-    """Let every reader of a converted model (PEFT- or Accelerate-wrapped included) read
-    stream + gate * (mix - stream) instead of its depth mix: 1 (the default) is AttnRes, 0 the base model's
-    plain residual stream, whatever the queries. A training-time schedule (recipe `train.depth_gate_steps`)
-    that lets the learned mix in gradually; it is not saved, and a loaded model reads the mix (gate 1).
-    Returns False where the model has no AttnRes layers (nothing to gate)."""
-    if not 0.0 <= gate <= 1.0:
-        raise ValueError(f"the depth gate must be in [0, 1], got {gate}")
-    layer = next((m for m in model.modules() if isinstance(m, AttnResDecoderLayerMixin)), None)
-    if layer is None:
-        return False
-    layer._attnres_spec.runtime.gate = float(gate)
-    return True
-
-
 def _attnres_class(mixin: type, base_cls: type) -> type:
     """`AttnRes<Base>`: a subclass of the base module class whose forward is the mixin's. Registered in
     this module's namespace so that it pickles, and still an instance of the base class for tools that
@@ -1542,65 +1410,6 @@ def attach_depth_attention(causal_lm: nn.Module, config: AttnResConfig, plan: Mo
     norm._attnres_output = OutputSpec(base, eps, config.source_scaling, runtime, output_scale)
 
 
-BASE_CODE = "base_code.py"  # where a converted folder registers its base model's own code
-CONFIG_IMPORT = "\nfrom .base_code import BASE_CLASSES  # noqa: E402,F401 - registers the base model's own code beside this file\n"
-
-
-def is_own_code(cls: type) -> bool:
-    """A class defined by a model's own code (a repository with `auto_map`), not by transformers."""
-    return not cls.__module__.startswith("transformers.")
-
-
-def base_code_files(config_cls: type, model_cls: type) -> dict[str, Path]:
-    """The base model's code files by name (each class's module and what it imports relatively); none for a base
-    model transformers ships."""
-    if not (is_own_code(config_cls) or is_own_code(model_cls)):
-        return {}
-    from transformers.dynamic_module_utils import get_relative_import_files
-
-    files = {}
-    for cls in (config_cls, model_cls):
-        path = Path(inspect.getfile(cls))
-        for found in [path, *(Path(p) for p in get_relative_import_files(str(path)))]:
-            files[found.name] = found
-    return files
-
-
-def base_code_text(config_cls: type, model_cls: type, model_type: str) -> str:
-    config_module, model_module = config_cls.__module__.split(".")[-1], model_cls.__module__.split(".")[-1]
-    return (
-        '"""The base model\'s own code, copied beside this file from its repository when the model was converted\n'
-        "to Block AttnRes: registered with transformers' Auto classes so that the AttnRes config and model build the\n"
-        'base model where neither that repository nor attnres is installed. Written by attnres."""\n\n'
-        "from transformers import AutoConfig, AutoModelForCausalLM\n\n"
-        f"from .{config_module} import {config_cls.__name__}\n"
-        f"from .{model_module} import {model_cls.__name__}\n\n"
-        f"AutoConfig.register({model_type!r}, {config_cls.__name__}, exist_ok=True)\n"
-        f"AutoModelForCausalLM.register({config_cls.__name__}, {model_cls.__name__}, exist_ok=True)\n"
-        f"BASE_CLASSES: dict = {{{model_type!r}: ({config_cls.__name__}, {model_cls.__name__})}}\n"
-    )
-
-
-def ship_base_code(config_cls: type, model_cls: type, model_type: str, folder) -> list[str]:
-    """Copy a base model's own code files into FOLDER, write base_code.py registering them, and make the folder's
-    configuration_attnres.py import it (so loading the folder with trust_remote_code brings the base code along);
-    nothing for a base model transformers ships. Returns the names of the copied files."""
-    files = base_code_files(config_cls, model_cls)
-    if not files:
-        return []
-    folder = Path(folder)
-    for name, path in files.items():
-        target = folder / name
-        if not (target.exists() and target.resolve() == path.resolve()):
-            shutil.copyfile(path, target)
-    (folder / BASE_CODE).write_text(base_code_text(config_cls, model_cls, model_type))
-    configuration = folder / "configuration_attnres.py"
-    if configuration.is_file() and CONFIG_IMPORT not in configuration.read_text():
-        with configuration.open("a") as file:
-            file.write(CONFIG_IMPORT)
-    return sorted(files)
-
-
 class AttnResPreTrainedModel(PreTrainedModel):
     config: AttnResConfig
     config_class = AttnResConfig
@@ -1639,13 +1448,6 @@ class AttnResPreTrainedModel(PreTrainedModel):
     def _load_pretrained_model(model, state_dict, checkpoint_files, load_config, *args, **kwargs):
         guard_all(getattr(load_config, "weight_mapping", None))  # in place: the loading rules
         return PreTrainedModel._load_pretrained_model(model, state_dict, checkpoint_files, load_config, *args, **kwargs)
-
-    def save_pretrained(self, save_directory, *args, **kwargs):
-        super().save_pretrained(save_directory, *args, **kwargs)
-        if kwargs.get("is_main_process", True) and hasattr(self, "_attnres_base_class"):
-            # A base model with its own code (auto_map): that code goes along (`ship_base_code`).
-            text_config = self.config.text_config
-            ship_base_code(type(text_config), self._attnres_base_class, text_config.model_type, save_directory)
 
     @torch.no_grad()
     def _init_weights(self, module):

@@ -22,9 +22,7 @@ cannot run is an error, never a silent fallback.
 
 from __future__ import annotations
 
-import contextlib
 import os
-from collections.abc import Iterator
 from typing import Protocol
 
 import torch
@@ -196,30 +194,3 @@ class ModelRuntime:
 
     def recorder(self) -> Recorder | None:
         return self.recorders[-1] if self.recorders else None
-
-
-def _runtime_of(model: torch.nn.Module) -> ModelRuntime:
-    for module in model.modules():
-        spec = module.__dict__.get("_attnres_spec")
-        if spec is not None:
-            return spec.runtime
-    raise ValueError(f"{type(model).__name__} has no AttnRes layers: there are no depth weights to record")
-
-
-@contextlib.contextmanager
-def record_depth_weights(model: torch.nn.Module) -> Iterator[list[torch.Tensor]]:
-    """Collect the softmax weights [n, B, T] of every depth mix of `model`'s forwards (sublayers 1..L in order,
-    then the output aggregation), for inspection and plots:
-
-        with record_depth_weights(model) as weights:
-            model(input_ids)
-
-    The recorder belongs to the model, so other models, and other threads' models, are not recorded."""
-    recorders = _runtime_of(model).recorders
-    recorder = Recorder()
-    recorders.append(recorder)
-    try:
-        yield recorder
-    finally:
-        recorder.open = False
-        del recorders[next(i for i, kept in enumerate(recorders) if kept is recorder)]  # by identity, not ==

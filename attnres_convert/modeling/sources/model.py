@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-import shutil
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -277,21 +275,6 @@ def gated(state, mix: torch.Tensor, gate: float) -> torch.Tensor:
     return torch.lerp(state.current_stream(), mix, gate)
 
 
-def set_depth_gate(model: nn.Module, gate: float) -> bool:
-    """Let every reader of a converted model (PEFT- or Accelerate-wrapped included) read
-    stream + gate * (mix - stream) instead of its depth mix: 1 (the default) is AttnRes, 0 the base model's
-    plain residual stream, whatever the queries. A training-time schedule (recipe `train.depth_gate_steps`)
-    that lets the learned mix in gradually; it is not saved, and a loaded model reads the mix (gate 1).
-    Returns False where the model has no AttnRes layers (nothing to gate)."""
-    if not 0.0 <= gate <= 1.0:
-        raise ValueError(f"the depth gate must be in [0, 1], got {gate}")
-    layer = next((m for m in model.modules() if isinstance(m, AttnResDecoderLayerMixin)), None)
-    if layer is None:
-        return False
-    layer._attnres_spec.runtime.gate = float(gate)
-    return True
-
-
 def _attnres_class(mixin: type, base_cls: type) -> type:
     """`AttnRes<Base>`: a subclass of the base module class whose forward is the mixin's. Registered in
     this module's namespace so that it pickles, and still an instance of the base class for tools that
@@ -377,65 +360,6 @@ def attach_depth_attention(causal_lm: nn.Module, config: AttnResConfig, plan: Mo
     norm._attnres_output = OutputSpec(base, eps, config.source_scaling, runtime, output_scale)
 
 
-BASE_CODE = "base_code.py"  # where a converted folder registers its base model's own code
-CONFIG_IMPORT = "\nfrom .base_code import BASE_CLASSES  # noqa: E402,F401 - registers the base model's own code beside this file\n"
-
-
-def is_own_code(cls: type) -> bool:
-    """A class defined by a model's own code (a repository with `auto_map`), not by transformers."""
-    return not cls.__module__.startswith("transformers.")
-
-
-def base_code_files(config_cls: type, model_cls: type) -> dict[str, Path]:
-    """The base model's code files by name (each class's module and what it imports relatively); none for a base
-    model transformers ships."""
-    if not (is_own_code(config_cls) or is_own_code(model_cls)):
-        return {}
-    from transformers.dynamic_module_utils import get_relative_import_files
-
-    files = {}
-    for cls in (config_cls, model_cls):
-        path = Path(inspect.getfile(cls))
-        for found in [path, *(Path(p) for p in get_relative_import_files(str(path)))]:
-            files[found.name] = found
-    return files
-
-
-def base_code_text(config_cls: type, model_cls: type, model_type: str) -> str:
-    config_module, model_module = config_cls.__module__.split(".")[-1], model_cls.__module__.split(".")[-1]
-    return (
-        '"""The base model\'s own code, copied beside this file from its repository when the model was converted\n'
-        "to Block AttnRes: registered with transformers' Auto classes so that the AttnRes config and model build the\n"
-        'base model where neither that repository nor attnres is installed. Written by attnres."""\n\n'
-        "from transformers import AutoConfig, AutoModelForCausalLM\n\n"
-        f"from .{config_module} import {config_cls.__name__}\n"
-        f"from .{model_module} import {model_cls.__name__}\n\n"
-        f"AutoConfig.register({model_type!r}, {config_cls.__name__}, exist_ok=True)\n"
-        f"AutoModelForCausalLM.register({config_cls.__name__}, {model_cls.__name__}, exist_ok=True)\n"
-        f"BASE_CLASSES: dict = {{{model_type!r}: ({config_cls.__name__}, {model_cls.__name__})}}\n"
-    )
-
-
-def ship_base_code(config_cls: type, model_cls: type, model_type: str, folder) -> list[str]:
-    """Copy a base model's own code files into FOLDER, write base_code.py registering them, and make the folder's
-    configuration_attnres.py import it (so loading the folder with trust_remote_code brings the base code along);
-    nothing for a base model transformers ships. Returns the names of the copied files."""
-    files = base_code_files(config_cls, model_cls)
-    if not files:
-        return []
-    folder = Path(folder)
-    for name, path in files.items():
-        target = folder / name
-        if not (target.exists() and target.resolve() == path.resolve()):
-            shutil.copyfile(path, target)
-    (folder / BASE_CODE).write_text(base_code_text(config_cls, model_cls, model_type))
-    configuration = folder / "configuration_attnres.py"
-    if configuration.is_file() and CONFIG_IMPORT not in configuration.read_text():
-        with configuration.open("a") as file:
-            file.write(CONFIG_IMPORT)
-    return sorted(files)
-
-
 class AttnResPreTrainedModel(PreTrainedModel):
     config: AttnResConfig
     config_class = AttnResConfig
@@ -474,13 +398,6 @@ class AttnResPreTrainedModel(PreTrainedModel):
     def _load_pretrained_model(model, state_dict, checkpoint_files, load_config, *args, **kwargs):
         guard_all(getattr(load_config, "weight_mapping", None))  # in place: the loading rules
         return PreTrainedModel._load_pretrained_model(model, state_dict, checkpoint_files, load_config, *args, **kwargs)
-
-    def save_pretrained(self, save_directory, *args, **kwargs):
-        super().save_pretrained(save_directory, *args, **kwargs)
-        if kwargs.get("is_main_process", True) and hasattr(self, "_attnres_base_class"):
-            # A base model with its own code (auto_map): that code goes along (`ship_base_code`).
-            text_config = self.config.text_config
-            ship_base_code(type(text_config), self._attnres_base_class, text_config.model_type, save_directory)
 
     @torch.no_grad()
     def _init_weights(self, module):
