@@ -3,10 +3,11 @@
 KERNEL_API does not ask).
 
 ATTNRES_KERNEL picks the backend: auto (the default): Triton kernels (triton.py) for CUDA tensors where triton is
-importable, the token-major step buffer (step.py) for decoding steps on CPU, the hand-written training backward
-(training.py); triton: the Triton kernels or an error, never a silent fallback (CPU tensors run under Triton's
+importable, the token-major step buffer (step.py) for decoding steps on CPU, fla-core's fused depth mix (fla.py)
+for training on CUDA where fla-core is installed, else the hand-written training backward (training.py); triton: the Triton kernels or an error, never a silent fallback (CPU tensors run under Triton's
 interpreter, TRITON_INTERPRET=1); cpu: the C++ kernels (cpu.py, compiled on first use) for float32 inference on
-CPU, or an error; eager and fla: none of these (modeling_attnres's own paths, fla-core's). Neither auto nor eager
+CPU, or an error; fla: fla-core's kernels for training, or an error; eager: none of these (modeling_attnres's
+own paths). Neither auto nor eager
 compiles anything.
 """
 
@@ -21,6 +22,7 @@ import torch
 from ..modeling.modeling_attnres import KERNEL_ENV, ModelRuntime, Recorder, kernel_mode
 from .cpu import build
 from .cpu_buffers import CpuBuffer, CpuStepBuffer
+from .fla import FlaState, fla_refusal
 from .step import StepBuffer, few_tokens
 from .training import TrainState
 
@@ -52,10 +54,16 @@ def inference_state(embeddings: torch.Tensor, eps: float, capacity: int, queries
 
 
 def training_state(embeddings: torch.Tensor, eps: float, capacity: int, queries, recorder: Recorder | None, mode: str):
-    """The state of an eager forward with autograd: the hand-written backward (training.py), on the Triton kernels
-    where they are selected."""
+    """The state of an eager forward with autograd: fla-core's kernels on CUDA where it is installed (auto, fla),
+    else the hand-written backward (training.py), on the Triton kernels where they are selected."""
     if mode == "cpu":
         return None  # the C++ kernels have no backward: autograd's path (BlockState)
+    if mode in ("auto", "fla"):
+        refusal = fla_refusal(embeddings)
+        if refusal is None:
+            return FlaState.start(embeddings, eps, recorder)
+        if mode == "fla":
+            raise RuntimeError(f"{KERNEL_ENV}=fla: {refusal}; unset {KERNEL_ENV} for the default path")
     return TrainState.start(embeddings, eps, capacity, queries, triton_kernels_for(embeddings, mode), recorder)
 
 

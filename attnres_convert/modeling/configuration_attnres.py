@@ -32,15 +32,12 @@ class AttnResConfig(PreTrainedConfig):
             norm's eps rescaled). "mean": the plain softmax mix, for models trained from scratch.
         query_rank (`int`):
             0 (the default): each reader's query is a static learned vector w. r > 0: input-dependent queries,
-            w + B A x / rms(x) per token, with x the reader's input in the base model (the plain residual
-            stream), A [r, d] random and B [d, r] zero at conversion, so the converted model is still exactly
-            the base model. Runs on the plain PyTorch path (no score tables, no Triton kernels).
+            w + B A x / rms(x) per token (A [r, d] random, B [d, r] zero at conversion, so the converted model is
+            still exactly the base model).
         base_model_type (`str`): the base model's `model_type`, for people and tools reading config.json.
         stream_width (`int`, *optional*):
-            d, the width of the residual stream (the size of every query and key norm), as the conversion read it
-            from the model's decoder layers: the shipped code reads it here, so a base config that names its
-            sizes its own way (`d_model`, `n_embd`, no `hidden_size`) loads too. Absent: the base config's
-            `hidden_size`.
+            d, the width of the residual stream, as conversion read it from the decoder layers (for base configs
+            that name their sizes their own way); absent: the base config's `hidden_size`.
         structure (`dict`):
             The plan the forward executes (modeling_attnres.ModelPlan): where the decoder stack, final norm and
             head are, and each decoder layer's sublayers (norm -> module -> post-modules, scalars, parallel
@@ -95,7 +92,6 @@ class AttnResConfig(PreTrainedConfig):
 
     def to_diff_dict(self) -> dict:
         return self._hide_base_type(super().to_diff_dict())
-
 
 
 def build_sub_config(value, default_model_type: str):

@@ -37,9 +37,14 @@ def causal_lm_class(config, model_type: str):
     import transformers
 
     try:
-        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+        from transformers.models.auto.modeling_auto import (
+            MODEL_FOR_CAUSAL_LM_MAPPING,
+            MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        )
     except ImportError as error:
-        raise missing_internal("models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING", "building the base model") from error
+        raise missing_internal(
+            "models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING", "building the base model"
+        ) from error
     if type(config) in MODEL_FOR_CAUSAL_LM_MAPPING:
         return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
     for key, class_name in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items():

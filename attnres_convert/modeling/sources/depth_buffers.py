@@ -10,40 +10,52 @@ import torch
 from .depth_math import Recorder, inverse_rms, pseudo_query
 
 
-
 class SourceBuffer:
-    """The state of a forward without autograd (inference, generation), source-major: a block boundary is a
-    counter increment, a reader's sources are a view and the partial sum accumulates in its slot, so nothing is
-    concatenated or copied per sublayer (Full AttnRes with BlockState would copy the growing block tensor at
-    every sublayer). In-place updates are safe only without autograd; training uses TrainState (BlockState
-    under torch.compile). Many tokens make a forward bound by memory traffic; every source is one contiguous
-    tensor, so the partial sum's update and score, and the mix as a chain of elementwise multiply-adds, run at
-    memory speed (faster, per reader, than strided slots or one batched product over a token-major buffer).
+    """The state of a forward without autograd: a block boundary is a counter increment, a reader's sources are a
+    view and the partial sum accumulates in its slot, so nothing is copied per sublayer, and every source is one
+    contiguous tensor, read at memory speed. In-place updates are safe only without autograd.
 
-    sources:     [K, B, T, D] float32; completed sources in slots [0, count), the partial sum in slot count; K
-                 slots, the most sources any reader has (and one more for the stream, see shared_stream).
-    inv_rms:     1 / rms of the completed sources ([K, B, T]), written once when a source completes.
-    count:       the number of completed sources (embedding + completed blocks).
-    has_partial: whether slot `count` holds a partial sum (False right after a block boundary).
-    stream:      [B, T, D] the plain residual stream, as in BlockState.
-    queries:     [R, D] the folded pseudo-queries of all R sublayers, or None (then each reader folds its own).
-    scores:      [K, B, T, R] with queries: the scores (q_r . k_i * inv_rms_i) of each completed source
-                 for every sublayer r, written when the source completes (phase 1 of the two-phase
-                 computation: a completed block is read once by one product with all queries, not
-                 once per reader); a reader adds only its partial sum's score (phase 2).
-    shared_stream: the stream is the buffer's last slot (a float32 model: the buffer's dtype is the
-                 stream's), so an output joins the partial sum and the stream in one in-place add over a
-                 view of both slots (the partial slots start at zero). One operation less per sublayer, which
-                 a decoding step pays for; `current_stream` hands out copies.
-    recorder:    where the readers' weights go (`record_depth_weights`), or None.
+    sources:     [K, B, T, D] float32: completed sources in slots [0, count), the partial sum in slot `count`.
+    inv_rms:     [K, B, T] 1 / rms of the completed sources, written once when a source completes.
+    scores:      [K, B, T, R] with `queries` (every reader's folded query [R, D]): each completed source scored by
+                 every reader when it completes (phase 1 of the two-phase mix); a reader adds only its partial
+                 sum's score (phase 2).
+    shared_stream: for a float32 model the stream is the buffer's last slot, so an output joins the partial sum and
+                 the stream in one add over a view of both (the partial slots start at zero).
     """
 
-    __slots__ = ("sources", "inv_rms", "count", "has_partial", "stream", "queries", "scores", "shared_stream", "recorder")
+    __slots__ = (
+        "sources",
+        "inv_rms",
+        "count",
+        "has_partial",
+        "stream",
+        "queries",
+        "scores",
+        "shared_stream",
+        "recorder",
+    )
     zeroed = True  # partial sums start by adding to zeros where the stream is shared (see `start`)
 
-    def __init__(self, sources, inv_rms, count: int, has_partial: bool, stream, queries=None, scores=None,
-                 shared_stream: bool = False, recorder: Recorder | None = None):
-        self.sources, self.inv_rms, self.count, self.has_partial, self.stream = sources, inv_rms, count, has_partial, stream
+    def __init__(
+        self,
+        sources,
+        inv_rms,
+        count: int,
+        has_partial: bool,
+        stream,
+        queries=None,
+        scores=None,
+        shared_stream: bool = False,
+        recorder: Recorder | None = None,
+    ):
+        self.sources, self.inv_rms, self.count, self.has_partial, self.stream = (
+            sources,
+            inv_rms,
+            count,
+            has_partial,
+            stream,
+        )
         self.queries, self.scores, self.shared_stream, self.recorder = queries, scores, shared_stream, recorder
 
     @classmethod
@@ -94,7 +106,9 @@ class SourceBuffer:
         """A reader's query w (and key norm g) as `mix` takes it: (w * g), or `query` where it is folded already."""
         return query if key_norm_weight is None else pseudo_query(query, key_norm_weight)
 
-    def mix(self, q: torch.Tensor, eps: float, scaling: str, reader: int | None = None, norm: tuple = ()) -> torch.Tensor:
+    def mix(
+        self, q: torch.Tensor, eps: float, scaling: str, reader: int | None = None, norm: tuple = ()
+    ) -> torch.Tensor:
         """Source-major scores [n, B, T], from the table where there is one (phase 2: only the partial sum is
         scored here), else one product over the n contiguous sources; then the chained mix."""
         n = self.count + int(self.has_partial)
@@ -121,7 +135,7 @@ class SourceBuffer:
     def with_stream(self, j: int) -> torch.Tensor:
         """Source j and the shared stream as one [2, B, T, D] view."""
         last = self.sources.shape[0] - 1
-        return self.sources[j::last - j]
+        return self.sources[j :: last - j]
 
     def add(self, output: torch.Tensor) -> SourceBuffer:
         """The output joins the partial sum of the current block and the stream, in place."""
@@ -143,10 +157,8 @@ class SourceBuffer:
 
 
 def _chained_mix(stream: torch.Tensor, weights: torch.Tensor, sources: torch.Tensor, scaling: str) -> torch.Tensor:
-    """n * sum_i alpha_i k_i as H + sum_i n (alpha_i - 1/n) k_i (exactly H at zero queries), as one
-    elementwise multiply-add per source over a source-major buffer: weights [n, B, T] (this function's
-    own, changed in place), sources [K, B, T, D]. Faster than one batched product for the few sources a reader
-    has ([B*T, 1, n] @ [B*T, n, D] runs as B*T tiny matrix products)."""
+    """n * sum_i alpha_i k_i as H + sum_i n (alpha_i - 1/n) k_i (exactly H at zero queries), one multiply-add
+    per source: weights [n, B, T] (this function's own, changed in place), sources [K, B, T, D]."""
     n = weights.shape[0]
     if scaling == "count":
         coef = weights.sub_(1.0 / n).mul_(n).unsqueeze(-1)

@@ -1,14 +1,9 @@
-"""Block Attention Residuals: softmax attention over depth, the reference math.
-
-A PreNorm decoder feeds sublayer l the plain sum of every earlier output. AttnRes replaces that sum
-with a per-token softmax over *sources* (the embedding, completed blocks, the running partial sum of
-the current block), scored by a static pseudo-query against RMS-normalised keys:
-
-    alpha_i = softmax_i( (w * g) . k_i / rms(k_i) )        h = n * sum_i alpha_i k_i
-
-With w = 0 every source weighs 1/n, and the factor n (the number of sources) turns the mix back into
-the exact residual sum, so a converted model reproduces its base model. Scores and softmax run in
-float32 whatever the model dtype.
+"""The math of Block Attention Residuals. A PreNorm decoder feeds sublayer l the plain sum of every earlier
+output; AttnRes replaces that sum with a per-token softmax over *sources* (the embedding, completed blocks, the
+running partial sum of the current block), scored by a static pseudo-query w against RMS-normalised keys:
+alpha_i = softmax_i((w * g) . k_i / rms(k_i)), h = n * sum_i alpha_i k_i. With w = 0 every source weighs 1/n, and
+the factor n (the number of sources) turns the mix back into the exact residual sum, so a converted model
+reproduces its base model. Scores and softmax run in float32 whatever the model dtype.
 
 This section holds the math once, as plain tensor operations (`mix_blocks`), and the state that carries it
 between sublayers as plain tensors (`BlockState`, traced by torch.compile and differentiated by autograd).
@@ -38,11 +33,8 @@ def pseudo_query(query: torch.Tensor, key_norm_weight: torch.Tensor) -> torch.Te
 
 
 def source_scores(keys: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """q . k for every source of every token, on token-major keys: [B, T, c, D] (BlockState's blocks, or a
-    strided view of the training cache) -> [B, T, c]. As one batched product [1, D] @ [D, c] per token,
-    which reads the keys in place at memory speed; measured on CPU over a token-major buffer, a plain
-    [B*T*c, D] @ [D] product (or the [D, k] product that scores a layer's k readers at once) ran two to
-    three times slower. (The source-major inference buffer has each source contiguous: one mv there.)"""
+    """q . k for every source of every token, on token-major keys [B, T, c, D] -> [B, T, c]: one batched product
+    [1, D] @ [D, c] per token, which reads the keys in place."""
     d = keys.shape[-1]
     flat = keys.reshape(-1, keys.shape[-2], d)
     q = q.view(1, 1, d).expand(flat.shape[0], 1, d) if q.dim() == 1 else q.view(-1, 1, d)  # [D], or one per token
@@ -50,7 +42,12 @@ def source_scores(keys: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 
 
 def token_queries(
-    stream: torch.Tensor, query: torch.Tensor, key_norm_weight: torch.Tensor, down: torch.Tensor, up: torch.Tensor, eps: float
+    stream: torch.Tensor,
+    query: torch.Tensor,
+    key_norm_weight: torch.Tensor,
+    down: torch.Tensor,
+    up: torch.Tensor,
+    eps: float,
 ) -> torch.Tensor:
     """Input-dependent queries, folded with the key norm: per token t,
 
@@ -67,11 +64,9 @@ def token_queries(
 
 
 def mix_blocks(keys, inv_rms, partial, stream, q, eps: float, scaling: str, table=None):
-    """The depth mix over completed blocks keys [BT, m, D] with their cached 1 / rms [BT, m], and the partial
-    sum: BlockState's mix, and the forward of the TrainState's `_DepthMix`. q: the folded query [D], or one per
-    token [BT, D] (`token_queries`). table: the completed blocks' scores [BT, m] where a score table has them.
-    Returns the mix in the stream's shape and dtype, the weights and scores [BT, n], and the partial's 1 / rms
-    ([BT] or None).
+    """The depth mix over completed blocks keys [BT, m, D] with their 1 / rms [BT, m] (or their scores, `table`)
+    and the partial sum, for q the folded query [D] or one per token [BT, D]. Returns the mix in the stream's
+    shape and dtype, the weights and scores [BT, n], and the partial's 1 / rms ([BT] or None).
 
     With "count" scaling h = n * sum_i alpha_i k_i. Since the sources sum to the stream H, this equals
     H + sum_i (n alpha_i - 1) k_i, which is how it is computed: at zero queries n alpha_i - 1 is 0, so h
@@ -134,24 +129,13 @@ def record(recorder: Recorder | None, weights: torch.Tensor, like: torch.Tensor)
 
 
 class BlockState(NamedTuple):
-    """What the residual stream carries between sublayers, instead of one tensor: the plain-tensor form,
-    traced under torch.compile (eager forwards use a SourceBuffer without autograd, a TrainState with it), and
-    the one form of input-dependent queries (`token_queries`).
+    """The plain-tensor state, differentiated by autograd and traced by torch.compile: an immutable value passed
+    from layer to layer (never stored on a module), so gradient checkpointing replays see the forward's state.
 
-    blocks:  [B, T, m, D] the embedding and every completed block, float32 (scores are float32, and a
-             completed block is read by every later sublayer, so it is converted once, when it completes).
-             Sources sit next to each other per token, so a reader's mix is one batched matrix product.
-    inv_rms: [B, T, m]    1 / rms of each completed block, float32. A completed block never changes, so
-             its key statistics are computed once, not once per reader.
-    partial: [B, T, D]    running sum of the current block's outputs (model dtype), or None right after
-             a block boundary.
-    stream:  [B, T, D]    the plain residual stream: the sum of all sources, accumulated output by output
-             exactly as the base model adds them (see `mix_blocks` for why it is carried).
-    recorder: where the readers' weights go (`record_depth_weights`), or None.
-
-    It is an immutable value threaded through the layers' arguments and return values (never stored
-    on a module), so gradient checkpointing replays see exactly the state of the forward pass. Nothing
-    is stacked per sublayer: `blocks` grows once per block, and the partial sum is read where it is.
+    blocks:  [B, T, m, D] float32, the embedding and every completed block (converted once, when it completes).
+    inv_rms: [B, T, m]    their 1 / rms, computed once, not once per reader.
+    partial: [B, T, D]    running sum of the current block's outputs (model dtype), or None after a boundary.
+    stream:  [B, T, D]    the plain residual stream, accumulated as the base model adds (see `mix_blocks`).
     """
 
     blocks: torch.Tensor
@@ -181,7 +165,9 @@ class BlockState(NamedTuple):
         """A reader's query as this state's `mix` takes it (see `depth_mix`)."""
         return query if key_norm_weight is None else pseudo_query(query, key_norm_weight)
 
-    def mix(self, q: torch.Tensor, eps: float, scaling: str, reader: int | None = None, norm: tuple = ()) -> torch.Tensor:
+    def mix(
+        self, q: torch.Tensor, eps: float, scaling: str, reader: int | None = None, norm: tuple = ()
+    ) -> torch.Tensor:
         m, d = self.blocks.shape[-2], self.blocks.shape[-1]
         mixed, weights, _, _ = mix_blocks(
             self.blocks.reshape(-1, m, d), self.inv_rms.reshape(-1, m), self.partial, self.stream, q, eps, scaling

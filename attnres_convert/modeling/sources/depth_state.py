@@ -8,14 +8,12 @@
 
 Every state answers `DepthState`'s calls. Which one a forward gets depends on what it pays for:
 
-    autograd under torch.compile, input-dependent queries   BlockState      (this file's math)
-    autograd, CUDA, fla-core installed                      FlaState        (fla-core's fused kernels)
-    no autograd (inference, generation)                     SourceBuffer
-    anything else with autograd                             BlockState
+    autograd (training), torch.compile, input-dependent queries   BlockState
+    no autograd (inference, generation)                           SourceBuffer
 
 Where the attnres package is installed, its kernels take the forwards they are faster for (`installed_kernels`):
-a token-major buffer for decoding steps, C++ kernels on CPU (ATTNRES_KERNEL=cpu), Triton kernels on CUDA, and a
-training state with a hand-written backward.
+a token-major buffer for decoding steps, C++ kernels on CPU (ATTNRES_KERNEL=cpu), Triton kernels and fla-core's
+on CUDA, and a training state with a hand-written backward.
 ATTNRES_KERNEL picks a backend explicitly: auto (the default), eager, cpu, triton or fla; an explicit choice that
 cannot run is an error, never a silent fallback.
 """
@@ -28,38 +26,24 @@ from typing import Protocol
 import torch
 
 from .depth_buffers import SourceBuffer
-from .depth_fla import FlaState, fla_refusal
 from .depth_math import BlockState, Recorder
 
 KERNEL_ENV = "ATTNRES_KERNEL"
 KERNEL_CHOICES = ("auto", "eager", "cpu", "triton", "fla")
-# The contract between this file and the attnres package's kernels (attnres_convert/kernels): a package whose
-# kernels follow another contract is not used.
-KERNEL_API = 1
+KERNEL_API = 1  # the contract with the attnres package's kernels: a package with another is not used
 
 
 class DepthState(Protocol):
-    """What a decoder layer and the final norm call on the state they receive."""
+    """What a decoder layer and the final norm call on the state they receive (see the table above)."""
 
     queries: torch.Tensor | None  # every reader's folded query [R, D] where the state keeps them, else None
 
-    def close(self, eps: float, first: int = 0) -> DepthState:
-        """At a block boundary the partial sum becomes a completed source (`first`: the next reader)."""
-
-    def query(self, reader: int) -> torch.Tensor:
-        """Reader `reader`'s folded query, from `queries`."""
-
-    def fold(self, query: torch.Tensor, key_norm_weight: torch.Tensor | None):
-        """A reader's query w and key norm g as `mix` takes them."""
-
-    def mix(self, q, eps: float, scaling: str, reader: int | None = None, norm: tuple = ()) -> torch.Tensor:
-        """The reader's input: attention over the state's sources."""
-
-    def add(self, output: torch.Tensor) -> DepthState:
-        """A sublayer's output joins the partial sum of its block and the residual stream."""
-
-    def current_stream(self) -> torch.Tensor:
-        """The plain residual stream the state stands for."""
+    def close(self, eps: float, first: int = 0) -> DepthState: ...  # the partial sum becomes a completed source
+    def query(self, reader: int) -> torch.Tensor: ...  # reader `reader`'s row of `queries`
+    def fold(self, query: torch.Tensor, key_norm_weight: torch.Tensor | None): ...  # w and g as `mix` takes them
+    def mix(self, q, eps: float, scaling: str, reader: int | None = None, norm: tuple = ()) -> torch.Tensor: ...
+    def add(self, output: torch.Tensor) -> DepthState: ...  # the output joins the partial sum and the stream
+    def current_stream(self) -> torch.Tensor: ...  # the base model's residual stream
 
 
 def is_state(value) -> bool:
@@ -99,8 +83,7 @@ def _needs_attnres(mode: str) -> RuntimeError:
 
 
 def wants_queries() -> bool:
-    """Whether start_state would use all sublayers' folded queries (for a score table, or for a decoding step's
-    readers), so whether the caller should gather them."""
+    """Whether start_state would use all readers' folded queries, so whether the caller should gather them."""
     return not (torch.is_grad_enabled() and torch.compiler.is_compiling())
 
 
@@ -112,14 +95,13 @@ def start_state(
     token_queries: bool = False,
     runtime: ModelRuntime | None = None,
 ) -> DepthState:
-    """The state of one forward, the embedding b_0 its first source. `capacity`: the most sources any reader has
-    (None: the plain BlockState). `queries`: all sublayers' folded pseudo-queries [R, D], where given, for a score
-    table (the two-phase mix) or a decoding step's readers. `token_queries`: the readers' queries depend on their
-    input (query_rank > 0), which only BlockState computes. `runtime`: the model's (ModelRuntime)."""
+    """The state of one forward, the embedding its first source. `capacity`: the most sources any reader has.
+    `queries`: all readers' folded queries [R, D], for the score table (the two-phase mix). `token_queries`: the
+    queries depend on each token's input (query_rank > 0), which only BlockState computes."""
     mode = kernel_mode()  # read once: a decoding step pays for every lookup
     recorder = runtime.recorder() if runtime is not None else None
     kernels = installed_kernels() if mode != "eager" else None
-    if mode in ("cpu", "triton") and kernels is None:
+    if mode in ("cpu", "triton", "fla") and kernels is None:
         raise _needs_attnres(mode)
     if token_queries:
         if mode not in ("auto", "eager"):
@@ -133,7 +115,9 @@ def start_state(
     if not torch.is_grad_enabled():
         if mode == "fla":
             raise RuntimeError(f"{KERNEL_ENV}=fla: fla-core's depth mix runs forwards with autograd (training) only")
-        state = kernels.inference_state(embeddings, eps, capacity, queries, recorder, runtime, mode) if kernels else None
+        state = (
+            kernels.inference_state(embeddings, eps, capacity, queries, recorder, runtime, mode) if kernels else None
+        )
         if state is not None:
             return state
         return SourceBuffer.start(embeddings, eps, capacity, queries, recorder)
@@ -141,12 +125,6 @@ def start_state(
         if mode not in ("auto", "eager"):
             raise RuntimeError(f"{KERNEL_ENV}={mode}: the kernels do not run under torch.compile; unset {KERNEL_ENV}")
         return BlockState.start(embeddings, eps, recorder)  # plain tensor operations, which the compiler fuses
-    if mode in ("auto", "fla"):
-        refusal = fla_refusal(embeddings, recorder)
-        if refusal is None:
-            return FlaState.start(embeddings, eps, recorder)
-        if mode == "fla":
-            raise RuntimeError(f"{KERNEL_ENV}=fla: {refusal}; unset {KERNEL_ENV} for the built-in path")
     state = kernels.training_state(embeddings, eps, capacity, queries, recorder, mode) if kernels else None
     return state if state is not None else BlockState.start(embeddings, eps, recorder)
 
@@ -161,15 +139,10 @@ def depth_mix(
     projection: tuple[torch.Tensor, torch.Tensor] | None = None,
     norm: tuple = (),
 ) -> torch.Tensor:
-    """The input of one sublayer (or of the final norm): attention over the state's sources.
-
-    query: the pseudo-query w ([1, D] or [D]) and key_norm_weight g ([D]); or, with key_norm_weight None, the folded
-    query already. reader: the sublayer's 0-based index, to read its row of the queries folded once per forward.
-    projection: (A [r, D], B [D, r]) of a reader whose query depends on its input (`token_queries`; a BlockState).
-    norm: a state's own form of the sublayer's norm (`fuse_norm`): the result is then that norm of the mix.
-
-    With "count" scaling h = n * sum_i alpha_i k_i, computed as H + sum_i (n alpha_i - 1) k_i (see
-    `mix_blocks`): at zero queries, the base model's own residual stream bit for bit."""
+    """The input of one sublayer (or of the final norm): attention over the state's sources, with the pseudo-query
+    w and key norm g (or, g None, the folded query), or the reader's row of the state's queries. `projection`:
+    (A, B) of an input-dependent query. `norm`: a state's form of the sublayer's norm (`fuse_norm`), applied to
+    the mix in the same pass."""
     if projection is not None:
         if not isinstance(state, BlockState):
             raise TypeError("input-dependent queries need the BlockState (start_state with token_queries=True)")
@@ -182,9 +155,8 @@ def depth_mix(
 
 
 class ModelRuntime:
-    """What one converted model's forwards share, beside its parameters: its config, the training-time depth gate
-    (`set_depth_gate`), the open recorders (`record_depth_weights`) and, per thread, the buffers a decoding step
-    keeps for the next (see `step_buffer`). Each model has its own, shared by its layers and its final norm."""
+    """What one converted model's layers and final norm share beside its parameters: its config, the training-time
+    depth gate, the open recorders of depth weights, and the buffers a kernel backend keeps between decoding steps."""
 
     def __init__(self, config):
         self.config = config

@@ -107,7 +107,9 @@ class AttnResDecoderLayerMixin:
             params = (None, None) if folded else depth_params(self, names)
             projection = self._modules[names[0]].projection() if spec.query_rank else None
             norm = () if fuse is None else _sublayer_norm(self, sublayer, fuse)
-            h = depth_mix(state, *params, spec.eps, spec.scaling, reader=plan.index - 1, projection=projection, norm=norm)
+            h = depth_mix(
+                state, *params, spec.eps, spec.scaling, reader=plan.index - 1, projection=projection, norm=norm
+            )
             if gate != 1.0:
                 h = gated(state, h, gate)
             if scale != 1.0:  # the earlier layers' scalars: the stream the base model's sublayer read (stream_scales)
@@ -131,7 +133,12 @@ def _sublayer_norm(layer: nn.Module, sublayer: Sublayer, fuse) -> tuple:
 
 
 def run_sublayer(
-    layer: nn.Module, sublayer: Sublayer, h: torch.Tensor, call_kwargs: dict, normed: bool = False, returned: dict | None = None
+    layer: nn.Module,
+    sublayer: Sublayer,
+    h: torch.Tensor,
+    call_kwargs: dict,
+    normed: bool = False,
+    returned: dict | None = None,
 ) -> torch.Tensor:
     """What one sublayer adds to the residual stream read as `h`: the sum of its branches'
     `scale * post(module(norm(h)))` (`normed`: `h` is its one branch's norm(h) already). RETURNED, where given,
@@ -152,7 +159,9 @@ def run_sublayer(
             x = h
         else:
             norm = children.get(branch.norm)
-            x = (module_at(layer, branch.norm) if norm is None else norm)(h.reshape(-1, h.shape[-1]) if branch.flat else h)
+            x = (module_at(layer, branch.norm) if norm is None else norm)(
+                h.reshape(-1, h.shape[-1]) if branch.flat else h
+            )
         if branch.flat and x.dim() != 2:
             x = x.reshape(-1, x.shape[-1])
         y = module(x, **branch.call_kwargs(call_kwargs, x)) if branch.attention else module(x)
@@ -258,7 +267,11 @@ class AttnResFinalNormMixin:
                 # modules_to_save, FSDP) is the one used.
                 query, key_norm = owner.output_attn_res_proj, owner.output_attn_res_norm
                 hidden_states = depth_mix(
-                    state, placed(query, like), placed(key_norm, like), eps, scaling,
+                    state,
+                    placed(query, like),
+                    placed(key_norm, like),
+                    eps,
+                    scaling,
                     projection=query.projection(like) if isinstance(query, AttnResQuery) else None,
                 )
             gate = spec.runtime.gate
@@ -381,7 +394,9 @@ class AttnResPreTrainedModel(PreTrainedModel):
                 "differentiate through. Enable it without use_reentrant, or with "
                 "gradient_checkpointing_kwargs={'use_reentrant': False} (transformers' default)."
             )
-        super()._set_gradient_checkpointing(enable=enable, gradient_checkpointing_func=gradient_checkpointing_func, **kwargs)
+        super()._set_gradient_checkpointing(
+            enable=enable, gradient_checkpointing_func=gradient_checkpointing_func, **kwargs
+        )
 
     # transformers renames checkpoint keys by the base model's rules when it loads and saves; the AttnRes tensors'
     # own names must come through both untouched (weight_names.py). Saving reads the rules from here.
@@ -587,9 +602,7 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
             logits = torch.tanh(logits / plan.logit_softcap) * plan.logit_softcap
         loss = None
         if labels is not None:
-            loss = self.loss_function(
-                logits=logits, labels=labels, vocab_size=logits.shape[-1], **kwargs
-            )
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=logits.shape[-1], **kwargs)
         result = CausalLMOutputWithPast(
             loss=loss,
             logits=logits,
@@ -624,8 +637,10 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
             recorded.append(stream if scale == 1.0 else stream * scale)
 
         hooks = [layers[0].register_forward_pre_hook(first)]
-        hooks += [layer.register_forward_hook(functools.partial(after, scale=scale))
-                  for layer, scale in zip(layers[:-1], scales[1:])]
+        hooks += [
+            layer.register_forward_hook(functools.partial(after, scale=scale))
+            for layer, scale in zip(layers[:-1], scales[1:])
+        ]
         return hooks, recorded
 
 

@@ -51,13 +51,26 @@ class Branch:
     def from_dict(cls, data: dict) -> Branch:
         arguments = data.get("arguments")
         post_arguments = tuple(
-            (name, None if spec["arguments"] is None else tuple(spec["arguments"].items()), tuple(spec["constants"].items()))
+            (
+                name,
+                None if spec["arguments"] is None else tuple(spec["arguments"].items()),
+                tuple(spec["constants"].items()),
+            )
             for name, spec in data.get("post_arguments", {}).items()
         )
-        return cls(data["norm"], data["module"], tuple(data.get("post", ())), bool(data.get("attention", False)),
-                   data.get("scale"), None if arguments is None else tuple(arguments.items()),
-                   tuple(data.get("constants", {}).items()), post_arguments, int(data.get("output_bias", 0)),
-                   tuple((int(p), int(i)) for p, i in data.get("returns", ())), bool(data.get("flat", False)))
+        return cls(
+            data["norm"],
+            data["module"],
+            tuple(data.get("post", ())),
+            bool(data.get("attention", False)),
+            data.get("scale"),
+            None if arguments is None else tuple(arguments.items()),
+            tuple(data.get("constants", {}).items()),
+            post_arguments,
+            int(data.get("output_bias", 0)),
+            tuple((int(p), int(i)) for p, i in data.get("returns", ())),
+            bool(data.get("flat", False)),
+        )
 
     def call_kwargs(self, layer_kwargs: dict, x) -> dict:
         """The keyword arguments the module takes, from those the decoder layer was called with (X: the module's
@@ -85,6 +98,8 @@ OUTPUT = "<output:"  # a module argument that is a side module's output: `<outpu
 
 def output_of(module: str, index: int) -> str:
     return f"{OUTPUT}{module}:{index}>"
+
+
 TIMES = "*"  # prefix of a Branch.post entry that multiplies by a layer argument
 
 
@@ -94,7 +109,7 @@ def reads_raw_stream(branch: Branch) -> bool:
 
 def times_argument(post: str) -> str | None:
     """The layer argument a post entry `*name` multiplies by, or None for a module's name."""
-    return post[len(TIMES):] if post.startswith(TIMES) else None
+    return post[len(TIMES) :] if post.startswith(TIMES) else None
 
 
 # Sources of a module argument that are not the layer's: the module's own input again (CTRL's attention takes
@@ -124,8 +139,13 @@ class Sublayer:
 
     @classmethod
     def from_dict(cls, data: dict) -> Sublayer:
-        return cls(data["name"], tuple(Branch.from_dict(branch) for branch in data["branches"]),
-                   tuple(data.get("post", ())), tuple((name, bool(flat)) for name, flat in data.get("side", ())))
+        return cls(
+            data["name"],
+            tuple(Branch.from_dict(branch) for branch in data["branches"]),
+            tuple(data.get("post", ())),
+            tuple((name, bool(flat)) for name, flat in data.get("side", ())),
+        )
+
 
 @dataclass(frozen=True)
 class ModelPlan:
@@ -143,7 +163,9 @@ class ModelPlan:
     logit_scale: float | None = None  # logits * scale (Cohere)
     logit_divisor: float | None = None  # logits / divisor (Granite)
     logit_softcap: float | None = None  # tanh(logits / cap) * cap (Gemma 2)
-    tuple_output: int = 0  # the layers return a tuple of this length (True: 1) and the base model unpacks it; 0: a tensor
+    tuple_output: int = (
+        0  # the layers return a tuple of this length (True: 1) and the base model unpacks it; 0: a tensor
+    )
     # A module of the first decoder layer whose output replaces the stream it receives (RWKV's `pre_ln`): applied
     # to the embeddings, it makes the first source, as it makes the first stream of the base model.
     stream_start: str | None = None
@@ -176,11 +198,24 @@ class ModelPlan:
     @classmethod
     def from_dict(cls, data: dict) -> ModelPlan:
         kinds = tuple(tuple(Sublayer.from_dict(s) for s in kind) for kind in data["kinds"])
-        optional = {k: data[k] for k in ("logit_scale", "logit_divisor", "logit_softcap", "tuple_output", "stream_start") if data.get(k) is not None}
+        optional = {
+            k: data[k]
+            for k in ("logit_scale", "logit_divisor", "logit_softcap", "tuple_output", "stream_start")
+            if data.get(k) is not None
+        }
         if data.get("layer_scalars") is not None:
             optional["layer_scalars"] = tuple(float(v) for v in data["layer_scalars"])
-        return cls(tuple(data["layer_kinds"]), kinds, float(data["eps"]), data["base_model"], data["layers"],
-                   data["final_norm"], data["lm_head"], **optional)
+        return cls(
+            tuple(data["layer_kinds"]),
+            kinds,
+            float(data["eps"]),
+            data["base_model"],
+            data["layers"],
+            data["final_norm"],
+            data["lm_head"],
+            **optional,
+        )
+
 
 def module_at(root, path: str):
     """The submodule at a dotted attribute path ("model.decoder.layers"). A plain child name is read from the

@@ -21,7 +21,9 @@ from .compat import missing_internal
 # The AttnRes tensors' own names, relative to the module that holds them (architectures.py names the sublayers
 # `self_attention`, `mlp`, `mlp_2`...; the output aggregation is `output_attn`).
 # With query_rank > 0 a query module also holds `down` and `up` (the input-dependent part).
-ATTNRES_TENSOR = re.compile(r"(?:^|\.)((?:(?:self_attention|mlp)(?:_\d+)?|output_attn)_res_(?:proj\.(?:weight|down|up)|norm\.weight))$")
+ATTNRES_TENSOR = re.compile(
+    r"(?:^|\.)((?:(?:self_attention|mlp)(?:_\d+)?|output_attn)_res_(?:proj\.(?:weight|down|up)|norm\.weight))$"
+)
 
 
 class _NameGuard:
@@ -75,6 +77,8 @@ def default_save_conversions(model):
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import PrefixChange
     except ImportError as error:
-        raise missing_internal("conversion_mapping.get_model_conversion_mapping", "the renaming rules a save reverts") from error
+        raise missing_internal(
+            "conversion_mapping.get_model_conversion_mapping", "the renaming rules a save reverts"
+        ) from error
     conversions = [c for c in get_model_conversion_mapping(model, add_legacy=False) if not isinstance(c, PrefixChange)]
     return conversions or None

@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import torch
 
-from .depth_math import Recorder, join, no_autocast
+from ..modeling.modeling_attnres import Recorder, join, no_autocast
 
 # Process-wide on purpose: fla-core is importable or not for the whole process; a failed import is not retried.
 _FLA: list = []
