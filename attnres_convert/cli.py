@@ -362,6 +362,24 @@ def _is_main_process() -> bool:
     return int(os.environ.get("RANK", "0")) == 0
 
 
+@app.command("upgrade")
+def upgrade_command(
+    folder: Annotated[Path, typer.Argument(help="A folder converted by an earlier attnres.")],
+    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Where to write it (default: replace FOLDER).")] = None,
+    overwrite: Annotated[bool, typer.Option(help="Replace an existing OUTPUT.")] = False,
+    trust_remote_code: Annotated[bool, typer.Option(help="Run the folder's own code once, to check the new code against it.")] = False,
+) -> None:
+    """Re-save a converted folder with this release's code (two files), checked exactly against its own code."""
+    from attnres_convert.conversion.upgrade import upgrade_folder
+
+    with user_errors(), stages() as stage, stage(f"Upgrading {folder}"):
+        result = upgrade_folder(folder, output, overwrite, trust_remote_code)
+    console.print(
+        f"[green]Saved[/] {escape(str(result.folder))}: this release's code ({', '.join(result.files)}), logits equal "
+        "to the folder's own code on the probe tokens", highlight=False,
+    )
+
+
 @app.command("eval")
 def eval_command(
     model: Annotated[

@@ -10,7 +10,8 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from .modeling.modeling_attnres import ModelRuntime, Recorder
+from .kernels.controls import Recorder
+from .modeling.modeling_attnres import ModelRuntime
 
 
 def _runtime_of(model: nn.Module) -> ModelRuntime | None:

@@ -106,7 +106,7 @@ def test_the_buffers_of_ended_threads_go():
         thread = threading.Thread(target=forward)
         thread.start()
         thread.join()
-        assert set(runtime["steps"]) - {main} == {thread.ident}
+        assert set(runtime.steps) - {main} == {thread.ident}
 
 
 def test_depth_weights_are_recorded_for_the_model_asked():

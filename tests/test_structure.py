@@ -126,12 +126,14 @@ def test_random_queries_match_reference_on_the_design_test_vector():
 @pytest.mark.parametrize("length", [20, 60])
 @pytest.mark.parametrize("block_size", [1, 3])
 def test_inference_buffer_and_autograd_state_compute_the_same(family, length, block_size, scaling):
-    """Without autograd the state is one preallocated buffer updated in place (SourceBuffer): for few
-    tokens every reader recomputes all scores, for more it reads the completed sources' scores from the
-    table written when each completed (with a block completing between a layer's readers when S = 1).
-    With autograd it is a TrainState (blocks in a cache outside autograd). All paths compute the same function."""
-    from attnres_convert.kernels.step import SMALL_STEP_TOKENS
+    """Without autograd the state is one preallocated buffer updated in place (SourceBuffer, or the token-major
+    StepBuffer for few tokens): for more tokens a reader reads the completed sources' scores from the table written
+    when each completed (with a block completing between a layer's readers when S = 1). With autograd it is a
+    TrainState (blocks in a cache outside autograd); recording the depth weights runs the plain BlockState. All
+    paths compute the same function."""
     from attnres_convert.depth_controls import record_depth_weights
+    from attnres_convert.kernels.step import SMALL_STEP_TOKENS
+    from attnres_convert.kernels.training import TrainState
     from attnres_convert.modeling.modeling_attnres import SourceBuffer
 
     model = convert_model(tiny_model(family), block_size=block_size, source_scaling=scaling).eval()
@@ -141,15 +143,21 @@ def test_inference_buffer_and_autograd_state_compute_the_same(family, length, bl
     states = []
     last_layer = [m for m in model.modules() if hasattr(m, "_attnres_spec")][-1]
     hook = last_layer.register_forward_hook(lambda module, args, output: states.append(type(output)))
-    with torch.no_grad(), record_depth_weights(model) as inference_weights:
+    with torch.no_grad():
         inference = model(ids).logits
-    with record_depth_weights(model) as training_weights:
-        training = model(ids).logits.detach()
+    training = model(ids).logits.detach()
     hook.remove()
-    assert issubclass(states[0], SourceBuffer) and not issubclass(states[1], SourceBuffer)
+    assert issubclass(states[0], SourceBuffer) and issubclass(states[1], TrainState)
     assert (inference - training).abs().max().item() <= 1e-4
-    assert len(inference_weights) == len(training_weights)
+    with torch.no_grad(), record_depth_weights(model) as inference_weights:
+        recorded = model(ids).logits
+    with record_depth_weights(model) as training_weights:
+        model(ids)
+    assert (recorded - inference).abs().max().item() <= 1e-4
+    readers = sum(len(layer._attnres_spec.sublayers) for layer in model.modules() if hasattr(layer, "_attnres_spec"))
+    assert len(inference_weights) == len(training_weights) == readers + 1
     for a, b in zip(inference_weights, training_weights):
+        assert a.shape[1:] == ids.shape and torch.allclose(a.sum(0), torch.ones(ids.shape))
         assert (a - b.detach()).abs().max().item() <= 1e-4
 
 

@@ -1,6 +1,5 @@
 """What a finished run leaves: its final metrics, the loss curve, and the model folder with its card."""
 
-from ..io.base_code import ship_model_code
 from __future__ import annotations
 
 import json
@@ -8,6 +7,7 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..io.base_code import ship_model_code
 from ..io.text import perplexity
 from .metrics import loss_history
 from .recipe import Recipe

@@ -23,7 +23,6 @@ arms, `from-scratch/ab.*`; written atomically at the end. The run folders go to 
 continued run only if it finished after the snapshot it starts from was written).
 """
 
-from ..io.base_code import ship_model_code
 from __future__ import annotations
 
 import json
@@ -33,6 +32,7 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..io.base_code import ship_model_code
 from .ab import (
     RETROFIT_OPTION as OPTION,
     Arm,

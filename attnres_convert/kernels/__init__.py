@@ -19,7 +19,8 @@ from typing import NamedTuple
 
 import torch
 
-from ..modeling.modeling_attnres import KERNEL_ENV, ModelRuntime, Recorder, kernel_mode
+from ..modeling.modeling_attnres import KERNEL_ENV, ModelRuntime, kernel_mode
+from .controls import controlled_state  # noqa: F401 - called by modeling_attnres.start_state
 from .cpu import build
 from .cpu_buffers import CpuBuffer, CpuStepBuffer
 from .fla import FlaState, fla_refusal
@@ -34,26 +35,26 @@ KERNEL_API = 1
 _KERNELS: list = []  # the Kernels, or the ImportError of importing them
 
 
-def inference_state(embeddings: torch.Tensor, eps: float, capacity: int, queries, recorder: Recorder | None,
-                    runtime: ModelRuntime | None, mode: str):
+def inference_state(embeddings: torch.Tensor, eps: float, capacity: int, queries, runtime: ModelRuntime | None,
+                    mode: str):
     """The state of a forward without autograd on these kernels, or None where modeling_attnres's own
     SourceBuffer serves it (many tokens on CPU without ATTNRES_KERNEL=cpu)."""
     if mode == "fla":
         return None
     triton = triton_kernels_for(embeddings, mode)
     if triton is not None:
-        return triton.buffer.start(embeddings, eps, capacity, queries, recorder, triton)
-    native = None if recorder is not None else cpu_kernels_for(embeddings, mode)  # a recorder needs the eager weights
+        return triton.buffer.start(embeddings, eps, capacity, queries, triton)
+    native = cpu_kernels_for(embeddings, mode)
     if few_tokens(embeddings):
         if native is not None:
             return CpuStepBuffer.start(embeddings, eps, capacity, queries, native, runtime)
-        return StepBuffer.start(embeddings, eps, capacity, queries, recorder, runtime)
+        return StepBuffer.start(embeddings, eps, capacity, queries, runtime)
     if native is not None:
         return CpuBuffer.start(embeddings, eps, capacity, queries, native)
     return None
 
 
-def training_state(embeddings: torch.Tensor, eps: float, capacity: int, queries, recorder: Recorder | None, mode: str):
+def training_state(embeddings: torch.Tensor, eps: float, capacity: int, queries, mode: str):
     """The state of an eager forward with autograd: fla-core's kernels on CUDA where it is installed (auto, fla),
     else the hand-written backward (training.py), on the Triton kernels where they are selected."""
     if mode == "cpu":
@@ -61,10 +62,10 @@ def training_state(embeddings: torch.Tensor, eps: float, capacity: int, queries,
     if mode in ("auto", "fla"):
         refusal = fla_refusal(embeddings)
         if refusal is None:
-            return FlaState.start(embeddings, eps, recorder)
+            return FlaState.start(embeddings, eps)
         if mode == "fla":
             raise RuntimeError(f"{KERNEL_ENV}=fla: {refusal}; unset {KERNEL_ENV} for the default path")
-    return TrainState.start(embeddings, eps, capacity, queries, triton_kernels_for(embeddings, mode), recorder)
+    return TrainState.start(embeddings, eps, capacity, queries, triton_kernels_for(embeddings, mode))
 
 
 class Kernels(NamedTuple):

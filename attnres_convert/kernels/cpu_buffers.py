@@ -106,7 +106,7 @@ class CpuStepBuffer(_Added, StepBuffer):
 
     @classmethod
     def start(cls, embeddings, eps: float, capacity: int, queries=None, native=None, runtime=None) -> CpuStepBuffer:
-        state = super().start(embeddings, eps, capacity, queries, None, runtime)
+        state = super().start(embeddings, eps, capacity, queries, runtime)
         state.native, state.added = native, None
         return state
 

@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..modeling.modeling_attnres import Recorder, join, no_autocast
+from ..modeling.modeling_attnres import join, no_autocast
 
 # Process-wide on purpose: fla-core is importable or not for the whole process; a failed import is not retried.
 _FLA: list = []
@@ -34,7 +34,7 @@ def fla_attnres():
     return _FLA[0]
 
 
-def fla_refusal(embeddings: torch.Tensor, recorder: Recorder | None = None) -> str | None:
+def fla_refusal(embeddings: torch.Tensor) -> str | None:
     """None where fla-core can run this forward's depth mixes, else why not."""
     if embeddings.device.type != "cuda":
         return f"fla-core's kernels run on CUDA tensors, and these are on {embeddings.device.type}"
@@ -49,18 +49,17 @@ class FlaState(NamedTuple):
     sources: tuple[torch.Tensor, ...]
     partial: torch.Tensor | None
     stream: torch.Tensor
-    recorder: Recorder | None = None
 
     queries = None  # each reader passes its own query and key norm
 
     @classmethod
-    def start(cls, embeddings: torch.Tensor, eps: float, recorder: Recorder | None = None) -> FlaState:
-        return cls((embeddings.float(),), None, embeddings, recorder)
+    def start(cls, embeddings: torch.Tensor, eps: float) -> FlaState:
+        return cls((embeddings.float(),), None, embeddings)
 
     def close(self, eps: float, first: int = 0) -> FlaState:
         if self.partial is None:
             return self
-        return FlaState(self.sources + (self.partial.float(),), None, self.stream, self.recorder)
+        return FlaState(self.sources + (self.partial.float(),), None, self.stream)
 
     def fold(self, query: torch.Tensor, key_norm_weight: torch.Tensor | None):
         """(w, g): fla-core folds the key norm's weight into the query itself."""
@@ -71,14 +70,8 @@ class FlaState(NamedTuple):
     def mix(self, q, eps: float, scaling: str, reader: int | None = None, norm: tuple = ()) -> torch.Tensor:
         query, key_norm_weight = q
         sources = self.sources if self.partial is None else self.sources + (self.partial.float(),)
-        recording = self.recorder is not None and self.recorder.open
         with no_autocast(self.stream):
-            out = fla_attnres()(
-                query.reshape(-1), sources, key_norm_weight.reshape(-1), rms_eps=eps, return_weights=recording
-            )
-        mixed, weights = out if recording else (out, None)
-        if weights is not None:
-            self.recorder.add(weights.detach())
+            mixed = fla_attnres()(query.reshape(-1), sources, key_norm_weight.reshape(-1), rms_eps=eps)
         if scaling == "count":
             mixed = mixed * len(sources)
         return mixed.to(self.stream.dtype)

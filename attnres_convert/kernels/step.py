@@ -31,7 +31,7 @@ class StepBuffer(SourceBuffer):
     __slots__ = ("step",)
 
     @classmethod
-    def start(cls, embeddings: torch.Tensor, eps: float, capacity: int, queries=None, recorder=None, runtime=None):
+    def start(cls, embeddings: torch.Tensor, eps: float, capacity: int, queries=None, runtime=None):
         """The buffer of a few-token forward; `runtime`, the model's, keeps it for the next one (see `step_buffer`)."""
         shared = embeddings.dtype == torch.float32
         d = embeddings.shape[-1]
@@ -41,7 +41,7 @@ class StepBuffer(SourceBuffer):
         if shared:
             stream = step.slots[capacity]
             stream.copy_(embeddings)
-        state = cls(padded[..., :d], padded.new_empty(0), 1, False, stream, queries, shared_stream=shared, recorder=recorder)
+        state = cls(padded[..., :d], padded.new_empty(0), 1, False, stream, queries, shared_stream=shared)
         state.step = step
         return state
 
@@ -58,7 +58,7 @@ class StepBuffer(SourceBuffer):
         return pad_query(q * self.step.root_d)  # see _few_token_logits
 
     def mix(self, q: torch.Tensor, eps: float, scaling: str, reader: int | None = None, norm: tuple = ()) -> torch.Tensor:
-        return step_mix(self.step, self.count + int(self.has_partial), q, self.stream, scaling, self.recorder)
+        return step_mix(self.step, self.count + int(self.has_partial), q, self.stream, scaling)
 
     def slot(self, j: int) -> torch.Tensor:
         return self.step.slots[j]
@@ -168,12 +168,10 @@ def step_buffer(embeddings: torch.Tensor, rows: int, eps: float, queries, shared
     return padded, step
 
 
-def step_mix(step: StepViews, n: int, q: torch.Tensor, stream: torch.Tensor, scaling: str, recorder=None) -> torch.Tensor:
+def step_mix(step: StepViews, n: int, q: torch.Tensor, stream: torch.Tensor, scaling: str) -> torch.Tensor:
     """The depth mix of a reader of n sources in a few-token forward (token-major: one product scores a token's
     n sources, one mixes them)."""
     weights = torch.softmax(_few_token_logits(step, n, q), dim=-1)
-    if recorder is not None:
-        recorder.add(weights.movedim(-1, 0).clone())
     return _fused_mix(stream, weights, step.flat[n], scaling, step.inverse[n])
 
 
@@ -199,7 +197,7 @@ def _fused_mix(stream: torch.Tensor, weights: torch.Tensor, flat: torch.Tensor, 
     base = stream if same else stream.float()
     base = base if one_token else base.reshape(-1, 1, d)
     weights = weights if one_token else weights.reshape(-1, 1, n)
-    if scaling == "count":  # the weights are this function's own (recorders got a copy): in place
+    if scaling == "count":  # the weights are this function's own: in place
         mixed = torch.baddbmm(base, weights.sub_(inverse), flat, alpha=n)
     else:
         mixed = torch.bmm(weights, flat)

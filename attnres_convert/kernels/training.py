@@ -10,7 +10,7 @@ from typing import NamedTuple
 import torch
 from torch.autograd.function import once_differentiable
 
-from ..modeling.modeling_attnres import Recorder, inverse_rms, join, mix_blocks, no_autocast, pseudo_query, record
+from ..modeling.modeling_attnres import inverse_rms, join, mix_blocks, no_autocast, pseudo_query
 
 
 def table_scores(keys: torch.Tensor, queries: torch.Tensor, inv_rms: torch.Tensor) -> torch.Tensor:
@@ -78,16 +78,15 @@ class TrainState(NamedTuple):
     stream: torch.Tensor
     queries: torch.Tensor | None = None  # [R, D] all sublayers' folded queries, for the cache's score table
     kernels: object | None = None  # the Triton kernels (depth_triton), or None for the eager path
-    recorder: Recorder | None = None
 
     @classmethod
-    def start(cls, embeddings: torch.Tensor, eps: float, capacity: int, queries, kernels, recorder) -> TrainState:
+    def start(cls, embeddings: torch.Tensor, eps: float, capacity: int, queries, kernels) -> TrainState:
         """The cache for `capacity` sources, the embedding closed into its first slot."""
         tokens, d = embeddings.shape[:-1].numel(), embeddings.shape[-1]
         values = embeddings.new_empty(tokens, capacity, d, dtype=torch.float32)
         scores = None if queries is None else values.new_empty(tokens, capacity, queries.shape[0])
         cache = BlockCache(values, values.new_empty(tokens, capacity), scores)
-        return cls(cache, (), embeddings, embeddings, queries, kernels, recorder).close(eps)
+        return cls(cache, (), embeddings, embeddings, queries, kernels).close(eps)
 
     def close(self, eps: float, first: int = 0) -> TrainState:
         if self.partial is None:
@@ -106,7 +105,6 @@ class TrainState(NamedTuple):
         mixed, weights = _DepthMix.apply(
             q, self.stream, self.partial, self.cache, eps, scaling, column, self.kernels, *self.handles
         )
-        record(self.recorder, weights, self.stream)
         return mixed
 
     def add(self, output: torch.Tensor) -> TrainState:

@@ -30,14 +30,14 @@ class TritonBuffer(SourceBuffer):
     __slots__ = ("kernels", "added", "added_first", "previous")
 
     @classmethod
-    def start(cls, embeddings: torch.Tensor, eps: float, capacity: int, queries, recorder, kernels) -> TritonBuffer:
+    def start(cls, embeddings: torch.Tensor, eps: float, capacity: int, queries, kernels) -> TritonBuffer:
         """The embedding closed into slot 0 (with its scores, phase 1) by the close kernel."""
         tokens, d = embeddings.shape[:-1].numel(), embeddings.shape[-1]
         sources = embeddings.new_empty(capacity, tokens, d, dtype=torch.float32)
         inv_rms = sources.new_empty(capacity, tokens)
         scores = None if queries is None else sources.new_empty(capacity, tokens, queries.shape[0])
         close(embeddings, sources[0], inv_rms[0], eps, queries=queries, table=None if scores is None else scores[0])
-        state = cls(sources, inv_rms, 1, False, embeddings, queries, scores, recorder=recorder)
+        state = cls(sources, inv_rms, 1, False, embeddings, queries, scores)
         state.kernels, state.added, state.added_first, state.previous = kernels, None, False, None
         return state
 
@@ -70,10 +70,8 @@ class TritonBuffer(SourceBuffer):
             inv_rms=self.inv_rms if table is None else None, table=table,
             partial=self.sources[m] if self.has_partial else None,
             new=None if taken is None else taken[0], init_partial=taken is not None and taken[1],
-            stream_out=None if taken is None else self.stream, save=self.recorder is not None,
+            stream_out=None if taken is None else self.stream, save=False,
         )
-        if self.recorder is not None:
-            self.recorder.add(weights.t().reshape(-1, *self.stream.shape[:-1]))
         return mixed
 
     def add(self, output: torch.Tensor) -> TritonBuffer:

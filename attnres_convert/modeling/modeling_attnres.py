@@ -528,24 +528,6 @@ def join(partial: torch.Tensor | None, stream: torch.Tensor, output: torch.Tenso
     return (output if partial is None else partial + output), stream + output
 
 
-class Recorder(list):
-    """The softmax weights [n, B, T] of every reader of the forwards run inside `record_depth_weights`, in order.
-    A state carries the recorder that was open when its forward started; `open` turns False when the recording
-    ends (a checkpointed layer replayed by a later backward records nothing)."""
-
-    open = True
-
-    def add(self, weights: torch.Tensor) -> None:
-        if self.open:
-            self.append(weights)
-
-
-def record(recorder: Recorder | None, weights: torch.Tensor, like: torch.Tensor) -> None:
-    """Token-major weights [BT, n] to the recorder (where there is one) as [n, B, T]."""
-    if recorder is not None:
-        recorder.add(weights.detach().movedim(-1, 0).reshape(-1, *like.shape[:-1]))
-
-
 class BlockState(NamedTuple):
     """The plain-tensor state, differentiated by autograd and traced by torch.compile: an immutable value passed
     from layer to layer (never stored on a module), so gradient checkpointing replays see the forward's state.
@@ -560,15 +542,14 @@ class BlockState(NamedTuple):
     inv_rms: torch.Tensor
     partial: torch.Tensor | None
     stream: torch.Tensor
-    recorder: Recorder | None = None
 
     queries = None  # each reader folds its own query
 
     @classmethod
-    def start(cls, embeddings: torch.Tensor, eps: float, recorder: Recorder | None = None) -> BlockState:
+    def start(cls, embeddings: torch.Tensor, eps: float) -> BlockState:
         """The embedding b_0 is always its own source."""
         first = embeddings.float().unsqueeze(-2)
-        return cls(first, inverse_rms(first, eps), None, embeddings, recorder)
+        return cls(first, inverse_rms(first, eps), None, embeddings)
 
     def close(self, eps: float, first: int = 0) -> BlockState:
         """At a block boundary the partial sum becomes a completed block."""
@@ -577,7 +558,7 @@ class BlockState(NamedTuple):
         new = self.partial.float().unsqueeze(-2)
         blocks = torch.cat([self.blocks, new], dim=-2)
         inv_rms = torch.cat([self.inv_rms, inverse_rms(new, eps)], dim=-1)
-        return BlockState(blocks, inv_rms, None, self.stream, self.recorder)
+        return BlockState(blocks, inv_rms, None, self.stream)
 
     def fold(self, query: torch.Tensor, key_norm_weight: torch.Tensor | None) -> torch.Tensor:
         """A reader's query as this state's `mix` takes it (see `depth_mix`)."""
@@ -586,24 +567,18 @@ class BlockState(NamedTuple):
     def mix(
         self, q: torch.Tensor, eps: float, scaling: str, reader: int | None = None, norm: tuple = ()
     ) -> torch.Tensor:
-        m, d = self.blocks.shape[-2], self.blocks.shape[-1]
-        mixed, weights, _, _ = mix_blocks(
-            self.blocks.reshape(-1, m, d), self.inv_rms.reshape(-1, m), self.partial, self.stream, q, eps, scaling
-        )
-        record(self.recorder, weights, self.stream)
-        return mixed
+        return self.mix_and_weights(q, eps, scaling)[0]
 
     def mix_token_queries(self, query, key_norm_weight, projection, eps: float, scaling: str) -> torch.Tensor:
-        """The mix with one query per token (`token_queries`): plain tensor operations differentiated by
-        autograd, in float32 whatever the model dtype (autocast off)."""
-        m, d = self.blocks.shape[-2], self.blocks.shape[-1]
+        """The mix with one query per token (`token_queries`), in float32 whatever the model dtype."""
         with no_autocast(self.stream):
-            q = token_queries(self.stream, query, key_norm_weight, *projection, eps)
-            mixed, weights, _, _ = mix_blocks(
-                self.blocks.reshape(-1, m, d), self.inv_rms.reshape(-1, m), self.partial, self.stream, q, eps, scaling
-            )
-        record(self.recorder, weights, self.stream)
-        return mixed
+            return self.mix_and_weights(token_queries(self.stream, query, key_norm_weight, *projection, eps), eps, scaling)[0]
+
+    def mix_and_weights(self, q: torch.Tensor, eps: float, scaling: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """The mix and its softmax weights [B*T, n]."""
+        m, d = self.blocks.shape[-2], self.blocks.shape[-1]
+        blocks, inv_rms = self.blocks.reshape(-1, m, d), self.inv_rms.reshape(-1, m)
+        return mix_blocks(blocks, inv_rms, self.partial, self.stream, q, eps, scaling)[:2]
 
     def add(self, output: torch.Tensor) -> BlockState:
         partial, stream = join(self.partial, self.stream, output)
@@ -632,42 +607,15 @@ class SourceBuffer:
                  the stream in one add over a view of both (the partial slots start at zero).
     """
 
-    __slots__ = (
-        "sources",
-        "inv_rms",
-        "count",
-        "has_partial",
-        "stream",
-        "queries",
-        "scores",
-        "shared_stream",
-        "recorder",
-    )
+    __slots__ = ("sources", "inv_rms", "count", "has_partial", "stream", "queries", "scores", "shared_stream")
     zeroed = True  # partial sums start by adding to zeros where the stream is shared (see `start`)
 
-    def __init__(
-        self,
-        sources,
-        inv_rms,
-        count: int,
-        has_partial: bool,
-        stream,
-        queries=None,
-        scores=None,
-        shared_stream: bool = False,
-        recorder: Recorder | None = None,
-    ):
-        self.sources, self.inv_rms, self.count, self.has_partial, self.stream = (
-            sources,
-            inv_rms,
-            count,
-            has_partial,
-            stream,
-        )
-        self.queries, self.scores, self.shared_stream, self.recorder = queries, scores, shared_stream, recorder
+    def __init__(self, sources, inv_rms, count, has_partial, stream, queries=None, scores=None, shared_stream=False):
+        self.sources, self.inv_rms, self.count, self.has_partial = sources, inv_rms, count, has_partial
+        self.stream, self.queries, self.scores, self.shared_stream = stream, queries, scores, shared_stream
 
     @classmethod
-    def start(cls, embeddings: torch.Tensor, eps: float, capacity: int, queries=None, recorder=None) -> SourceBuffer:
+    def start(cls, embeddings: torch.Tensor, eps: float, capacity: int, queries=None) -> SourceBuffer:
         """The buffer of a many-token forward, the embedding in slot 0 (with its scores where there are queries)."""
         shared = embeddings.dtype == torch.float32
         rows, stream = capacity + int(shared), embeddings
@@ -680,7 +628,7 @@ class SourceBuffer:
             stream.copy_(embeddings)
         inv_rms = sources.new_empty(sources.shape[:-1])
         inv_rms[0] = inverse_rms(sources[0], eps)
-        state = cls(sources, inv_rms, 1, False, stream, shared_stream=shared, recorder=recorder)
+        state = cls(sources, inv_rms, 1, False, stream, shared_stream=shared)
         if queries is not None:
             state.queries, state.scores = queries, sources.new_empty(*sources.shape[:-1], queries.shape[0])
             state.score_source(0)
@@ -732,8 +680,6 @@ class SourceBuffer:
                 self.inv_rms[m] = inverse_rms(self.sources[m], eps)
             logits = torch.mv(self.sources[:n].view(-1, d), q).view(self.inv_rms[:n].shape).mul_(self.inv_rms[:n])
         weights = torch.softmax(logits, dim=0)
-        if self.recorder is not None:
-            self.recorder.add(weights.clone())
         return _chained_mix(self.stream, weights, self.sources, scaling)
 
     def slot(self, j: int) -> torch.Tensor:
@@ -853,34 +799,34 @@ def start_state(
     `queries`: all readers' folded queries [R, D], for the score table (the two-phase mix). `token_queries`: the
     queries depend on each token's input (query_rank > 0), which only BlockState computes."""
     mode = kernel_mode()  # read once: a decoding step pays for every lookup
-    recorder = runtime.recorder() if runtime is not None else None
+    state = _state_for(embeddings, eps, capacity, queries, token_queries, runtime, mode)
+    if runtime is not None and (runtime.recorders or runtime.gate != 1.0):  # set by attnres's training or inspection
+        state = installed_kernels().controlled_state(state, embeddings, eps, runtime)
+    return state
+
+
+def _state_for(embeddings, eps: float, capacity, queries, token_queries: bool, runtime, mode: str) -> DepthState:
     kernels = installed_kernels() if mode != "eager" else None
     if mode in ("cpu", "triton", "fla") and kernels is None:
         raise _needs_attnres(mode)
-    if token_queries:
-        if mode not in ("auto", "eager"):
-            raise RuntimeError(
-                f"{KERNEL_ENV}={mode}: the kernels score one static query per reader, and this model's queries depend "
-                f"on each token's input (query_rank > 0), which runs on the built-in path. Unset {KERNEL_ENV}."
-            )
-        return BlockState.start(embeddings, eps, recorder)
-    if capacity is None:
-        return BlockState.start(embeddings, eps, recorder)
+    if token_queries and mode not in ("auto", "eager"):
+        raise RuntimeError(
+            f"{KERNEL_ENV}={mode}: the kernels score one static query per reader, and this model's queries depend "
+            f"on each token's input (query_rank > 0), which runs on the built-in path. Unset {KERNEL_ENV}."
+        )
+    if token_queries or capacity is None:
+        return BlockState.start(embeddings, eps)
     if not torch.is_grad_enabled():
         if mode == "fla":
             raise RuntimeError(f"{KERNEL_ENV}=fla: fla-core's depth mix runs forwards with autograd (training) only")
-        state = (
-            kernels.inference_state(embeddings, eps, capacity, queries, recorder, runtime, mode) if kernels else None
-        )
-        if state is not None:
-            return state
-        return SourceBuffer.start(embeddings, eps, capacity, queries, recorder)
+        state = kernels.inference_state(embeddings, eps, capacity, queries, runtime, mode) if kernels else None
+        return state if state is not None else SourceBuffer.start(embeddings, eps, capacity, queries)
     if torch.compiler.is_compiling():
         if mode not in ("auto", "eager"):
             raise RuntimeError(f"{KERNEL_ENV}={mode}: the kernels do not run under torch.compile; unset {KERNEL_ENV}")
-        return BlockState.start(embeddings, eps, recorder)  # plain tensor operations, which the compiler fuses
-    state = kernels.training_state(embeddings, eps, capacity, queries, recorder, mode) if kernels else None
-    return state if state is not None else BlockState.start(embeddings, eps, recorder)
+        return BlockState.start(embeddings, eps)  # plain tensor operations, which the compiler fuses
+    state = kernels.training_state(embeddings, eps, capacity, queries, mode) if kernels else None
+    return state if state is not None else BlockState.start(embeddings, eps)
 
 
 def depth_mix(
@@ -897,9 +843,7 @@ def depth_mix(
     w and key norm g (or, g None, the folded query), or the reader's row of the state's queries. `projection`:
     (A, B) of an input-dependent query. `norm`: a state's form of the sublayer's norm (`fuse_norm`), applied to
     the mix in the same pass."""
-    if projection is not None:
-        if not isinstance(state, BlockState):
-            raise TypeError("input-dependent queries need the BlockState (start_state with token_queries=True)")
+    if projection is not None:  # a BlockState's (start_state with token_queries)
         return state.mix_token_queries(query, key_norm_weight, projection, eps, scaling)
     if reader is not None and state.queries is not None:
         q = state.query(reader)
@@ -915,11 +859,8 @@ class ModelRuntime:
     def __init__(self, config):
         self.config = config
         self.gate = 1.0
-        self.recorders: list[Recorder] = []
+        self.recorders: list = []
         self.steps: dict = {}
-
-    def recorder(self) -> Recorder | None:
-        return self.recorders[-1] if self.recorders else None
 
 
 # ---- depth_modules ---------------------------------------------------------------------------------------------------
@@ -1093,11 +1034,10 @@ class AttnResDecoderLayerMixin:
             )
         # Readers take their query from the state where it holds them all, folded once per forward.
         folded = state.queries is not None
-        gate = spec.runtime.gate
         scale = spec.stream_scale
         # A kernel backend may make a reader's mix come out normed by its sublayer's norm (`fuse_norm`), where the
         # mix is the norm's whole input.
-        fuse = getattr(state, "fuse_norm", None) if gate == 1.0 and scale == 1.0 else None
+        fuse = getattr(state, "fuse_norm", None) if scale == 1.0 else None
         returned = {} if spec.returns else None
         for sublayer, plan, names in zip(spec.sublayers, spec.plans, spec.param_names):
             if plan.closes_block:
@@ -1108,8 +1048,6 @@ class AttnResDecoderLayerMixin:
             h = depth_mix(
                 state, *params, spec.eps, spec.scaling, reader=plan.index - 1, projection=projection, norm=norm
             )
-            if gate != 1.0:
-                h = gated(state, h, gate)
             if scale != 1.0:  # the earlier layers' scalars: the stream the base model's sublayer read (stream_scales)
                 h = h * scale
             output = run_sublayer(self, sublayer, h, call_kwargs, normed=bool(norm), returned=returned)
@@ -1255,7 +1193,7 @@ class AttnResFinalNormMixin:
             owner, eps, scaling, scale = spec.owner, spec.eps, spec.scaling, spec.stream_scale
             state, like = hidden_states, hidden_states.stream
             if state.queries is not None:  # folded with the sublayers' (see `_all_queries`)
-                fuse = getattr(state, "fuse_norm", None) if spec.runtime.gate == 1.0 and scale == 1.0 else None
+                fuse = getattr(state, "fuse_norm", None) if scale == 1.0 else None
                 norm = () if fuse is None else fuse(self)
                 hidden_states = depth_mix(state, None, None, eps, scaling, reader=-1, norm=norm)
                 if norm:
@@ -1272,18 +1210,9 @@ class AttnResFinalNormMixin:
                     scaling,
                     projection=query.projection(like) if isinstance(query, AttnResQuery) else None,
                 )
-            gate = spec.runtime.gate
-            if gate != 1.0:
-                hidden_states = gated(state, hidden_states, gate)
             if scale != 1.0:  # every layer's scalar (ModelPlan.stream_scales)
                 hidden_states = hidden_states * scale
         return super().forward(hidden_states, *args, **kwargs)
-
-
-def gated(state, mix: torch.Tensor, gate: float) -> torch.Tensor:
-    """stream + gate * (mix - stream): a reader's input with its depth mix let in by `gate`, in one operation.
-    At gate 0 it is the plain residual stream exactly (0 times a finite difference adds nothing)."""
-    return torch.lerp(state.current_stream(), mix, gate)
 
 
 def _attnres_class(mixin: type, base_cls: type) -> type:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from .depth_math import Recorder, inverse_rms, pseudo_query
+from .depth_math import inverse_rms, pseudo_query
 
 
 class SourceBuffer:
@@ -24,42 +24,15 @@ class SourceBuffer:
                  the stream in one add over a view of both (the partial slots start at zero).
     """
 
-    __slots__ = (
-        "sources",
-        "inv_rms",
-        "count",
-        "has_partial",
-        "stream",
-        "queries",
-        "scores",
-        "shared_stream",
-        "recorder",
-    )
+    __slots__ = ("sources", "inv_rms", "count", "has_partial", "stream", "queries", "scores", "shared_stream")
     zeroed = True  # partial sums start by adding to zeros where the stream is shared (see `start`)
 
-    def __init__(
-        self,
-        sources,
-        inv_rms,
-        count: int,
-        has_partial: bool,
-        stream,
-        queries=None,
-        scores=None,
-        shared_stream: bool = False,
-        recorder: Recorder | None = None,
-    ):
-        self.sources, self.inv_rms, self.count, self.has_partial, self.stream = (
-            sources,
-            inv_rms,
-            count,
-            has_partial,
-            stream,
-        )
-        self.queries, self.scores, self.shared_stream, self.recorder = queries, scores, shared_stream, recorder
+    def __init__(self, sources, inv_rms, count, has_partial, stream, queries=None, scores=None, shared_stream=False):
+        self.sources, self.inv_rms, self.count, self.has_partial = sources, inv_rms, count, has_partial
+        self.stream, self.queries, self.scores, self.shared_stream = stream, queries, scores, shared_stream
 
     @classmethod
-    def start(cls, embeddings: torch.Tensor, eps: float, capacity: int, queries=None, recorder=None) -> SourceBuffer:
+    def start(cls, embeddings: torch.Tensor, eps: float, capacity: int, queries=None) -> SourceBuffer:
         """The buffer of a many-token forward, the embedding in slot 0 (with its scores where there are queries)."""
         shared = embeddings.dtype == torch.float32
         rows, stream = capacity + int(shared), embeddings
@@ -72,7 +45,7 @@ class SourceBuffer:
             stream.copy_(embeddings)
         inv_rms = sources.new_empty(sources.shape[:-1])
         inv_rms[0] = inverse_rms(sources[0], eps)
-        state = cls(sources, inv_rms, 1, False, stream, shared_stream=shared, recorder=recorder)
+        state = cls(sources, inv_rms, 1, False, stream, shared_stream=shared)
         if queries is not None:
             state.queries, state.scores = queries, sources.new_empty(*sources.shape[:-1], queries.shape[0])
             state.score_source(0)
@@ -124,8 +97,6 @@ class SourceBuffer:
                 self.inv_rms[m] = inverse_rms(self.sources[m], eps)
             logits = torch.mv(self.sources[:n].view(-1, d), q).view(self.inv_rms[:n].shape).mul_(self.inv_rms[:n])
         weights = torch.softmax(logits, dim=0)
-        if self.recorder is not None:
-            self.recorder.add(weights.clone())
         return _chained_mix(self.stream, weights, self.sources, scaling)
 
     def slot(self, j: int) -> torch.Tensor:

@@ -110,24 +110,6 @@ def join(partial: torch.Tensor | None, stream: torch.Tensor, output: torch.Tenso
     return (output if partial is None else partial + output), stream + output
 
 
-class Recorder(list):
-    """The softmax weights [n, B, T] of every reader of the forwards run inside `record_depth_weights`, in order.
-    A state carries the recorder that was open when its forward started; `open` turns False when the recording
-    ends (a checkpointed layer replayed by a later backward records nothing)."""
-
-    open = True
-
-    def add(self, weights: torch.Tensor) -> None:
-        if self.open:
-            self.append(weights)
-
-
-def record(recorder: Recorder | None, weights: torch.Tensor, like: torch.Tensor) -> None:
-    """Token-major weights [BT, n] to the recorder (where there is one) as [n, B, T]."""
-    if recorder is not None:
-        recorder.add(weights.detach().movedim(-1, 0).reshape(-1, *like.shape[:-1]))
-
-
 class BlockState(NamedTuple):
     """The plain-tensor state, differentiated by autograd and traced by torch.compile: an immutable value passed
     from layer to layer (never stored on a module), so gradient checkpointing replays see the forward's state.
@@ -142,15 +124,14 @@ class BlockState(NamedTuple):
     inv_rms: torch.Tensor
     partial: torch.Tensor | None
     stream: torch.Tensor
-    recorder: Recorder | None = None
 
     queries = None  # each reader folds its own query
 
     @classmethod
-    def start(cls, embeddings: torch.Tensor, eps: float, recorder: Recorder | None = None) -> BlockState:
+    def start(cls, embeddings: torch.Tensor, eps: float) -> BlockState:
         """The embedding b_0 is always its own source."""
         first = embeddings.float().unsqueeze(-2)
-        return cls(first, inverse_rms(first, eps), None, embeddings, recorder)
+        return cls(first, inverse_rms(first, eps), None, embeddings)
 
     def close(self, eps: float, first: int = 0) -> BlockState:
         """At a block boundary the partial sum becomes a completed block."""
@@ -159,7 +140,7 @@ class BlockState(NamedTuple):
         new = self.partial.float().unsqueeze(-2)
         blocks = torch.cat([self.blocks, new], dim=-2)
         inv_rms = torch.cat([self.inv_rms, inverse_rms(new, eps)], dim=-1)
-        return BlockState(blocks, inv_rms, None, self.stream, self.recorder)
+        return BlockState(blocks, inv_rms, None, self.stream)
 
     def fold(self, query: torch.Tensor, key_norm_weight: torch.Tensor | None) -> torch.Tensor:
         """A reader's query as this state's `mix` takes it (see `depth_mix`)."""
@@ -168,24 +149,18 @@ class BlockState(NamedTuple):
     def mix(
         self, q: torch.Tensor, eps: float, scaling: str, reader: int | None = None, norm: tuple = ()
     ) -> torch.Tensor:
-        m, d = self.blocks.shape[-2], self.blocks.shape[-1]
-        mixed, weights, _, _ = mix_blocks(
-            self.blocks.reshape(-1, m, d), self.inv_rms.reshape(-1, m), self.partial, self.stream, q, eps, scaling
-        )
-        record(self.recorder, weights, self.stream)
-        return mixed
+        return self.mix_and_weights(q, eps, scaling)[0]
 
     def mix_token_queries(self, query, key_norm_weight, projection, eps: float, scaling: str) -> torch.Tensor:
-        """The mix with one query per token (`token_queries`): plain tensor operations differentiated by
-        autograd, in float32 whatever the model dtype (autocast off)."""
-        m, d = self.blocks.shape[-2], self.blocks.shape[-1]
+        """The mix with one query per token (`token_queries`), in float32 whatever the model dtype."""
         with no_autocast(self.stream):
-            q = token_queries(self.stream, query, key_norm_weight, *projection, eps)
-            mixed, weights, _, _ = mix_blocks(
-                self.blocks.reshape(-1, m, d), self.inv_rms.reshape(-1, m), self.partial, self.stream, q, eps, scaling
-            )
-        record(self.recorder, weights, self.stream)
-        return mixed
+            return self.mix_and_weights(token_queries(self.stream, query, key_norm_weight, *projection, eps), eps, scaling)[0]
+
+    def mix_and_weights(self, q: torch.Tensor, eps: float, scaling: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """The mix and its softmax weights [B*T, n]."""
+        m, d = self.blocks.shape[-2], self.blocks.shape[-1]
+        blocks, inv_rms = self.blocks.reshape(-1, m, d), self.inv_rms.reshape(-1, m)
+        return mix_blocks(blocks, inv_rms, self.partial, self.stream, q, eps, scaling)[:2]
 
     def add(self, output: torch.Tensor) -> BlockState:
         partial, stream = join(self.partial, self.stream, output)

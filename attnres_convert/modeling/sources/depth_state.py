@@ -26,7 +26,7 @@ from typing import Protocol
 import torch
 
 from .depth_buffers import SourceBuffer
-from .depth_math import BlockState, Recorder
+from .depth_math import BlockState
 
 KERNEL_ENV = "ATTNRES_KERNEL"
 KERNEL_CHOICES = ("auto", "eager", "cpu", "triton", "fla")
@@ -99,34 +99,34 @@ def start_state(
     `queries`: all readers' folded queries [R, D], for the score table (the two-phase mix). `token_queries`: the
     queries depend on each token's input (query_rank > 0), which only BlockState computes."""
     mode = kernel_mode()  # read once: a decoding step pays for every lookup
-    recorder = runtime.recorder() if runtime is not None else None
+    state = _state_for(embeddings, eps, capacity, queries, token_queries, runtime, mode)
+    if runtime is not None and (runtime.recorders or runtime.gate != 1.0):  # set by attnres's training or inspection
+        state = installed_kernels().controlled_state(state, embeddings, eps, runtime)
+    return state
+
+
+def _state_for(embeddings, eps: float, capacity, queries, token_queries: bool, runtime, mode: str) -> DepthState:
     kernels = installed_kernels() if mode != "eager" else None
     if mode in ("cpu", "triton", "fla") and kernels is None:
         raise _needs_attnres(mode)
-    if token_queries:
-        if mode not in ("auto", "eager"):
-            raise RuntimeError(
-                f"{KERNEL_ENV}={mode}: the kernels score one static query per reader, and this model's queries depend "
-                f"on each token's input (query_rank > 0), which runs on the built-in path. Unset {KERNEL_ENV}."
-            )
-        return BlockState.start(embeddings, eps, recorder)
-    if capacity is None:
-        return BlockState.start(embeddings, eps, recorder)
+    if token_queries and mode not in ("auto", "eager"):
+        raise RuntimeError(
+            f"{KERNEL_ENV}={mode}: the kernels score one static query per reader, and this model's queries depend "
+            f"on each token's input (query_rank > 0), which runs on the built-in path. Unset {KERNEL_ENV}."
+        )
+    if token_queries or capacity is None:
+        return BlockState.start(embeddings, eps)
     if not torch.is_grad_enabled():
         if mode == "fla":
             raise RuntimeError(f"{KERNEL_ENV}=fla: fla-core's depth mix runs forwards with autograd (training) only")
-        state = (
-            kernels.inference_state(embeddings, eps, capacity, queries, recorder, runtime, mode) if kernels else None
-        )
-        if state is not None:
-            return state
-        return SourceBuffer.start(embeddings, eps, capacity, queries, recorder)
+        state = kernels.inference_state(embeddings, eps, capacity, queries, runtime, mode) if kernels else None
+        return state if state is not None else SourceBuffer.start(embeddings, eps, capacity, queries)
     if torch.compiler.is_compiling():
         if mode not in ("auto", "eager"):
             raise RuntimeError(f"{KERNEL_ENV}={mode}: the kernels do not run under torch.compile; unset {KERNEL_ENV}")
-        return BlockState.start(embeddings, eps, recorder)  # plain tensor operations, which the compiler fuses
-    state = kernels.training_state(embeddings, eps, capacity, queries, recorder, mode) if kernels else None
-    return state if state is not None else BlockState.start(embeddings, eps, recorder)
+        return BlockState.start(embeddings, eps)  # plain tensor operations, which the compiler fuses
+    state = kernels.training_state(embeddings, eps, capacity, queries, mode) if kernels else None
+    return state if state is not None else BlockState.start(embeddings, eps)
 
 
 def depth_mix(
@@ -143,9 +143,7 @@ def depth_mix(
     w and key norm g (or, g None, the folded query), or the reader's row of the state's queries. `projection`:
     (A, B) of an input-dependent query. `norm`: a state's form of the sublayer's norm (`fuse_norm`), applied to
     the mix in the same pass."""
-    if projection is not None:
-        if not isinstance(state, BlockState):
-            raise TypeError("input-dependent queries need the BlockState (start_state with token_queries=True)")
+    if projection is not None:  # a BlockState's (start_state with token_queries)
         return state.mix_token_queries(query, key_norm_weight, projection, eps, scaling)
     if reader is not None and state.queries is not None:
         q = state.query(reader)
@@ -161,8 +159,5 @@ class ModelRuntime:
     def __init__(self, config):
         self.config = config
         self.gate = 1.0
-        self.recorders: list[Recorder] = []
+        self.recorders: list = []
         self.steps: dict = {}
-
-    def recorder(self) -> Recorder | None:
-        return self.recorders[-1] if self.recorders else None

@@ -95,11 +95,10 @@ class AttnResDecoderLayerMixin:
             )
         # Readers take their query from the state where it holds them all, folded once per forward.
         folded = state.queries is not None
-        gate = spec.runtime.gate
         scale = spec.stream_scale
         # A kernel backend may make a reader's mix come out normed by its sublayer's norm (`fuse_norm`), where the
         # mix is the norm's whole input.
-        fuse = getattr(state, "fuse_norm", None) if gate == 1.0 and scale == 1.0 else None
+        fuse = getattr(state, "fuse_norm", None) if scale == 1.0 else None
         returned = {} if spec.returns else None
         for sublayer, plan, names in zip(spec.sublayers, spec.plans, spec.param_names):
             if plan.closes_block:
@@ -110,8 +109,6 @@ class AttnResDecoderLayerMixin:
             h = depth_mix(
                 state, *params, spec.eps, spec.scaling, reader=plan.index - 1, projection=projection, norm=norm
             )
-            if gate != 1.0:
-                h = gated(state, h, gate)
             if scale != 1.0:  # the earlier layers' scalars: the stream the base model's sublayer read (stream_scales)
                 h = h * scale
             output = run_sublayer(self, sublayer, h, call_kwargs, normed=bool(norm), returned=returned)
@@ -257,7 +254,7 @@ class AttnResFinalNormMixin:
             owner, eps, scaling, scale = spec.owner, spec.eps, spec.scaling, spec.stream_scale
             state, like = hidden_states, hidden_states.stream
             if state.queries is not None:  # folded with the sublayers' (see `_all_queries`)
-                fuse = getattr(state, "fuse_norm", None) if spec.runtime.gate == 1.0 and scale == 1.0 else None
+                fuse = getattr(state, "fuse_norm", None) if scale == 1.0 else None
                 norm = () if fuse is None else fuse(self)
                 hidden_states = depth_mix(state, None, None, eps, scaling, reader=-1, norm=norm)
                 if norm:
@@ -274,18 +271,9 @@ class AttnResFinalNormMixin:
                     scaling,
                     projection=query.projection(like) if isinstance(query, AttnResQuery) else None,
                 )
-            gate = spec.runtime.gate
-            if gate != 1.0:
-                hidden_states = gated(state, hidden_states, gate)
             if scale != 1.0:  # every layer's scalar (ModelPlan.stream_scales)
                 hidden_states = hidden_states * scale
         return super().forward(hidden_states, *args, **kwargs)
-
-
-def gated(state, mix: torch.Tensor, gate: float) -> torch.Tensor:
-    """stream + gate * (mix - stream): a reader's input with its depth mix let in by `gate`, in one operation.
-    At gate 0 it is the plain residual stream exactly (0 times a finite difference adds nothing)."""
-    return torch.lerp(state.current_stream(), mix, gate)
 
 
 def _attnres_class(mixin: type, base_cls: type) -> type:
