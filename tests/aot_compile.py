@@ -189,6 +189,95 @@ def compile_all(out) -> None:
             out.write(json.dumps({"kernel": kernel, "control": True, "fma": fused, "sass_fma": sass}) + "\n")
 
 
+# fla-core's fused AttnRes kernels (fla.ops.attnres.fused, the depth mix of modeling/depth_fla.py's FlaState), where
+# fla-core is installed: its forward and both backward kernels for float32 and bfloat16 sources. Unlike ours their
+# hidden size is a compile-time constant (D, and the block BD = next_power_of_2(D)), so they compile for the hidden
+# sizes of SmolLM2-135M (576) and Llama-3.2-1B (2048); and they autotune over 24 (forward, dv) and 10 (dq dw)
+# configurations, of which two each are compiled: the smallest tiles and the largest (the most registers).
+FLA_KERNELS = ("attnres_fwd_kernel", "attnres_bwd_kernel_dv", "attnres_bwd_kernel_dqdw")
+FLA_DTYPES = ("fp32", "bf16")
+FLA_HIDDEN = (576, 2048)
+FLA_SOURCES = 9  # the pointer table pads the sources to L2 = max(8, next_power_of_2(L)) entries: 16 here
+FLA_CONFIGS = {
+    "attnres_fwd_kernel": ({"BL": 1, "num_warps": 4, "num_stages": 2}, {"BL": 8, "num_warps": 16, "num_stages": 3}),
+    "attnres_bwd_kernel_dv": ({"BL": 1, "num_warps": 4, "num_stages": 2}, {"BL": 8, "num_warps": 16, "num_stages": 3}),
+    "attnres_bwd_kernel_dqdw": (
+        {"BN": 1024, "BD": 16, "num_warps": 4, "num_stages": 3}, {"BN": 4096, "BD": 64, "num_warps": 8, "num_stages": 4},
+    ),
+}
+
+
+def fla_fused():
+    """fla's fused module, or the reason it cannot be imported (fla-core not installed, or not under this Triton)."""
+    try:
+        from fla.ops.attnres import fused
+    except Exception as error:  # noqa: BLE001 - not installed, or an fla that needs a newer Triton
+        return f"fla-core cannot be imported: {type(error).__name__}: {error}"
+    return fused
+
+
+def fla_launches(fused, dtype: torch.dtype, d: int) -> dict:
+    """One launch of each fla kernel for L = FLA_SOURCES sources of `dtype` and hidden size d, at checkpoint level
+    1 (what FlaState uses), no output norm. The backward's two launches are recorded from fla's own
+    fused_attnres_bwd; the forward's arguments are written out as fused_attnres_fwd passes them (it refuses
+    tensors that are not on CUDA before launching)."""
+    tokens, z = 3, torch.zeros
+    residuals = [z(tokens, d, dtype=dtype) for _ in range(FLA_SOURCES)]
+    res = fused._build_ptr_table(residuals)
+    l2 = len(res)
+    stats = dict(rstd=z(FLA_SOURCES, tokens), logit=z(FLA_SOURCES, tokens), lse=z(tokens))
+    found = {
+        "attnres_fwd_kernel": ((), dict(
+            q=z(d), res=res, w=z(d), ow=None, o=z(tokens, d, dtype=dtype), o_pre=None, **stats, N=tokens,
+            L=FLA_SOURCES, L2=l2, D=d, eps=1e-6, scale=1.0, BD=1 << (d - 1).bit_length(), HAS_ONORM=False,
+            SAVE_OPRE=False,
+        )),
+    }
+    originals = {name: getattr(fused, name) for name in FLA_KERNELS[1:]}
+    recorders = {name: _Recorder() for name in originals}
+    try:
+        for name, recorder in recorders.items():
+            setattr(fused, name, recorder)
+        fused.fused_attnres_bwd(
+            do=z(tokens, d, dtype=dtype), q=z(d), residuals=residuals, res=res, w=z(d), ow=None, o_pre=None,
+            eps=1e-6, scale=1.0, checkpoint_level=1, **stats,
+        )
+    finally:
+        for name, original in originals.items():
+            setattr(fused, name, original)
+    for name, recorder in recorders.items():
+        (found[name],) = recorder.launches
+    return found
+
+
+def fla_compile_all(out, folder: Path) -> None:
+    import triton
+
+    fused = fla_fused()
+    if isinstance(fused, str):
+        out.write(json.dumps({"fla": True, "missing": fused}) + "\n")
+        return
+    for dtype, d in itertools.product(FLA_DTYPES, FLA_HIDDEN):
+        for kernel, (args, kwargs) in fla_launches(fused, DTYPES[dtype], d).items():
+            fn = getattr(fused, kernel).fn  # the JITFunction under fla's autotuner
+            for capability, config in itertools.product(TARGETS, FLA_CONFIGS[kernel]):
+                key, source, options, target = jit_source(fn, args, {**kwargs, **config}, capability)
+                start = time.perf_counter()
+                program = triton.compile(source, target=target, options=options.__dict__)
+                seconds = time.perf_counter() - start
+                usage = resources(program.asm["cubin"], folder)
+                out.write(json.dumps({
+                    "fla": True, "kernel": kernel, "dtype": dtype, "hidden": d, "capability": capability,
+                    "config": config, "arch": program.metadata.target.arch, "num_warps": program.metadata.num_warps,
+                    "shared": program.metadata.shared, "regs": usage["reg"], "local": usage["local"],
+                    "stack": usage["stack"], "seconds": round(seconds, 3), "triton": triton.__version__,
+                }) + "\n")
+                out.flush()
+
+
 if __name__ == "__main__":
     with open(sys.argv[1], "w") as out:
-        compile_all(out)
+        if os.environ.get("AOT_ONLY_FLA") != "1":
+            compile_all(out)
+        assert not os.environ.get("TRITON_INTERPRET", "0") == "1", "run with TRITON_INTERPRET=0"
+        fla_compile_all(out, Path(tempfile.mkdtemp()))

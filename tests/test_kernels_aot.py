@@ -51,13 +51,16 @@ def compiled(tmp_path_factory) -> list[dict]:
     )
     assert run.returncode == 0, run.stderr[-4000:]
     records = [json.loads(line) for line in (folder / "programs.jsonl").read_text().splitlines()]
-    programs = sum(not r.get("control") for r in records)
+    programs = sum(not r.get("control") and not r.get("missing") for r in records)
     print(f"\n{programs} programs (and {len(records) - programs} controls) compiled in {time.perf_counter() - start:.1f} s")
     return records
 
 
 def _programs(compiled, kernel, dtype, capability) -> list[dict]:
-    return [r for r in compiled if not r.get("control") and (r["kernel"], r["dtype"], r["capability"]) == (kernel, dtype, capability)]
+    return [
+        r for r in compiled
+        if not r.get("control") and not r.get("fla") and (r["kernel"], r["dtype"], r["capability"]) == (kernel, dtype, capability)
+    ]
 
 
 @pytest.mark.parametrize("capability", aot_compile.TARGETS, ids=[f"sm_{c}" for c in aot_compile.TARGETS])
@@ -129,3 +132,43 @@ def test_the_hidden_size_does_not_choose_a_program():
             assert depth_triton.row_config(d, n) == depth_triton.row_config(64, n)
         for r in (1, 16, 17, 61, depth_triton.MAX_QUERIES):
             assert depth_triton.close_config(d, r) == depth_triton.close_config(64, r)
+
+
+def _fla_programs(compiled, kernel, dtype, capability) -> list[dict]:
+    missing = [r["missing"] for r in compiled if r.get("fla") and r.get("missing")]
+    if missing:
+        pytest.skip(missing[0])
+    return [r for r in compiled if r.get("fla") and (r["kernel"], r["dtype"], r["capability"]) == (kernel, dtype, capability)]
+
+
+@pytest.mark.parametrize("capability", aot_compile.TARGETS, ids=[f"sm_{c}" for c in aot_compile.TARGETS])
+@pytest.mark.parametrize("dtype", aot_compile.FLA_DTYPES)
+@pytest.mark.parametrize("kernel", aot_compile.FLA_KERNELS)
+def test_fla_kernels_compile_within_the_targets_limits(compiled, kernel, dtype, capability, record_property):
+    """fla-core's fused AttnRes kernels (FlaState's depth mix, modeling/depth_fla.py), forward and backward, compile
+    for sm_80 and sm_90 at the hidden sizes of SmolLM2-135M and Llama-3.2-1B, for two of their autotune
+    configurations each (tests/aot_compile.py's FLA_CONFIGS), within shared memory and registers. Measured with
+    Triton 3.9: none spills, except the dq dw reduction's largest tile (BN 4096 x BD 64, 8 warps), which keeps
+    4.7-7.1 KB per thread on the stack; its autotuner also has configurations that do not (BN 1024 x BD 16 here),
+    which is what a tuned launch should pick (printed, not asserted: fla's choice, not ours). Their fused
+    multiply-adds are fla's business: FlaState's mix is equal to the eager one up to rounding, not bit for bit."""
+    programs = _fla_programs(compiled, kernel, dtype, capability)
+    assert {(p["hidden"], json.dumps(p["config"], sort_keys=True)) for p in programs} == {
+        (d, json.dumps(c, sort_keys=True)) for d in aot_compile.FLA_HIDDEN for c in aot_compile.FLA_CONFIGS[kernel]
+    }
+    limits, report = LIMITS[capability], []
+    for p in programs:
+        assert p["arch"] == capability
+        line = (
+            f"fla {kernel} {dtype} D={p['hidden']} sm_{capability} {p['config']}: shared {p['shared']} B, "
+            f"{p['regs']} registers, local {p['local']} B, stack {p['stack']} B"
+        )
+        report.append(line)
+        assert p["shared"] <= limits["shared"], line
+        assert 0 < p["regs"] <= limits["regs_per_thread"], line
+        assert p["regs"] * 32 * p["num_warps"] <= limits["regs_per_block"], line
+        largest_reduction = kernel == "attnres_bwd_kernel_dqdw" and p["config"]["BN"] == 4096
+        if not largest_reduction:
+            assert p["local"] == 0 and p["stack"] == 0, line  # no spills
+    record_property("programs", report)
+    print("\n" + "\n".join(report))

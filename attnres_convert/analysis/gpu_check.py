@@ -17,6 +17,9 @@ Stages, in order of what matters most, each with a time budget inside a global d
                 ratios converted / original) for the eager path, the Triton kernels and --compile
   cuda-tests    `pytest -m cuda` (the Triton kernels against the eager path)
   ab            a short from-scratch A/B (`attnres ab --from-scratch`) on the checkout's own docs as bytes
+  depth-mix-kernels  one reader's depth mix alone, forward and forward + backward, timed on the device and checked
+                against float64: fla-core's fused AttnRes kernels (FlaState, from gpu-check-wheels/ where fla is not
+                installed), our Triton training kernels (TrainState), the eager TrainState and BlockState
 
 A stage records its result or its error, and one failing stage does not stop the rest. The slow and
 hang-prone stages (bench, tests, A/B) run as child processes killed at their budget; a stage that the
@@ -54,6 +57,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..io.console import quiet_libraries
+from .gpu_check_mix import depth_mix_kernels, mix_markdown
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout: the package's parent
 WHEELS = ROOT / "gpu-check-wheels"
@@ -443,9 +447,11 @@ STAGES = [
     Stage("bench-compile", 100, bench("eager", compile_=True),
           cuda_only="torch.compile on a CPU builds C++ for minutes; the GPU path is what this measures"),
     Stage("bench-eager-fp32", 60, bench("eager", dtype="float32"), cuda_only="the CPU bench already runs fp32"),
+    Stage("depth-mix-kernels", 150, lambda check, limit: depth_mix_kernels(check, limit, WHEELS)),
 ]
 # --quick on a CPU: tiny shapes, but two loaded cores import torch slowly in every child process.
-QUICK_BUDGETS = {"environment": 30, "models": 60, "exactness": 60, "bench-eager": 150, "cuda-tests": 90, "ab": 200}
+QUICK_BUDGETS = {"environment": 30, "models": 60, "exactness": 60, "bench-eager": 150, "cuda-tests": 90, "ab": 200,
+                 "depth-mix-kernels": 60}
 
 
 def run_check(device: str = "cuda", quick: bool = False, out: Path = Path("gpu-check"), deadline_s: float | None = None,
@@ -583,6 +589,7 @@ def markdown(report: dict) -> str:
         lines += ["", "## attnres bench (ratio: converted / original, > 1 slower or bigger)", "",
                   "| model | dtype | depth mix | measure | original | converted | ratio |", "| --- | --- | --- | --- | --- | --- | --- |",
                   *bench_rows]
+    lines += mix_markdown(stages.get("depth-mix-kernels", {}).get("result", {}))
     arms = stages.get("ab", {}).get("result", {}).get("arms", [])
     if arms:
         lines += ["", f"## From-scratch A/B ({stages['ab']['result']['steps']} steps)", "",

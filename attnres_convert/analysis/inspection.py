@@ -105,7 +105,8 @@ def queries_are_zero(model: AttnResForCausalLM) -> bool:
 
 def _query_tensors(model: AttnResForCausalLM) -> list[torch.Tensor]:
     """Every tensor that must be zero for the queries to be zero (with query_rank, the projections' B too)."""
-    return [t for m in model.modules() if isinstance(m, AttnResQuery) for t in m.zero_at_conversion()]
+    # w, and with rank > 0 the zero-initialised B of the input-dependent part
+    return [t for m in model.modules() if isinstance(m, AttnResQuery) for t in ([m.weight, m.up] if m.rank else [m.weight])]
 
 
 @contextlib.contextmanager

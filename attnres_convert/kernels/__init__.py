@@ -23,7 +23,7 @@ from ..modeling.modeling_attnres import KERNEL_ENV, ModelRuntime, kernel_mode
 from .controls import controlled_state  # noqa: F401 - called by modeling_attnres.start_state
 from .cpu import build
 from .cpu_buffers import CpuBuffer, CpuStepBuffer
-from .fla import FlaState, fla_refusal
+from .fla import FlaState, fla_fits
 from .step import StepBuffer, few_tokens
 from .training import TrainState
 
@@ -60,7 +60,7 @@ def training_state(embeddings: torch.Tensor, eps: float, capacity: int, queries,
     if mode == "cpu":
         return None  # the C++ kernels have no backward: autograd's path (BlockState)
     if mode in ("auto", "fla"):
-        refusal = fla_refusal(embeddings)
+        refusal = fla_fits(embeddings)
         if refusal is None:
             return FlaState.start(embeddings, eps)
         if mode == "fla":

@@ -21,32 +21,21 @@ except ImportError:
 class AttnResConfig(PreTrainedConfig):
     r"""
     Args:
-        text_config (`dict` or `PreTrainedConfig`):
-            The base model's config (Llama, Qwen3, GPT-2...). Its weights keep their original names.
-        block_size (`int`):
-            S, the number of *sublayers* per block (attention and MLP each count as one; a
-            parallel-residual layer is one). S = 1 is Full AttnRes; S >= the number of sublayers is one block.
-        source_scaling (`str`):
-            "count": a sublayer reads n * (softmax mix of its n sources), which at zero queries is exactly
-            the base model's residual sum (conversion is exact; equivalent to the paper's AttnRes with each
-            norm's eps rescaled). "mean": the plain softmax mix, for models trained from scratch.
-        query_rank (`int`):
-            0 (the default): each reader's query is a static learned vector w. r > 0: input-dependent queries,
-            w + B A x / rms(x) per token (A [r, d] random, B [d, r] zero at conversion, so the converted model is
-            still exactly the base model).
+        text_config (`dict` or `PreTrainedConfig`): the base model's config. Its weights keep their original names.
+        block_size (`int`): S, the number of *sublayers* (attention and MLP each count as one) per block; 1 is Full
+            AttnRes.
+        source_scaling (`str`): "count": a sublayer reads n * (softmax mix of its n sources), exactly the base model's
+            residual sum at zero queries (conversion is exact). "mean": the plain mix, for models trained from scratch.
+        query_rank (`int`): 0: static pseudo-queries w. r > 0: input-dependent queries w + B A x / rms(x) (B zero at
+            conversion, so the converted model is still exactly the base model).
         base_model_type (`str`): the base model's `model_type`, for people and tools reading config.json.
-        stream_width (`int`, *optional*):
-            d, the width of the residual stream, as conversion read it from the decoder layers (for base configs
-            that name their sizes their own way); absent: the base config's `hidden_size`.
-        structure (`dict`):
-            The plan the forward executes (modeling_attnres.ModelPlan): where the decoder stack, final norm and
-            head are, and each decoder layer's sublayers (norm -> module -> post-modules, scalars, parallel
-            branches), as found and proven layer by layer at conversion.
+        stream_width (`int`, *optional*): d, the residual stream's width as conversion read it from the layers.
+        structure (`dict`): the plan the forward executes (modeling_attnres.ModelPlan), as found and proven layer by
+            layer at conversion.
     """
 
     model_type = "attnres"
-    # text_config is built by its model_type (a Llama config where there is none): by transformers from a
-    # SubConfigSpec where it has them, by __post_init__ (build_sub_config) before (transformers < 5.20).
+    # text_config is built by its model_type (Llama where none): by transformers >= 5.20, else by __post_init__.
     if SubConfigSpec is not None:
         sub_configs_defaults = {"text_config": SubConfigSpec(config_class=AutoConfig, model_type="llama")}
     else:
@@ -78,9 +67,8 @@ class AttnResConfig(PreTrainedConfig):
         # The head is tied exactly when the base model's is.
         self.tie_word_embeddings = bool(getattr(self.text_config, "tie_word_embeddings", False))
 
-    # The base config is saved without its `model_type` (kept here as `base_model_type`): a base config
-    # class such as LlamaConfig would otherwise find its own type nested in config.json and load this
-    # folder as a plain Llama, silently dropping the AttnRes weights.
+    # The base config is saved without its `model_type` (kept as `base_model_type`): else a base config class such
+    # as LlamaConfig would find its type nested in config.json and load the folder as a plain Llama.
     @staticmethod
     def _hide_base_type(data: dict) -> dict:
         if isinstance(data.get("text_config"), dict):

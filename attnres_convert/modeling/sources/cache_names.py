@@ -1,4 +1,4 @@
-"""The name of the KV cache, as the installed transformers spells it.
+"""The name of the KV cache, as the installed transformers spells it (renamed from `past_key_values` to `cache`).
 
 transformers 5.0 passes and returns the cache as `past_key_values`; later releases call it `cache` and
 deprecate the old name (a FutureWarning per call, then an error once it is removed). Before that rename the
@@ -18,12 +18,10 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 CURRENT = "cache"
 LEGACY = "past_key_values"
 RECURRENT = "cache_params"  # a recurrent family's own name before the rename (transformers < 5.24)
-# The names generate reads a recurrent state under from a model's output before the rename: Mamba's and xLSTM's
-# cache_params, RWKV's state (its ALL_CACHE_NAMES).
+# Where generate reads a recurrent state from an output before the rename (Mamba's cache_params, RWKV's state).
 RECURRENT_STATES = (RECURRENT, "state")
 
-# The installed transformers' name, the same for every model in this process: the field its causal-LM output
-# declares (a release that renamed the cache renamed it there too).
+# The installed transformers' name: the field its causal-LM output declares.
 INSTALLED = CURRENT if CURRENT in {field.name for field in dataclasses.fields(CausalLMOutputWithPast)} else LEGACY
 
 

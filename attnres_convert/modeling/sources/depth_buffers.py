@@ -1,7 +1,5 @@
-"""The inference buffers on the eager path (no autograd): every source of a forward in one preallocated float32
-buffer, written in place, source-major. The attnres package's kernels (a token-major buffer for decoding steps, C++ and Triton
-kernels) subclass it. The math is `mix_blocks`', in the operations each forward pays least for.
-"""
+"""The inference buffer (no autograd): every source of a forward in one preallocated float32 buffer, written in place,
+source-major. The attnres package's kernels subclass it (a token-major buffer for decoding steps, C++, Triton)."""
 
 from __future__ import annotations
 
@@ -11,9 +9,8 @@ from .depth_math import inverse_rms, pseudo_query
 
 
 class SourceBuffer:
-    """The state of a forward without autograd: a block boundary is a counter increment, a reader's sources are a
-    view and the partial sum accumulates in its slot, so nothing is copied per sublayer, and every source is one
-    contiguous tensor, read at memory speed. In-place updates are safe only without autograd.
+    """The state of a forward without autograd (in-place updates): a block boundary is a counter increment, a reader's
+    sources are a view, the partial sum accumulates in its slot; each source is one contiguous tensor.
 
     sources:     [K, B, T, D] float32: completed sources in slots [0, count), the partial sum in slot `count`.
     inv_rms:     [K, B, T] 1 / rms of the completed sources, written once when a source completes.
@@ -36,7 +33,7 @@ class SourceBuffer:
         """The buffer of a many-token forward, the embedding in slot 0 (with its scores where there are queries)."""
         shared = embeddings.dtype == torch.float32
         rows, stream = capacity + int(shared), embeddings
-        # Zeros where partial sums start by adding (an eager shared stream); a kernel backend writes a block's first output.
+        # Zeros where partial sums start by adding (a shared stream); a kernel backend writes a block's first output.
         new = embeddings.new_zeros if shared and cls.zeroed else embeddings.new_empty
         sources = new(rows, *embeddings.shape, dtype=torch.float32)
         sources[0] = embeddings
@@ -52,16 +49,14 @@ class SourceBuffer:
         return state
 
     def score_source(self, slot: int, first: int = 0) -> None:
-        """Phase 1 for a completed source: its scores by readers `first`.. (the ones after it; earlier columns stay
-        unwritten and unread), written into the table's strided rows by the scaling product itself."""
+        """Phase 1 for a completed source: its scores by readers `first`.. (earlier columns stay unread)."""
         key, table = self.sources[slot], self.scores[slot]
         d, readers = key.shape[-1], table.shape[-1]
         scores = torch.mm(key.reshape(-1, d), self.queries[first:].t())
         torch.mul(scores, self.inv_rms[slot].reshape(-1, 1), out=table.view(-1, readers)[:, first:])
 
     def close(self, eps: float, first: int = 0) -> SourceBuffer:
-        """At a block boundary the partial sum becomes a completed source, with its statistics and scores (phase 1)
-        for reader `first` and the readers after it."""
+        """The partial sum becomes a completed source, with its statistics and scores for readers `first`.."""
         if not self.has_partial:
             return self
         count = self.count
@@ -72,18 +67,13 @@ class SourceBuffer:
         return self
 
     def query(self, reader: int) -> torch.Tensor:
-        """Reader `reader`'s query from the ones folded once per forward."""
         return self.queries[reader]
 
     def fold(self, query: torch.Tensor, key_norm_weight: torch.Tensor | None) -> torch.Tensor:
-        """A reader's query w (and key norm g) as `mix` takes it: (w * g), or `query` where it is folded already."""
         return query if key_norm_weight is None else pseudo_query(query, key_norm_weight)
 
-    def mix(
-        self, q: torch.Tensor, eps: float, scaling: str, reader: int | None = None, norm: tuple = ()
-    ) -> torch.Tensor:
-        """Source-major scores [n, B, T], from the table where there is one (phase 2: only the partial sum is
-        scored here), else one product over the n contiguous sources; then the chained mix."""
+    def mix(self, q, eps: float, scaling: str, reader: int | None = None, norm: tuple = ()) -> torch.Tensor:
+        """Scores [n, B, T] from the table (phase 2: only the partial sum is scored here) or one product; the mix."""
         n = self.count + int(self.has_partial)
         m, d = self.count, self.sources.shape[-1]
         if self.scores is not None and reader is not None:
@@ -100,7 +90,6 @@ class SourceBuffer:
         return _chained_mix(self.stream, weights, self.sources, scaling)
 
     def slot(self, j: int) -> torch.Tensor:
-        """Source j, [B, T, D]."""
         return self.sources[j]
 
     def with_stream(self, j: int) -> torch.Tensor:

@@ -1,9 +1,10 @@
-"""The math of Block Attention Residuals. A PreNorm decoder feeds sublayer l the plain sum of every earlier
-output; AttnRes replaces that sum with a per-token softmax over *sources* (the embedding, completed blocks, the
-running partial sum of the current block), scored by a static pseudo-query w against RMS-normalised keys:
-alpha_i = softmax_i((w * g) . k_i / rms(k_i)), h = n * sum_i alpha_i k_i. With w = 0 every source weighs 1/n, and
-the factor n (the number of sources) turns the mix back into the exact residual sum, so a converted model
-reproduces its base model. Scores and softmax run in float32 whatever the model dtype.
+"""The math: a reader mixes its sources k_i (embedding, completed blocks, partial sum) as h = n * sum_i alpha_i k_i,
+alpha = softmax_i((w * g) . k_i / rms(k_i)) in float32; at w = 0 that is the exact residual sum.
+
+A PreNorm decoder feeds sublayer l the plain sum of every earlier output; AttnRes replaces that sum with a
+per-token softmax over *sources*, scored by a static pseudo-query w against RMS-normalised keys. With w = 0 every
+source weighs 1/n, and the factor n (the number of sources) turns the mix back into the exact residual sum, so a
+converted model reproduces its base model. Scores and softmax run in float32 whatever the model dtype.
 
 This section holds the math once, as plain tensor operations (`mix_blocks`), and the state that carries it
 between sublayers as plain tensors (`BlockState`, traced by torch.compile and differentiated by autograd).
@@ -41,22 +42,10 @@ def source_scores(keys: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return torch.bmm(q, flat.transpose(1, 2)).view(keys.shape[:-1])
 
 
-def token_queries(
-    stream: torch.Tensor,
-    query: torch.Tensor,
-    key_norm_weight: torch.Tensor,
-    down: torch.Tensor,
-    up: torch.Tensor,
-    eps: float,
-) -> torch.Tensor:
-    """Input-dependent queries, folded with the key norm: per token t,
-
-        q_t = (w + B A x_t / rms(x_t)) * g                                  [B*T, D], float32
-
-    x_t is the reader's input in the base model, the plain residual stream (sum of all sources so far);
-    dividing by its rms makes the query independent of the stream's magnitude, which grows with depth.
-    B (`up`) starts at zero, so q_t = w exactly and the converted model stays the base model bit for bit;
-    A (`down`) starts random, so B's gradient is not zero (as in LoRA)."""
+def token_queries(stream, query, key_norm_weight, down, up, eps: float) -> torch.Tensor:
+    """Input-dependent queries, folded with the key norm: q_t = (w + B A x_t / rms(x_t)) * g, [B*T, D] float32, for
+    x_t the plain residual stream (its rms taken out: it grows with depth). B (`up`) starts at zero, so q_t = w and
+    the converted model stays the base model bit for bit; A (`down`) starts random, as LoRA's."""
     x = stream.reshape(-1, stream.shape[-1]).float()
     x = x * inverse_rms(x, eps)[:, None]
     q = torch.addmm(query.reshape(1, -1).float(), x @ down.float().t(), up.float().t())
@@ -68,10 +57,8 @@ def mix_blocks(keys, inv_rms, partial, stream, q, eps: float, scaling: str, tabl
     and the partial sum, for q the folded query [D] or one per token [BT, D]. Returns the mix in the stream's
     shape and dtype, the weights and scores [BT, n], and the partial's 1 / rms ([BT] or None).
 
-    With "count" scaling h = n * sum_i alpha_i k_i. Since the sources sum to the stream H, this equals
-    H + sum_i (n alpha_i - 1) k_i, which is how it is computed: at zero queries n alpha_i - 1 is 0, so h
-    is the base model's own residual stream bit for bit, with its own rounding (in bfloat16 a freshly
-    summed mix would round differently from the base model's running sum and drift from it)."""
+    "count": h = n * sum_i alpha_i k_i = H + sum_i (n alpha_i - 1) k_i (the sources sum to the stream H), computed
+    so: at zero queries the base model's own stream bit for bit, with its own rounding."""
     m, d = keys.shape[-2], keys.shape[-1]
     # Completed blocks: cached statistics, one product. The partial sum is the only source that changed
     # since the last block boundary; its score joins before one softmax over the few sources of a token.
@@ -105,8 +92,7 @@ def no_autocast(like: torch.Tensor):
 
 def join(partial: torch.Tensor | None, stream: torch.Tensor, output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A sublayer's output joins the partial sum of its block (or starts it) and the residual stream, out of place
-    (the states with autograd). The inference buffers make the same two adds in place, or inside
-    the next kernel (`PendingOutput`)."""
+    (the states with autograd; the inference buffers make the same two adds in place)."""
     return (output if partial is None else partial + output), stream + output
 
 
@@ -146,15 +132,14 @@ class BlockState(NamedTuple):
         """A reader's query as this state's `mix` takes it (see `depth_mix`)."""
         return query if key_norm_weight is None else pseudo_query(query, key_norm_weight)
 
-    def mix(
-        self, q: torch.Tensor, eps: float, scaling: str, reader: int | None = None, norm: tuple = ()
-    ) -> torch.Tensor:
+    def mix(self, q, eps: float, scaling: str, reader: int | None = None, norm: tuple = ()) -> torch.Tensor:
         return self.mix_and_weights(q, eps, scaling)[0]
 
     def mix_token_queries(self, query, key_norm_weight, projection, eps: float, scaling: str) -> torch.Tensor:
         """The mix with one query per token (`token_queries`), in float32 whatever the model dtype."""
         with no_autocast(self.stream):
-            return self.mix_and_weights(token_queries(self.stream, query, key_norm_weight, *projection, eps), eps, scaling)[0]
+            q = token_queries(self.stream, query, key_norm_weight, *projection, eps)
+            return self.mix_and_weights(q, eps, scaling)[0]
 
     def mix_and_weights(self, q: torch.Tensor, eps: float, scaling: str) -> tuple[torch.Tensor, torch.Tensor]:
         """The mix and its softmax weights [B*T, n]."""

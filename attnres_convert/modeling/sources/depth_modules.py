@@ -9,12 +9,9 @@ from torch import nn
 
 
 class AttnResQuery(nn.Module):
-    """The pseudo-query w of one reader, stored as [1, d] like a bias-free Linear(d, 1).
-
-    With rank r > 0 the query also depends on the reader's input x (the base model's residual stream):
-    q = w + B A x / rms(x), a low-rank projection as in LoRA, A = `down` [r, d] kaiming-uniform, B = `up`
-    [d, r] zero. B = 0 keeps q = w exactly at conversion. A is drawn from a generator seeded with the
-    reader's index, so a conversion is reproducible whatever the global random state."""
+    """The pseudo-query w of one reader, stored as [1, d] like a bias-free Linear(d, 1). With rank r > 0 also
+    A = `down` [r, d] (kaiming-uniform from a generator seeded with the reader's index) and B = `up` [d, r] (zero):
+    q = w + B A x / rms(x) (`token_queries`)."""
 
     def __init__(self, hidden_size: int, rank: int = 0, reader: int = 0, device=None, dtype=None):
         super().__init__()
@@ -39,10 +36,6 @@ class AttnResQuery(nn.Module):
             values["down"] = torch.empty(self.rank, hidden).uniform_(-bound, bound, generator=generator)
             values["up"] = torch.zeros(hidden, self.rank)
         return values
-
-    def zero_at_conversion(self) -> list[nn.Parameter]:
-        """The tensors that make the query zero, as converted, when they are zero: w, and B with rank > 0."""
-        return [self.weight, self.up] if self.rank else [self.weight]
 
     def projection(self, like: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(A, B) of an input-dependent query (on the device of `like` where given), or None."""
@@ -77,9 +70,8 @@ class AttnResKeyNorm(nn.Module):
 
 
 def depth_params(layer: nn.Module, names: tuple[str, str]) -> tuple[torch.Tensor, torch.Tensor]:
-    """A sublayer's pseudo-query w and key-norm weight g, looked up at call time (PEFT or FSDP may have
-    wrapped the modules). Plain modules are read through their dicts, which costs a fraction of nn.Module's
-    attribute lookup."""
+    """A sublayer's pseudo-query w and key-norm weight g, looked up at call time (PEFT or FSDP may have wrapped the
+    modules); plain modules through their dicts, faster than nn.Module's attribute lookup."""
     query, key_norm = layer._modules[names[0]], layer._modules[names[1]]
     if type(query) is AttnResQuery and type(key_norm) is AttnResKeyNorm and "_hf_hook" not in query.__dict__:
         # FSDP1 swaps parameters for plain tensor attributes during its forward: then `.weight` below.
@@ -91,9 +83,7 @@ def depth_params(layer: nn.Module, names: tuple[str, str]) -> tuple[torch.Tensor
 
 
 def loaded_weight(module: nn.Module) -> torch.Tensor:
-    """A depth-attention module's weight. Under big-model offload (`device_map="auto"` with CPU or disk
-    offload) an offloaded weight is a meta tensor until Accelerate's hook on the module loads it, which it
-    does when the module is called."""
+    """A depth-attention module's weight; offloaded (a meta tensor), it is loaded by calling the module."""
     weight = module.weight
     if weight.device.type == "meta" and hasattr(module, "_hf_hook"):
         weight = module()

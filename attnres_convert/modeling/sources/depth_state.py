@@ -87,14 +87,7 @@ def wants_queries() -> bool:
     return not (torch.is_grad_enabled() and torch.compiler.is_compiling())
 
 
-def start_state(
-    embeddings: torch.Tensor,
-    eps: float,
-    capacity: int | None = None,
-    queries: torch.Tensor | None = None,
-    token_queries: bool = False,
-    runtime: ModelRuntime | None = None,
-) -> DepthState:
+def start_state(embeddings, eps: float, capacity=None, queries=None, token_queries=False, runtime=None) -> DepthState:
     """The state of one forward, the embedding its first source. `capacity`: the most sources any reader has.
     `queries`: all readers' folded queries [R, D], for the score table (the two-phase mix). `token_queries`: the
     queries depend on each token's input (query_rank > 0), which only BlockState computes."""
@@ -129,16 +122,7 @@ def _state_for(embeddings, eps: float, capacity, queries, token_queries: bool, r
     return state if state is not None else BlockState.start(embeddings, eps)
 
 
-def depth_mix(
-    state: DepthState,
-    query: torch.Tensor | None,
-    key_norm_weight: torch.Tensor | None,
-    eps: float,
-    scaling: str = "count",
-    reader: int | None = None,
-    projection: tuple[torch.Tensor, torch.Tensor] | None = None,
-    norm: tuple = (),
-) -> torch.Tensor:
+def depth_mix(state, query, key_norm_weight, eps: float, scaling="count", reader=None, projection=None, norm=()):
     """The input of one sublayer (or of the final norm): attention over the state's sources, with the pseudo-query
     w and key norm g (or, g None, the folded query), or the reader's row of the state's queries. `projection`:
     (A, B) of an input-dependent query. `norm`: a state's form of the sublayer's norm (`fuse_norm`), applied to
@@ -153,8 +137,7 @@ def depth_mix(
 
 
 class ModelRuntime:
-    """What one converted model's layers and final norm share beside its parameters: its config, the training-time
-    depth gate, the open recorders of depth weights, and the buffers a kernel backend keeps between decoding steps."""
+    """What a model's layers share beside parameters: its config, attnres's depth gate and recorders, kernel buffers."""
 
     def __init__(self, config):
         self.config = config

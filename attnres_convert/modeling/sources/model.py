@@ -28,7 +28,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .block_plan import SublayerPlan, output_num_sources, plan_sublayers
 from .cache_names import CURRENT, INSTALLED, LEGACY, RECURRENT, RECURRENT_STATES, cache_keyword, cache_of
-from .compat import BETWEEN_LAYER_SHORTCUTS, causal_lm_class, guard_torch_init_functions
+from .compat import BETWEEN_LAYER_SHORTCUTS, causal_lm_class
 from .configuration_attnres import AttnResConfig
 from .depth_math import pseudo_query
 from .depth_modules import AttnResKeyNorm, AttnResQuery, depth_params, init_depth_module, placed
@@ -54,8 +54,7 @@ class LayerSpec:
     query_rank: int  # > 0: input-dependent queries (the plain BlockState path, see start_state)
     stream_start: str | None  # the first layer's: its module that makes the first source (ModelPlan.stream_start)
     returns: bool  # a branch's module output is returned after the stream (Branch.returns)
-    # P_k (ModelPlan.stream_scales): the base model's stream here is this times the sum of the sources (layer scalars)
-    stream_scale: float
+    stream_scale: float  # P_k (ModelPlan.stream_scales): the base model's stream is P_k times the sources' sum
     runtime: ModelRuntime  # one per model, shared by its layers and final norm
 
 
@@ -71,11 +70,8 @@ class OutputSpec:
 
 
 class AttnResDecoderLayerMixin:
-    """Mixed in before a base decoder layer class (see `_attnres_class`); replaces its forward only.
-
-    The base model calls the layer exactly as before; the first layer receives the embeddings, every
-    later one the state returned by its predecessor.
-    """
+    """Mixed in before a base decoder layer class; its forward receives the embeddings (the first layer) or the state
+    its predecessor returned, and the base model calls the layer exactly as before."""
 
     def forward(self, hidden_states, *args, **kwargs):
         spec: LayerSpec = self._attnres_spec
@@ -137,10 +133,8 @@ def run_sublayer(
     normed: bool = False,
     returned: dict | None = None,
 ) -> torch.Tensor:
-    """What one sublayer adds to the residual stream read as `h`: the sum of its branches'
-    `scale * post(module(norm(h)))` (`normed`: `h` is its one branch's norm(h) already). RETURNED, where given,
-    receives the module outputs the layer returns after the stream (Branch.returns), by position. The
-    conversion's per-layer proof runs this same function."""
+    """What one sublayer adds to the stream read as `h`: the sum of its branches' `scale * post(module(norm(h)))`
+    (`normed`: `h` is normed already); RETURNED gets the outputs the layer returns too. The conversion proves it."""
     total, children = None, layer._modules
     if sublayer.side:  # modules whose outputs the branches' modules take as arguments (Gemma 4's router)
         call_kwargs = dict(call_kwargs)
@@ -178,9 +172,9 @@ def run_sublayer(
         if y.shape != h.shape:  # a branch that returns its tokens flattened (Llama-4's MoE)
             if y.numel() != h.numel():
                 raise ValueError(
-                    f"`{branch.module}` ({type(module).__name__}) returned {tuple(y.shape)} for an input of {tuple(h.shape)}: "
-                    "the base model's own module mixes up this batch (transformers' RWKV does so when it decodes several "
-                    "sequences at once); run one sequence at a time"
+                    f"`{branch.module}` ({type(module).__name__}) returned {tuple(y.shape)} for an input of "
+                    f"{tuple(h.shape)}: the base model's own module mixes up this batch (transformers' RWKV does so "
+                    "when it decodes several sequences at once); run one sequence at a time"
                 )
             y = y.view(h.shape)
         if branch.scale is not None:
@@ -198,8 +192,7 @@ _WRAPPED = ("_checkpoint_wrapped_module", "_fsdp_wrapped_module", "module")
 
 
 def _decoder_layer(module: nn.Module) -> nn.Module:
-    """The converted decoder layer inside the wrappers that activation checkpointing or FSDP1 put in its place
-    in the model's layer list."""
+    """The converted decoder layer inside the wrappers of activation checkpointing or FSDP1."""
     while not isinstance(module, AttnResDecoderLayerMixin):
         inner = next((module._modules[name] for name in _WRAPPED if name in module._modules), None)
         if inner is None:
@@ -212,12 +205,9 @@ OUTPUT_NAMES = ("output_attn_res_proj", "output_attn_res_norm")  # on the base m
 
 
 def _all_queries(spec: LayerSpec, like: torch.Tensor) -> torch.Tensor | None:
-    """Every sublayer's folded pseudo-query in execution order, then the output aggregation's: [R + 1, D], for
-    the score table (inference and eager training) or a decoding step, from which each reader takes its own
-    row (the final norm the last); None where the parameters are not whole tensors on one device (sharded or
-    spread over devices). Folded in one operation, not one per reader, from the parameters the model holds at
-    this call: nothing is kept for the next forward, so no way of changing a weight (in place, through `.data`,
-    by swapping modules or tensors, by loading or casting) can leave a stale copy."""
+    """Every reader's folded pseudo-query in execution order, the output aggregation's last: [R + 1, D], for the
+    score table; None where the parameters are not whole tensors on one device (sharded, spread over devices).
+    Folded at every forward from the parameters as they are: nothing is kept that a changed weight could stale."""
     found = _query_parameters(spec, like)
     if found is None:
         return None
@@ -226,8 +216,8 @@ def _all_queries(spec: LayerSpec, like: torch.Tensor) -> torch.Tensor | None:
 
 
 def _query_parameters(spec: LayerSpec, like: torch.Tensor):
-    """(queries, key norms): every sublayer's query and key-norm weights, then the output aggregation's, found
-    through the wrappers the layers may have; None where they are not whole tensors on `like`'s device."""
+    """(queries, key norms) of every reader, found through the layers' wrappers; None where they are not whole
+    tensors on `like`'s device."""
     queries, key_norms = [], []
     layers = module_at(spec.owner, spec.layers)
     readers = [(layer, names) for layer in map(_decoder_layer, layers) for names in layer._attnres_spec.param_names]
@@ -263,23 +253,17 @@ class AttnResFinalNormMixin:
                 # Looked up on the owner at every call, so a wrapper put in their place (PEFT's
                 # modules_to_save, FSDP) is the one used.
                 query, key_norm = owner.output_attn_res_proj, owner.output_attn_res_norm
-                hidden_states = depth_mix(
-                    state,
-                    placed(query, like),
-                    placed(key_norm, like),
-                    eps,
-                    scaling,
-                    projection=query.projection(like) if isinstance(query, AttnResQuery) else None,
-                )
+                projection = query.projection(like) if isinstance(query, AttnResQuery) else None
+                weights = placed(query, like), placed(key_norm, like)
+                hidden_states = depth_mix(state, *weights, eps, scaling, projection=projection)
             if scale != 1.0:  # every layer's scalar (ModelPlan.stream_scales)
                 hidden_states = hidden_states * scale
         return super().forward(hidden_states, *args, **kwargs)
 
 
 def _attnres_class(mixin: type, base_cls: type) -> type:
-    """`AttnRes<Base>`: a subclass of the base module class whose forward is the mixin's. Registered in
-    this module's namespace so that it pickles, and still an instance of the base class for tools that
-    look layers up by type (FSDP wrapping, output capture)."""
+    """`AttnRes<Base>`: a subclass of the base module class whose forward is the mixin's, registered here so that it
+    pickles (and still an instance of the base class, for tools that find layers by type)."""
     name = f"AttnRes{base_cls.__name__}"
     cls = globals().get(name)
     if cls is None or base_cls not in cls.__mro__:
@@ -296,8 +280,7 @@ def positional_argnames(layer_cls: type) -> tuple[str, ...]:
 
 
 def stream_state(state) -> torch.Tensor:
-    """The plain residual stream a depth-attention state stands for (sum of all sources): what the base model's
-    hidden state would be. Used for `output_hidden_states` and for inspection."""
+    """The plain residual stream a state stands for: the base model's hidden state (`output_hidden_states`)."""
     if isinstance(state, tuple) and state and is_state(state[0]):
         state = state[0]  # from a layer whose base model takes element 0 of what it returns
     return state.current_stream() if is_state(state) else state
@@ -372,9 +355,8 @@ class AttnResPreTrainedModel(PreTrainedModel):
     _can_compile_fullgraph = False
 
     def _set_gradient_checkpointing(self, enable: bool = True, gradient_checkpointing_func=checkpoint, **kwargs):
-        # Reentrant checkpointing differentiates only through tensor arguments; the depth-attention state a
-        # layer receives is a tuple of tensors, which it would pass through as a constant. Refused here,
-        # where transformers hands every entry point's settings over, instead of failing inside a layer.
+        # Reentrant checkpointing differentiates only through tensor arguments, and a layer receives a state (tensors
+        # in a tuple), which it would pass through as a constant: refused here, not deep inside a layer.
         if enable and getattr(gradient_checkpointing_func, "keywords", {}).get("use_reentrant"):
             raise ValueError(
                 "AttnRes models need non-reentrant activation checkpointing: the depth-attention state passed "
@@ -386,8 +368,7 @@ class AttnResPreTrainedModel(PreTrainedModel):
             enable=enable, gradient_checkpointing_func=gradient_checkpointing_func, **kwargs
         )
 
-    # transformers renames checkpoint keys by the base model's rules when it loads and saves; the AttnRes tensors'
-    # own names must come through both untouched (weight_names.py). Saving reads the rules from here.
+    # The base model's checkpoint renaming rules, which saving reads here, guarded: the AttnRes names come through.
     @property
     def _weight_conversions(self):
         conversions = self.__dict__.get("_attnres_weight_conversions")
@@ -411,8 +392,7 @@ class AttnResPreTrainedModel(PreTrainedModel):
 
     def initialize_weights(self):
         super().initialize_weights()
-        # The base model's own init dispatch does not know the AttnRes modules: queries must start at
-        # zero (exactness) and a loaded value must never be overwritten.
+        # The base model's init does not know the AttnRes modules: zero queries, and never over a loaded value.
         with torch.no_grad():
             for module in self.modules():
                 if isinstance(module, (AttnResQuery, AttnResKeyNorm)):
@@ -421,9 +401,7 @@ class AttnResPreTrainedModel(PreTrainedModel):
 
 
 def _turn_off_between_layer_shortcuts(model: nn.Module) -> None:
-    """Turn off what a base model's loop would do to the hidden states between its layers as an optimisation only
-    (BETWEEN_LAYER_SHORTCUTS: Gemma 4's slicing before its KV-shared layers), which a depth-attention state cannot
-    undergo; the same function is computed without it."""
+    """Turn off the BETWEEN_LAYER_SHORTCUTS, which a depth-attention state cannot undergo (the same function)."""
     for module in model.modules():
         for attribute, off in BETWEEN_LAYER_SHORTCUTS.items():
             if attribute in module.__dict__:
@@ -431,14 +409,14 @@ def _turn_off_between_layer_shortcuts(model: nn.Module) -> None:
 
 
 def fill_unsaved_buffers(model: nn.Module) -> None:
-    """Runs the base model's own init on itself and on each module holding a non-persistent buffer: a checkpoint
-    does not hold those (Falcon-H1's `mup_vector`), and transformers skips a module of custom code (this class)
-    whose parameters all loaded, leaving them as uninitialised memory. Loaded tensors carry `_is_hf_initialized`,
-    which transformers' init functions respect."""
+    """The base model's own init of each module holding a non-persistent buffer (Falcon-H1's `mup_vector`), which a
+    checkpoint does not hold and transformers skips in custom code; loaded tensors are left alone."""
     plan = model.__dict__.get("_attnres_plan")
     base = module_at(model, plan.base_model) if plan is not None else None
     if not isinstance(base, PreTrainedModel):
         return
+    from transformers.initialization import guard_torch_init_functions
+
     with guard_torch_init_functions():  # torch.nn.init calls respect `_is_hf_initialized` too
         for module in base.modules():
             if module is base or getattr(module, "_non_persistent_buffers_set", None):
@@ -464,8 +442,7 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
         self._attnres_plan = plan
         self._attnres_base_class = type(base_model)  # its own code, if any, is saved with the model
         self._is_stateful = getattr(type(base_model), "_is_stateful", False)  # no assisted decoding (RWKV, Mamba)
-        # A base class that carries its state between generation steps itself, under its own name (RWKV's `state`):
-        # the forward hands that state on in its output.
+        # A base class that carries its state between generation steps under its own name (RWKV's `state`).
         own = getattr(type(base_model), "_update_model_kwargs_for_generation", None)
         self._attnres_own_state = own is not None and own is not GenerationMixin._update_model_kwargs_for_generation
         self.base_model_prefix = plan.base_model
@@ -474,19 +451,16 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
             self.add_module(name, child)
         _turn_off_between_layer_shortcuts(self)
         attach_depth_attention(self, config, plan)
-        # device_map="auto" must keep each decoder layer whole: its depth-attention parameters are read with
-        # its sublayers. The converted layers' classes are AttnRes<Base>; the base names stay for tools
-        # that read them off the base model.
+        # device_map="auto" keeps each converted layer (AttnRes<Base>) whole: its depth-attention parameters are
+        # read with its sublayers.
         layer_classes = [type(layer).__name__ for layer in module_at(module_at(self, plan.base_model), plan.layers)]
         self._no_split_modules = list(dict.fromkeys([*(base_model._no_split_modules or []), *layer_classes]))
-        # The keyword the base model takes its KV cache under (`cache`, or `past_key_values` before
-        # transformers renamed it), read once: forward passes the cache on under it, whatever name it came in.
+        # The keyword the base model takes its KV cache under, read once: forward passes the cache on under it.
         self._attnres_cache_keyword = cache_keyword(module_at(self, plan.base_model).forward)
         self.post_init()
 
     def _prepare_cache_for_generation(self, *args, **kwargs):
-        # A base model taking its cache under its family's own name (Mamba's `cache_params`, transformers < 5.24):
-        # generate names and makes that cache by the model's class, so the base class's view of this model asks.
+        # Mamba's `cache_params` (transformers < 5.24): generate makes it by the model's class, so the base class asks.
         if self._attnres_cache_keyword == RECURRENT:
             return self._attnres_base_class._prepare_cache_for_generation(self._base_view(), *args, **kwargs)
         return super()._prepare_cache_for_generation(*args, **kwargs)
@@ -505,10 +479,9 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
         setattr(module_at(self, parent), name, value)
 
     def _base_view(self) -> PreTrainedModel:
-        """This model seen as an instance of the base causal-LM class: the same modules and parameters, the
-        base model's own config. `generate` asks the base class how to feed its forward (which inputs only the
-        prefill takes, e.g. `pixel_values`; a mask made its own way, e.g. Gemma 3's bidirectional image blocks);
-        its methods call `super()`, which needs an instance of their class."""
+        """This model as an instance of the base causal-LM class (the same modules, the base config), for the base
+        class's generation methods (which inputs only the prefill takes, masks made its own way): they call
+        `super()`, which needs an instance of their class."""
         view = self._attnres_base_class.__new__(self._attnres_base_class)
         view.__dict__.update(self.__dict__)  # shares the module and parameter tables, copies nothing
         view.__dict__["config"] = self.config.text_config
@@ -545,10 +518,8 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
         past_key_values=None,
         **kwargs,
     ) -> CausalLMOutputWithPast:
-        """`cache` is the KV cache under its current name; `past_key_values`, its name before transformers
-        renamed it, is accepted too (older callers, and `generate` of a release before the rename)."""
-        # generate of a release before the rename passes a recurrent family's cache under its own name (see
-        # _prepare_cache_for_generation)
+        """`cache` is the KV cache; `past_key_values`, its name before transformers renamed it, is accepted too, and a
+        recurrent family's `cache_params` where generate of a release before the rename passes it."""
         recurrent = kwargs.pop(RECURRENT, None) if self._attnres_cache_keyword == RECURRENT else None
         for older in (past_key_values, recurrent):
             if older is not None:
@@ -609,8 +580,7 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
         return result
 
     def _record_streams(self, base) -> tuple[list, list]:
-        """Hidden states as the base model defines them (embeddings, each layer's output stream, final
-        normed state), so `output_hidden_states=True` means what it means for the base model."""
+        """Hidden states as the base model defines them (embeddings, each layer's output stream, final normed state)."""
         recorded: list[torch.Tensor] = []
         layers = module_at(base, self._attnres_plan.layers)
 

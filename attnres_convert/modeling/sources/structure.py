@@ -20,8 +20,7 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class Branch:
     # Attribute of the decoder layer: the PreNorm that reads the residual stream; "" (RAW_STREAM) where the module
-    # reads the stream itself (Gemma 4's per-layer-input gate). With source_scaling "count" the depth mix at zero
-    # queries is the stream itself, so such a reader still reads exactly what it read in the base model.
+    # reads the stream itself (Gemma 4's per-layer-input gate).
     norm: str
     module: str  # attention or MLP module
     # Modules applied to the branch output before it joins the stream; an entry `*name` multiplies the branch's
@@ -29,48 +28,34 @@ class Branch:
     post: tuple[str, ...] = ()
     attention: bool = False  # receives the layer's call arguments (mask, positions, cache)
     scale: float | None = None  # residual multiplier applied to the branch output (Granite)
-    # Where the module takes the layer's arguments under other names (Falcon-H1's Mamba mixer gets the layer's
-    # `mamba_attention_mask` as `attention_mask`, its cache as `cache_params`): (module keyword, layer keyword)
-    # pairs, and (module keyword, value) constants the layer passes; None: the layer's arguments as they are.
+    # (module keyword, layer keyword) pairs where the module takes the layer's arguments under other names
+    # (Falcon-H1's Mamba mixer), and (module keyword, value) constants; None: the layer's arguments as they are.
     arguments: tuple[tuple[str, str], ...] | None = None
     constants: tuple[tuple[str, object], ...] = ()
-    # Post-modules that take the layer's arguments too (Inkling's short convolutions after attention and the MLP
-    # keep their state in the cache): (post name, arguments as above, constants).
+    # Post-modules that take the layer's arguments too (Inkling's short convolutions): (name, arguments, constants).
     post_arguments: tuple[tuple[str, tuple | None, tuple], ...] = ()
-    # > 0: the module returns a bias at this index of its output tuple, which the layer adds to its output
-    # (GPT-NeoX-Japanese's attention).
+    # > 0: the index of a bias in the module's output tuple, added to its output (GPT-NeoX-Japanese's attention).
     output_bias: int = 0
-    # Values of the module's output tuple that the decoder layer returns after the stream, for the base model to
-    # keep (a recurrent state: RWKV's, xLSTM's): (position in the layer's output tuple, index in the module's).
+    # (position in the layer's output, index in the module's): outputs the layer returns too (RWKV's state).
     returns: tuple[tuple[int, int], ...] = ()
-    # The norm reads the stream flattened to [tokens, width] (Gemma 4's experts take their tokens flat); the
-    # branch's output is given the stream's shape again.
+    # The norm reads the stream flattened to [tokens, width] (Gemma 4's experts); the output gets its shape back.
     flat: bool = False
 
     @classmethod
     def from_dict(cls, data: dict) -> Branch:
-        arguments = data.get("arguments")
+        """A branch as the config's `structure` records it: its fields by name, mappings as dicts, lists for tuples."""
+        items = lambda mapping: None if mapping is None else tuple(mapping.items())  # noqa: E731
         post_arguments = tuple(
-            (
-                name,
-                None if spec["arguments"] is None else tuple(spec["arguments"].items()),
-                tuple(spec["constants"].items()),
-            )
+            (name, items(spec["arguments"]), items(spec["constants"]))
             for name, spec in data.get("post_arguments", {}).items()
         )
-        return cls(
-            data["norm"],
-            data["module"],
-            tuple(data.get("post", ())),
-            bool(data.get("attention", False)),
-            data.get("scale"),
-            None if arguments is None else tuple(arguments.items()),
-            tuple(data.get("constants", {}).items()),
-            post_arguments,
-            int(data.get("output_bias", 0)),
-            tuple((int(p), int(i)) for p, i in data.get("returns", ())),
-            bool(data.get("flat", False)),
-        )
+        fields = {
+            "post": tuple(data.get("post", ())),
+            "arguments": items(data.get("arguments")),
+            "constants": items(data.get("constants", {})),
+        }
+        fields |= {"returns": tuple(map(tuple, data.get("returns", ()))), "post_arguments": post_arguments}
+        return cls(**{**data, **fields})
 
     def call_kwargs(self, layer_kwargs: dict, x) -> dict:
         """The keyword arguments the module takes, from those the decoder layer was called with (X: the module's
@@ -101,10 +86,6 @@ def output_of(module: str, index: int) -> str:
 
 
 TIMES = "*"  # prefix of a Branch.post entry that multiplies by a layer argument
-
-
-def reads_raw_stream(branch: Branch) -> bool:
-    return branch.norm == RAW_STREAM
 
 
 def times_argument(post: str) -> str | None:
@@ -139,12 +120,8 @@ class Sublayer:
 
     @classmethod
     def from_dict(cls, data: dict) -> Sublayer:
-        return cls(
-            data["name"],
-            tuple(Branch.from_dict(branch) for branch in data["branches"]),
-            tuple(data.get("post", ())),
-            tuple((name, bool(flat)) for name, flat in data.get("side", ())),
-        )
+        branches = tuple(Branch.from_dict(branch) for branch in data["branches"])
+        return cls(data["name"], branches, tuple(data.get("post", ())), tuple(map(tuple, data.get("side", ()))))
 
 
 @dataclass(frozen=True)
@@ -163,9 +140,7 @@ class ModelPlan:
     logit_scale: float | None = None  # logits * scale (Cohere)
     logit_divisor: float | None = None  # logits / divisor (Granite)
     logit_softcap: float | None = None  # tanh(logits / cap) * cap (Gemma 2)
-    tuple_output: int = (
-        0  # the layers return a tuple of this length (True: 1) and the base model unpacks it; 0: a tensor
-    )
+    tuple_output: int = 0  # the layers return a tuple of this length and the base model unpacks it; 0: a tensor
     # A module of the first decoder layer whose output replaces the stream it receives (RWKV's `pre_ln`): applied
     # to the embeddings, it makes the first source, as it makes the first stream of the base model.
     stream_start: str | None = None
@@ -185,10 +160,9 @@ class ModelPlan:
         return sum(len(self.kinds[kind]) for kind in self.layer_kinds)
 
     def stream_scales(self) -> tuple[tuple[float, ...], float]:
-        """(P_k for each decoder layer, P for the final norm): how much the base model's stream has been scaled by the
-        layer scalars of the layers before (the product of their `layer_scalars`). Layer k's outputs join the
-        sources divided by P_k and its readers read P_k times their mix, so every source stays in the units of the
-        embedding and, at zero queries, a reader reads exactly the base model's (scaled) stream."""
+        """(P_k per layer, P for the final norm): the product of the earlier layers' `layer_scalars`. Layer k's
+        outputs join the sources divided by P_k and its readers read P_k times their mix, so the sources stay in
+        the embedding's units and, at zero queries, a reader reads exactly the base model's (scaled) stream."""
         scales, product = [], 1.0
         for scalar in self.layer_scalars or (1.0,) * self.num_layers:
             scales.append(product)
@@ -197,24 +171,12 @@ class ModelPlan:
 
     @classmethod
     def from_dict(cls, data: dict) -> ModelPlan:
+        """The plan the config's `structure` records: its fields by name."""
         kinds = tuple(tuple(Sublayer.from_dict(s) for s in kind) for kind in data["kinds"])
-        optional = {
-            k: data[k]
-            for k in ("logit_scale", "logit_divisor", "logit_softcap", "tuple_output", "stream_start")
-            if data.get(k) is not None
-        }
-        if data.get("layer_scalars") is not None:
-            optional["layer_scalars"] = tuple(float(v) for v in data["layer_scalars"])
-        return cls(
-            tuple(data["layer_kinds"]),
-            kinds,
-            float(data["eps"]),
-            data["base_model"],
-            data["layers"],
-            data["final_norm"],
-            data["lm_head"],
-            **optional,
-        )
+        scalars = data.get("layer_scalars")
+        fields = {"kinds": kinds, "layer_kinds": tuple(data["layer_kinds"]), "eps": float(data["eps"])}
+        fields["layer_scalars"] = None if scalars is None else tuple(float(value) for value in scalars)
+        return cls(**{**data, **fields, "tuple_output": int(data.get("tuple_output", 0))})
 
 
 def module_at(root, path: str):

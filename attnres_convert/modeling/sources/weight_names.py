@@ -16,11 +16,9 @@ from __future__ import annotations
 
 import re
 
-from .compat import missing_internal
 
-# The AttnRes tensors' own names, relative to the module that holds them (architectures.py names the sublayers
-# `self_attention`, `mlp`, `mlp_2`...; the output aggregation is `output_attn`).
-# With query_rank > 0 a query module also holds `down` and `up` (the input-dependent part).
+# The AttnRes tensors' own names, relative to the module that holds them (sublayers `self_attention`, `mlp`,
+# `mlp_2`..., the output aggregation `output_attn`; `down` and `up` of input-dependent queries).
 ATTNRES_TENSOR = re.compile(
     r"(?:^|\.)((?:(?:self_attention|mlp)(?:_\d+)?|output_attn)_res_(?:proj\.(?:weight|down|up)|norm\.weight))$"
 )
@@ -45,8 +43,7 @@ class _NameGuard:
         return guarded(super().reverse_transform())
 
 
-# Process-wide on purpose: one guarded subclass per transformers transform class, a pure function of that class
-# (a new subclass per call would give equal transforms different classes). It never goes stale.
+# Process-wide on purpose: one guarded subclass per transform class (a pure function of that class, never stale).
 _GUARDED: dict[type, type] = {}
 
 
@@ -73,12 +70,8 @@ def guard_all(transforms):
 def default_save_conversions(model):
     """What transformers reverts when it saves a model that from_pretrained did not load: the registered rules of
     every base model inside (no legacy rules, no prefix changes), or None where there are none."""
-    try:
-        from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import PrefixChange
-    except ImportError as error:
-        raise missing_internal(
-            "conversion_mapping.get_model_conversion_mapping", "the renaming rules a save reverts"
-        ) from error
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import PrefixChange
+
     conversions = [c for c in get_model_conversion_mapping(model, add_legacy=False) if not isinstance(c, PrefixChange)]
     return conversions or None
