@@ -16,18 +16,14 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from .modeling.modeling_attnres import (
-    INPUT,
+from .modeling.modeling_attnres import (  # noqa: F401 - the plan's records, used with the table
     OUTPUT,
     RAW_STREAM,
-    RESIDUAL,
     TIMES,
     Branch,
     ModelPlan,
     Sublayer,
     module_at,
-    output_of,
-    times_argument,
 )
 
 # Where norm classes keep their eps.

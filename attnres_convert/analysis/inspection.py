@@ -23,12 +23,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..architectures import module_at, times_argument
-from ..errors import SourceError
-from ..depth_controls import record_depth_weights
 from ..block_sizes import source_ranges
-from ..modeling.modeling_attnres import AttnResForCausalLM, AttnResQuery
 from ..conversion.surgery import ConversionSummary, summarize
+from ..depth_controls import record_depth_weights
+from ..errors import SourceError
+from ..modeling.modeling_attnres import AttnResForCausalLM, AttnResQuery, module_at, times_argument
 
 
 @dataclass
@@ -276,13 +275,12 @@ def inspect_source(
         from ..optional import require
 
         require("matplotlib", "--plot (drawing the depth-attention weights)")
-    from ..io.loading import load_any
-    from ..io.samples import SAMPLE_TEXT
+    from ..architectures import UnsupportedModelError, vocab_size_of
+    from ..conversion.convert import refusal
     from ..conversion.surgery import convert_model
     from ..conversion.verify import fit_to_context, sample_input_ids
-
-    from ..conversion.convert import refusal
-    from ..architectures import UnsupportedModelError, vocab_size_of
+    from ..io.loading import load_any
+    from ..io.samples import SAMPLE_TEXT
 
     try:
         loaded = load_any(model, dtype, trust_remote_code)

@@ -18,9 +18,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..architectures import INPUT, RESIDUAL, UnsupportedModelError, Where, is_norm, module_at, output_of, vocab_size_of
-from ..modeling.modeling_attnres import cache_keyword, cache_of
-from ..modeling.modeling_attnres import positional_argnames
+from ..architectures import UnsupportedModelError, Where, is_norm, module_at, vocab_size_of
+from ..modeling.modeling_attnres import INPUT, RESIDUAL, cache_keyword, cache_of, output_of, positional_argnames
 from .single_thread import run_single_threaded
 
 PROBE_TOKENS = 6
