@@ -124,7 +124,7 @@ def user_error_kinds() -> tuple[type[Exception], ...]:
     kinds = [AttnResError]
     for module, name in (
         ("attnres_convert.conversion.surgery", "BlockSizeError"),
-        ("attnres_convert.modeling.architectures", "UnsupportedModelError"),
+        ("attnres_convert.architectures", "UnsupportedModelError"),
     ):
         if module in sys.modules:
             kinds.append(getattr(sys.modules[module], name))

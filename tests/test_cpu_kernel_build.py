@@ -50,7 +50,7 @@ def _holder(name: str, leave_torch_lock: bool) -> subprocess.Popen:
         import sys, time
         from pathlib import Path
         from torch.utils.cpp_extension import _get_build_directory
-        from attnres_convert.modeling.depth_kernels_cpu import _build_lock
+        from attnres_convert.kernels.cpu import _build_lock
         with _build_lock({name!r}):
             if {leave_torch_lock}:
                 (Path(_get_build_directory({name!r}, False)) / "lock").touch()

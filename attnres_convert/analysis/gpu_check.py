@@ -440,6 +440,8 @@ STAGES = [
     Stage("environment", 10, environment),
     Stage("models", 60, models),
     Stage("exactness", 60, exactness),
+    # fla-core's kernels against ours: which one CUDA training uses by default (docs/kernels.md) rests on it.
+    Stage("depth-mix-kernels", 150, lambda check, limit: depth_mix_kernels(check, limit, WHEELS)),
     Stage("bench-eager", 100, bench("eager")),
     Stage("bench-triton", 90, bench("triton"), cuda_only="the Triton kernels run on CUDA tensors"),
     Stage("cuda-tests", 60, cuda_tests),
@@ -447,7 +449,6 @@ STAGES = [
     Stage("bench-compile", 100, bench("eager", compile_=True),
           cuda_only="torch.compile on a CPU builds C++ for minutes; the GPU path is what this measures"),
     Stage("bench-eager-fp32", 60, bench("eager", dtype="float32"), cuda_only="the CPU bench already runs fp32"),
-    Stage("depth-mix-kernels", 150, lambda check, limit: depth_mix_kernels(check, limit, WHEELS)),
 ]
 # --quick on a CPU: tiny shapes, but two loaded cores import torch slowly in every child process.
 QUICK_BUDGETS = {"environment": 30, "models": 60, "exactness": 60, "bench-eager": 150, "cuda-tests": 90, "ab": 200,
