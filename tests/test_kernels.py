@@ -1,4 +1,4 @@
-"""The Triton depth-mix kernels (modeling/depth_triton.py, depth_triton_kernels.py), run on CPU by Triton's interpreter: against the
+"""The Triton depth-mix kernels (kernels/triton.py, triton_kernels.py), run on CPU by Triton's interpreter: against the
 eager path, the plain reference and the original model, forward and backward, float32 and bfloat16,
 prefill, decoding with the KV cache and training, Full AttnRes and a block size that does not divide
 the depth; and the ATTNRES_KERNEL selection. The interpreter runs each program in Python: tiny shapes."""
@@ -117,14 +117,15 @@ def test_training_gradients_match_the_eager_backward(block_size, dtype, table, m
         assert (got[name] - want[name]).abs().max().item() <= tolerance * scale, name
 
 
-def test_converted_folder_ships_the_kernels(tmp_path, monkeypatch):
-    """The kernel file travels with the weights: a from_pretrained(trust_remote_code=True) model runs it."""
+def test_a_converted_folder_runs_the_installed_kernels(tmp_path, monkeypatch):
+    """The kernels stay in the attnres package (a folder ships only its two code files): a
+    from_pretrained(trust_remote_code=True) model runs them where attnres is installed."""
     from transformers import AutoModelForCausalLM
 
     model = _model(3)
     folder = save_converted(copy.deepcopy(model), tmp_path / "converted")
-    for name in ("depth_triton.py", "depth_triton_kernels.py"):
-        assert (folder / name).read_text() == (Path(depth_attention.__file__).parent / name).read_text()
+    assert sorted(path.name for path in folder.glob("*.py")) == ["configuration_attnres.py", "modeling_attnres.py"]
+    assert (folder / "modeling_attnres.py").read_text() == Path(depth_attention.__file__).read_text()
     loaded = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, dtype=torch.float32).eval()
     ids = token_ids(1, 3)
     with torch.no_grad():
@@ -132,28 +133,28 @@ def test_converted_folder_ships_the_kernels(tmp_path, monkeypatch):
             _state_types(loaded, lambda: _with("triton", monkeypatch, lambda: loaded(ids).logits)),
             model(ids).logits,
         )
-    assert states[0].kernels is not None
+    assert type(states[0]).__name__ == "TritonBuffer" and states[0].kernels is not None
     assert (got - want).abs().max().item() <= 1e-4
 
 
 def test_selection(monkeypatch):
     x = torch.zeros(1, 1, 8)
     monkeypatch.setenv("ATTNRES_KERNEL", "eager")
-    assert depth_attention.kernels_for(x) is None
+    assert depth_backends.triton_kernels_for(x) is None
     monkeypatch.setenv("ATTNRES_KERNEL", "auto")
-    assert depth_attention.kernels_for(x) is None  # auto: CPU tensors take the eager path
+    assert depth_backends.triton_kernels_for(x) is None  # auto: CPU tensors take the eager path
     monkeypatch.delenv("ATTNRES_KERNEL")
-    assert depth_attention.kernels_for(x) is None  # auto is the default
+    assert depth_backends.triton_kernels_for(x) is None  # auto is the default
     monkeypatch.setenv("ATTNRES_KERNEL", "triton")
-    assert depth_attention.kernels_for(x) is not None  # CPU tensors in the interpreter
+    assert depth_backends.triton_kernels_for(x) is not None  # CPU tensors in the interpreter
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(RuntimeError, match="needs CUDA tensors .* TRITON_INTERPRET=1"):
-        depth_attention.kernels_for(x)
+        depth_backends.triton_kernels_for(x)
     monkeypatch.setattr(depth_backends, "_KERNELS", [ImportError("No module named 'triton'")])
     with pytest.raises(RuntimeError, match=r"ATTNRES_KERNEL=triton but Triton cannot be imported .*pip install triton"):
-        depth_attention.kernels_for(x)
+        depth_backends.triton_kernels_for(x)
     monkeypatch.setenv("ATTNRES_KERNEL", "auto")
-    assert depth_attention.kernels_for(x) is None  # auto without triton: eager, no error
+    assert depth_backends.triton_kernels_for(x) is None  # auto without triton: eager, no error
     monkeypatch.setenv("ATTNRES_KERNEL", "fast")
-    with pytest.raises(ValueError, match="'fast' is not a kernel choice: use auto .*, triton, cpu or eager"):
-        depth_attention.kernels_for(x)
+    with pytest.raises(ValueError, match="'fast' is not a kernel choice: use one of auto, eager, cpu, triton, fla"):
+        depth_backends.triton_kernels_for(x)

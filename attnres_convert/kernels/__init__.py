@@ -80,7 +80,7 @@ class Kernels(NamedTuple):
 def _import_kernels():
     if not _KERNELS:
         try:
-            from .depth_triton import TritonBuffer, close, mix, mix_backward
+            from .triton import TritonBuffer, close, mix, mix_backward
         except ImportError as error:  # triton not installed (or not importable here)
             _KERNELS.append(error)
         else:

@@ -381,7 +381,7 @@ def mix_backward(grad, keys, m, q, weights, logits, count, block_grad, *, inv_rm
     key = _variant("mix_backward_kernel", grad.device, config, flags, grad, partial, keys)
 
     def probe():
-        make, tokens, device = _random(grad.device), PROBE_TOKENS, grad.device
+        make, tokens = _random(grad.device), PROBE_TOKENS
         keys_ = make(m, tokens, d, dtype=keys.dtype)
         logits_ = make(tokens, n)
         inputs = dict(
