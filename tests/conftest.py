@@ -45,6 +45,22 @@ warnings.warn = warn_as_the_module_caller
 # compile this wrapper and fail on its *args.
 torch.jit._builtins._register_builtin(warn_as_the_module_caller, "aten::warn")
 
+# fla-core is installed for tests/test_fla.py (its depth-mix kernels, in Triton's interpreter). transformers binds a
+# hybrid family's linear-attention functions (Qwen3-Next's gated delta rule, ...) to fla's whenever fla imports,
+# and fla's Triton kernels need a GPU: on CPU the suite's base models keep transformers' own PyTorch functions.
+# Set before any modeling module is imported (the decorator resolves the package at class definition).
+if not torch.cuda.is_available():
+    import transformers.integrations
+    from transformers.integrations import hub_kernels
+
+    _with_fallback = hub_kernels.use_kernel_func_from_hub_with_fallback
+
+    def _without_fla(func_name, package, internal_path=None):
+        return _with_fallback(func_name, "fla_not_on_cpu" if package == "fla" else package, internal_path)
+
+    hub_kernels.use_kernel_func_from_hub_with_fallback = _without_fla
+    transformers.integrations.use_kernel_func_from_hub_with_fallback = _without_fla
+
 # Tiny models are dominated by per-operation overhead, where a second thread only adds contention;
 # tests on the real model ask for two threads themselves (see `two_threads`).
 torch.set_num_threads(1)

@@ -1,9 +1,9 @@
-"""The C++ depth-mix kernels for CPU (modeling/depth_kernels_cpu.py, ATTNRES_KERNEL=cpu): against the original
+"""The C++ depth-mix kernels for CPU (kernels/cpu.py, ATTNRES_KERNEL=cpu): against the original
 model bit for bit at zero queries, against the eager path and the plain reference with random queries, on both
 of their paths (a few-token forward's token-major buffer, and a prefill's source-major buffer with its score
 table), greedy decoding with the KV cache, Full AttnRes and a block size that does not divide the depth; the
-sublayers' norms they fuse (the module's bits, or not fused); every tiny family; the shipped folder; and the
-selection's errors. The first test in a fresh machine compiles them (about 25 s)."""
+sublayers' norms they fuse (the module's bits, or not fused); every tiny family; a converted folder (which ships
+no kernels: it runs the installed package's, and refuses ATTNRES_KERNEL=cpu without it); and the selection's errors. The first test in a fresh machine compiles them (about 25 s)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,9 @@ import torch.utils.cpp_extension
 from attnres_convert.depth_controls import record_depth_weights
 from attnres_convert import convert_model, save_converted
 from attnres_convert.modeling import modeling_attnres as depth_attention
+from attnres_convert import kernels as depth_backends
 from attnres_convert.kernels import cpu as depth_kernels_cpu
+from attnres_convert.kernels.step import StepBuffer
 from test_structure import _reference_llama
 from tiny_models import CONFIGS, randomize_queries, tiny_model, token_ids
 
@@ -78,7 +80,7 @@ def test_bit_for_bit_at_zero_queries_and_close_to_eager_and_reference(block_size
     with torch.no_grad():
         got, state = _final_state(zero, lambda: zero(ids).logits)
         assert state.native is not None  # the kernels ran, not the eager path
-        assert isinstance(state, depth_attention.StepBuffer) == (tokens == FEW)  # the path the tokens parameter names
+        assert isinstance(state, StepBuffer) == (tokens == FEW)  # the path the tokens parameter names
         assert torch.equal(got, original(ids).logits)  # exactness: the stream's own bits
         got = model(ids).logits
         eager = _eager(monkeypatch, lambda: model(ids).logits)
@@ -131,25 +133,26 @@ def test_recorded_weights_and_training_take_the_eager_path(monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(gradients(), _eager(monkeypatch, gradients)))
 
 
-def test_converted_folder_ships_the_cpu_kernels(tmp_path):
+def test_a_converted_folder_runs_the_installed_cpu_kernels(tmp_path):
+    """A folder ships its two code files and no kernels (no C++ source, no kernel module): loaded with
+    trust_remote_code where attnres is installed, it runs the package's C++ kernels."""
     from transformers import AutoModelForCausalLM
 
     model = _model(4)
     folder = save_converted(copy.deepcopy(model), tmp_path / "converted")
-    for name in ("depth_kernels_cpu.py", "depth_kernels_cpu.cpp", "depth_cpu.py"):
-        assert (folder / name).read_text() == (Path(depth_kernels_cpu.__file__).parent / name).read_text(), name
+    assert not list(folder.glob("*.cpp"))
+    assert sorted(path.name for path in folder.glob("*.py")) == ["configuration_attnres.py", "modeling_attnres.py"]
     loaded = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, dtype=torch.float32).eval()
     ids = token_ids(2, MANY)
     with torch.no_grad():
         got, state = _final_state(loaded, lambda: loaded(ids).logits)
-        assert state.native is not None
+        assert type(state).__name__ == "CpuBuffer" and state.native is not None
         assert (got - model(ids).logits).abs().max().item() <= 1e-5
 
 
-def test_a_folder_loaded_without_this_package_builds_the_kernels_from_its_own_source(tmp_path, monkeypatch):
-    """transformers copies only a remote-code model's .py files into its modules cache: the C++ source is read from
-    the folder the model was loaded from, the kernels it builds match the eager path, and saving the loaded model
-    writes the source into the new folder too."""
+def test_a_folder_loaded_without_this_package_refuses_the_cpu_kernels_naming_the_package(tmp_path, monkeypatch):
+    """Without attnres installed, ATTNRES_KERNEL=cpu fails with a message that names the package (never a silent
+    fallback); unset, the folder runs its built-in buffer, whose logits are the package's eager path's."""
     from test_save_load import run_isolated
 
     model = _model(4)
@@ -159,54 +162,39 @@ def test_a_folder_loaded_without_this_package_builds_the_kernels_from_its_own_so
         eager = _eager(monkeypatch, lambda: model(ids).logits)
     torch.save({"ids": ids, "logits": eager}, tmp_path / "expected.pt")
     result = run_isolated(f"""
-        import os, sys
-        from pathlib import Path
+        import os
         os.environ["ATTNRES_KERNEL"] = "cpu"
         from transformers import AutoModelForCausalLM
         model = AutoModelForCausalLM.from_pretrained({str(folder)!r}, trust_remote_code=True, dtype=torch.float32).eval()
-        code = Path(sys.modules[type(model).__module__].__file__).parent
-        assert not (code / "depth_kernels_cpu.cpp").exists(), "the modules cache should hold the .py files only"
+        expected = torch.load({str(tmp_path / "expected.pt")!r})
+        try:
+            with torch.no_grad():
+                model(expected["ids"])
+        except RuntimeError as error:
+            message = str(error)
+        else:
+            raise AssertionError("ATTNRES_KERNEL=cpu ran without the attnres package")
+        assert "ATTNRES_KERNEL=cpu" in message and "pip install attnres" in message, message
+        del os.environ["ATTNRES_KERNEL"]
         states = []
         model.model.norm.register_forward_pre_hook(lambda module, args: states.append(type(args[0]).__name__))
-        expected = torch.load({str(tmp_path / "expected.pt")!r})
         with torch.no_grad():
             got = model(expected["ids"]).logits
-        assert states == ["CpuBuffer"], states
-        difference = (got - expected["logits"]).abs().max().item()
-        assert difference <= {TOLERANCE}, difference
-        model.save_pretrained({str(tmp_path / "again")!r})
+        assert states == ["SourceBuffer"], states
+        assert torch.equal(got, expected["logits"]), (got - expected["logits"]).abs().max().item()
         print("ok")
     """)
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
-    assert (tmp_path / "again" / "depth_kernels_cpu.cpp").read_text() == (folder / "depth_kernels_cpu.cpp").read_text()
 
 
-def test_the_source_is_fetched_from_the_hub_or_named_where_missing(tmp_path, monkeypatch):
-    """A model loaded from the Hub: the source comes from its repository at the loaded revision; where it cannot be
-    found, the error names the file and what to do."""
-    import huggingface_hub
-
-    monkeypatch.setattr(depth_kernels_cpu, "SOURCE_NAME", "not_next_to_the_module.cpp")
-    (tmp_path / "downloaded.cpp").write_text("// the source")
-    calls = []
-
-    def download(repo, name, revision=None):
-        calls.append((repo, name, revision))
-        return str(tmp_path / "downloaded.cpp")
-
-    monkeypatch.setattr(huggingface_hub, "hf_hub_download", download)
-    config = type("Config", (), {"name_or_path": "someone/attnres-model", "_commit_hash": "abc123"})()
-    assert depth_kernels_cpu.source_text(config) == "// the source"
-    assert calls == [("someone/attnres-model", "not_next_to_the_module.cpp", "abc123")]
-
-    def offline(repo, name, revision=None):
-        raise OSError("no connection")
-
-    monkeypatch.setattr(huggingface_hub, "hf_hub_download", offline)
-    with pytest.raises(RuntimeError, match="not_next_to_the_module.cpp.*no connection.*unset ATTNRES_KERNEL"):
-        depth_kernels_cpu.source_text(config)
-    with pytest.raises(RuntimeError, match="not_next_to_the_module.cpp"):
-        depth_kernels_cpu.source_text(type("Config", (), {"name_or_path": str(tmp_path)})())
+def test_the_source_ships_in_the_package():
+    """The C++ source is the package's own file beside kernels/cpu.py (nothing is downloaded), and the build
+    compiles exactly it."""
+    source = Path(depth_kernels_cpu.__file__).with_name(depth_kernels_cpu.SOURCE_NAME)
+    assert source.is_file() and depth_kernels_cpu.source_text() == source.read_text()
+    kernels = depth_kernels_cpu.build()
+    for name in ("step_mix", "buffer_mix", "rms_norm", "close_source"):
+        assert f'module.def("{name}"' in source.read_text() and callable(getattr(kernels, name)), name
 
 
 def test_selection_errors(monkeypatch):
@@ -219,7 +207,7 @@ def test_selection_errors(monkeypatch):
     with torch.no_grad(), pytest.raises(RuntimeError, match="ATTNRES_KERNEL=cpu: .*depend on each token"):
         rank(ids)
     monkeypatch.setenv("ATTNRES_KERNEL", "auto")
-    assert depth_attention.cpu_kernels_for(torch.zeros(1, 1, 8)) is None  # auto never compiles anything
+    assert depth_backends.cpu_kernels_for(torch.zeros(1, 1, 8)) is None  # auto never compiles anything
 
     def broken(*args, **kwargs):
         raise OSError("c++: command not found")
@@ -261,7 +249,8 @@ def test_hidden_states_and_depth_gate_see_every_residual_add(tokens, monkeypatch
         assert max((a - b).abs().max().item() for a, b in zip(got, eager)) <= TOLERANCE
         set_depth_gate(model, 0.5)
         got, state = _final_state(model, lambda: model(ids).logits)
-        assert state.native is not None
+        assert type(state).__name__ == "ControlledState" and state.gate == 0.5  # the gate wraps the kernels' state
+        assert state.inner.native is not None
         eager = _eager(monkeypatch, lambda: model(ids).logits)
         assert (got - eager).abs().max().item() <= TOLERANCE
 
