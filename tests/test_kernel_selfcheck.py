@@ -1,4 +1,4 @@
-"""The Triton kernels' first-use self-check (modeling/depth_triton_check.py), in Triton's interpreter on CPU tensors:
+"""The Triton kernels' first-use self-check (kernels/triton_check.py), in Triton's interpreter on CPU tensors:
 a kernel variant that differs from its PyTorch reference, or fails to compile, runs the reference instead, with one
 warning that names the kernel, the device and the difference; the model's results stay the eager path's."""
 
@@ -18,7 +18,9 @@ pytest.importorskip("triton", reason="the kernel tests need triton (make test in
 from triton.runtime.errors import OutOfResources  # noqa: E402
 
 from attnres_convert import convert_model  # noqa: E402
-from attnres_convert.kernels import triton as depth_triton, triton_check as depth_triton_check, triton_reference as depth_triton_reference  # noqa: E402
+from attnres_convert.kernels import triton as depth_triton  # noqa: E402
+from attnres_convert.kernels import triton_check as depth_triton_check  # noqa: E402
+from attnres_convert.kernels import triton_reference as depth_triton_reference  # noqa: E402
 from tiny_models import randomize_queries, tiny_model, token_ids  # noqa: E402
 
 
