@@ -1,4 +1,4 @@
-"""The C++ kernels' build (modeling/depth_kernels_cpu.py) around torch's compiler call: its lock across processes
+"""The C++ kernels' build (kernels/cpu.py) around torch's compiler call: its lock across processes
 (a lock left by a killed build never hangs a later one; a live build is waited for at most ATTNRES_BUILD_TIMEOUT
 and then named), and the fallback where the compiler has no OpenMP. torch's `load_inline` is replaced by one
 that takes torch's own lock file as torch does, so these run in a second, with or without a compiler."""
