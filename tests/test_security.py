@@ -236,23 +236,12 @@ def test_no_unsafe_deserialisation_anywhere_in_the_package():
 
 
 # What the code saved next to converted weights may import: torch, transformers, its own files (relative
-# imports) and pure-computation parts of the standard library.
+# imports) and pure-computation parts of the standard library. It writes no file and builds no native code: the
+# C++ and Triton kernels stay in the attnres package (kernels/), which the shipped code asks for, where installed,
+# through one import (PACKAGE_IMPORTS), so a folder carries no kernel code of its own (no .cpp, no extension build).
 ALLOWED_STDLIB = {"__future__", "typing", "dataclasses", "collections", "contextlib", "inspect", "math", "enum",
-                  "functools", "itertools", "abc", "numbers", "copy", "types", "operator", "warnings", "os", "re",
-                  "threading",  # threading: get_ident, to keep a decoding loop's buffer per thread
-                  "hashlib", "logging", "time"}  # the CPU kernels' build: its cache name, its message, its duration
-# The one file-writing part: when a model built from a base model's own code is saved, save_pretrained copies
-# that code into the folder it writes (as transformers' own custom_object_save does). Nothing else may.
-SAVE_TIME_WRITERS = {"remote_code.py": {"shutil", "pathlib", "write_text"}}
-# The one native-code part: with ATTNRES_KERNEL=cpu (never by default), the C++ kernels are compiled from the
-# source text in that same file by torch's cpp_extension, into torch's extension cache
-# (test_cpu_kernel_build_compiles_only_its_own_source checks what it builds).
-# The source is depth_kernels_cpu.cpp, read next to the file, in the folder the model was loaded from, or from its
-# Hub repository (huggingface_hub, a dependency of transformers).
-# Its build lock (fcntl: an flock the kernel releases when its holder dies) sits in the extension's build folder,
-# where it also removes (unlink) torch's own lock file left by a build killed midway, which would block every
-# later load of the extension forever.
-NATIVE_BUILDERS = {"depth_kernels_cpu.py": {"cpp_extension", "pathlib", "huggingface_hub", "fcntl", "unlink"}}
+                  "functools", "itertools", "abc", "numbers", "copy", "types", "operator", "warnings", "os", "re"}
+PACKAGE_IMPORTS = {("attnres_convert", "kernels")}  # modeling_attnres.installed_kernels: the installed package's
 # triton: the fused kernels, imported only where it is installed.
 ALLOWED_THIRD_PARTY = {"torch", "transformers", "triton"}
 FORBIDDEN_CALLS = {"open", "eval", "exec", "compile", "__import__", "breakpoint", "input"}
@@ -276,7 +265,9 @@ def test_shipped_code_only_defines_the_model(tmp_path):
     files = _shipped_files(tmp_path)
     from attnres_convert.io.saving import SHIPPED_CODE
 
-    assert sorted(path.name for path in files) == sorted(name for name in SHIPPED_CODE if name.endswith(".py"))
+    assert sorted(path.name for path in files) == sorted(SHIPPED_CODE) == ["configuration_attnres.py", "modeling_attnres.py"]
+    folder = files[0].parent
+    assert not [path.name for path in folder.iterdir() if path.suffix in (".cpp", ".cu", ".so", ".pyd", ".c", ".h")]
     imports, problems = {}, []
     for path in files:
         tree = ast.parse(path.read_text(), filename=path.name)
@@ -287,6 +278,10 @@ def test_shipped_code_only_defines_the_model(tmp_path):
             where = f"{path.name}:{getattr(node, 'lineno', '?')}"
             if isinstance(node, ast.Import):
                 modules = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level and \
+                    {(node.module, alias.name) for alias in node.names} <= PACKAGE_IMPORTS:
+                modules = []  # the installed attnres package's kernels (none in the folder)
+                imports.setdefault(path.name, set()).add(f"{node.module}.{node.names[0].name}")
             elif isinstance(node, ast.ImportFrom):
                 modules = [] if node.level else [node.module or ""]
                 if node.level:
@@ -295,11 +290,10 @@ def test_shipped_code_only_defines_the_model(tmp_path):
                         problems.append(f"{where}: relative import of {node.module}, not shipped")
             else:
                 modules = []
-            writer = SAVE_TIME_WRITERS.get(path.name, set()) | NATIVE_BUILDERS.get(path.name, set())
             for module in modules:
                 imports.setdefault(path.name, set()).add(module)
                 top = module.split(".")[0]
-                if top not in ALLOWED_STDLIB | ALLOWED_THIRD_PARTY | writer:
+                if top not in ALLOWED_STDLIB | ALLOWED_THIRD_PARTY:
                     problems.append(f"{where}: imports {module}")
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in FORBIDDEN_CALLS:
                 problems.append(f"{where}: calls {node.func.id}()")
@@ -307,7 +301,7 @@ def test_shipped_code_only_defines_the_model(tmp_path):
                     and id(node) not in env_reads:
                 problems.append(f"{where}: uses {_dotted(node)} (only os.environ.get is allowed)")
             # Triton's tl.load / tl.store move data between GPU memory and registers, not files.
-            elif isinstance(node, ast.Attribute) and node.attr in FORBIDDEN_ATTRIBUTES - writer and id(node) not in env_reads \
+            elif isinstance(node, ast.Attribute) and node.attr in FORBIDDEN_ATTRIBUTES and id(node) not in env_reads \
                     and not _dotted(node).startswith("tl."):
                 problems.append(f"{where}: uses .{node.attr} ({_dotted(node)})")
             if isinstance(node, ast.Name) and node.id in ("__builtins__", "__loader__", "__spec__"):
@@ -316,6 +310,7 @@ def test_shipped_code_only_defines_the_model(tmp_path):
     # What it does import (kept visible in the test output on failure): torch, transformers, typing helpers.
     everything = set().union(*imports.values())
     assert {"torch", "transformers"} <= {module.split(".")[0] for module in everything}
+    assert "attnres_convert.kernels" in imports["modeling_attnres.py"]  # the one import of the package, allowed above
 
 
 def test_shipped_code_opens_no_file_and_no_connection_at_runtime(tmp_path):
@@ -377,12 +372,12 @@ def test_resume_refuses_a_tampered_checkpoint(tmp_path):
 
 
 def test_cpu_kernel_build_compiles_only_its_own_source(monkeypatch):
-    """The shipped CPU kernels build exactly the C++ text of their own file, and only where ATTNRES_KERNEL=cpu
-    selects them: auto (the default) and eager never reach the compiler."""
+    """The package's CPU kernels (never shipped in a folder) build exactly the C++ text of their own source file, and
+    only where ATTNRES_KERNEL=cpu selects them: auto (the default) and eager never reach the compiler."""
     import torch
     import torch.utils.cpp_extension
 
-    from attnres_convert.modeling import modeling_attnres as depth_attention
+    from attnres_convert import kernels as depth_backends
     from attnres_convert.kernels import cpu as depth_kernels_cpu
 
     calls = []
@@ -391,10 +386,11 @@ def test_cpu_kernel_build_compiles_only_its_own_source(monkeypatch):
     x = torch.zeros(1, 1, 8)
     for mode in ("auto", "eager", ""):
         monkeypatch.setenv("ATTNRES_KERNEL", mode)
-        assert depth_attention.cpu_kernels_for(x) is None
+        assert depth_backends.cpu_kernels_for(x) is None
     assert calls == []
     monkeypatch.setenv("ATTNRES_KERNEL", "cpu")
-    assert depth_attention.cpu_kernels_for(x) == "built"
+    assert depth_backends.cpu_kernels_for(x) == "built"
     (name,), kwargs = calls[0]
     assert name.startswith("attnres_depth_cpu_") and kwargs["cpp_sources"] == [depth_kernels_cpu.source_text()]
+    assert depth_kernels_cpu.source_text() == Path(depth_kernels_cpu.__file__).with_name("depth_kernels_cpu.cpp").read_text()
     assert set(kwargs) == {"cpp_sources", "extra_cflags", "extra_ldflags"}  # no CUDA sources, no extra includes
