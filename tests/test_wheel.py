@@ -77,8 +77,13 @@ def test_the_wheel_holds_the_package_the_recipes_and_no_top_level_cli(installed)
     assert sorted(Path(n).name for n in names if n.startswith("attnres_convert/recipes/") and n.endswith(".yaml")
                   and "/accelerate/" not in n) == shipped
     assert "attnres_convert/cli.py" in names and not any(n == "cli.py" for n in names)
-    for name in ("modeling_attnres.py", "configuration_attnres.py", "architectures.py", "depth_attention.py"):
-        assert f"attnres_convert/modeling/{name}" in names
+    # The code a converted folder ships (two files), and the kernels that stay in the package: the C++ source
+    # is package data, read beside kernels/cpu.py where ATTNRES_KERNEL=cpu builds it (no folder carries it).
+    for name in ("modeling/modeling_attnres.py", "modeling/configuration_attnres.py", "architectures.py",
+                 "transformers_compat.py", "block_sizes.py", "depth_controls.py", "io/base_code.py",
+                 "kernels/__init__.py", "kernels/cpu.py", "kernels/depth_kernels_cpu.cpp", "kernels/step.py",
+                 "kernels/triton.py", "kernels/controls.py"):
+        assert f"attnres_convert/{name}" in names, name
 
 
 def test_the_installed_package_is_the_wheel_not_the_checkout(installed):
