@@ -8,7 +8,9 @@ upgrade moves one, the import fails here, naming the internal, and tests/test_tr
 one test per internal. The few that older releases of the tested range lack are listed in SINCE: the code asks
 `has(name)` and does what such a release needs instead, so a converted folder loads on every tested release.
 
-This file ships next to converted weights: it imports transformers and the standard library only.
+This module is the package's only: the code shipped next to converted weights (modeling/configuration_attnres.py,
+modeling_attnres.py) imports the few internals it needs directly, each of them listed in INTERNALS too (so a move
+fails its test here), and does without what SINCE lists itself (`build_sub_config`, `causal_lm_class` there).
 """
 
 from __future__ import annotations
@@ -16,12 +18,6 @@ from __future__ import annotations
 # The transformers releases the suite runs on (pyproject.toml's range; `make test-lowest` and `make test-latest`
 # test both ends). tests/test_transformers_compat.py checks that the two say the same.
 TESTED_TRANSFORMERS = ">=5.16.1,<6"
-
-# Attributes of transformers' base models that make their own loop act on the hidden states between decoder layers,
-# as an optimisation only, and the value that turns it off: a converted layer hands the next one a depth-attention
-# state, not a tensor. Gemma 4 slices the stream to the positions whose logits are kept before its first KV-shared
-# layer (this attribute's index; with none, it never slices, and computes the same logits at those positions).
-BETWEEN_LAYER_SHORTCUTS: dict[str, object] = {"first_kv_shared_layer_idx": None}
 
 # name: (module, what attnres needs it for)
 INTERNALS: dict[str, tuple[str, str]] = {
@@ -136,7 +132,7 @@ MODULES = {
 # attnres does before it (feature-detected with `has`, never by comparing versions). Every other internal is in
 # every tested release.
 SINCE: dict[str, tuple[str, str]] = {
-    "SubConfigSpec": ("5.20", "the sub-config is named in `sub_configs` and built by the config itself (`build_sub_config`)"),
+    "SubConfigSpec": ("5.20", "the sub-config is named in `sub_configs` and built by the config itself (configuration_attnres.build_sub_config)"),
     "GgufHeader": ("5.17", "the GGUF header is read with gguf's GGUFReader"),
     "load_gguf_state_dict": ("5.17", "the GGUF's tensors are read with gguf's GGUFReader"),
     "is_gguf_arch_supported": ("5.17", "no GGUF architecture has a weight-conversion pipeline: all stream"),
@@ -168,40 +164,6 @@ def has(name: str) -> bool:
     except MissingTransformersInternal:
         return False
     return True
-
-
-def causal_lm_class(config, model_type: str):
-    """The causal-LM class transformers builds for CONFIG (of MODEL_TYPE). Releases before 5.2x map the causal LM
-    of some image-text families' text model (Emu3's, Mllama's) only under the composite config's type (`emu3`), so
-    where CONFIG's class has no entry, the class of an entry whose type MODEL_TYPE starts with and whose
-    `config_class` is CONFIG's class ('emu3_text_model' -> Emu3ForCausalLM under `emu3`)."""
-    import transformers
-
-    mapping = internal("MODEL_FOR_CAUSAL_LM_MAPPING")
-    if type(config) in mapping:
-        return mapping[type(config)]
-    for key, class_name in internal("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES").items():
-        candidate = getattr(transformers, class_name, None) if model_type.startswith(key) else None
-        if candidate is not None and getattr(candidate, "config_class", None) is type(config):
-            return candidate
-    return mapping[type(config)]  # the mapping's own KeyError
-
-
-def build_sub_config(value, default_model_type: str):
-    """VALUE (a config, a dict or None) as the sub-config transformers' SubConfigSpec builds from it, for a config
-    whose transformers has no SubConfigSpec (it then names the sub-config in `sub_configs` only): a dict by its
-    `model_type` (else DEFAULT_MODEL_TYPE), None as that type's defaults. Where transformers has one, VALUE
-    unchanged: transformers builds it."""
-    from transformers import AutoConfig, PreTrainedConfig
-
-    if has("SubConfigSpec") or isinstance(value, PreTrainedConfig):
-        return value
-    if value is None:
-        return AutoConfig.for_model(default_model_type)
-    if not isinstance(value, dict):
-        raise TypeError(f"a sub-config must be a dict, a PreTrainedConfig or None, got {type(value)}")
-    settings = dict(value)
-    return AutoConfig.for_model(settings.pop("model_type", default_model_type), **settings)
 
 
 def __getattr__(name: str):

@@ -1,5 +1,7 @@
-"""Every transformers internal attnres uses is reached through modeling/transformers_compat.py, one test each, so a
-transformers upgrade that moves one fails here under the internal's name (and loading says which one it was)."""
+"""Every transformers internal attnres uses is listed in transformers_compat.py, one test each, so a transformers
+upgrade that moves one fails here under the internal's name (and loading says which one it was). The package reaches
+them through that module; the code shipped next to converted weights (which cannot import the package) imports its
+few directly, each one listed there too."""
 
 import ast
 import re
@@ -11,6 +13,7 @@ import transformers
 from packaging.version import Version
 
 from attnres_convert import transformers_compat
+from attnres_convert.modeling import SHIPPED_CODE, configuration_attnres, modeling_attnres
 from attnres_convert.transformers_compat import INTERNALS, MODULES, SINCE, MissingTransformersInternal, has, internal
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -61,21 +64,24 @@ def test_only_internals_are_optional():
 
 @pytest.mark.parametrize("has_spec", [True, False], ids=["with SubConfigSpec", "before SubConfigSpec"])
 def test_sub_config_built_by_its_model_type(has_spec, monkeypatch):
+    """The shipped config builds its text_config itself where transformers has no SubConfigSpec (SINCE)."""
+    build_sub_config = configuration_attnres.build_sub_config
     if not has_spec:  # as on transformers < 5.20, whichever is installed
-        monkeypatch.setattr(transformers_compat, "has", lambda name: False if name == "SubConfigSpec" else has(name))
+        monkeypatch.setattr(configuration_attnres, "SubConfigSpec", None)
     elif not has("SubConfigSpec"):
         pytest.skip(f"transformers {transformers.__version__} has no SubConfigSpec (since {SINCE['SubConfigSpec'][0]})")
-    gpt2 = transformers_compat.build_sub_config({"model_type": "gpt2", "n_layer": 2}, "llama")
-    default = transformers_compat.build_sub_config(None, "llama")
+    assert (configuration_attnres.SubConfigSpec is not None) == has_spec  # the shipped file found it where it is
+    gpt2 = build_sub_config({"model_type": "gpt2", "n_layer": 2}, "llama")
+    default = build_sub_config(None, "llama")
     if has_spec:  # transformers builds it from the spec: nothing to do
         assert gpt2 == {"model_type": "gpt2", "n_layer": 2} and default is None
     else:
         assert type(gpt2) is transformers.GPT2Config and gpt2.n_layer == 2
         assert type(default) is transformers.LlamaConfig
         assert default.hidden_size == transformers.LlamaConfig().hidden_size
-        assert transformers_compat.build_sub_config(gpt2, "llama") is gpt2
+        assert build_sub_config(gpt2, "llama") is gpt2
         with pytest.raises(TypeError, match="must be a dict, a PreTrainedConfig or None"):
-            transformers_compat.build_sub_config("gpt2", "llama")
+            build_sub_config("gpt2", "llama")
 
 
 def test_every_internal_has_its_module_importer():
@@ -88,24 +94,45 @@ def test_tested_range_is_pyprojects():
     assert declared.split("#")[0].strip().removeprefix("transformers") == transformers_compat.TESTED_TRANSFORMERS
 
 
-def _transformers_imports(path: Path) -> set[str]:
-    modules = set()
+def _transformers_imports(path: Path) -> set[tuple[str, str | None]]:
+    """(module, name) of each transformers import (name None for `import transformers...`)."""
+    imports = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module and node.module.startswith("transformers"):
-            modules.add(node.module)
+            imports |= {(node.module, alias.name) for alias in node.names}
         elif isinstance(node, ast.Import):
-            modules |= {alias.name for alias in node.names if alias.name.startswith("transformers")}
-    return modules
+            imports |= {(alias.name, None) for alias in node.names if alias.name.startswith("transformers")}
+    return imports
+
+
+# The shipped code (generated from modeling/sources/) cannot import the package, so it imports its internals itself.
+SHIPPED = [PACKAGE / "modeling" / name for name in SHIPPED_CODE] + sorted((PACKAGE / "modeling" / "sources").glob("*.py"))
 
 
 def test_no_module_imports_an_internal_directly():
     direct = {
         f"{path.relative_to(ROOT)}: {module}"
         for path in PACKAGE.rglob("*.py")
-        if path.name != "transformers_compat.py"
-        for module in _transformers_imports(path) - PUBLIC_MODULES
+        if path.name != "transformers_compat.py" and path not in SHIPPED
+        for module, _ in _transformers_imports(path)
+        if module not in PUBLIC_MODULES
     }
-    assert not direct, f"import these through modeling/transformers_compat.py: {sorted(direct)}"
+    assert not direct, f"import these through attnres_convert/transformers_compat.py: {sorted(direct)}"
+
+
+def test_every_internal_the_shipped_code_imports_is_listed():
+    """Each internal the shipped files import is one INTERNALS lists from the same module, so its test above fails
+    when transformers moves it; the shipped file actually holds each one it imports (generated, not stale)."""
+    unlisted, found = [], set()
+    for path in SHIPPED:
+        for module, name in _transformers_imports(path):
+            if module in PUBLIC_MODULES:
+                continue
+            found.add(name)
+            if INTERNALS.get(name, (None,))[0] != module:
+                unlisted.append(f"{path.relative_to(ROOT)}: {module}.{name}")
+    assert not unlisted, f"list these in transformers_compat.INTERNALS: {unlisted}"
+    assert {"SubConfigSpec", "MODEL_FOR_CAUSAL_LM_MAPPING", "PrefixChange", "guard_torch_init_functions"} <= found
 
 
 def test_causal_lm_class_found_where_an_older_mapping_keys_it_by_the_composite_type(monkeypatch):
@@ -113,13 +140,13 @@ def test_causal_lm_class_found_where_an_older_mapping_keys_it_by_the_composite_t
     folder (its base config an Emu3TextConfig, base_model_type 'emu3_text_model') builds its base model from the
     entry whose type its type starts with and whose class takes its config."""
     from transformers import Emu3ForCausalLM, Emu3TextConfig, LlamaConfig, LlamaForCausalLM
+    from transformers.models.auto import modeling_auto
 
     older = {LlamaConfig: LlamaForCausalLM}  # no entry for Emu3TextConfig
     names = {"llama": "LlamaForCausalLM", "emu3": "Emu3ForCausalLM", "emu": "NoSuchClassForCausalLM"}
-    real = transformers_compat.internal
-    monkeypatch.setattr(transformers_compat, "internal", lambda name: {
-        "MODEL_FOR_CAUSAL_LM_MAPPING": older, "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES": names}.get(name) or real(name))
-    assert transformers_compat.causal_lm_class(Emu3TextConfig(), "emu3_text_model") is Emu3ForCausalLM
-    assert transformers_compat.causal_lm_class(LlamaConfig(), "llama") is LlamaForCausalLM
+    monkeypatch.setattr(modeling_auto, "MODEL_FOR_CAUSAL_LM_MAPPING", older)
+    monkeypatch.setattr(modeling_auto, "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", names)
+    assert modeling_attnres.causal_lm_class(Emu3TextConfig(), "emu3_text_model") is Emu3ForCausalLM
+    assert modeling_attnres.causal_lm_class(LlamaConfig(), "llama") is LlamaForCausalLM
     with pytest.raises(KeyError):  # nothing takes it: the mapping's own error
-        transformers_compat.causal_lm_class(Emu3TextConfig(), "mllama_text_model")
+        modeling_attnres.causal_lm_class(Emu3TextConfig(), "mllama_text_model")

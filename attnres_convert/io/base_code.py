@@ -27,7 +27,7 @@ def base_code_files(config_cls: type, model_cls: type) -> dict[str, Path]:
     model transformers ships."""
     if not (is_own_code(config_cls) or is_own_code(model_cls)):
         return {}
-    from transformers.dynamic_module_utils import get_relative_import_files
+    from ..transformers_compat import get_relative_import_files
 
     files = {}
     for cls in (config_cls, model_cls):
