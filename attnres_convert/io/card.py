@@ -82,24 +82,36 @@ def front_matter(
     return "---\n" + yaml.safe_dump(meta, sort_keys=False, allow_unicode=True) + "---\n"
 
 
+def shipped_code_lines() -> tuple[tuple[str, ...], int]:
+    """The code files a converted folder ships and their lines together (as the package writes them)."""
+    from ..modeling import SHIPPED_CODE
+
+    folder = Path(__file__).resolve().parent.parent / "modeling"
+    return SHIPPED_CODE, sum(len((folder / name).read_text().splitlines()) for name in SHIPPED_CODE)
+
+
 def _load_section() -> list[str]:
+    files, lines = shipped_code_lines()
     return [
         "## Load it",
         "",
         "```python",
         "from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline",
         "",
-        'model = AutoModelForCausalLM.from_pretrained("PATH_OR_REPO", trust_remote_code=True)',
-        'tokenizer = AutoTokenizer.from_pretrained("PATH_OR_REPO", trust_remote_code=True)',
+        "# Pin the revision you have read: remote code runs as it is at that commit, not as a later push changes it.",
+        'model = AutoModelForCausalLM.from_pretrained("PATH_OR_REPO", revision="COMMIT", trust_remote_code=True)',
+        'tokenizer = AutoTokenizer.from_pretrained("PATH_OR_REPO", revision="COMMIT", trust_remote_code=True)',
         "",
-        'generator = pipeline("text-generation", model="PATH_OR_REPO", trust_remote_code=True)',
+        'generator = pipeline("text-generation", model=model, tokenizer=tokenizer)',
         'print(generator("To be, or not to be", max_new_tokens=20)[0]["generated_text"])',
         "```",
         "",
-        "`trust_remote_code=True` runs the modeling code shipped in this repo (the `.py` files next to the "
-        "weights: `modeling_attnres.py` and its relative imports; Triton kernels are used only where Triton is "
-        "installed, and C++ kernels for CPU are compiled only where `ATTNRES_KERNEL=cpu` asks for them); it needs "
-        "only torch and transformers. The tokenizer is a stock one, but `AutoTokenizer` "
+        f"`trust_remote_code=True` runs the modeling code shipped in this repo: {len(files)} files, "
+        f"{' and '.join(f'`{name}`' for name in files)}, {lines:,} lines together, plain PyTorch and transformers "
+        "(nothing is compiled or downloaded). Read them before you pass the flag, and pin `revision=` to the commit "
+        "you read. Where the `attnres` package is installed, its faster depth-mix kernels are used (and fla-core's "
+        "on CUDA, where installed); without it the model runs and trains on PyTorch alone. The tokenizer is a stock "
+        "one, but `AutoTokenizer` "
         "reads the config first and, without `trust_remote_code=True`, asks whether to run the custom code. "
         "The model type is `attnres`, so tools that do not know it refuse the repo "
         "instead of silently dropping the depth-attention weights.",
