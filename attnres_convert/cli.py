@@ -31,7 +31,9 @@ from attnres_convert.cli_kit import (  # noqa: F401 - shared by every command
     user_errors,
     written_files,
 )
-from attnres_convert.cli_tables import depth_table, eval_table, finetune_table, summary_table, verification_table  # noqa: F401
+from attnres_convert.cli_tables import (  # noqa: F401
+    depth_table, eval_table, finetune_table, generate_note, summary_table, verification_table,
+)
 from attnres_convert.conversion.options import ConvertOptions, OptionsError, canonical_dtype
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -177,6 +179,8 @@ def convert(
     console.print(summary_table(result.summary))
     if result.verification is not None:
         console.print(verification_table(result.verification))
+        if generate_note(result.verification):
+            console.print(generate_note(result.verification), highlight=False)
     if result.verification_budget and (verbose or result.budget_mattered):
         console.print(f"verification {result.verification_budget}", highlight=False)
     console.print(f"[green]Saved[/] {result.source} as Block AttnRes to [bold]{result.output}[/]")

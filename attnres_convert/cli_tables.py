@@ -9,7 +9,8 @@ from rich.table import Table
 
 def verification_table(report) -> Table:
     table = Table(title=f"Verification against the original ({report.tokens} tokens, {report.dtype})")
-    for column in ("max |Δ logit|", "KL (nats)", "top-1 agreement", f"greedy ×{report.new_tokens} (KV cache)", "result"):
+    how = "whole forwards" if getattr(report, "greedy_by", "generate") == "forward" else "KV cache"
+    for column in ("max |Δ logit|", "KL (nats)", "top-1 agreement", f"greedy ×{report.new_tokens} ({how})", "result"):
         table.add_column(column, justify="right")
     greedy = "identical" if report.greedy_identical else f"differs at {report.first_divergence}"
     verdict = "[green]PASS[/]" if report.passed else "[red]FAIL[/]"
@@ -17,6 +18,15 @@ def verification_table(report) -> Table:
         f"{report.max_abs_logit_diff:.2e}", f"{report.kl:.2e}", f"{report.top1_agreement:.2%}", greedy, verdict
     )
     return table
+
+
+def generate_note(report) -> str | None:
+    """What the console says under the verification table when the original could not `generate`."""
+    failure = getattr(report, "generate_failure", None)
+    if failure is None:
+        return None
+    return (f"The original cannot generate ({escape(failure)}): verified on its logits, the greedy tokens from one "
+            "whole forward per token of each model.")
 
 
 def summary_table(summary) -> Table:

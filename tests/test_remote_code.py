@@ -171,6 +171,7 @@ def test_own_code_model_with_its_own_config_names_converts_exactly(tmp_path):
     assert "PASS" in result.output and "identical" in result.output
     config = json.loads((out / "config.json").read_text())
     assert config["stream_width"] == base_config["d_model"] == 48
+    assert "outer_forward" not in config  # its base model takes the standard inputs: the converted model calls it
     structure = config["structure"]
     assert (structure["base_model"], structure["layers"], structure["final_norm"], structure["lm_head"]) == (
         "transformer", "h", "ln_f", "unembed")

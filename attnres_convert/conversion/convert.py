@@ -27,8 +27,9 @@ from .options import ConvertOptions, options_doc, parse_size
 from ..io.saving import atomic_folder, save_converted
 from ..io.sources import ModelSource, load_config, load_model, load_tokenizer, processor_files
 from .streaming import BackgroundPlan, NotStreamable, largest_layer_bytes, stream_input, write_streamed
+from .discovery import check_input_embeddings
 from .surgery import ConversionSummary, convert_model, resolve_block_size, structure_of, summarize
-from .verify import VerificationReport, capture_reference, compare, fit_to_context, sample_input_ids
+from .verify import VerificationReport, capture_reference, compare, fit_to_model, sample_input_ids
 
 Stage = Callable[[str], contextlib.AbstractContextManager]
 SEE_COVERAGE = "`attnres architectures` lists the model types that convert, and why the others do not."
@@ -111,15 +112,25 @@ def convert(
     reference = None
     if opts.verify:
         with stage("Running the original model"):
-            tokens, new_tokens = fit_to_context(base.config, opts.verify_tokens, opts.verify_new_tokens)
-            ids = sample_input_ids(tokenizer, opts.verify_text, tokens, vocab_size_of(base))
-            reference = capture_reference(base, ids, new_tokens)
+            try:
+                check_input_embeddings(base)
+                tokens, new_tokens = fit_to_model(base, opts.verify_tokens, opts.verify_new_tokens)
+                ids = sample_input_ids(tokenizer, opts.verify_text, tokens, vocab_size_of(base))
+                reference = capture_reference(base, ids, new_tokens)
+            except UnsupportedModelError as error:
+                raise UnsupportedModelError(refusal(model_source.name, error)) from error
+            except (RuntimeError, ValueError, TypeError, IndexError, AttributeError) as error:
+                # The model's own code fails on the verification's input, before anything is converted.
+                raise UnsupportedModelError(
+                    f"cannot convert {model_source.name}: the original model failed on the verification's input "
+                    f"({first_line(error, with_type=True)}). {SEE_COVERAGE}"
+                ) from error
     with stage("Converting"):  # finds and proves the layer structure, then converts
         try:
             model = convert_model(base, block_size=block_size, num_blocks=num_blocks, full=full, query_rank=opts.query_rank)
         except UnsupportedModelError as error:
             raise UnsupportedModelError(refusal(model_source.name, error)) from error
-        except (RuntimeError, ValueError, TypeError, IndexError) as error:
+        except (RuntimeError, ValueError, TypeError, IndexError, AttributeError, KeyError, AssertionError) as error:
             # The model's own code failed on the structure probes or the proof (inputs it does not expect): a
             # refusal of this model, with nothing written, not a crash.
             raise UnsupportedModelError(
@@ -130,7 +141,13 @@ def convert(
     report = None
     if reference is not None:
         with stage("Verifying against the original"):
-            report = compare(reference, model)
+            try:
+                report = compare(reference, model)
+            except (RuntimeError, ValueError, TypeError, IndexError, AttributeError, KeyError, AssertionError) as error:
+                raise VerificationError(
+                    f"the converted model failed on the verification's input ({first_line(error, with_type=True)}). "
+                    "Nothing was saved; --no-verify saves it unchecked. Please report the model"
+                ) from error
         _check_verified(report)
     summary = summarize(model)
     output = None

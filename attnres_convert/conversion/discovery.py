@@ -22,9 +22,13 @@ import torch
 from torch import nn
 
 from ..architectures import OUTPUT, RAW_STREAM, TIMES, Branch, ModelPlan, Sublayer, UnsupportedModelError, Where, config_refusal, family_for, is_norm, locate, module_at, norm_eps, reads_raw_stream
+from ..errors import first_line
 from . import stream_settings
 from .proof import LayerFailure, StructureError, prove, relative_difference
-from .trace import LayerCall, ModelTrace, evaluating, first_tensor, probe_hidden, probe_ids, run_probes, trace_layer, trace_model
+from .trace import (
+    LayerCall, ModelTrace, call_model, evaluating, first_tensor, logits_of, probe_hidden, probe_ids, run_probes, trace_layer,
+    trace_model,
+)
 
 CONFIG_EPS_KEYS = ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_epsilon", "norm_eps", "rms_norm_epsilon")
 
@@ -337,6 +341,12 @@ def discover_layer(
         raise _post_norm_refusal(layer, raw_readers[0])
     if any(b.module is None for b in branches):
         lone = next(b for b in branches if b.module is None)
+        if output is calls[lone.norm_call].y_ref or out is calls[lone.norm_call].y_ref:
+            raise UnsupportedModelError(
+                f"the layer returns the output of its norm `{lone.norm}`, and its sublayers read the stream before a norm "
+                "(a post-norm layer, `x = norm(x + sublayer(x))`): AttnRes converts a layer whose sublayers read its "
+                "stream through scale-invariant norms (PreNorm, `x = x + sublayer(norm(x))`)"
+            )
         raise UnsupportedModelError(f"the output of norm `{lone.norm}` feeds no module")
     if not _same(out, streams[-1]):
         streams.append(out)
@@ -474,6 +484,21 @@ def discovered_plan(model: nn.Module, where: Where, trace: ModelTrace, head: dic
     )
 
 
+def check_input_embeddings(model: nn.Module) -> None:
+    """UnsupportedModelError where the causal LM's `get_input_embeddings` gives no token embedding (a model with
+    its own code that defines it nowhere): the probes and the converted model find the embedding through it."""
+    try:
+        embeddings = model.get_input_embeddings()
+        problem = None if isinstance(getattr(embeddings, "weight", None), torch.Tensor) else f"returns {type(embeddings).__name__}"
+    except (AttributeError, NotImplementedError) as error:
+        problem = f"fails ({first_line(error, with_type=True)})"
+    if problem is not None:
+        raise UnsupportedModelError(
+            f"{type(model).__name__}.get_input_embeddings {problem}: the model's code names no token embedding. Define "
+            "get_input_embeddings on the causal LM class (returning its token embedding module), then convert again"
+        )
+
+
 def find_plan(model: nn.Module) -> tuple[ModelPlan, ModelTrace]:
     """The proven structure plan of a loaded causal LM (and the trace it was proven on: the probe's logits
     check the converted model), or UnsupportedModelError saying why not."""
@@ -481,6 +506,7 @@ def find_plan(model: nn.Module) -> tuple[ModelPlan, ModelTrace]:
     refusal = config_refusal(config)
     if refusal:
         raise UnsupportedModelError(refusal)
+    check_input_embeddings(model)
     stream_settings.settle(model)  # traced as the converted model will run
     with evaluating(model):
         try:
@@ -508,7 +534,7 @@ def head_from_logits(model: nn.Module) -> str | None:
         if isinstance(module, nn.Linear)
     ]
     try:
-        logits = model(input_ids=probe_ids(model)).logits
+        logits = logits_of(call_model(model, probe_ids(model)))
     finally:
         for hook in hooks:
             hook.remove()

@@ -5,6 +5,7 @@ The base model's modules are adopted, not copied, so converting costs no second 
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 from torch import nn
@@ -23,11 +24,12 @@ from ..block_sizes import default_block_size
 from ..io.saving import register_auto_classes
 from ..modeling import SHIPPED_CODE
 from ..modeling.configuration_attnres import AttnResConfig
-from ..io.base_code import BASE_CODE, base_code_files
+from ..io.base_code import BASE_CODE, base_code_files, is_own_code
 from ..modeling.modeling_attnres import (
     AttnResForCausalLM,
     AttnResKeyNorm,
     AttnResQuery,
+    cache_keyword,
     output_num_sources,
     plan_sublayers,
 )
@@ -170,6 +172,8 @@ def convert_model(
         text_config=config, block_size=size, source_scaling=source_scaling, structure=plan_to_dict(plan), query_rank=query_rank,
         stream_width=_stream_width(base_model, plan, trace),
     )
+    if runs_outer_forward(base_model, plan, trace):
+        attn_config.outer_forward = True
     attn_config._attn_implementation = attn_implementation
     if experts_implementation is not None:
         attn_config.text_config._experts_implementation = experts_implementation
@@ -177,12 +181,34 @@ def convert_model(
     _mark_initialized(base_model)
     register_auto_classes()  # so that model.save_pretrained writes a folder that loads anywhere
     model = AttnResForCausalLM(attn_config, base_model=base_model)
-    model.generation_config = base_model.generation_config
+    if getattr(base_model, "generation_config", None) is not None:  # none where the class cannot generate
+        model.generation_config = base_model.generation_config
     model.name_or_path = base_model.name_or_path
     model.train(base_model.training)
     if trace is not None and source_scaling == "count":  # "mean" is meant to differ (models trained from scratch)
         check_converted(model, trace)
     return model
+
+
+# What the converted model passes the base model (modeling_attnres.AttnResForCausalLM.forward), besides its cache.
+BASE_MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", "inputs_embeds", "use_cache")
+
+
+def runs_outer_forward(base_model: PreTrainedModel, plan: ModelPlan, trace) -> bool:
+    """Whether the converted model must run the base causal LM's own forward on its modules (config
+    `outer_forward`) instead of calling the base model itself: a model with its own code whose base model (a plain
+    module, often) does not take the inputs transformers' base models take (`forward(idx)`: no mask, no cache, its
+    own names) or returns its hidden states bare, not as a model output. The outer forward calls it its own way."""
+    if trace is None or not is_own_code(type(base_model)):  # transformers' models: the call the shipped code makes
+        return False
+    base = module_at(base_model, plan.base_model)
+    try:
+        parameters = inspect.signature(base.forward).parameters
+    except (TypeError, ValueError):
+        return True
+    takes_all = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+    wanted = (*BASE_MODEL_INPUTS, cache_keyword(base.forward))
+    return not trace.base_output or not (takes_all or all(name in parameters for name in wanted))
 
 
 def _stream_width(base_model: PreTrainedModel, plan: ModelPlan, trace) -> int:

@@ -34,6 +34,61 @@ def first_tensor(value):
     return getattr(value, "last_hidden_state", None)
 
 
+# --- calling a causal LM as its own forward takes its inputs ----------------------------------------
+
+
+def _forward_parameters(model: nn.Module):
+    try:
+        return inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return None
+
+
+def takes_input(model: nn.Module, name: str) -> bool:
+    """Whether MODEL's forward takes the keyword NAME (it names it, or takes **kwargs)."""
+    parameters = _forward_parameters(model)
+    if parameters is None:
+        return True
+    return name in parameters or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+
+
+def call_model(model: nn.Module, ids: torch.Tensor, **inputs):
+    """MODEL on token IDS, as its own forward takes them: under `input_ids` where it names that, else as its first
+    argument (a model with its own code: `forward(tokens)`, `forward(idx, targets=None)`); INPUTS (`use_cache`...)
+    only where it takes them, and left out where a forward that takes **kwargs passes them on to a module that
+    does not."""
+    parameters = _forward_parameters(model)
+    given = {name: value for name, value in inputs.items() if takes_input(model, name)}
+    by_name = parameters is None or "input_ids" in parameters
+
+    def run(extra):
+        return model(input_ids=ids, **extra) if by_name else model(ids, **extra)
+
+    if not given:
+        return run({})
+    try:
+        return run(given)
+    except TypeError as error:
+        if "argument" not in str(error):
+            raise
+        return run({})
+
+
+def logits_of(output) -> torch.Tensor:
+    """The logits in a causal LM's output: its `logits`, or, from a model with its own code, the output itself (a
+    tensor) or the first 3-d tensor of the tuple it returns (`logits, loss`)."""
+    logits = output.get("logits") if isinstance(output, dict) else getattr(output, "logits", None)
+    if isinstance(logits, torch.Tensor):
+        return logits
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, (tuple, list)):
+        found = next((v for v in output if isinstance(v, torch.Tensor) and v.dim() == 3), None)
+        if found is not None:
+            return found
+    raise UnsupportedModelError(f"its forward returns {type(output).__name__}, in which there are no logits")
+
+
 # --- the real call arguments of every layer --------------------------------------------------------
 
 
@@ -81,6 +136,9 @@ class ModelTrace:
     last_hidden: torch.Tensor
     tuple_output: int  # the length of the tuples the layers return (0: a tensor)
     step_logits: torch.Tensor | None = None  # one decoding step after the probe, with the KV cache
+    # The base model returned a model output with `last_hidden_state` (not a bare tensor): what the converted
+    # model's own call of the base model reads (see surgery.runs_outer_forward).
+    base_output: bool = True
 
 
 def probe_ids(model: nn.Module, tokens: int = PROBE_TOKENS) -> torch.Tensor:
@@ -132,13 +190,19 @@ def trace_model(model: nn.Module, where: Where) -> ModelTrace:
     for name, module in base.named_modules():
         if name and id(module) not in inside and module is not layers:
             hooks.append(module.register_forward_pre_hook(reader(name), with_kwargs=True))
-    hooks.append(base.register_forward_hook(lambda m, a, o: last_hidden.append(first_tensor(o))))
+    base_outputs: list = []
+
+    def after_base(module, args, output):
+        last_hidden.append(first_tensor(output))
+        base_outputs.append(getattr(output, "last_hidden_state", None) is not None)
+
+    hooks.append(base.register_forward_hook(after_base))
     # Some causal LMs call a submodule of the base model (OPT: model.decoder); the head's input then stands
     # in for the base model's output.
     head_input: list[torch.Tensor] = []
     hooks.append(module_at(model, where.lm_head).register_forward_pre_hook(lambda m, a: head_input.append(a[0])))
     try:
-        output = model(input_ids=probe_ids(model), use_cache=True)
+        output = call_model(model, probe_ids(model), use_cache=True)
     finally:
         for hook in hooks:
             hook.remove()
@@ -149,8 +213,9 @@ def trace_model(model: nn.Module, where: Where) -> ModelTrace:
     name = readers[0] if readers else None
     final_norm = name if name is not None and is_norm(module_at(base, name)) else None
     return ModelTrace(
-        calls, final_norm, name, output.logits.float(), (last_hidden or head_input)[0],
+        calls, final_norm, name, logits_of(output).float(), (last_hidden or head_input)[0],
         tuple_output[0] if tuple_output else 0, one_more_token_logits(model, output),
+        base_output=not base_outputs or base_outputs[0],  # OPT's causal LM calls a submodule of its base model
     )
 
 

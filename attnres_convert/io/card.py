@@ -180,17 +180,23 @@ def _conversion_section(summary) -> list[str]:
 def _verification_section(report) -> list[str]:
     if report is None:
         return []
-    return [
+    failure = getattr(report, "generate_failure", None)
+    how = "KV cache" if failure is None else "one whole forward per token"
+    lines = [
         "## Verification against the original",
         "",
         f"On {report.tokens} tokens of sample text, {report.dtype}, right after conversion:",
         "",
-        "| max abs logit diff | KL (nats) | top-1 agreement | greedy generation (KV cache) |",
+        f"| max abs logit diff | KL (nats) | top-1 agreement | greedy generation ({how}) |",
         "|---|---|---|---|",
         f"| {report.max_abs_logit_diff:.2e} | {report.kl:.2e} | {report.top1_agreement:.2%} | "
         f"{'identical' if report.greedy_identical else 'differs'} over {report.new_tokens} tokens |",
         "",
     ]
+    if failure is not None:
+        lines += [f"The original model cannot `generate` (`{failure}`): it was verified on its logits, the greedy tokens "
+                  "coming from one whole forward per token of each model.", ""]
+    return lines
 
 
 def _inspect_section() -> list[str]:

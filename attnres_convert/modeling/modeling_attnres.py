@@ -1092,7 +1092,7 @@ def attach_depth_attention(causal_lm: nn.Module, config: AttnResConfig, plan: Mo
     plans = plan_sublayers(plan.num_sublayers, config.block_size)
     capacity = output_num_sources(plan.num_sublayers, config.block_size)
     eps = plan.eps
-    reference = base.get_input_embeddings().weight
+    reference = causal_lm.get_input_embeddings().weight  # the causal LM's: a plain-module base may have none
     factory = {"device": reference.device, "dtype": reference.dtype}
     # Recorded at conversion, read from the layers; else the config's (a composite's: its language model's).
     hidden = config.stream_width or text_config.get_text_config().hidden_size
@@ -1209,14 +1209,16 @@ def fill_unsaved_buffers(model: nn.Module) -> None:
     checkpoint does not hold and transformers skips in custom code; loaded tensors are left alone."""
     plan = model.__dict__.get("_attnres_plan")
     base = module_at(model, plan.base_model) if plan is not None else None
-    if not isinstance(base, PreTrainedModel):
+    # A base model that is a plain module (a model's own code): its causal LM class's init, on the converted model
+    owner = base if isinstance(base, PreTrainedModel) else model._base_view() if base is not None else None
+    if owner is None:
         return
     from transformers.initialization import guard_torch_init_functions
 
     with guard_torch_init_functions():  # torch.nn.init calls respect `_is_hf_initialized` too
         for module in base.modules():
             if module is base or getattr(module, "_non_persistent_buffers_set", None):
-                base._init_weights(module)
+                owner._init_weights(module)
 
 
 # What a base model's output holds that the causal-LM output already carries its own way.
@@ -1258,14 +1260,25 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
     def _prepare_cache_for_generation(self, *args, **kwargs):
         # Mamba's `cache_params` (transformers < 5.24): generate makes it by the model's class, so the base class asks.
         if self._attnres_cache_keyword == RECURRENT:
-            return self._attnres_base_class._prepare_cache_for_generation(self._base_view(), *args, **kwargs)
+            return self._base_call("_prepare_cache_for_generation", *args, **kwargs)
         return super()._prepare_cache_for_generation(*args, **kwargs)
 
     def get_input_embeddings(self):
-        return module_at(self, self._attnres_plan.base_model).get_input_embeddings()
+        base = module_at(self, self._attnres_plan.base_model)  # a plain-module base: the causal LM class's way
+        return (
+            base.get_input_embeddings()
+            if hasattr(base, "get_input_embeddings")
+            else self._base_call("get_input_embeddings")
+        )
 
     def set_input_embeddings(self, value):
-        module_at(self, self._attnres_plan.base_model).set_input_embeddings(value)
+        base = module_at(self, self._attnres_plan.base_model)
+        base.set_input_embeddings(value) if hasattr(base, "set_input_embeddings") else self._base_call(
+            "set_input_embeddings", value
+        )
+
+    def _base_call(self, name: str, *args, **kwargs):
+        return getattr(self._attnres_base_class, name)(self._base_view(), *args, **kwargs)
 
     def get_output_embeddings(self):
         return module_at(self, self._attnres_plan.lm_head)
@@ -1284,12 +1297,12 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
         return view
 
     def prepare_inputs_for_generation(self, *args, **kwargs):
-        return self._attnres_base_class.prepare_inputs_for_generation(self._base_view(), *args, **kwargs)
+        return self._base_call("prepare_inputs_for_generation", *args, **kwargs)
 
     def _update_model_kwargs_for_generation(self, *args, **kwargs):
         # A base model that keeps its state under its own name (RWKV's `state`) carries it from step to step here.
         if self._attnres_own_state:
-            return self._attnres_base_class._update_model_kwargs_for_generation(self._base_view(), *args, **kwargs)
+            return self._base_call("_update_model_kwargs_for_generation", *args, **kwargs)
         return super()._update_model_kwargs_for_generation(*args, **kwargs)
 
     def _supports_default_dynamic_cache(self) -> bool:
@@ -1325,6 +1338,10 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
                         "recurrent family before transformers renamed it, `cache_params`."
                     )
                 cache = older
+        if getattr(self.config, "outer_forward", False):  # see _outer_forward
+            inputs = dict(kwargs, attention_mask=attention_mask, position_ids=position_ids, inputs_embeds=inputs_embeds)
+            inputs.update(use_cache=use_cache, **{self._attnres_cache_keyword: cache})
+            return self._outer_forward(input_ids, labels, logits_to_keep, inputs)
         output_hidden_states = kwargs.pop("output_hidden_states", None) or self.config.output_hidden_states
         kwargs.pop("return_dict", None)
         plan = self._attnres_plan
@@ -1374,6 +1391,23 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
                 if outputs.get(name) is not None:
                     result[name] = outputs[name]
         return result
+
+    def _outer_forward(self, input_ids, labels, logits_to_keep, inputs: dict) -> CausalLMOutputWithPast:
+        """The base causal LM's own forward on these modules (config `outer_forward`): a base model of its own code
+        called its own way (no mask or cache, its own argument names), the logits read from whatever it returns."""
+        forward = self._attnres_base_class.forward
+        parameters = inspect.signature(forward).parameters
+        takes_all = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+        given = {k: v for k, v in inputs.items() if v is not None and (takes_all or k in parameters)}
+        ids = {"input_ids": input_ids} if "input_ids" in parameters else {}
+        outputs = forward(self._base_view(), *(() if ids else (input_ids,)), **ids, **given)
+        logits = outputs if isinstance(outputs, torch.Tensor) else getattr(outputs, "logits", None)
+        if logits is None:  # a tuple: (logits, loss)
+            logits = next(v for v in outputs if isinstance(v, torch.Tensor) and v.dim() == 3)
+        if logits_to_keep:
+            logits = logits[:, slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep]
+        loss = None if labels is None else self.loss_function(logits=logits, labels=labels, vocab_size=logits.shape[-1])
+        return CausalLMOutputWithPast(loss=loss, logits=logits, **{INSTALLED: cache_of(outputs)})
 
     def _record_streams(self, base) -> tuple[list, list]:
         """Hidden states as the base model defines them (embeddings, each layer's output stream, final normed state)."""
