@@ -67,7 +67,7 @@ def _section(name: str, tree: ast.Module, lines: list[str]) -> tuple[str, list[a
     text = "".join(line for index, line in enumerate(lines) if index not in skip).strip("\n")
     summary = docstring.strip().split("\n\n")[0]  # the first paragraph: the whole text is in the source
     comment = "\n".join(f"# {line}".rstrip() for line in summary.splitlines())
-    rule = f"# {'-' * 4} {name} {'-' * (112 - len(name))}"
+    rule = f"# {'-' * 4} sources/{name}.py {'-' * (101 - len(name))}"
     defined = set()
     for node in body:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
@@ -77,7 +77,7 @@ def _section(name: str, tree: ast.Module, lines: list[str]) -> tuple[str, list[a
                 for leaf in ast.walk(target):
                     if isinstance(leaf, ast.Name):
                         defined.add(leaf.id)
-    return f"{rule}\n{comment}\n\n{text}\n", imports, defined - {"__all__"}
+    return f"{rule}\n{comment}\n{text}\n", imports, defined - {"__all__"}
 
 
 def _gather(

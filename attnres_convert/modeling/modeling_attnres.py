@@ -26,10 +26,9 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from .configuration_attnres import AttnResConfig
 
 
-# ---- compat ----------------------------------------------------------------------------------------------------------
+# ---- sources/compat.py -----------------------------------------------------------------------------------------------
 # The transformers internals the model uses beyond its public API, imported where they are used (a release that
 # moved one fails there with transformers' own ImportError, naming it).
-
 # Attributes that make a base model's loop act on the hidden states between layers as an optimisation only, and the
 # value that turns it off (a converted layer hands on a state, not a tensor): Gemma 4's slicing before KV sharing.
 BETWEEN_LAYER_SHORTCUTS: dict[str, object] = {"first_kv_shared_layer_idx": None}
@@ -51,9 +50,8 @@ def causal_lm_class(config, model_type: str):
     return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]  # the mapping's own KeyError
 
 
-# ---- cache_names -----------------------------------------------------------------------------------------------------
+# ---- sources/cache_names.py ------------------------------------------------------------------------------------------
 # The name of the KV cache, as the installed transformers spells it (renamed from `past_key_values` to `cache`).
-
 CURRENT = "cache"
 LEGACY = "past_key_values"
 RECURRENT = "cache_params"  # a recurrent family's own name before the rename (transformers < 5.24)
@@ -82,9 +80,8 @@ def cache_of(output) -> object | None:
     return next((getattr(output, name) for name in (CURRENT, LEGACY) if name in fields), None)
 
 
-# ---- weight_names ----------------------------------------------------------------------------------------------------
+# ---- sources/weight_names.py -----------------------------------------------------------------------------------------
 # Keep the AttnRes tensors' names out of reach of the base model's checkpoint renaming rules.
-
 # The AttnRes tensors' own names, relative to the module that holds them (sublayers `self_attention`, `mlp`,
 # `mlp_2`..., the output aggregation `output_attn`; `down` and `up` of input-dependent queries).
 ATTNRES_TENSOR = re.compile(
@@ -145,9 +142,8 @@ def default_save_conversions(model):
     return conversions or None
 
 
-# ---- structure -------------------------------------------------------------------------------------------------------
+# ---- sources/structure.py --------------------------------------------------------------------------------------------
 # Which modules form each residual sublayer: the plan the forward executes.
-
 @dataclass(frozen=True)
 class Branch:
     # Attribute of the decoder layer: the PreNorm that reads the residual stream; "" (RAW_STREAM) where the module
@@ -189,8 +185,7 @@ class Branch:
         return cls(**{**data, **fields})
 
     def call_kwargs(self, layer_kwargs: dict, x) -> dict:
-        """The keyword arguments the module takes, from those the decoder layer was called with (X: the module's
-        input, for the markers below)."""
+        """The keyword arguments the module takes, from the layer's (X: the module's input, for the markers below)."""
         return _kwargs(self.arguments, self.constants, layer_kwargs, x)
 
     def post_kwargs(self, post: str, layer_kwargs: dict, x) -> dict | None:
@@ -257,9 +252,8 @@ class Sublayer:
 
 @dataclass(frozen=True)
 class ModelPlan:
-    """Where a causal LM keeps its decoder stack, final norm and head (attribute paths, dotted where nested),
-    and every decoder layer's sublayers: `kinds` lists the distinct layer layouts, `layer_kinds` the layout
-    of each layer. Serialised into the converted config as `structure`."""
+    """Where a causal LM keeps its decoder stack, final norm and head (dotted attribute paths), and each layer's
+    sublayers: `kinds`, the distinct layouts, `layer_kinds`, each layer's. The converted config's `structure`."""
 
     layer_kinds: tuple[int, ...]
     kinds: tuple[tuple[Sublayer, ...], ...]
@@ -311,8 +305,7 @@ class ModelPlan:
 
 
 def module_at(root, path: str):
-    """The submodule at a dotted attribute path ("model.decoder.layers"). A plain child name is read from the
-    module's dict first: this runs for every branch of every sublayer in every forward."""
+    """The submodule at a dotted attribute path; a plain child name from the module's dict (every forward's lookup)."""
     if not path:
         return root
     if "." not in path:
@@ -321,9 +314,8 @@ def module_at(root, path: str):
     return functools.reduce(getattr, path.split("."), root)
 
 
-# ---- block_plan ------------------------------------------------------------------------------------------------------
+# ---- sources/block_plan.py -------------------------------------------------------------------------------------------
 # The block structure of Block Attention Residuals: which sources each reader reads.
-
 class SublayerPlan(NamedTuple):
     index: int  # 1-based position in execution order
     closes_block: bool  # the partial sum becomes a completed block just before this sublayer reads
@@ -343,10 +335,9 @@ def output_num_sources(num_sublayers: int, block_size: int) -> int:
     return 1 + -(-num_sublayers // block_size)
 
 
-# ---- depth_math ------------------------------------------------------------------------------------------------------
+# ---- sources/depth_math.py -------------------------------------------------------------------------------------------
 # The math: a reader mixes its sources k_i (embedding, completed blocks, partial sum) as h = n * sum_i alpha_i k_i,
 # alpha = softmax_i((w * g) . k_i / rms(k_i)) in float32; at w = 0 that is the exact residual sum.
-
 def inverse_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
     # One reduction pass (no squared copy of x to write, keep for backward and read back).
     x = x.float()
@@ -354,9 +345,7 @@ def inverse_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def pseudo_query(query: torch.Tensor, key_norm_weight: torch.Tensor) -> torch.Tensor:
-    """(w * g): the key norm's weight folds into the query, since (w * g) . (k / rms(k)) is
-    ((w * g) . k) * inv_rms(k). float32, shape [D] (or [R, D] for R stacked queries [R, 1, D] and key
-    norms [R, D])."""
+    """(w * g), float32 [D] (or [R, D]): (w * g) . (k / rms(k)) is ((w * g) . k) * inv_rms(k)."""
     return query.reshape(key_norm_weight.shape).float() * key_norm_weight.float()
 
 
@@ -380,12 +369,9 @@ def token_queries(stream, query, key_norm_weight, down, up, eps: float) -> torch
 
 
 def mix_blocks(keys, inv_rms, partial, stream, q, eps: float, scaling: str, table=None):
-    """The depth mix over completed blocks keys [BT, m, D] with their 1 / rms [BT, m] (or their scores, `table`)
-    and the partial sum, for q the folded query [D] or one per token [BT, D]. Returns the mix in the stream's
-    shape and dtype, the weights and scores [BT, n], and the partial's 1 / rms ([BT] or None).
-
-    "count": h = n * sum_i alpha_i k_i = H + sum_i (n alpha_i - 1) k_i (the sources sum to the stream H), computed
-    so: at zero queries the base model's own stream bit for bit, with its own rounding."""
+    """The mix over completed blocks keys [BT, m, D] (1/rms [BT, m], or their scores `table`) and the partial sum,
+    for q [D] or [BT, D]: (mix, weights [BT, n], scores, the partial's 1/rms). "count": n * sum_i alpha_i k_i as
+    H + sum_i (n alpha_i - 1) k_i (H the stream): at zero queries the base model's stream bit for bit."""
     m, d = keys.shape[-2], keys.shape[-1]
     # Completed blocks: cached statistics, one product. The partial sum is the only source that changed
     # since the last block boundary; its score joins before one softmax over the few sources of a token.
@@ -424,14 +410,9 @@ def join(partial: torch.Tensor | None, stream: torch.Tensor, output: torch.Tenso
 
 
 class BlockState(NamedTuple):
-    """The plain-tensor state, differentiated by autograd and traced by torch.compile: an immutable value passed
-    from layer to layer (never stored on a module), so gradient checkpointing replays see the forward's state.
-
-    blocks:  [B, T, m, D] float32, the embedding and every completed block (converted once, when it completes).
-    inv_rms: [B, T, m]    their 1 / rms, computed once, not once per reader.
-    partial: [B, T, D]    running sum of the current block's outputs (model dtype), or None after a boundary.
-    stream:  [B, T, D]    the plain residual stream, accumulated as the base model adds (see `mix_blocks`).
-    """
+    """The plain-tensor state (autograd, torch.compile), an immutable value passed from layer to layer, so gradient
+    checkpointing replays see the forward's state. blocks [B, T, m, D] float32 (embedding, completed blocks) with
+    their inv_rms [B, T, m]; partial [B, T, D] (model dtype) or None; stream, as the base model adds it."""
 
     blocks: torch.Tensor
     inv_rms: torch.Tensor
@@ -482,22 +463,15 @@ class BlockState(NamedTuple):
         return self.stream
 
 
-# ---- depth_buffers ---------------------------------------------------------------------------------------------------
+# ---- sources/depth_buffers.py ----------------------------------------------------------------------------------------
 # The inference buffer (no autograd): every source of a forward in one preallocated float32 buffer, written in place,
 # source-major. The attnres package's kernels subclass it (a token-major buffer for decoding steps, C++, Triton).
-
 class SourceBuffer:
-    """The state of a forward without autograd (in-place updates): a block boundary is a counter increment, a reader's
-    sources are a view, the partial sum accumulates in its slot; each source is one contiguous tensor.
-
-    sources:     [K, B, T, D] float32: completed sources in slots [0, count), the partial sum in slot `count`.
-    inv_rms:     [K, B, T] 1 / rms of the completed sources, written once when a source completes.
-    scores:      [K, B, T, R] with `queries` (every reader's folded query [R, D]): each completed source scored by
-                 every reader when it completes (phase 1 of the two-phase mix); a reader adds only its partial
-                 sum's score (phase 2).
-    shared_stream: for a float32 model the stream is the buffer's last slot, so an output joins the partial sum and
-                 the stream in one add over a view of both (the partial slots start at zero).
-    """
+    """The state of a forward without autograd, updated in place. sources [K, B, T, D] float32: the completed sources
+    in slots [0, count), the partial sum in slot `count`; inv_rms [K, B, T] their 1/rms; scores [K, B, T, R] (with
+    `queries` [R, D]): each completed source scored by every reader as it completes (phase 1 of the two-phase mix;
+    a reader scores only its partial sum, phase 2). shared_stream: the stream is the last slot (float32 models), so
+    an output joins the partial sum and the stream in one add."""
 
     __slots__ = ("sources", "inv_rms", "count", "has_partial", "stream", "queries", "scores", "shared_stream")
     zeroed = True  # partial sums start by adding to zeros where the stream is shared (see `start`)
@@ -609,9 +583,8 @@ def _chained_mix(stream: torch.Tensor, weights: torch.Tensor, sources: torch.Ten
     return mixed.to(stream.dtype)
 
 
-# ---- depth_state -----------------------------------------------------------------------------------------------------
+# ---- sources/depth_state.py ------------------------------------------------------------------------------------------
 # Block Attention Residuals behind one contract: the state a decoder layer threads through its sublayers.
-
 KERNEL_ENV = "ATTNRES_KERNEL"
 KERNEL_CHOICES = ("auto", "eager", "cpu", "triton", "fla")
 KERNEL_API = 1  # the contract with the attnres package's kernels: a package with another is not used
@@ -642,14 +615,12 @@ def kernel_mode() -> str:
     return mode
 
 
-# Process-wide on purpose: whether the attnres package is importable is the same for every model in the process,
-# and a failed import is not retried at every forward.
+# Process-wide on purpose: the package is importable or not for every model; a failed import is not retried.
 _INSTALLED: list = []
 
 
 def installed_kernels():
-    """The attnres package's kernels (attnres_convert.kernels), where it is installed and follows KERNEL_API;
-    else None."""
+    """The attnres package's kernels, where it is installed and follows KERNEL_API; else None."""
     if not _INSTALLED:
         try:
             from attnres_convert import kernels
@@ -672,9 +643,8 @@ def wants_queries() -> bool:
 
 
 def start_state(embeddings, eps: float, capacity=None, queries=None, token_queries=False, runtime=None) -> DepthState:
-    """The state of one forward, the embedding its first source. `capacity`: the most sources any reader has.
-    `queries`: all readers' folded queries [R, D], for the score table (the two-phase mix). `token_queries`: the
-    queries depend on each token's input (query_rank > 0), which only BlockState computes."""
+    """A forward's state, the embedding its first source; `capacity`: the most sources of a reader; `queries`: every
+    reader's folded query [R, D] (the score table); `token_queries`: input-dependent queries (BlockState only)."""
     mode = kernel_mode()  # read once: a decoding step pays for every lookup
     state = _state_for(embeddings, eps, capacity, queries, token_queries, runtime, mode)
     if runtime is not None and (runtime.recorders or runtime.gate != 1.0):  # set by attnres's training or inspection
@@ -707,10 +677,8 @@ def _state_for(embeddings, eps: float, capacity, queries, token_queries: bool, r
 
 
 def depth_mix(state, query, key_norm_weight, eps: float, scaling="count", reader=None, projection=None, norm=()):
-    """The input of one sublayer (or of the final norm): attention over the state's sources, with the pseudo-query
-    w and key norm g (or, g None, the folded query), or the reader's row of the state's queries. `projection`:
-    (A, B) of an input-dependent query. `norm`: a state's form of the sublayer's norm (`fuse_norm`), applied to
-    the mix in the same pass."""
+    """A sublayer's (or the final norm's) input: attention over the state's sources with w and g (g None: folded),
+    or the reader's row of the state's queries; `projection` (A, B) of an input-dependent query; `norm`: `fuse_norm`."""
     if projection is not None:  # a BlockState's (start_state with token_queries)
         return state.mix_token_queries(query, key_norm_weight, projection, eps, scaling)
     if reader is not None and state.queries is not None:
@@ -730,10 +698,9 @@ class ModelRuntime:
         self.steps: dict = {}
 
 
-# ---- depth_modules ---------------------------------------------------------------------------------------------------
+# ---- sources/depth_modules.py ----------------------------------------------------------------------------------------
 # The AttnRes parameters' modules (a reader's pseudo-query and key norm), and how a reader finds their weights
 # through the wrappers that training and big-model loading put around them.
-
 class AttnResQuery(nn.Module):
     """The pseudo-query w of one reader, stored as [1, d] like a bias-free Linear(d, 1). With rank r > 0 also
     A = `down` [r, d] (kaiming-uniform from a generator seeded with the reader's index) and B = `up` [d, r] (zero):
@@ -830,9 +797,8 @@ def init_depth_module(module: AttnResQuery | AttnResKeyNorm, skip_loaded: bool =
         param.copy_(value)
 
 
-# ---- model -----------------------------------------------------------------------------------------------------------
+# ---- sources/model.py ------------------------------------------------------------------------------------------------
 # Block Attention Residuals around a pretrained PreNorm causal LM.
-
 @dataclass(frozen=True)
 class LayerSpec:
     """What a converted decoder layer's forward reads, set once at conversion (`attach_depth_attention`)."""
@@ -888,8 +854,7 @@ class AttnResDecoderLayerMixin:
         # Readers take their query from the state where it holds them all, folded once per forward.
         folded = state.queries is not None
         scale = spec.stream_scale
-        # A kernel backend may make a reader's mix come out normed by its sublayer's norm (`fuse_norm`), where the
-        # mix is the norm's whole input.
+        # A kernel backend may hand a reader's mix out already normed by its sublayer's norm (`fuse_norm`).
         fuse = getattr(state, "fuse_norm", None) if scale == 1.0 else None
         returned = {} if spec.returns else None
         for sublayer, plan, names in zip(spec.sublayers, spec.plans, spec.param_names):
@@ -1046,8 +1011,7 @@ class AttnResFinalNormMixin:
                 if norm:
                     return hidden_states  # this norm's output, made with the mix
             else:
-                # Looked up on the owner at every call, so a wrapper put in their place (PEFT's
-                # modules_to_save, FSDP) is the one used.
+                # Looked up at every call: a wrapper put in their place (PEFT's modules_to_save, FSDP) is used.
                 query, key_norm = owner.output_attn_res_proj, owner.output_attn_res_norm
                 projection = query.projection(like) if isinstance(query, AttnResQuery) else None
                 weights = placed(query, like), placed(key_norm, like)
@@ -1135,8 +1099,7 @@ def attach_depth_attention(causal_lm: nn.Module, config: AttnResConfig, plan: Mo
     norm = module_at(base, plan.final_norm)
     if not isinstance(norm, AttnResFinalNormMixin):
         norm.__class__ = _attnres_class(AttnResFinalNormMixin, type(norm))
-    # A plain (unregistered) reference to the owner: the parameters belong to the base model module,
-    # where the checkpoint contract puts them; the norm only reads them.
+    # A plain reference to the owner, which holds the parameters (the checkpoint contract); the norm only reads them.
     norm._attnres_output = OutputSpec(base, eps, config.source_scaling, runtime, output_scale)
 
 

@@ -9,17 +9,11 @@ from .depth_math import inverse_rms, pseudo_query
 
 
 class SourceBuffer:
-    """The state of a forward without autograd (in-place updates): a block boundary is a counter increment, a reader's
-    sources are a view, the partial sum accumulates in its slot; each source is one contiguous tensor.
-
-    sources:     [K, B, T, D] float32: completed sources in slots [0, count), the partial sum in slot `count`.
-    inv_rms:     [K, B, T] 1 / rms of the completed sources, written once when a source completes.
-    scores:      [K, B, T, R] with `queries` (every reader's folded query [R, D]): each completed source scored by
-                 every reader when it completes (phase 1 of the two-phase mix); a reader adds only its partial
-                 sum's score (phase 2).
-    shared_stream: for a float32 model the stream is the buffer's last slot, so an output joins the partial sum and
-                 the stream in one add over a view of both (the partial slots start at zero).
-    """
+    """The state of a forward without autograd, updated in place. sources [K, B, T, D] float32: the completed sources
+    in slots [0, count), the partial sum in slot `count`; inv_rms [K, B, T] their 1/rms; scores [K, B, T, R] (with
+    `queries` [R, D]): each completed source scored by every reader as it completes (phase 1 of the two-phase mix;
+    a reader scores only its partial sum, phase 2). shared_stream: the stream is the last slot (float32 models), so
+    an output joins the partial sum and the stream in one add."""
 
     __slots__ = ("sources", "inv_rms", "count", "has_partial", "stream", "queries", "scores", "shared_stream")
     zeroed = True  # partial sums start by adding to zeros where the stream is shared (see `start`)

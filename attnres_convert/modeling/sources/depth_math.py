@@ -27,9 +27,7 @@ def inverse_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def pseudo_query(query: torch.Tensor, key_norm_weight: torch.Tensor) -> torch.Tensor:
-    """(w * g): the key norm's weight folds into the query, since (w * g) . (k / rms(k)) is
-    ((w * g) . k) * inv_rms(k). float32, shape [D] (or [R, D] for R stacked queries [R, 1, D] and key
-    norms [R, D])."""
+    """(w * g), float32 [D] (or [R, D]): (w * g) . (k / rms(k)) is ((w * g) . k) * inv_rms(k)."""
     return query.reshape(key_norm_weight.shape).float() * key_norm_weight.float()
 
 
@@ -53,12 +51,9 @@ def token_queries(stream, query, key_norm_weight, down, up, eps: float) -> torch
 
 
 def mix_blocks(keys, inv_rms, partial, stream, q, eps: float, scaling: str, table=None):
-    """The depth mix over completed blocks keys [BT, m, D] with their 1 / rms [BT, m] (or their scores, `table`)
-    and the partial sum, for q the folded query [D] or one per token [BT, D]. Returns the mix in the stream's
-    shape and dtype, the weights and scores [BT, n], and the partial's 1 / rms ([BT] or None).
-
-    "count": h = n * sum_i alpha_i k_i = H + sum_i (n alpha_i - 1) k_i (the sources sum to the stream H), computed
-    so: at zero queries the base model's own stream bit for bit, with its own rounding."""
+    """The mix over completed blocks keys [BT, m, D] (1/rms [BT, m], or their scores `table`) and the partial sum,
+    for q [D] or [BT, D]: (mix, weights [BT, n], scores, the partial's 1/rms). "count": n * sum_i alpha_i k_i as
+    H + sum_i (n alpha_i - 1) k_i (H the stream): at zero queries the base model's stream bit for bit."""
     m, d = keys.shape[-2], keys.shape[-1]
     # Completed blocks: cached statistics, one product. The partial sum is the only source that changed
     # since the last block boundary; its score joins before one softmax over the few sources of a token.
@@ -97,14 +92,9 @@ def join(partial: torch.Tensor | None, stream: torch.Tensor, output: torch.Tenso
 
 
 class BlockState(NamedTuple):
-    """The plain-tensor state, differentiated by autograd and traced by torch.compile: an immutable value passed
-    from layer to layer (never stored on a module), so gradient checkpointing replays see the forward's state.
-
-    blocks:  [B, T, m, D] float32, the embedding and every completed block (converted once, when it completes).
-    inv_rms: [B, T, m]    their 1 / rms, computed once, not once per reader.
-    partial: [B, T, D]    running sum of the current block's outputs (model dtype), or None after a boundary.
-    stream:  [B, T, D]    the plain residual stream, accumulated as the base model adds (see `mix_blocks`).
-    """
+    """The plain-tensor state (autograd, torch.compile), an immutable value passed from layer to layer, so gradient
+    checkpointing replays see the forward's state. blocks [B, T, m, D] float32 (embedding, completed blocks) with
+    their inv_rms [B, T, m]; partial [B, T, D] (model dtype) or None; stream, as the base model adds it."""
 
     blocks: torch.Tensor
     inv_rms: torch.Tensor

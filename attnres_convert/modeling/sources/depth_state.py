@@ -58,14 +58,12 @@ def kernel_mode() -> str:
     return mode
 
 
-# Process-wide on purpose: whether the attnres package is importable is the same for every model in the process,
-# and a failed import is not retried at every forward.
+# Process-wide on purpose: the package is importable or not for every model; a failed import is not retried.
 _INSTALLED: list = []
 
 
 def installed_kernels():
-    """The attnres package's kernels (attnres_convert.kernels), where it is installed and follows KERNEL_API;
-    else None."""
+    """The attnres package's kernels, where it is installed and follows KERNEL_API; else None."""
     if not _INSTALLED:
         try:
             from attnres_convert import kernels
@@ -88,9 +86,8 @@ def wants_queries() -> bool:
 
 
 def start_state(embeddings, eps: float, capacity=None, queries=None, token_queries=False, runtime=None) -> DepthState:
-    """The state of one forward, the embedding its first source. `capacity`: the most sources any reader has.
-    `queries`: all readers' folded queries [R, D], for the score table (the two-phase mix). `token_queries`: the
-    queries depend on each token's input (query_rank > 0), which only BlockState computes."""
+    """A forward's state, the embedding its first source; `capacity`: the most sources of a reader; `queries`: every
+    reader's folded query [R, D] (the score table); `token_queries`: input-dependent queries (BlockState only)."""
     mode = kernel_mode()  # read once: a decoding step pays for every lookup
     state = _state_for(embeddings, eps, capacity, queries, token_queries, runtime, mode)
     if runtime is not None and (runtime.recorders or runtime.gate != 1.0):  # set by attnres's training or inspection
@@ -123,10 +120,8 @@ def _state_for(embeddings, eps: float, capacity, queries, token_queries: bool, r
 
 
 def depth_mix(state, query, key_norm_weight, eps: float, scaling="count", reader=None, projection=None, norm=()):
-    """The input of one sublayer (or of the final norm): attention over the state's sources, with the pseudo-query
-    w and key norm g (or, g None, the folded query), or the reader's row of the state's queries. `projection`:
-    (A, B) of an input-dependent query. `norm`: a state's form of the sublayer's norm (`fuse_norm`), applied to
-    the mix in the same pass."""
+    """A sublayer's (or the final norm's) input: attention over the state's sources with w and g (g None: folded),
+    or the reader's row of the state's queries; `projection` (A, B) of an input-dependent query; `norm`: `fuse_norm`."""
     if projection is not None:  # a BlockState's (start_state with token_queries)
         return state.mix_token_queries(query, key_norm_weight, projection, eps, scaling)
     if reader is not None and state.queries is not None:

@@ -92,8 +92,7 @@ class AttnResDecoderLayerMixin:
         # Readers take their query from the state where it holds them all, folded once per forward.
         folded = state.queries is not None
         scale = spec.stream_scale
-        # A kernel backend may make a reader's mix come out normed by its sublayer's norm (`fuse_norm`), where the
-        # mix is the norm's whole input.
+        # A kernel backend may hand a reader's mix out already normed by its sublayer's norm (`fuse_norm`).
         fuse = getattr(state, "fuse_norm", None) if scale == 1.0 else None
         returned = {} if spec.returns else None
         for sublayer, plan, names in zip(spec.sublayers, spec.plans, spec.param_names):
@@ -250,8 +249,7 @@ class AttnResFinalNormMixin:
                 if norm:
                     return hidden_states  # this norm's output, made with the mix
             else:
-                # Looked up on the owner at every call, so a wrapper put in their place (PEFT's
-                # modules_to_save, FSDP) is the one used.
+                # Looked up at every call: a wrapper put in their place (PEFT's modules_to_save, FSDP) is used.
                 query, key_norm = owner.output_attn_res_proj, owner.output_attn_res_norm
                 projection = query.projection(like) if isinstance(query, AttnResQuery) else None
                 weights = placed(query, like), placed(key_norm, like)
@@ -339,8 +337,7 @@ def attach_depth_attention(causal_lm: nn.Module, config: AttnResConfig, plan: Mo
     norm = module_at(base, plan.final_norm)
     if not isinstance(norm, AttnResFinalNormMixin):
         norm.__class__ = _attnres_class(AttnResFinalNormMixin, type(norm))
-    # A plain (unregistered) reference to the owner: the parameters belong to the base model module,
-    # where the checkpoint contract puts them; the norm only reads them.
+    # A plain reference to the owner, which holds the parameters (the checkpoint contract); the norm only reads them.
     norm._attnres_output = OutputSpec(base, eps, config.source_scaling, runtime, output_scale)
 
 

@@ -58,8 +58,7 @@ class Branch:
         return cls(**{**data, **fields})
 
     def call_kwargs(self, layer_kwargs: dict, x) -> dict:
-        """The keyword arguments the module takes, from those the decoder layer was called with (X: the module's
-        input, for the markers below)."""
+        """The keyword arguments the module takes, from the layer's (X: the module's input, for the markers below)."""
         return _kwargs(self.arguments, self.constants, layer_kwargs, x)
 
     def post_kwargs(self, post: str, layer_kwargs: dict, x) -> dict | None:
@@ -126,9 +125,8 @@ class Sublayer:
 
 @dataclass(frozen=True)
 class ModelPlan:
-    """Where a causal LM keeps its decoder stack, final norm and head (attribute paths, dotted where nested),
-    and every decoder layer's sublayers: `kinds` lists the distinct layer layouts, `layer_kinds` the layout
-    of each layer. Serialised into the converted config as `structure`."""
+    """Where a causal LM keeps its decoder stack, final norm and head (dotted attribute paths), and each layer's
+    sublayers: `kinds`, the distinct layouts, `layer_kinds`, each layer's. The converted config's `structure`."""
 
     layer_kinds: tuple[int, ...]
     kinds: tuple[tuple[Sublayer, ...], ...]
@@ -180,8 +178,7 @@ class ModelPlan:
 
 
 def module_at(root, path: str):
-    """The submodule at a dotted attribute path ("model.decoder.layers"). A plain child name is read from the
-    module's dict first: this runs for every branch of every sublayer in every forward."""
+    """The submodule at a dotted attribute path; a plain child name from the module's dict (every forward's lookup)."""
     if not path:
         return root
     if "." not in path:
