@@ -16,8 +16,9 @@ class ServingRefused(ValueError):
     def __init__(self, family: str, reason: str, release: str | None = None):
         self.family, self.reason = family, reason
         if release is not None:
-            fix = (f"re-convert the base model (or re-save the converted one) with attnres >= {release}, whose modeling "
-                   "code vLLM serves; transformers' `generate` serves this folder as it is")
+            fix = (f"re-save it with attnres >= {release}'s code (`attnres upgrade FOLDER --trust-remote-code`, checked "
+                   "exactly against the folder's own code), whose modeling code vLLM serves; transformers' `generate` "
+                   "serves this folder as it is")
         else:
             fix = ("serve it with transformers' `generate` (AutoModelForCausalLM.from_pretrained(folder, "
                    "trust_remote_code=True)), which runs every family attnres converts")
