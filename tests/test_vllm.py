@@ -98,7 +98,7 @@ def test_a_hybrid_is_refused_by_the_engine_with_family_reason_and_fallback(tmp_p
 def test_a_folder_whose_code_predates_the_plan_is_refused_naming_the_release(tmp_path):
     """A folder whose shipped code keeps its layout under another name than the `_attnres_plan` the serving class
     reads (as code older than that plan does): `generate` still runs it, vLLM refuses it naming the attnres release
-    to re-save it with."""
+    and the command that re-saves it."""
     from attnres_convert.serving.vllm_support import release
 
     folder = converted_folder("llama", tmp_path / "llama")
@@ -111,7 +111,7 @@ def test_a_folder_whose_code_predates_the_plan_is_refused_naming_the_release(tmp
     log = result.stdout + result.stderr
     assert ("vLLM cannot serve this AttnRes model (base family 'llama'): its modeling code predates the plan vLLM "
             "serving reads") in log, log[-3000:]
-    assert f"with attnres >= {release()}, whose modeling code vLLM serves" in log
+    assert f"re-save it with attnres >= {release()}'s code (`attnres upgrade FOLDER --trust-remote-code`" in log
 
 
 # ---- the OpenAI-compatible server --------------------------------------------------------------------------------
