@@ -72,7 +72,7 @@ def test_convert_without_trust_remote_code_says_to_pass_it(tmp_path):
 
 
 @pytest.mark.slow
-def test_own_code_model_converts_exactly_and_loads_without_its_folder_or_attnres(tmp_path):
+def test_own_code_model_converts_exactly_and_loads_without_its_folder_or_attnres(tmp_path, monkeypatch):
     source = own_code_folder(tmp_path / "tiny-own-code")
     out = tmp_path / "converted"
     result = runner.invoke(app, ["convert", str(source), "-o", str(out), "--trust-remote-code", "--block-size", "3"])
@@ -105,6 +105,8 @@ def test_own_code_model_converts_exactly_and_loads_without_its_folder_or_attnres
 
     trained = tmp_path / "trained"
     converted.save_pretrained(trained)  # the user's own save: the base code goes along again
+    # Without attnres the folder runs its built-in paths, which the package runs under ATTNRES_KERNEL=eager.
+    monkeypatch.setenv("ATTNRES_KERNEL", "eager")
     with torch.no_grad():
         expected = converted(ids).logits
         expected_tokens = _greedy(converted, ids)
@@ -134,6 +136,9 @@ def test_own_code_model_converts_exactly_and_loads_without_its_folder_or_attnres
     )
     env = dict(os.environ, HF_MODULES_CACHE=str(tmp_path / "fresh-modules-cache"))  # nothing copied from the source
     env.pop("PYTHONPATH", None)
+    env.pop("ATTNRES_KERNEL", None)
+    # This process's thread count, so the logits compared bit for bit sum in the same order (like for like).
+    code = code.replace("import torch\n", f"import torch\ntorch.set_num_threads({torch.get_num_threads()})\n", 1)
     result = subprocess.run([sys.executable, "-c", code], cwd=elsewhere, env=env, capture_output=True, text=True,
                             timeout=300, stdin=subprocess.DEVNULL)
     assert "REMOTE-OK" in result.stdout, result.stderr[-3000:]
