@@ -213,6 +213,100 @@ def _post_norm_refusal(layer: nn.Module, reader: str) -> UnsupportedModelError:
     )
 
 
+def _source(entry, streams, produced, values, refs, branches, calls, group_tails, arguments):
+    """((kind, index), flat, times): what a call reads, among the values the layer's calls produced so far, newest
+    first: the same object, the same values (a view, a copy), the same values in another shape (FLAT: a stream
+    flattened to [tokens, width]), the sum of a stream's branches (Gemma 4's MoE block), a product with the layer's
+    argument TIMES, or else a new residual stream (the previous one plus the outputs added since), appended."""
+    source = next((produced[i] for i in range(len(refs) - 1, -1, -1) if entry.x_ref is refs[i]), None)
+    flat = False
+    if source is None:
+        for kind_index in range(len(values) - 1, -1, -1):
+            if _same(entry.x, values[kind_index]):
+                source = produced[kind_index]
+                break
+    if source is None:
+        for kind_index in range(len(values) - 1, -1, -1):
+            if _same_reshaped(entry.x, values[kind_index]):
+                source, flat = produced[kind_index], entry.x.dim() == 2
+                break
+    if source is None and entry.x is not None:
+        stream_index = next((s for s in range(len(streams) - 1, -1, -1)
+                             if s not in group_tails and _branch_sum(entry.x, [b for b in branches if b.stream == s], calls)), None)
+        if stream_index is not None:
+            source = ("sum", stream_index)
+    times = None
+    if source is None and entry.x is not None:
+        product = _product_with_argument(entry.x, produced, values, arguments)
+        if product is not None:
+            source, times = produced[product[0]], product[1]
+    if source is None:
+        if entry.x is None:
+            raise UnsupportedModelError(f"`{entry.name}` is called without a tensor input")
+        streams.append(entry.x)
+        produced.append(("stream", len(streams) - 1))
+        values.append(entry.x)
+        refs.append(entry.x_ref)
+        source = produced[-1]
+    return source, flat, times
+
+
+def _fit_sublayers(layer, config, h0, streams, branches, calls, group_tails, group_posts, sides):
+    """(sublayers, layer scalar): the branches grouped by the stream they read, each sublayer named, and the scalars
+    fitted from the streams: a branch's residual multiplier, an output bias, the layer's scalar on its stream."""
+    sublayers: list[Sublayer] = []
+    used: set[str] = set()
+    layer_scalar = None
+    # How closely a half-precision layer's rounded arithmetic shows a factor: scalars and multipliers are told from
+    # 1 and matched to the values they come from at the layer's precision (the proof then checks them at it).
+    limit = 1e-5 if h0.dtype in (torch.float32, torch.float64) else 1e-2
+    for stream in range(len(streams) - 1):
+        group = [b for b in branches if b.stream == stream]
+        if not group:
+            raise UnsupportedModelError(f"residual stream {stream} of the layer is read by no branch")
+        scales: list[float | None] = [None] * len(group)
+        y = None  # what the sublayer adds, where it can be told from its calls
+        delta = streams[stream + 1].double() - streams[stream].double()
+        if stream in group_tails:
+            y = calls[group_tails[stream]].y.double()
+        elif len(group) == 1:
+            y = calls[group[0].tail].y.double()
+            if group[0].adds_residual:
+                y = y - streams[stream].double()
+            elif not group[0].post:
+                group[0].output_bias = _output_bias(calls[group[0].tail], y, delta)
+                if group[0].output_bias:
+                    y = y + calls[group[0].tail].outputs[group[0].output_bias].double()
+        if y is not None:
+            y = y.reshape(delta.shape)
+            if stream == len(streams) - 2:
+                factor = _stream_scale(streams[stream].double(), y, streams[stream + 1].double(), limit)
+                if factor is not None:  # what the layer returns is factor * (stream + y): the stream before it
+                    layer_scalar = _layer_scalar(layer, factor, max(limit, 1e-4))
+                    delta = streams[stream + 1].double() / layer_scalar - streams[stream].double()
+            denominator = (y * y).sum().item()
+            if denominator > 0 and len(group) == 1 and stream not in group_tails:
+                scales[0] = _snap((delta * y).sum().item() / denominator, config, max(limit, 1e-4))
+            elif denominator > 0 and _snap((delta * y).sum().item() / denominator, config, max(limit, 1e-4)) is not None:
+                raise UnsupportedModelError(f"the sum of the branches reading residual stream {stream} is scaled before it "
+                                            "joins the stream")
+        # "self_attention" where a branch takes the layer's arguments (not only a side module's outputs), else "mlp"
+        takes_layer = any(b.attention and not (b.arguments and all(source.startswith(OUTPUT) for _, source in b.arguments))
+                          for b in group)
+        name = "self_attention" if takes_layer else "mlp"
+        if name in used:
+            name = f"{name}_{stream + 1}"
+        used.add(name)
+        sublayers.append(Sublayer(name, tuple(
+            Branch(b.norm, b.module, tuple(b.post), b.attention, scale, b.arguments, b.constants, tuple(b.post_arguments),
+                   b.output_bias, tuple(b.returns), b.flat)
+            for b, scale in zip(group, scales)
+        ), tuple(group_posts.get(stream, ())), tuple((name_, flat_) for s_, name_, flat_ in sides if s_ == stream)))
+    if not sublayers:
+        raise UnsupportedModelError("the decoder layer adds nothing to the residual stream")
+    return sublayers, layer_scalar
+
+
 def discover_layer(
     layer: nn.Module, call: LayerCall, config, h0: torch.Tensor, expand: tuple[str, ...] = (), first: bool = False
 ) -> LayerStructure:
@@ -244,37 +338,7 @@ def discover_layer(
     group_tails: dict[int, int] = {}  # stream -> the call whose output is that sum's current value
     for index, entry in enumerate(calls):
         module = module_at(layer, entry.name)
-        source = next((produced[i] for i in range(len(refs) - 1, -1, -1) if entry.x_ref is refs[i]), None)
-        flat = False
-        if source is None:  # not the same object: the same values (a view, a copy)
-            for kind_index in range(len(values) - 1, -1, -1):
-                if _same(entry.x, values[kind_index]):
-                    source = produced[kind_index]
-                    break
-        if source is None:  # the same values in another shape (a stream flattened to [tokens, width])
-            for kind_index in range(len(values) - 1, -1, -1):
-                if _same_reshaped(entry.x, values[kind_index]):
-                    source, flat = produced[kind_index], entry.x.dim() == 2
-                    break
-        if source is None and entry.x is not None:  # the sum of a stream's branches (Gemma 4's MoE block)
-            stream_index = next((s for s in range(len(streams) - 1, -1, -1)
-                                 if s not in group_tails and _branch_sum(entry.x, [b for b in branches if b.stream == s], calls)), None)
-            if stream_index is not None:
-                source = ("sum", stream_index)
-        times = None  # the layer argument the input is a child's output multiplied by
-        if source is None and entry.x is not None:
-            product = _product_with_argument(entry.x, produced, values, arguments)
-            if product is not None:
-                source, times = produced[product[0]], product[1]
-        if source is None:  # a new residual stream: the previous one plus the outputs added since
-            if entry.x is None:
-                raise UnsupportedModelError(f"`{entry.name}` is called without a tensor input")
-            streams.append(entry.x)
-            produced.append(("stream", len(streams) - 1))
-            values.append(entry.x)
-            refs.append(entry.x_ref)
-            source = produced[-1]
-        kind, ref = source
+        (kind, ref), flat, times = _source(entry, streams, produced, values, refs, branches, calls, group_tails, arguments)
         if entry.name in side_names:  # its outputs are a module's arguments, not a value of the flow
             if kind != "stream":
                 raise UnsupportedModelError(f"`{entry.name}` gives another module its arguments but does not read the stream")
@@ -351,56 +415,7 @@ def discover_layer(
     if not _same(out, streams[-1]):
         streams.append(out)
     _returns(calls, output, branches)
-    sublayers: list[Sublayer] = []
-    used: set[str] = set()
-    layer_scalar = None
-    # How closely a half-precision layer's rounded arithmetic shows a factor: scalars and multipliers are told from
-    # 1 and matched to the values they come from at the layer's precision (the proof then checks them at it).
-    limit = 1e-5 if h0.dtype in (torch.float32, torch.float64) else 1e-2
-    for stream in range(len(streams) - 1):
-        group = [b for b in branches if b.stream == stream]
-        if not group:
-            raise UnsupportedModelError(f"residual stream {stream} of the layer is read by no branch")
-        scales: list[float | None] = [None] * len(group)
-        y = None  # what the sublayer adds, where it can be told from its calls
-        delta = streams[stream + 1].double() - streams[stream].double()
-        if stream in group_tails:
-            y = calls[group_tails[stream]].y.double()
-        elif len(group) == 1:
-            y = calls[group[0].tail].y.double()
-            if group[0].adds_residual:
-                y = y - streams[stream].double()
-            elif not group[0].post:
-                group[0].output_bias = _output_bias(calls[group[0].tail], y, delta)
-                if group[0].output_bias:
-                    y = y + calls[group[0].tail].outputs[group[0].output_bias].double()
-        if y is not None:
-            y = y.reshape(delta.shape)
-            if stream == len(streams) - 2:
-                factor = _stream_scale(streams[stream].double(), y, streams[stream + 1].double(), limit)
-                if factor is not None:  # what the layer returns is factor * (stream + y): the stream before it
-                    layer_scalar = _layer_scalar(layer, factor, max(limit, 1e-4))
-                    delta = streams[stream + 1].double() / layer_scalar - streams[stream].double()
-            denominator = (y * y).sum().item()
-            if denominator > 0 and len(group) == 1 and stream not in group_tails:
-                scales[0] = _snap((delta * y).sum().item() / denominator, config, max(limit, 1e-4))
-            elif denominator > 0 and _snap((delta * y).sum().item() / denominator, config, max(limit, 1e-4)) is not None:
-                raise UnsupportedModelError(f"the sum of the branches reading residual stream {stream} is scaled before it "
-                                            "joins the stream")
-        # "self_attention" where a branch takes the layer's arguments (not only a side module's outputs), else "mlp"
-        takes_layer = any(b.attention and not (b.arguments and all(source.startswith(OUTPUT) for _, source in b.arguments))
-                          for b in group)
-        name = "self_attention" if takes_layer else "mlp"
-        if name in used:
-            name = f"{name}_{stream + 1}"
-        used.add(name)
-        sublayers.append(Sublayer(name, tuple(
-            Branch(b.norm, b.module, tuple(b.post), b.attention, scale, b.arguments, b.constants, tuple(b.post_arguments),
-                   b.output_bias, tuple(b.returns), b.flat)
-            for b, scale in zip(group, scales)
-        ), tuple(group_posts.get(stream, ())), tuple((name_, flat_) for s_, name_, flat_ in sides if s_ == stream)))
-    if not sublayers:
-        raise UnsupportedModelError("the decoder layer adds nothing to the residual stream")
+    sublayers, layer_scalar = _fit_sublayers(layer, config, h0, streams, branches, calls, group_tails, group_posts, sides)
     return LayerStructure(tuple(sublayers), stream_start, layer_scalar)
 
 
