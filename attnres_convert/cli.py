@@ -264,7 +264,7 @@ def bench_command(
     dtype: Annotated[
         Optional[str],
         typer.Option(
-            metavar="DTYPE", help="float32, bfloat16 or float16 (fp32, bf16, fp16) \\[default: float32 on cpu, bfloat16 on cuda].",
+            "--dtype", metavar="DTYPE", help="float32, bfloat16 or float16 (fp32, bf16, fp16) \\[default: float32 on cpu, bfloat16 on cuda].",
             show_default=False,
         ),
     ] = None,
