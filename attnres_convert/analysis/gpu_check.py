@@ -442,8 +442,8 @@ STAGES = [
     Stage("exactness", 60, exactness),
     # fla-core's kernels against ours: which one CUDA training uses by default (docs/kernels.md) rests on it.
     Stage("depth-mix-kernels", 150, lambda check, limit: depth_mix_kernels(check, limit, WHEELS)),
-    Stage("bench-eager", 100, bench("eager")),
-    Stage("bench-triton", 90, bench("triton"), cuda_only="the Triton kernels run on CUDA tensors"),
+    Stage("bench-eager", 180, bench("eager")),  # first-call compiling and autotuning (fla-core) included
+    Stage("bench-triton", 150, bench("triton"), cuda_only="the Triton kernels run on CUDA tensors"),
     Stage("cuda-tests", 60, cuda_tests),
     Stage("ab", 60, ab),
     Stage("bench-compile", 100, bench("eager", compile_=True),
