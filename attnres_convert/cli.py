@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import os
-import re
 import shlex
 import signal
 import sys
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, Literal, Optional, get_args, get_origin
+from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
@@ -24,6 +23,7 @@ from attnres_convert.cli_kit import (  # noqa: F401 - shared by every command
     fail,
     interrupts,
     missing_package_exits,
+    options_from,
     scrubbed,
     stages,
     training_errors,
@@ -34,7 +34,7 @@ from attnres_convert.cli_kit import (  # noqa: F401 - shared by every command
 from attnres_convert.cli_tables import (  # noqa: F401
     depth_table, eval_table, finetune_table, generate_note, summary_table, verification_table,
 )
-from attnres_convert.conversion.options import ConvertOptions, OptionsError, canonical_dtype
+from attnres_convert.conversion.options import ConvertOptions, canonical_dtype
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -97,60 +97,6 @@ def push_saved(folder: Path, repo_id: str, **kwargs) -> None:
     console.print(f"[green]Pushed[/] {len(result.files)} files to [bold]{result.url}[/] ({result.revision})")
     if result.commit_url:
         console.print(f"commit: {result.commit_url}", highlight=False)
-
-
-def options_from(model: type, parameter: str = "options", panel: str = "Options"):
-    """Add MODEL's fields (ConvertOptions.model_fields) to a command as options and pass them to it as one MODEL.
-
-    Each field is `--field-name` with the field's description as help; a bool that defaults to True is
-    `--name/--no-name`; a Literal is a choice. Fields with json_schema_extra={"cli": False} stay library-only.
-    """
-    import functools
-    import inspect
-
-    def option(name, field):
-        flag = "--" + name.replace("_", "-")
-        annotation = field.annotation
-        if annotation is bool:
-            flag = f"{flag}/--no-{name.replace('_', '-')}" if field.default else flag
-        description, metavar = field.description, None
-        if get_origin(annotation) is Literal:  # a short metavar keeps the help readable at 80 columns
-            metavar = name.upper()
-            # A field whose model takes aliases (a dtype: bf16 for bfloat16) is text the model checks; others a choice.
-            takes_aliases = field.aliases
-            annotation = str if takes_aliases else Enum(name, {value: value for value in get_args(annotation)}, type=str)
-            if not all(choice in description for choice in get_args(field.annotation)):  # the help names the choices
-                description = f"{description} One of: {', '.join(get_args(field.annotation))}."
-        info = typer.Option(
-            flag, help=description, metavar=metavar, show_default=field.default is not None, rich_help_panel=panel
-        )
-        default = annotation(field.default) if isinstance(annotation, type) and issubclass(annotation, Enum) else field.default
-        return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=Annotated[annotation, info], default=default)
-
-    fields = {name: f for name, f in model.model_fields.items() if (f.json_schema_extra or {}).get("cli", True)}
-
-    def decorate(command):
-        signature = inspect.signature(command, eval_str=True)
-        kept = [p for p in signature.parameters.values() if p.name != parameter]
-        added = [option(name, field) for name, field in fields.items()]
-
-        @functools.wraps(command)
-        def wrapper(*args, **kwargs):
-            values = {name: kwargs.pop(name) for name in fields}
-            values = {name: v.value if isinstance(v, Enum) else v for name, v in values.items()}
-            try:  # a value out of range (--query-rank -1) is a usage error with the field's name, not a traceback
-                options = model.build(**values) if hasattr(model, "build") else model(**values)
-            except OptionsError as error:  # named as typed: --num-blocks, not num_blocks
-                message = str(error)
-                for name in fields:
-                    message = re.sub(rf"(?<![\w-]){name}(?![\w-])", "--" + name.replace("_", "-"), message)
-                fail(message)
-            return command(*args, **kwargs, **{parameter: options})
-
-        wrapper.__signature__ = signature.replace(parameters=kept + added)
-        return wrapper
-
-    return decorate
 
 
 @app.command()
@@ -601,7 +547,7 @@ def architectures_command(
         close = [match for name in unknown for match in difflib.get_close_matches(name, sorted(known), n=2)]
         hint = f"Did you mean {' or '.join(close)}? " if close else ""
         fail(f"not a causal-LM model type of this transformers: {', '.join(unknown)}. {hint}Run without arguments for all.")
-    from rich.progress import BarColumn, MofNCompleteColumn
+    from rich.progress import MofNCompleteColumn
 
     from attnres_convert.conversion import coverage
 

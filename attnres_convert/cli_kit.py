@@ -3,7 +3,8 @@ stage display (with the driven libraries kept quiet), and --help without value m
 
 A new command uses `user_errors()` (errors the user can fix: one line, exit 2), `stages(WHAT, LEFT_BEHIND)`
 for long work (progress lines, Ctrl-C says which stage of WHAT stopped and what is left), `interrupts()`
-where it shows no stage display, and `training_errors()` for a training launch.
+where it shows no stage display, and `training_errors()` for a training launch; `options_from(MODEL)` turns an
+options model's fields into a command's options.
 """
 
 from __future__ import annotations
@@ -273,3 +274,62 @@ function that advances it. Ctrl-C removes the running lines (no frozen spinner) 
                 progress.live.transient = True
             interrupted.append(True)
             raise
+
+
+def options_from(model: type, parameter: str = "options", panel: str = "Options"):
+    """Add MODEL's fields (ConvertOptions.model_fields) to a command as options and pass them to it as one MODEL.
+
+    Each field is `--field-name` with the field's description as help; a bool that defaults to True is
+    `--name/--no-name`; a Literal is a choice. Fields with json_schema_extra={"cli": False} stay library-only.
+    """
+    import functools
+    import inspect
+    import re
+    from enum import Enum
+    from typing import Annotated, Literal, get_args, get_origin
+
+    from .conversion.options import OptionsError
+
+    def option(name, field):
+        flag = "--" + name.replace("_", "-")
+        annotation = field.annotation
+        if annotation is bool:
+            flag = f"{flag}/--no-{name.replace('_', '-')}" if field.default else flag
+        description, metavar = field.description, None
+        if get_origin(annotation) is Literal:  # a short metavar keeps the help readable at 80 columns
+            metavar = name.upper()
+            # A field whose model takes aliases (a dtype: bf16 for bfloat16) is text the model checks; others a choice.
+            takes_aliases = field.aliases
+            annotation = str if takes_aliases else Enum(name, {value: value for value in get_args(annotation)}, type=str)
+            if not all(choice in description for choice in get_args(field.annotation)):  # the help names the choices
+                description = f"{description} One of: {', '.join(get_args(field.annotation))}."
+        info = typer.Option(
+            flag, help=description, metavar=metavar, show_default=field.default is not None, rich_help_panel=panel
+        )
+        default = annotation(field.default) if isinstance(annotation, type) and issubclass(annotation, Enum) else field.default
+        return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=Annotated[annotation, info], default=default)
+
+    fields = {name: f for name, f in model.model_fields.items() if (f.json_schema_extra or {}).get("cli", True)}
+
+    def decorate(command):
+        signature = inspect.signature(command, eval_str=True)
+        kept = [p for p in signature.parameters.values() if p.name != parameter]
+        added = [option(name, field) for name, field in fields.items()]
+
+        @functools.wraps(command)
+        def wrapper(*args, **kwargs):
+            values = {name: kwargs.pop(name) for name in fields}
+            values = {name: v.value if isinstance(v, Enum) else v for name, v in values.items()}
+            try:  # a value out of range (--query-rank -1) is a usage error with the field's name, not a traceback
+                options = model.build(**values) if hasattr(model, "build") else model(**values)
+            except OptionsError as error:  # named as typed: --num-blocks, not num_blocks
+                message = str(error)
+                for name in fields:
+                    message = re.sub(rf"(?<![\w-]){name}(?![\w-])", "--" + name.replace("_", "-"), message)
+                fail(message)
+            return command(*args, **kwargs, **{parameter: options})
+
+        wrapper.__signature__ = signature.replace(parameters=kept + added)
+        return wrapper
+
+    return decorate
