@@ -152,7 +152,7 @@ def sweep_one(model_type: str, work: Path) -> dict:
     from transformers import CONFIG_MAPPING
     from vllm.model_executor.models.transformers.fusers.attention import interface_call
 
-    from attnres_convert.conversion.coverage import _short_error
+    from attnres_convert.conversion.coverage import short_error
     from attnres_convert.serving.vllm_support import unservable_reason
     from vllm_helpers import generate_tokens, prompts
 
@@ -164,7 +164,7 @@ def sweep_one(model_type: str, work: Path) -> dict:
             warnings.simplefilter("ignore")
             converted = converted_folder(model_type, folder)
     except Exception as error:  # noqa: BLE001 - a row of the table
-        return {"status": "not converted here", "detail": _short_error(error)}
+        return {"status": "not converted here", "detail": short_error(error)}
     reason = unservable_reason(converted, interface_call)
     if reason is not None:
         return {"status": "refused", "detail": reason}
@@ -174,7 +174,7 @@ def sweep_one(model_type: str, work: Path) -> dict:
             warnings.simplefilter("ignore")
             expected = generate_tokens(folder, token_lists, NEW_TOKENS, past_end=True)
     except Exception as error:  # noqa: BLE001 - the saved folder does not load (or run) in this transformers
-        return {"status": "does not load here", "detail": _short_error(error)}
+        return {"status": "does not load here", "detail": short_error(error)}
     served, error = engine_tokens(folder, token_lists)
     if served is None:
         refused = "vLLM cannot serve this AttnRes model" in error  # the serving class's own refusal at start

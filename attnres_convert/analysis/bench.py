@@ -167,7 +167,7 @@ def _naming(source: ModelSource, folder: Path) -> Iterator[None]:
         raise type(error)(str(error).replace(str(folder), source.name)) from error
 
 
-def _load(folder: Path, settings: BenchSettings, remote_code: bool):
+def load_for_bench(folder: Path, settings: BenchSettings, remote_code: bool):
     """FOLDER's model as `AutoModelForCausalLM.from_pretrained` gives it to a user. With REMOTE_CODE, the class
     is the one the folder ships (what trust_remote_code=True loads in a fresh process), even where this process
     has registered the package's own AttnRes classes, which transformers would otherwise prefer."""
@@ -220,8 +220,8 @@ def run_bench(
                     str(original_folder), work / "converted", verify=False, block_size=settings.block_size, full=settings.full
                 )
             with stage("Loading both models"):
-                original = _load(original_folder, settings, remote_code=False)
-                attnres = _load(work / "converted", settings, remote_code=True)
+                original = load_for_bench(original_folder, settings, remote_code=False)
+                attnres = load_for_bench(work / "converted", settings, remote_code=True)
             machine = machine_info(settings.device)
             rows, notes = _measure(original, attnres, settings, stage, on_run)
             if "memory" in settings.measure:

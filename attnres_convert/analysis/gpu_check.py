@@ -264,7 +264,7 @@ def exactness(check: Check, limit: float) -> dict:
     import torch
 
     from ..conversion.verify import capture_reference, compare
-    from .bench import BenchSettings, _load
+    from .bench import BenchSettings, load_for_bench
     from .timing import kernel_env
 
     started = time.monotonic()
@@ -276,13 +276,13 @@ def exactness(check: Check, limit: float) -> dict:
                 not_reached.append(f"{name} {dtype}")
                 continue
             settings = BenchSettings(device=check.device, dtype=dtype)
-            original = _load(check.folders[name], settings, remote_code=False)
+            original = load_for_bench(check.folders[name], settings, remote_code=False)
             vocab = original.config.vocab_size
             ids = torch.randint(3, vocab, (1, check.plan.exact_tokens), generator=torch.Generator().manual_seed(0))
             reference = capture_reference(original, ids.to(check.device), check.plan.exact_new_tokens)
             del original
             _free()
-            converted = _load(check.converted[name], settings, remote_code=True)
+            converted = load_for_bench(check.converted[name], settings, remote_code=True)
             for mode in kernels:
                 try:
                     with kernel_env(mode):

@@ -160,11 +160,11 @@ def depth_mix_kernels(check, limit: float, wheels: Path) -> dict:
         built = {path: _mix_state(path, case, kernels) for path in paths}
         row = {"model": model, "hidden": hidden[model], "dtype": str(dtype).removeprefix("torch."), "sources": n, "paths": {}}
 
-        def forward(path):
+        def forward(path, built=built):
             state, query, key_norm, _ = built[path]
             return state.mix(state.fold(query, key_norm), 1e-5, "count")
 
-        def both(path):
+        def both(path, built=built, case=case):
             state, query, key_norm, leaves = built[path]
             return torch.autograd.grad(forward(path), leaves, case["grad"], retain_graph=True)
 

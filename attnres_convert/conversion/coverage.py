@@ -117,7 +117,7 @@ def causal_lm_model_types() -> list[str]:
     return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
 
 
-def _short_error(error: BaseException) -> str:
+def short_error(error: BaseException) -> str:
     """`Type: first line` of an error, cut to a table cell's length."""
     return first_line(error, with_type=True)[:300]
 
@@ -212,13 +212,13 @@ def check_model_type(model_type: str, variant: str = "", overrides: dict | None 
         try:
             refusal = config_refusal(tiny_config(model_type, **(overrides or {})))
         except Exception as error:  # noqa: BLE001 - a row of the table, not a failure of the walk
-            return row("not built", _short_error(error))
+            return row("not built", short_error(error))
         if refusal:  # said by the config alone, as `attnres convert` says it before loading weights
             return row("refused", refusal)
         try:
             model = _build(model_type, overrides or {})
         except Exception as error:  # noqa: BLE001
-            return row("not built", _short_error(error))
+            return row("not built", short_error(error))
         name = type(model).__name__
         try:
             generator = torch.Generator().manual_seed(1)
@@ -231,7 +231,7 @@ def check_model_type(model_type: str, variant: str = "", overrides: dict | None 
                 # Not always `expected`: a model whose own uncached decode differs (Moshi's) is held to itself.
                 expected_uncached = _greedy(model, ids, False)
         except Exception as error:  # noqa: BLE001
-            return row("not built", "the original model does not run: " + _short_error(error), name)
+            return row("not built", "the original model does not run: " + short_error(error), name)
         padded = _left_padded(ids)
         padded_reference = _padded_logits(model, padded)  # None where the original itself takes no padding
         try:
@@ -242,13 +242,13 @@ def check_model_type(model_type: str, variant: str = "", overrides: dict | None 
         except UnsupportedModelError as error:
             return row("refused", str(error), name)
         except Exception as error:  # noqa: BLE001
-            return row("refused", "conversion failed: " + _short_error(error), name)
+            return row("refused", "conversion failed: " + short_error(error), name)
         try:
             with torch.no_grad():
                 delta = (converted(ids).logits.float() - reference).abs().max().item()
             cached, uncached = _greedy(converted, ids, True), _greedy(converted, ids, False)
         except Exception as error:  # noqa: BLE001
-            return row("refused", "the converted model does not run: " + _short_error(error), name)
+            return row("refused", "the converted model does not run: " + short_error(error), name)
         if not delta <= LOGIT_TOLERANCE:
             return row("refused", f"whole-model check: max |delta logit| {delta:.1e} > {LOGIT_TOLERANCE:.0e}", name)
         if cached != expected:
@@ -259,7 +259,7 @@ def check_model_type(model_type: str, variant: str = "", overrides: dict | None 
             try:
                 padded_delta = (_padded_logits(converted, padded, strict=True) - padded_reference).abs().max().item()
             except Exception as error:  # noqa: BLE001
-                return row("refused", "the converted model does not run on a left-padded batch: " + _short_error(error), name)
+                return row("refused", "the converted model does not run on a left-padded batch: " + short_error(error), name)
             if not padded_delta <= LOGIT_TOLERANCE:
                 return row("refused", f"whole-model check, left-padded batch: max |delta logit| {padded_delta:.1e}", name)
         inconsistent = "" if expected_uncached == expected else (

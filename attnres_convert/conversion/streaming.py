@@ -88,7 +88,7 @@ def source_folder(source: ModelSource) -> Path | None:
 def _hub_snapshot(source: ModelSource) -> Path:
     from huggingface_hub import snapshot_download
 
-    from ..io.sources import _hub_error
+    from ..io.sources import hub_error
 
     try:
         return Path(
@@ -97,7 +97,7 @@ def _hub_snapshot(source: ModelSource) -> Path:
             )
         )
     except Exception as error:  # noqa: BLE001 - reported with the source and a fix
-        raise _hub_error(source, error) from error
+        raise hub_error(source, error) from error
 
 
 # A miniature of the model for proving its structure: same architecture code and layer types, tiny widths.

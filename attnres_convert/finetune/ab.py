@@ -20,28 +20,26 @@ import gc
 import json
 import math
 import os
-import platform
 import statistics
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 # The report's files and how they are written and shown: ab_report.py (re-exported here for callers of ab).
 from .ab_report import AB_JSON, AB_MD, AB_PNG, compute_equivalent_lines, console_report, markdown, write_report  # noqa: F401
 from .metrics import METRICS, read_metrics
-from .recipe import Recipe, RecipeError, apply_overrides, find_recipe, parse_recipe, read_yaml
-
-ARM_SETTINGS = ("output.save_model=false", "output.overwrite=true", "eval.at_start=true", "output.push_to_hub=null")
-
-
-@dataclass(frozen=True)
-class Arm:
-    name: str
-    overrides: tuple[str, ...]  # on top of the recipe and the overrides common to every arm
-
-    @property
-    def is_baseline(self) -> bool:
-        return self.name == "baseline"
+from .recipe import RecipeError, apply_overrides, find_recipe, parse_recipe, read_yaml
+from .study import (  # noqa: F401 - the arms and their runs, shared with the retrofit study
+    ARM_SETTINGS,
+    Arm,
+    arm_recipe,
+    check_output,
+    finished,
+    folder_name,
+    live,
+    machine,
+    run_one,
+    run_tasks,
+)
 
 
 def plan_arms(sweep: list[list[str]], plain: bool = True) -> list[Arm]:
@@ -82,32 +80,6 @@ def retrofit_steps(text: str, *, sweep=None, no_plain: bool = False, throughput:
     if given:
         raise RecipeError(f"{', '.join(given)}: not available with {RETROFIT_OPTION} (its arms are the baseline and the recipe's AttnRes)")
     return parse_after(text)
-
-
-def folder_name(arm: Arm, seed: int) -> str:
-    safe = "".join(c if c.isalnum() or c in "._-" else "_" for c in arm.name.replace(" ", "__"))
-    return f"{safe[:120]}/seed-{seed}"
-
-
-def arm_recipe(data: dict, common: list[str], arm: Arm, seed: int, workdir: Path) -> Recipe:
-    overrides = [*common, *arm.overrides, f"train.seed={seed}", f"output.dir={workdir / folder_name(arm, seed)}", *ARM_SETTINGS]
-    try:
-        return parse_recipe(apply_overrides(data, overrides))
-    except RecipeError as error:
-        raise RecipeError(f"arm {arm.name!r}: {error}") from None
-
-
-def finished(recipe: Recipe) -> bool:
-    """A run folder already complete with this very recipe (checked through the current recipe schema)."""
-    out = Path(recipe.output.dir)
-    saved = out / "recipe.yaml"
-    if not ((out / "final_metrics.json").is_file() and saved.is_file()):
-        return False
-    try:
-        # The description documents the recipe; it does not change what trains.
-        return parse_recipe(read_yaml(saved)).model_dump(exclude={"description"}) == recipe.model_dump(exclude={"description"})
-    except RecipeError:
-        return False
 
 
 @dataclass
@@ -337,9 +309,9 @@ def interleaved_throughput(data: dict, common: list[str], arms: list[Arm], steps
 
     import torch
 
+    from ..io.text import token_loss
     from .optim import apply_lora, make_optimizer, select_trainable
     from .starting_model import load_starting_model
-    from ..io.text import token_loss
 
     built = []
     for arm in arms:
@@ -370,39 +342,6 @@ def interleaved_throughput(data: dict, common: list[str], arms: list[Arm], steps
 class ABResult:
     output: Path
     report: dict
-
-
-def _run_one(data: dict, common: list[str], arm: Arm, seed: int, workdir: str, reuse: bool) -> None:
-    """Train one arm at one seed (in this process or a worker process)."""
-    from .training import TrainingError, finetune
-
-    recipe = arm_recipe(data, common, arm, seed, Path(workdir))
-    if reuse and finished(recipe):
-        return
-    try:
-        result = finetune(recipe)  # quiet: the live table shows every arm's progress
-    except (RecipeError, TrainingError) as error:
-        raise type(error)(f"arm {arm.name!r}, seed {seed}: {error}") from None
-    del result
-    gc.collect()
-
-
-def _one_thread() -> None:
-    """Worker processes of `jobs > 1`: one thread each (the arms share the cores)."""
-    import torch
-
-    # The pool's initializer runs in each worker process: the thread count it sets is that worker's own
-    # (a spawned process), never the parent's or another arm's.
-    torch.set_num_threads(1)
-    from ..io.console import quiet_libraries
-
-    # The worker is ours for its whole life: the libraries stay quiet in it (kept referenced, so that the
-    # context is never closed by garbage collection).
-    _WORKER_QUIET.append(quiet_libraries())
-    _WORKER_QUIET[-1].__enter__()
-
-
-_WORKER_QUIET: list = []
 
 
 def run_ab(
@@ -450,7 +389,7 @@ def run_ab(
     if jobs > 1 and state.num_processes > 1:
         raise RecipeError("--jobs: under accelerate launch every process trains every arm together; use --jobs 1")
     out = Path(output or default_output(path)).expanduser().resolve()
-    _check_output(out, overwrite)
+    check_output(out, overwrite)
     work = Path(workdir).expanduser().resolve() if workdir else out.with_name(out.name + "-runs")
     arms = plan_arms(sweep or [], plain)
     seed_list = [base.train.seed + index for index in range(seeds)]
@@ -463,8 +402,8 @@ def run_ab(
     main = state.is_main_process
     title = f"A/B: {path.stem} ({base.train.steps} steps, {len(seed_list)} seed(s))"
     show = console is not None and main
-    with _live(console if show else None, lambda: live_table(arms, seed_list, work, base.train.steps, title)):
-        run_tasks([(_run_one, (data, overrides, arm, seed, str(work), reuse)) for arm, seed in jobs_list], jobs)
+    with live(console if show else None, lambda: live_table(arms, seed_list, work, base.train.steps, title)):
+        run_tasks([(run_one, (data, overrides, arm, seed, str(work), reuse)) for arm, seed in jobs_list], jobs)
     state.wait_for_everyone()
     runs = {arm: [read_run(work / folder_name(arm, seed), seed) for seed in seed_list] for arm in arms}
     arm_entries = [arm_report(arm, runs[arm], runs[arms[0]]) for arm in arms]
@@ -480,7 +419,7 @@ def run_ab(
         "command": command or "",
         "steps": base.train.steps,
         "seeds": seed_list,
-        "machine": _machine(jobs),
+        "machine": machine(jobs),
         "workdir": str(work),
         "arms": arm_entries,
     }
@@ -514,55 +453,3 @@ def check_scratch_arms(data: dict, common: list[str], arms: list[Arm], seed: int
         gc.collect()
 
 
-def run_tasks(tasks: list[tuple], jobs: int) -> None:
-    """Call every (function, arguments) of TASKS: in turn, or (jobs > 1) in that many one-thread worker
-    processes (the functions are module-level, so a spawned worker can import them)."""
-    if jobs <= 1:
-        for function, arguments in tasks:
-            function(*arguments)
-        return
-    import concurrent.futures
-    import multiprocessing
-
-    context = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=context, initializer=_one_thread) as pool:
-        futures = [pool.submit(function, *arguments) for function, arguments in tasks]
-        for future in futures:
-            future.result()
-
-
-@contextlib.contextmanager
-def _live(console, table) -> Iterator[None]:
-    """The live table, redrawn from the run folders every two seconds (Rich refreshes it in its own thread)."""
-    if console is None:
-        yield
-        return
-    from rich.live import Live
-
-    with Live(get_renderable=table, console=console, refresh_per_second=0.5):
-        yield
-
-
-def _check_output(out: Path, overwrite: bool, marker: str = AB_JSON) -> None:
-    """OUT may be replaced only if it is an earlier A/B output (holds MARKER) and overwrite is set."""
-    if out.exists() and not out.is_dir():
-        raise RecipeError(f"--output: {out} is a file, not a folder; choose another path")
-    if out.is_dir() and any(out.iterdir()):
-        if not (out / marker).is_file():
-            raise RecipeError(f"--output: {out} exists and is not an A/B output (no {marker}); choose another folder")
-        if not overwrite:
-            raise RecipeError(f"--output: {out} already holds an A/B; pass --overwrite to replace it, or choose another folder")
-
-
-def _machine(jobs: int) -> dict:
-    import torch
-    from accelerate import PartialState
-
-    return {
-        "cpu": f"{platform.machine()}, {os.cpu_count()} CPUs",
-        "accelerator": torch.accelerator.current_accelerator().type if torch.accelerator.is_available() else None,
-        "torch": torch.__version__,
-        "threads_per_arm": 1 if jobs > 1 else torch.get_num_threads(),
-        "jobs": jobs,
-        "processes": PartialState().num_processes,
-    }

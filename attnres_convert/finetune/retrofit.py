@@ -35,13 +35,11 @@ from pathlib import Path
 from ..io.base_code import ship_model_code
 from .ab import (
     RETROFIT_OPTION as OPTION,
+)
+from .ab import (
     Arm,
-    _check_output,
-    _live,
-    _machine,
-    _run_one,
-    arm_recipe,
     add_compute_equivalents,
+    arm_recipe,
     arm_report,
     check_scratch_arms,
     finished,
@@ -56,6 +54,7 @@ from .ab import (
 from .metrics import METRICS, read_metrics
 from .recipe import Recipe, RecipeError, apply_overrides, find_recipe, parse_recipe, read_yaml
 from .scratch import SCRATCH_FIELDS
+from .study import check_output, live, machine, run_one
 from .training import FinetuneRecipe, TrainingError
 
 RETROFIT_JSON, RETROFIT_MD, RETROFIT_PNG = "retrofit.json", "retrofit.md", "retrofit.png"
@@ -244,7 +243,7 @@ def _continue_one(data: dict, overrides: list[str], arm: Arm, seed: int, workdir
     """One arm continued from a save (in this process or a worker process)."""
     if reuse and continued_is_current(arm_recipe(data, overrides, arm, seed, Path(workdir)), Path(snapshot)):
         return
-    _run_one(data, overrides, arm, seed, workdir, False)
+    run_one(data, overrides, arm, seed, workdir, False)
 
 
 def run_retrofit(
@@ -275,7 +274,7 @@ def run_retrofit(
     out = Path(output or f"outputs/retrofit-{path.stem}").expanduser().resolve()
     work = Path(workdir).expanduser().resolve() if workdir else out.with_name(out.name + "-runs")
     study = plan_study(recipe, overrides, after, seeds, from_scratch, work)
-    _check_output(out, overwrite, RETROFIT_JSON)
+    check_output(out, overwrite, RETROFIT_JSON)
     from accelerate import PartialState
 
     state = PartialState()
@@ -285,7 +284,7 @@ def run_retrofit(
     scratch = study.scratch_overrides
     first = [(_pretrain_one, (data, scratch, seed, str(study.scratch_work), after, reuse)) for seed in seed_list]
     if from_scratch:
-        first += [(_run_one, (data, scratch, ATTNRES, seed, str(study.scratch_work), reuse)) for seed in seed_list]
+        first += [(run_one, (data, scratch, ATTNRES, seed, str(study.scratch_work), reuse)) for seed in seed_list]
     then = [
         (_continue_one, (data, study.continued_overrides(seed, n), arm, seed, str(study.after_work(n)), reuse, str(study.snapshot(seed, n))))
         for seed in seed_list for n in after for arm in ARMS
@@ -300,7 +299,7 @@ def run_retrofit(
         return Group(*shown)
 
     show = console is not None and state.is_main_process
-    with _live(console if show else None, tables):
+    with live(console if show else None, tables):
         run_tasks(first, jobs)  # the continued runs start from the pretraining's snapshots
         run_tasks(then, jobs)
     state.wait_for_everyone()
@@ -353,7 +352,7 @@ def study_report(study: Study, command: str, jobs: int) -> tuple[dict, dict[str,
     """retrofit.json, and the A/B reports of every N (and of the from-scratch arms) keyed by their folder."""
     seeds, base = study.seeds, study.base
     tokens_per_step = base.train.micro_batch * base.train.grad_accum * base.data.seq_len
-    machine = _machine(jobs)
+    machine_info = machine(jobs)
     sub_reports: dict[str, dict] = {}
     scratch_runs = {}
     if study.scratch_arms:
@@ -362,7 +361,7 @@ def study_report(study: Study, command: str, jobs: int) -> tuple[dict, dict[str,
         add_compute_equivalents(entries, base.train.steps)
         sub_reports["from-scratch"] = {
             "recipe": f"{study.recipe} (from scratch)", "from_scratch": True, "overrides": study.overrides, "command": command,
-            "steps": base.train.steps, "seeds": seeds, "machine": machine, "workdir": str(study.scratch_work), "arms": entries,
+            "steps": base.train.steps, "seeds": seeds, "machine": machine_info, "workdir": str(study.scratch_work), "arms": entries,
         }
     points = []
     for n in study.after:
@@ -373,7 +372,7 @@ def study_report(study: Study, command: str, jobs: int) -> tuple[dict, dict[str,
         sub_reports[f"after-{n}"] = {
             "recipe": f"{study.recipe} after {n} pretraining steps", "from_scratch": False,
             "overrides": study.continued_overrides(seeds[0], n), "command": command, "steps": study.continued, "seeds": seeds,
-            "machine": machine, "workdir": str(work), "arms": entries,
+            "machine": machine_info, "workdir": str(work), "arms": entries,
         }
         base_final = {r.seed: r.eval_loss_final for r in runs["baseline"]}
         arm_final = {r.seed: r.eval_loss_final for r in runs["attnres"]}
@@ -416,7 +415,7 @@ def study_report(study: Study, command: str, jobs: int) -> tuple[dict, dict[str,
         "tokens_per_step": tokens_per_step,
         "retrofit": base.retrofit.model_dump(),
         "from_scratch_arms": study.scratch_arms,
-        "machine": machine,
+        "machine": machine_info,
         "workdir": str(study.work),
         "after": points,
     }

@@ -21,7 +21,7 @@ from .paths import ModelSource, resolve_source  # noqa: F401 - re-exported
 DTYPES = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def _hub_error(source: ModelSource, error: Exception) -> SourceError:
+def hub_error(source: ModelSource, error: Exception) -> SourceError:
     return SourceError(
         f"could not download {source.location!r} from the HuggingFace hub (is it reachable from here? "
         f"{first_line(error)}). The hub id must be public or you must be logged in; offline, download the model "
@@ -69,7 +69,7 @@ def load_config(source: ModelSource, trust_remote_code: bool = False) -> PreTrai
         if _is_remote_code_refusal(error):
             raise _remote_code_error(source) from error
         if source.kind == "hub":
-            raise _hub_error(source, error) from error
+            raise hub_error(source, error) from error
         if "does not recognize this architecture" in str(error) or "Unrecognized model" in str(error):
             raise _unknown_type_error(source) from error
         if source.gguf_file:
@@ -164,7 +164,7 @@ def load_model(source: ModelSource, dtype: str = "auto", trust_remote_code: bool
         if _is_remote_code_refusal(error):
             raise _remote_code_error(source) from error
         if source.kind == "hub":
-            raise _hub_error(source, error) from error
+            raise hub_error(source, error) from error
         if _is_unsafe_pickle(error):
             raise _unsafe_pickle_error(source, error) from error
         raise SourceError(

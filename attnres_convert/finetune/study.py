@@ -1,0 +1,140 @@
+"""What the A/B and the retrofit study share: an arm, its run folder and recipe, training it (in this process or
+a one-thread worker), the live table's context, the output check and the machine's description."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import platform
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from .ab_report import AB_JSON
+from .recipe import Recipe, RecipeError, apply_overrides, parse_recipe, read_yaml
+
+ARM_SETTINGS = ("output.save_model=false", "output.overwrite=true", "eval.at_start=true", "output.push_to_hub=null")
+
+
+@dataclass(frozen=True)
+class Arm:
+    name: str
+    overrides: tuple[str, ...]  # on top of the recipe and the overrides common to every arm
+
+    @property
+    def is_baseline(self) -> bool:
+        return self.name == "baseline"
+
+
+def folder_name(arm: Arm, seed: int) -> str:
+    safe = "".join(c if c.isalnum() or c in "._-" else "_" for c in arm.name.replace(" ", "__"))
+    return f"{safe[:120]}/seed-{seed}"
+
+
+def arm_recipe(data: dict, common: list[str], arm: Arm, seed: int, workdir: Path) -> Recipe:
+    overrides = [*common, *arm.overrides, f"train.seed={seed}", f"output.dir={workdir / folder_name(arm, seed)}", *ARM_SETTINGS]
+    try:
+        return parse_recipe(apply_overrides(data, overrides))
+    except RecipeError as error:
+        raise RecipeError(f"arm {arm.name!r}: {error}") from None
+
+
+def finished(recipe: Recipe) -> bool:
+    """A run folder already complete with this very recipe (checked through the current recipe schema)."""
+    out = Path(recipe.output.dir)
+    saved = out / "recipe.yaml"
+    if not ((out / "final_metrics.json").is_file() and saved.is_file()):
+        return False
+    try:
+        # The description documents the recipe; it does not change what trains.
+        return parse_recipe(read_yaml(saved)).model_dump(exclude={"description"}) == recipe.model_dump(exclude={"description"})
+    except RecipeError:
+        return False
+
+
+def run_one(data: dict, common: list[str], arm: Arm, seed: int, workdir: str, reuse: bool) -> None:
+    """Train one arm at one seed (in this process or a worker process)."""
+    from .training import TrainingError, finetune
+
+    recipe = arm_recipe(data, common, arm, seed, Path(workdir))
+    if reuse and finished(recipe):
+        return
+    try:
+        result = finetune(recipe)  # quiet: the live table shows every arm's progress
+    except (RecipeError, TrainingError) as error:
+        raise type(error)(f"arm {arm.name!r}, seed {seed}: {error}") from None
+    del result
+    gc.collect()
+
+
+def _one_thread() -> None:
+    """Worker processes of `jobs > 1`: one thread each (the arms share the cores)."""
+    import torch
+
+    # The pool's initializer runs in each worker process: the thread count it sets is that worker's own
+    # (a spawned process), never the parent's or another arm's.
+    torch.set_num_threads(1)
+    from ..io.console import quiet_libraries
+
+    # The worker is ours for its whole life: the libraries stay quiet in it (kept referenced, so that the
+    # context is never closed by garbage collection).
+    _WORKER_QUIET.append(quiet_libraries())
+    _WORKER_QUIET[-1].__enter__()
+
+
+_WORKER_QUIET: list = []
+
+
+def run_tasks(tasks: list[tuple], jobs: int) -> None:
+    """Call every (function, arguments) of TASKS: in turn, or (jobs > 1) in that many one-thread worker
+    processes (the functions are module-level, so a spawned worker can import them)."""
+    if jobs <= 1:
+        for function, arguments in tasks:
+            function(*arguments)
+        return
+    import concurrent.futures
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=context, initializer=_one_thread) as pool:
+        futures = [pool.submit(function, *arguments) for function, arguments in tasks]
+        for future in futures:
+            future.result()
+
+
+@contextlib.contextmanager
+def live(console, table) -> Iterator[None]:
+    """The live table, redrawn from the run folders every two seconds (Rich refreshes it in its own thread)."""
+    if console is None:
+        yield
+        return
+    from rich.live import Live
+
+    with Live(get_renderable=table, console=console, refresh_per_second=0.5):
+        yield
+
+
+def check_output(out: Path, overwrite: bool, marker: str = AB_JSON) -> None:
+    """OUT may be replaced only if it is an earlier A/B output (holds MARKER) and overwrite is set."""
+    if out.exists() and not out.is_dir():
+        raise RecipeError(f"--output: {out} is a file, not a folder; choose another path")
+    if out.is_dir() and any(out.iterdir()):
+        if not (out / marker).is_file():
+            raise RecipeError(f"--output: {out} exists and is not an A/B output (no {marker}); choose another folder")
+        if not overwrite:
+            raise RecipeError(f"--output: {out} already holds an A/B; pass --overwrite to replace it, or choose another folder")
+
+
+def machine(jobs: int) -> dict:
+    import torch
+    from accelerate import PartialState
+
+    return {
+        "cpu": f"{platform.machine()}, {os.cpu_count()} CPUs",
+        "accelerator": torch.accelerator.current_accelerator().type if torch.accelerator.is_available() else None,
+        "torch": torch.__version__,
+        "threads_per_arm": 1 if jobs > 1 else torch.get_num_threads(),
+        "jobs": jobs,
+        "processes": PartialState().num_processes,
+    }
