@@ -445,10 +445,11 @@ def finetune_command(
         from attnres_convert.finetune.preflight import check_recipe
 
         check_recipe(parsed, resume=resume, token=token)
-    left = (  # a Ctrl-C before the first step, or a second one (the first saves a checkpoint and stops cleanly)
-        f"this stop saved no checkpoint; earlier ones, if any, are in {parsed.output.dir}/checkpoints "
-        "(--resume continues from the last)"
-    )
+    from attnres_convert.finetune.run_folder import left_behind
+
+    # A Ctrl-C before the first step, or a second one (the first saves a checkpoint and stops cleanly): what the
+    # output folder holds once the stopped run has unwound.
+    left = lambda: left_behind(Path(parsed.output.dir).expanduser())  # noqa: E731
     with training_errors(main), interrupts("finetune", left), quiet_libraries():  # one progress bar: the training one
         from attnres_convert.finetune.training import finetune
 

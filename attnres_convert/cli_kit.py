@@ -132,18 +132,20 @@ def user_error_kinds() -> tuple[type[Exception], ...]:
 
 
 @contextlib.contextmanager
-def interrupts(what: str | Callable[[], str], left_behind: str = "nothing was written") -> Iterator[None]:
+def interrupts(what: str | Callable[[], str], left_behind: str | Callable[[], str] = "nothing was written") -> Iterator[None]:
     """Ctrl-C (or SIGTERM) while WHAT (text, or a function saying it at that moment) runs: one line saying
-    what stopped and what is left, exit 128 + signal. Temporary folders are removed as the stack unwinds."""
+    what stopped and what is LEFT_BEHIND (text, or a function saying it once the stack has unwound), exit
+    128 + signal. Temporary folders are removed as the stack unwinds."""
     describe = what if callable(what) else lambda: what
+    left = left_behind if callable(left_behind) else lambda: left_behind
     try:
         yield
     except KeyboardInterrupt:
-        err_console.print(f"[yellow]interrupted:[/] {escape(describe())} stopped; {escape(left_behind)}.", highlight=False)
+        err_console.print(f"[yellow]interrupted:[/] {escape(describe())} stopped; {escape(left())}.", highlight=False)
         raise typer.Exit(130) from None
     except SystemExit as stop:
         if stop.code == 128 + signal.SIGTERM:
-            err_console.print(f"[yellow]terminated:[/] {escape(describe())} stopped; {escape(left_behind)}.", highlight=False)
+            err_console.print(f"[yellow]terminated:[/] {escape(describe())} stopped; {escape(left())}.", highlight=False)
         raise
 
 

@@ -204,6 +204,7 @@ def test_validate_reports_an_output_dir_that_holds_a_run(tmp_path):
     run.mkdir()
     (run / "recipe.yaml").write_text("{}")
     (run / "metrics.jsonl").write_text("")
+    (run / "checkpoints" / "step-0000002").mkdir(parents=True)
     result = runner.invoke(cli.app, ["recipes", "validate", "quickstart-cpu", f"output.dir={run}"])
     assert result.exit_code == 0, result.output
     assert "alreadyholdsarun" in squash(result.output)

@@ -50,7 +50,7 @@ from .optim import (
     make_scheduler,
     select_trainable,
 )
-from .preflight import check_recipe
+from .preflight import check_recipe, nothing_to_resume
 from .recipe import Recipe, RecipeError
 from .reporting import Reporter
 from .result import FinetuneResult, final_metrics, save_result
@@ -141,6 +141,8 @@ class FinetuneRecipe:
             report.say(f"[yellow]note:[/] FSDP was asked for but Accelerate runs {self.distributed} here (FSDP needs GPUs)")
         if self.resume and self.checkpoint_path is None:
             report.say(f"--resume: no checkpoint in {out / 'checkpoints'}; starting from step 0")
+        elif not self.resume and not recipe.output.overwrite and nothing_to_resume(out):
+            report.say(f"{out} holds a run stopped before its first checkpoint (nothing to resume): starting it over")
 
     def _build(self) -> None:
         """Model, data, optimizer, scheduler; prepared by Accelerate."""
