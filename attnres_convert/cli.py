@@ -23,7 +23,10 @@ from attnres_convert.cli_kit import (  # noqa: F401 - shared by every command
     err_console,
     fail,
     interrupts,
+    ignore_signals_at_exit,
     missing_package_exits,
+    output_complete,
+    own_process_signals,
     scrubbed,
     stages,
     training_errors,
@@ -174,6 +177,8 @@ def convert(
         from attnres_convert import convert as run_convert
 
         result = run_convert(source, output, options, stage=stage, progress=stage.progress)
+    if not push_to_hub:
+        output_complete(f"{result.output} is complete")
     console.print(summary_table(result.summary))
     if result.verification is not None:
         console.print(verification_table(result.verification))
@@ -182,6 +187,7 @@ def convert(
     console.print(f"[green]Saved[/] {result.source} as Block AttnRes to [bold]{result.output}[/]")
     if push_to_hub:
         push_saved(result.output, push_to_hub, private=private, token=token)
+        output_complete(f"{result.output} is complete and pushed to {push_to_hub}")
 
 
 @app.command()
@@ -456,6 +462,7 @@ def finetune_command(
         result = finetune(parsed, resume=resume, console=err_console if main else None, token=token, verbose=verbose)
     if not main:
         return
+    output_complete(f"the run in {result.output} is complete")
     metrics = result.metrics
     table = finetune_table(metrics)
     console.print(table)
@@ -688,8 +695,12 @@ def _terminate(signum, frame) -> None:
 
 def main() -> None:
     signal.signal(signal.SIGTERM, _terminate)
-    with missing_package_exits():
-        app()
+    own_process_signals()
+    try:
+        with missing_package_exits():
+            app()
+    finally:
+        ignore_signals_at_exit()
 
 
 if __name__ == "__main__":

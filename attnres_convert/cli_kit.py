@@ -149,6 +149,45 @@ def interrupts(what: str | Callable[[], str], left_behind: str | Callable[[], st
         raise
 
 
+# Set by cli.main (the installed command, `python -m attnres_convert`): only a whole process may take over its
+# signals; a command run in another program (CliRunner, tests) leaves them alone.
+_own_process: list[bool] = []
+
+
+def own_process_signals() -> None:
+    _own_process.append(True)
+
+
+def output_complete(what: str) -> None:
+    """The command has written everything (WHAT: e.g. 'outputs/x is complete'). A Ctrl-C or SIGTERM from now on
+    undoes nothing: the command goes on to exit 0, printing one note saying so (exit code 130 with no line would
+    leave the user guessing whether the output is whole). Its process only (see own_process_signals)."""
+    import threading
+
+    if not _own_process:
+        return
+
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def after_completion(signum, frame) -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)  # one note; the exit is moments away
+        name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+        err_console.print(f"[yellow]note:[/] {name} after the command had finished: {escape(what)}; nothing was undone.", highlight=False)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, after_completion)
+
+
+def ignore_signals_at_exit() -> None:
+    """The interpreter's shutdown (a second or more after torch ran) restores SIGINT's default action, so a Ctrl-C
+    then would kill the process with code 130 and no line, after the command has finished. Ignored instead: the
+    command has ended, and only the exit is left (Python leaves an ignored signal ignored as it shuts down)."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+
+
 @contextlib.contextmanager
 def training_errors(main: bool, interrupted: Callable[[Exception], str] = lambda error: escape(str(error))) -> Iterator[None]:
     """Errors of a training command, raised in every process of a launch; only the main process prints.

@@ -644,3 +644,44 @@ def test_bench_stage_lines_are_whole_piped_at_80_columns(tmp_path, source):
         progress.add_task(name, total=1, completed=1)
     lines = render(progress.make_tasks_table(progress.tasks))
     assert_unwrapped(lines, *names)
+
+
+# ---------------------------------------------------------------- Ctrl-C after the output is complete
+
+# The installed command (cli.main) in a child process that sends itself SIGINT at a chosen moment: right after the
+# "Saved" line is printed, or while the interpreter shuts down (an atexit hook), after the command has returned.
+_CTRL_C_AFTER = r"""
+import atexit, os, signal, sys, time
+from attnres_convert import cli
+moment = sys.argv[1]
+def ctrl_c():
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(0.2)  # the handler runs here
+if moment == "after-saved":
+    printed = cli.console.print
+    def print_then_ctrl_c(*args, **kwargs):
+        printed(*args, **kwargs)
+        if args and str(args[0]).startswith("[green]Saved"):
+            ctrl_c()
+    cli.console.print = print_then_ctrl_c
+else:
+    atexit.register(ctrl_c)
+sys.argv = ["attnres", *sys.argv[2:]]
+sys.exit(cli.main())
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("moment", ["after-saved", "at-exit"])
+def test_ctrl_c_after_convert_finished_exits_0_saying_the_output_is_complete(tmp_path, tiny_llama_folder, moment):
+    out = tmp_path / "out"
+    env = {**os.environ, **ONE_THREAD_ENV, "PYTHONPATH": str(ROOT), "COLUMNS": "200"}
+    done = subprocess.run(
+        [sys.executable, "-c", _CTRL_C_AFTER, moment, "convert", str(tiny_llama_folder), "-o", str(out)],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, preexec_fn=_sigint_as_in_a_terminal,
+    )
+    assert done.returncode == 0, (done.returncode, done.stdout, done.stderr)
+    assert "Saved" in done.stdout and (out / "config.json").is_file()
+    assert "Traceback" not in done.stderr and "Aborted" not in done.stderr, done.stderr
+    if moment == "after-saved":
+        assert f"note: Ctrl-C after the command had finished: {out} is complete; nothing was undone." in done.stderr, done.stderr
