@@ -30,7 +30,23 @@ from rich.progress import (
 )
 from rich.text import Text
 
-err_console = Console(stderr=True)
+def _stderr_console() -> Console:
+    """The console of progress lines and messages. Its live displays (spinners, bars redrawn in place) need a
+    terminal: Rich takes FORCE_COLOR (or TTY_COMPATIBLE=1) for one even where stderr is a pipe or a file, and
+    would write every frame into it (`⠋ Reading config 0:00:00` lines in a log). Where stderr is not a terminal
+    the console is not one either (colours kept as asked), so the stage lines are printed once, plain, as they
+    end; TTY_INTERACTIVE=1 asks for the frames anyway."""
+    console = Console(stderr=True)
+    try:
+        tty = sys.stderr.isatty()
+    except (AttributeError, ValueError):
+        tty = False
+    if console.is_terminal and not tty and os.environ.get("TTY_INTERACTIVE") != "1":
+        return Console(stderr=True, force_terminal=False, color_system=console.color_system)
+    return console
+
+
+err_console = _stderr_console()
 
 def _readable_value_types() -> None:
     """Typer 0.29 shows `<bool>` beside every flag in --help, as if it took a value: a flag shows none. It

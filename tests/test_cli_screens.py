@@ -685,3 +685,27 @@ def test_ctrl_c_after_convert_finished_exits_0_saying_the_output_is_complete(tmp
     assert "Traceback" not in done.stderr and "Aborted" not in done.stderr, done.stderr
     if moment == "after-saved":
         assert f"note: Ctrl-C after the command had finished: {out} is complete; nothing was undone." in done.stderr, done.stderr
+
+
+# ---------------------------------------------------------------- piped: plain lines, no frames
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("forced", ["FORCE_COLOR=1", "TTY_COMPATIBLE=1"])
+def test_piped_stage_lines_are_plain_even_where_colour_is_forced(tmp_path, tiny_llama_folder, forced):
+    """stderr a pipe, with an environment that makes Rich take it for a terminal (CI sets FORCE_COLOR): every
+    stage line once, no spinner frame, no line redrawn in place (cursor codes)."""
+    name, value = forced.split("=")
+    env = {**os.environ, **ONE_THREAD_ENV, "PYTHONPATH": str(ROOT), "COLUMNS": "80", name: value}
+    env.pop("TTY_INTERACTIVE", None)
+    done = subprocess.run(
+        [sys.executable, "-m", "attnres_convert", "convert", str(tiny_llama_folder), "-o", str(tmp_path / "out")],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    assert not SPINNER & set(done.stderr), f"spinner frames in piped output:\n{done.stderr}"
+    for redraw in ("\r", "\x1b[2K", "\x1b[1A", "\x1b[?25l"):
+        assert redraw not in done.stderr, f"{redraw!r} in piped output:\n{done.stderr!r}"
+    lines = done.stderr.splitlines()
+    for stage in ("Reading config", "Writing shards", "Verifying against the original"):
+        assert sum(stage in line for line in lines) == 1, done.stderr
