@@ -34,7 +34,7 @@ from attnres_convert.cli_kit import (  # noqa: F401 - shared by every command
     user_errors,
     written_files,
 )
-from attnres_convert.cli_tables import depth_table, eval_table, finetune_table, summary_table, verification_table  # noqa: F401
+from attnres_convert.cli_tables import depth_table, eval_table, finetune_table, summary_table, throughput_line, verification_table  # noqa: F401
 from attnres_convert.conversion.options import ConvertOptions, OptionsError, canonical_dtype
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -467,7 +467,7 @@ def finetune_command(
     table = finetune_table(metrics)
     console.print(table)
     if metrics["tokens_per_s"]:
-        console.print(f"training throughput: {metrics['tokens_per_s']:,.0f} tokens/s", highlight=False)
+        console.print(throughput_line(metrics), highlight=False)
     console.print(f"[green]Run folder[/] [bold]{escape(str(result.output))}[/] ({written_files(result.output, 'metrics.jsonl', 'loss_curve.png', 'final_metrics.json')})")
     if result.model_dir is not None:
         console.print(f"[green]Model[/] [bold]{escape(str(result.model_dir))}[/]")

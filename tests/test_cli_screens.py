@@ -709,3 +709,28 @@ def test_piped_stage_lines_are_plain_even_where_colour_is_forced(tmp_path, tiny_
     lines = done.stderr.splitlines()
     for stage in ("Reading config", "Writing shards", "Verifying against the original"):
         assert sum(stage in line for line in lines) == 1, done.stderr
+
+
+# ---------------------------------------------------------------- finetune: one throughput, said what it measures
+
+
+def test_finetune_bar_and_summary_give_the_same_throughput_and_say_what_it_counts(tmp_path):
+    """The bar's tok/s is the run's training throughput so far; at the end it is the figure of the summary line,
+    which says what is counted (training steps) and what is not (loading, evaluation, checkpoints)."""
+    from finetune_helpers import tiny_model_folder, tiny_recipe, write_corpus, write_recipe
+
+    recipe = write_recipe(tmp_path / "recipe.yaml", tiny_recipe(
+        tiny_model_folder(tmp_path / "tiny"), write_corpus(tmp_path / "corpus"), tmp_path / "run",
+        train={"steps": 4}, eval={"every": 2, "max_sequences": 4}, checkpoint={"every": 2, "keep_last": 1},
+    ))
+    result = runner.invoke(cli.app, ["finetune", str(recipe)], env={"COLUMNS": "80"})
+    assert result.exit_code == 0, result.output
+    bar = re.findall(r"step 4/4 .* ([\d,]+) tok/s", result.output)
+    summary = re.search(r"training throughput: ([\d,]+) tokens/s \(([\d,]+) tokens in ([\d.,]+) s of training steps; "
+                        r"loading, evaluation and checkpoints not counted\)", " ".join(result.output.split()))
+    assert bar and summary, result.output
+    assert bar[-1] == summary.group(1), result.output
+    tokens, seconds = int(summary.group(2).replace(",", "")), float(summary.group(3).replace(",", ""))
+    assert tokens == 4 * 2 * 2 * 32  # steps x micro_batch x grad_accum x seq_len
+    speed = int(summary.group(1).replace(",", ""))
+    assert tokens / (seconds + 0.05) - 1 <= speed <= tokens / max(seconds - 0.05, 1e-9) + 1  # seconds shown to 0.1 s

@@ -340,7 +340,8 @@ class FinetuneRecipe:
         if state.step % self.recipe.train.log_every == 0 or state.step == steps:
             epoch = self.order.epoch_of(state.position)
             self.metrics.write(train_record(stats, state.step, state.tokens, epoch, depth_gate=self._gate_at(state.step - 1)))
-        self.report.step(state.step, stats.loss, stats.lr, stats.tokens_per_s)
+        # The run's training throughput so far (tokens over the time spent in steps): what the summary prints at the end.
+        self.report.step(state.step, stats.loss, stats.lr, state.tokens / state.train_seconds if state.train_seconds else 0.0)
 
     def _gate_at(self, step: int) -> float | None:
         """train.depth_gate_steps: the depth gate of the step after `step` steps (0 first, 1 from depth_gate_steps
