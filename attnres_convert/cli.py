@@ -23,10 +23,9 @@ from attnres_convert.cli_kit import (  # noqa: F401 - shared by every command
     err_console,
     fail,
     interrupts,
-    ignore_signals_at_exit,
     missing_package_exits,
     output_complete,
-    own_process_signals,
+    whole_process,
     scrubbed,
     stages,
     training_errors,
@@ -453,9 +452,7 @@ def finetune_command(
         check_recipe(parsed, resume=resume, token=token)
     from attnres_convert.finetune.run_folder import left_behind
 
-    # A Ctrl-C before the first step, or a second one (the first saves a checkpoint and stops cleanly): what the
-    # output folder holds once the stopped run has unwound.
-    left = lambda: left_behind(Path(parsed.output.dir).expanduser())  # noqa: E731
+    left = lambda: left_behind(Path(parsed.output.dir).expanduser())  # noqa: E731 - Ctrl-C before step 1, or a second one
     with training_errors(main), interrupts("finetune", left), quiet_libraries():  # one progress bar: the training one
         from attnres_convert.finetune.training import finetune
 
@@ -695,12 +692,8 @@ def _terminate(signum, frame) -> None:
 
 def main() -> None:
     signal.signal(signal.SIGTERM, _terminate)
-    own_process_signals()
-    try:
-        with missing_package_exits():
-            app()
-    finally:
-        ignore_signals_at_exit()
+    with whole_process(), missing_package_exits():
+        app()
 
 
 if __name__ == "__main__":

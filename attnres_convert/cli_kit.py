@@ -170,14 +170,21 @@ def interrupts(what: str | Callable[[], str], left_behind: str | Callable[[], st
 _own_process: list[bool] = []
 
 
-def own_process_signals() -> None:
+@contextlib.contextmanager
+def whole_process() -> Iterator[None]:
+    """The command line run as its own process (cli.main): `output_complete` may take over Ctrl-C, and once the
+    command has returned, Ctrl-C and SIGTERM are ignored (`ignore_signals_at_exit`)."""
     _own_process.append(True)
+    try:
+        yield
+    finally:
+        ignore_signals_at_exit()
 
 
 def output_complete(what: str) -> None:
     """The command has written everything (WHAT: e.g. 'outputs/x is complete'). A Ctrl-C or SIGTERM from now on
     undoes nothing: the command goes on to exit 0, printing one note saying so (exit code 130 with no line would
-    leave the user guessing whether the output is whole). Its process only (see own_process_signals)."""
+    leave the user guessing whether the output is whole). Its own process only (see whole_process)."""
     import threading
 
     if not _own_process:
