@@ -456,7 +456,7 @@ def finetune_command(
     with training_errors(main), interrupts("finetune", left), quiet_libraries():  # one progress bar: the training one
         from attnres_convert.finetune.training import finetune
 
-        result = finetune(parsed, resume=resume, console=err_console if main else None, token=token, verbose=verbose)
+        result = finetune(parsed, resume=resume, console=err_console if main else None, token=token, verbose=verbose, threads="auto")
     if not main:
         return
     output_complete(f"the run in {result.output} is complete")
@@ -638,9 +638,8 @@ def recipes_list() -> None:
         except RecipeError as error:
             console.print(f"[bold]{escape(name)}[/] [red]invalid:[/] {escape(first_line(error))}", highlight=False)
             continue
-        source = recipe.model.source if not recipe.model.is_default else "embedded SmolLM2"
         console.print(
-            f"[bold]{escape(name)}[/]: {escape(source)}, trains {recipe.train.trainable}, {recipe.train.steps} steps",
+            f"[bold]{escape(name)}[/]: {escape(recipe.model.describe())}, trains {recipe.train.trainable}, {recipe.train.steps} steps",
             highlight=False,
         )
         if recipe.description:

@@ -734,3 +734,19 @@ def test_finetune_bar_and_summary_give_the_same_throughput_and_say_what_it_count
     assert tokens == 4 * 2 * 2 * 32  # steps x micro_batch x grad_accum x seq_len
     speed = int(summary.group(1).replace(",", ""))
     assert tokens / (seconds + 0.05) - 1 <= speed <= tokens / max(seconds - 0.05, 1e-9) + 1  # seconds shown to 0.1 s
+
+
+def test_recipes_list_says_a_from_scratch_recipe_trains_a_random_model():
+    """ab-scratch-cpu and ab-retrofit-cpu build a random 24-layer d=128 model from the embedded SmolLM2's config:
+    the list says so (not 'embedded SmolLM2', which is a pretrained model); a pretrained source is named as it is."""
+    result = runner.invoke(cli.app, ["recipes", "list"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    for name in ("ab-scratch-cpu", "ab-retrofit-cpu"):
+        line = next(line for line in lines if line.startswith(f"{name}:"))
+        assert line.startswith(f"{name}: random 24-layer d=128 model (config: embedded SmolLM2), bytes tokenizer, trains full"), line
+    assert any(line.startswith("quickstart-cpu: embedded SmolLM2, trains lora") for line in lines), result.output
+    from attnres_convert.finetune.recipe import load_recipe
+
+    assert load_recipe("ab-scratch-cpu").headline().startswith(
+        "Fine-tuning random 24-layer d=128 model (config: the embedded SmolLM2-135M-Instruct), bytes tokenizer on shakespeare:*")
