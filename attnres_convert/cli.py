@@ -18,20 +18,8 @@ from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeEl
 from rich.table import Table
 
 from attnres_convert.cli_kit import (  # noqa: F401 - shared by every command
-    EXIT_BAD_INPUT,
-    EXIT_FAILED_CHECK,
-    err_console,
-    fail,
-    interrupts,
-    missing_package_exits,
-    output_complete,
-    whole_process,
-    scrubbed,
-    stages,
-    training_errors,
-    user_error_kinds,
-    user_errors,
-    written_files,
+    EXIT_BAD_INPUT, EXIT_FAILED_CHECK, err_console, fail, interrupts, missing_package_exits, output_complete, scrubbed,
+    stages, training_errors, user_error_kinds, user_errors, whole_process, written_files,
 )
 from attnres_convert.cli_tables import depth_table, eval_table, finetune_table, summary_table, throughput_line, verification_table  # noqa: F401
 from attnres_convert.conversion.options import ConvertOptions, OptionsError, canonical_dtype
@@ -172,7 +160,12 @@ def convert(
     with user_errors():  # before torch is imported: a wrong path or a taken folder is answered at once
         check_arguments(source, output, options)
     check_push_options(push_to_hub, token)
-    with user_errors(), stages("convert", f"nothing was written to {output}") as stage:
+    from attnres_convert.io.threads import cpu_threads, torch_threads, usable_cores
+
+    threads, why = cpu_threads()  # one per idle core: a busy machine slows the verification by its load alone
+    if verbose or threads < usable_cores():
+        err_console.print(f"{threads} torch thread{'s' if threads != 1 else ''} ({why})", highlight=False)
+    with user_errors(), stages("convert", f"nothing was written to {output}") as stage, torch_threads(threads):
         from attnres_convert import convert as run_convert
 
         result = run_convert(source, output, options, stage=stage, progress=stage.progress)

@@ -750,3 +750,57 @@ def test_recipes_list_says_a_from_scratch_recipe_trains_a_random_model():
 
     assert load_recipe("ab-scratch-cpu").headline().startswith(
         "Fine-tuning random 24-layer d=128 model (config: the embedded SmolLM2-135M-Instruct), bytes tokenizer on shakespeare:*")
+
+
+# ---------------------------------------------------------------- finetune on the CPU: torch threads
+
+
+def test_training_threads_are_the_idle_cores_unless_omp_num_threads_says():
+    from attnres_convert.io.threads import cpu_threads
+
+    assert cpu_threads(cores=2, busy=0.1, env={})[0] == 2  # idle: every core
+    assert cpu_threads(cores=2, busy=1.0, env={})[0] == 1  # one core held by another job
+    assert cpu_threads(cores=2, busy=4.7, env={})[0] == 1  # more load than cores: still one
+    assert cpu_threads(cores=2, busy=0.4, env={})[0] == 2
+    assert cpu_threads(processes=2, cores=4, busy=0.0, env={})[0] == 2  # two processes share the idle cores
+    threads, why = cpu_threads(cores=2, busy=1.0, env={})
+    assert why.startswith("2 cores, 1.0 of them busy (given): one per idle core; OMP_NUM_THREADS sets it"), why
+    assert cpu_threads(cores=2, busy=0.0, env={"OMP_NUM_THREADS": "3"}) == (3, "OMP_NUM_THREADS")
+
+
+def test_finetune_says_its_torch_threads_and_gives_the_process_its_own_back(tmp_path):
+    import torch
+    from finetune_helpers import tiny_model_folder, tiny_recipe, write_corpus, write_recipe
+
+    recipe = write_recipe(tmp_path / "recipe.yaml", tiny_recipe(
+        tiny_model_folder(tmp_path / "tiny"), write_corpus(tmp_path / "corpus"), tmp_path / "run", train={"steps": 2},
+    ))
+    before = torch.get_num_threads()
+    result = runner.invoke(cli.app, ["finetune", str(recipe)], env={"COLUMNS": "200", "OMP_NUM_THREADS": "2"})
+    assert result.exit_code == 0, result.output
+    assert "Training on cpu in 1 process, no mixed precision, 2 torch threads (OMP_NUM_THREADS)" in result.output, result.output
+    assert torch.get_num_threads() == before
+    result = runner.invoke(cli.app, ["finetune", str(recipe), "output.overwrite=true"], env={"COLUMNS": "200", "OMP_NUM_THREADS": None})
+    assert result.exit_code == 0, result.output
+    from attnres_convert.io.threads import usable_cores
+
+    assert re.search(rf"no mixed precision, \d+ torch threads? \({usable_cores()} cores, [\d.]+ of them busy \(busy over 0.5 s\): "
+                     r"one per idle core; OMP_NUM_THREADS sets it\)", result.output), result.output
+    assert torch.get_num_threads() == before
+
+
+@pytest.mark.filterwarnings("ignore:.*has no tokenizer")
+def test_convert_computes_on_the_idle_cores_and_says_so_when_fewer_than_all(tmp_path, tiny_llama_folder):
+    import torch
+
+    from attnres_convert.io.threads import usable_cores
+
+    before = torch.get_num_threads()
+    result = runner.invoke(cli.app, ["convert", str(tiny_llama_folder), "-o", str(tmp_path / "a")], env={"COLUMNS": "200", "OMP_NUM_THREADS": "1"})
+    assert result.exit_code == 0, result.output
+    assert ("1 torch thread (OMP_NUM_THREADS)" in result.output) == (usable_cores() > 1), result.output
+    assert torch.get_num_threads() == before
+    result = runner.invoke(cli.app, ["convert", str(tiny_llama_folder), "-o", str(tmp_path / "b"), "--verbose"],
+                           env={"COLUMNS": "200", "OMP_NUM_THREADS": None})
+    assert result.exit_code == 0, result.output
+    assert re.search(rf"\d+ torch threads? \({usable_cores()} cores, [\d.]+ of them busy \(busy over 0.5 s\)", result.output), result.output

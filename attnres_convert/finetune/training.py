@@ -28,7 +28,8 @@ import torch
 
 from ..io.text import perplexity, token_loss, token_loss_and_kl
 from ..modeling.modeling_attnres import set_depth_gate
-from .accelerator import cpu_threads, make_accelerator
+from ..io.threads import cpu_threads
+from .accelerator import make_accelerator
 from .checkpoints import (
     TrainerState,
     latest_checkpoint,
