@@ -27,8 +27,8 @@ from pathlib import Path
 import torch
 
 from ..io.text import perplexity, token_loss, token_loss_and_kl
-from ..modeling.modeling_attnres import set_depth_gate
 from ..io.threads import cpu_threads
+from ..modeling.modeling_attnres import set_depth_gate
 from .accelerator import make_accelerator
 from .checkpoints import (
     TrainerState,
@@ -80,7 +80,7 @@ class FinetuneRecipe:
         verbose: bool = False, threads: int | str | None = None,
     ):
         self.recipe, self.resume, self.stop_at_step, self.token = recipe, resume, stop_at_step, token
-        # On the CPU: torch threads to train with ("auto": accelerator.cpu_threads; None: as the process has them).
+        # On the CPU: torch threads to train with ("auto": io.threads.cpu_threads; None: as the process has them).
         self.threads, self.threads_before = threads, None
         self.out = Path(recipe.output.dir).expanduser()
         self.folder = self.out  # where the run is written: a staging folder while it replaces an earlier run
