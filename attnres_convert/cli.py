@@ -24,15 +24,17 @@ from attnres_convert.cli_kit import (  # noqa: F401 - shared by every command
     interrupts,
     missing_package_exits,
     options_from,
+    output_complete,
     scrubbed,
     stages,
     training_errors,
     user_error_kinds,
     user_errors,
+    whole_process,
     written_files,
 )
 from attnres_convert.cli_tables import (  # noqa: F401
-    depth_table, eval_table, finetune_table, generate_note, summary_table, verification_table,
+    depth_table, eval_table, finetune_table, generate_note, summary_table, throughput_line, verification_table,
 )
 from attnres_convert.conversion.options import ConvertOptions, canonical_dtype
 
@@ -118,10 +120,17 @@ def convert(
     with user_errors():  # before torch is imported: a wrong path or a taken folder is answered at once
         check_arguments(source, output, options)
     check_push_options(push_to_hub, token)
-    with user_errors(), stages("convert", f"nothing was written to {output}") as stage:
+    from attnres_convert.io.threads import cpu_threads, torch_threads, usable_cores
+
+    threads, why = cpu_threads()  # one per idle core: a busy machine slows the verification by its load alone
+    if verbose or threads < usable_cores():
+        err_console.print(f"{threads} torch thread{'s' if threads != 1 else ''} ({why})", highlight=False)
+    with user_errors(), stages("convert", f"nothing was written to {output}") as stage, torch_threads(threads):
         from attnres_convert import convert as run_convert
 
         result = run_convert(source, output, options, stage=stage, progress=stage.progress)
+    if not push_to_hub:
+        output_complete(f"{result.output} is complete")
     console.print(summary_table(result.summary))
     if result.verification is not None:
         console.print(verification_table(result.verification))
@@ -132,6 +141,7 @@ def convert(
     console.print(f"[green]Saved[/] {result.source} as Block AttnRes to [bold]{result.output}[/]")
     if push_to_hub:
         push_saved(result.output, push_to_hub, private=private, token=token)
+        output_complete(f"{result.output} is complete and pushed to {push_to_hub}")
 
 
 @app.command()
@@ -412,21 +422,21 @@ def finetune_command(
         from attnres_convert.finetune.preflight import check_recipe
 
         check_recipe(parsed, resume=resume, token=token)
-    left = (  # a Ctrl-C before the first step, or a second one (the first saves a checkpoint and stops cleanly)
-        f"this stop saved no checkpoint; earlier ones, if any, are in {parsed.output.dir}/checkpoints "
-        "(--resume continues from the last)"
-    )
+    from attnres_convert.finetune.run_folder import left_behind
+
+    left = lambda: left_behind(Path(parsed.output.dir).expanduser())  # noqa: E731 - Ctrl-C before step 1, or a second one
     with training_errors(main), interrupts("finetune", left), quiet_libraries():  # one progress bar: the training one
         from attnres_convert.finetune.training import finetune
 
-        result = finetune(parsed, resume=resume, console=err_console if main else None, token=token, verbose=verbose)
+        result = finetune(parsed, resume=resume, console=err_console if main else None, token=token, verbose=verbose, threads="auto")
     if not main:
         return
+    output_complete(f"the run in {result.output} is complete")
     metrics = result.metrics
     table = finetune_table(metrics)
     console.print(table)
     if metrics["tokens_per_s"]:
-        console.print(f"training throughput: {metrics['tokens_per_s']:,.0f} tokens/s", highlight=False)
+        console.print(throughput_line(metrics), highlight=False)
     console.print(f"[green]Run folder[/] [bold]{escape(str(result.output))}[/] ({written_files(result.output, 'metrics.jsonl', 'loss_curve.png', 'final_metrics.json')})")
     if result.model_dir is not None:
         console.print(f"[green]Model[/] [bold]{escape(str(result.model_dir))}[/]")
@@ -600,9 +610,8 @@ def recipes_list() -> None:
         except RecipeError as error:
             console.print(f"[bold]{escape(name)}[/] [red]invalid:[/] {escape(first_line(error))}", highlight=False)
             continue
-        source = recipe.model.source if not recipe.model.is_default else "embedded SmolLM2"
         console.print(
-            f"[bold]{escape(name)}[/]: {escape(source)}, trains {recipe.train.trainable}, {recipe.train.steps} steps",
+            f"[bold]{escape(name)}[/]: {escape(recipe.model.describe())}, trains {recipe.train.trainable}, {recipe.train.steps} steps",
             highlight=False,
         )
         if recipe.description:
@@ -654,7 +663,7 @@ def _terminate(signum, frame) -> None:
 
 def main() -> None:
     signal.signal(signal.SIGTERM, _terminate)
-    with missing_package_exits():
+    with whole_process(), missing_package_exits():
         app()
 
 

@@ -31,7 +31,23 @@ from rich.progress import (
 )
 from rich.text import Text
 
-err_console = Console(stderr=True)
+def _stderr_console() -> Console:
+    """The console of progress lines and messages. Its live displays (spinners, bars redrawn in place) need a
+    terminal: Rich takes FORCE_COLOR (or TTY_COMPATIBLE=1) for one even where stderr is a pipe or a file, and
+    would write every frame into it (`⠋ Reading config 0:00:00` lines in a log). Where stderr is not a terminal
+    the console is not one either (colours kept as asked), so the stage lines are printed once, plain, as they
+    end; TTY_INTERACTIVE=1 asks for the frames anyway."""
+    console = Console(stderr=True)
+    try:
+        tty = sys.stderr.isatty()
+    except (AttributeError, ValueError):
+        tty = False
+    if console.is_terminal and not tty and os.environ.get("TTY_INTERACTIVE") != "1":
+        return Console(stderr=True, force_terminal=False, color_system=console.color_system)
+    return console
+
+
+err_console = _stderr_console()
 
 def _readable_value_types() -> None:
     """Typer 0.29 shows `<bool>` beside every flag in --help, as if it took a value: a flag shows none. It
@@ -133,19 +149,67 @@ def user_error_kinds() -> tuple[type[Exception], ...]:
 
 
 @contextlib.contextmanager
-def interrupts(what: str | Callable[[], str], left_behind: str = "nothing was written") -> Iterator[None]:
+def interrupts(what: str | Callable[[], str], left_behind: str | Callable[[], str] = "nothing was written") -> Iterator[None]:
     """Ctrl-C (or SIGTERM) while WHAT (text, or a function saying it at that moment) runs: one line saying
-    what stopped and what is left, exit 128 + signal. Temporary folders are removed as the stack unwinds."""
+    what stopped and what is LEFT_BEHIND (text, or a function saying it once the stack has unwound), exit
+    128 + signal. Temporary folders are removed as the stack unwinds."""
     describe = what if callable(what) else lambda: what
+    left = left_behind if callable(left_behind) else lambda: left_behind
     try:
         yield
     except KeyboardInterrupt:
-        err_console.print(f"[yellow]interrupted:[/] {escape(describe())} stopped; {escape(left_behind)}.", highlight=False)
+        err_console.print(f"[yellow]interrupted:[/] {escape(describe())} stopped; {escape(left())}.", highlight=False)
         raise typer.Exit(130) from None
     except SystemExit as stop:
         if stop.code == 128 + signal.SIGTERM:
-            err_console.print(f"[yellow]terminated:[/] {escape(describe())} stopped; {escape(left_behind)}.", highlight=False)
+            err_console.print(f"[yellow]terminated:[/] {escape(describe())} stopped; {escape(left())}.", highlight=False)
         raise
+
+
+# Set by cli.main (the installed command, `python -m attnres_convert`): only a whole process may take over its
+# signals; a command run in another program (CliRunner, tests) leaves them alone.
+_own_process: list[bool] = []
+
+
+@contextlib.contextmanager
+def whole_process() -> Iterator[None]:
+    """The command line run as its own process (cli.main): `output_complete` may take over Ctrl-C, and once the
+    command has returned, Ctrl-C and SIGTERM are ignored (`ignore_signals_at_exit`)."""
+    _own_process.append(True)
+    try:
+        yield
+    finally:
+        ignore_signals_at_exit()
+
+
+def output_complete(what: str) -> None:
+    """The command has written everything (WHAT: e.g. 'outputs/x is complete'). A Ctrl-C or SIGTERM from now on
+    undoes nothing: the command goes on to exit 0, printing one note saying so (exit code 130 with no line would
+    leave the user guessing whether the output is whole). Its own process only (see whole_process)."""
+    import threading
+
+    if not _own_process:
+        return
+
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def after_completion(signum, frame) -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)  # one note; the exit is moments away
+        name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+        err_console.print(f"[yellow]note:[/] {name} after the command had finished: {escape(what)}; nothing was undone.", highlight=False)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, after_completion)
+
+
+def ignore_signals_at_exit() -> None:
+    """The interpreter's shutdown (a second or more after torch ran) restores SIGINT's default action, so a Ctrl-C
+    then would kill the process with code 130 and no line, after the command has finished. Ignored instead: the
+    command has ended, and only the exit is left (Python leaves an ignored signal ignored as it shuts down)."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
 
 
 @contextlib.contextmanager

@@ -90,3 +90,12 @@ def finetune_table(metrics: dict) -> Table:
         table.add_row("before (step 0)", f"{metrics['eval_loss_start']:.4f}", f"{metrics['eval_perplexity_start']:.2f}")
     table.add_row("after", f"{metrics['eval_loss']:.4f}", f"{metrics['eval_perplexity']:.2f}")
     return table
+
+
+def throughput_line(metrics: dict) -> str:
+    """What the progress bar's tok/s ends at, and what it measures: training tokens over the seconds spent in
+    training steps; loading, evaluations and checkpoints are not counted."""
+    return (
+        f"training throughput: {metrics['tokens_per_s']:,.0f} tokens/s ({metrics['tokens']:,} tokens in "
+        f"{metrics['train_seconds']:,.1f} s of training steps; loading, evaluation and checkpoints not counted)"
+    )

@@ -1,7 +1,8 @@
 """Packages that only some commands need, and the message a command gives when one is missing.
 
 attnres runs from a checkout (`python3 -m attnres_convert`) in an environment that has only torch,
-transformers, accelerate, peft, typer and rich, such as a stock GPU training image. numpy, pyyaml,
+transformers, accelerate, peft, typer and rich (REQUIRED: where one of those is missing, the command says which
+and how to install them instead of failing on the import), such as a stock GPU training image. numpy, pyyaml,
 safetensors, huggingface_hub and psutil come with those (transformers, accelerate and peft require them); the
 packages below do not, so each is imported where a command needs it, through `require`, and a command that
 does not need one works without it.
@@ -26,6 +27,50 @@ REQUIREMENTS = {
     "gguf": "gguf>=0.17.1",
     "matplotlib": "matplotlib>=3.9",
 }
+
+
+# The packages every command needs (imported by the command line itself, or by every model it loads), with the
+# lower bounds of pyproject.toml: their absence is answered before anything is imported (`missing_required`).
+REQUIRED = {
+    "torch": "torch>=2.6",
+    "transformers": "transformers>=5.16.1,<6",
+    "accelerate": "accelerate>=1.15",
+    "peft": "peft>=0.15",
+    "typer": "typer>=0.29",
+    "rich": "rich>=13.8",
+}
+
+
+def missing_required() -> list[str]:
+    """Those of REQUIRED that are not installed, found without importing them (torch takes seconds)."""
+    import importlib.util
+
+    missing = []
+    for module in REQUIRED:
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            missing.append(module)
+    return missing
+
+
+def missing_required_message(missing: list[str]) -> str:
+    """What `python3 -m attnres_convert` says where MISSING (required packages) are not installed."""
+    names = ", ".join(missing)
+    specs = " ".join(shlex.quote(REQUIRED[module]) for module in missing)
+    torch_note = (
+        " (on a machine without a GPU, the CPU build of torch is smaller: add "
+        "--index-url https://download.pytorch.org/whl/cpu to install torch alone first)"
+        if "torch" in missing else ""
+    )
+    return (
+        f"attnres needs the Python package{'s' if len(missing) > 1 else ''} {names}, which "
+        f"{'are' if len(missing) > 1 else 'is'} not installed in this environment. Install "
+        f"{'them' if len(missing) > 1 else 'it'} with: {shlex.quote(sys.executable)} -m pip install {specs}{torch_note}; "
+        "or, in this checkout, everything at once: make install"
+    )
 
 
 class MissingPackageError(AttnResError):

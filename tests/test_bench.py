@@ -68,8 +68,9 @@ def test_bench_command_writes_json_that_renders_the_docs_table(tiny_llama_folder
         assert word in result.output
     page = markdown(data)
     assert page.startswith("```bash\nattnres bench") and data["machine"]["processor"] in page
-    for row in data["rows"]:
-        assert f"| {row['label']} |" in page and f"{row['ratio']:.3f}" in page
+    for row in data["rows"]:  # the ratio, or where the timings cannot carry one (a busy machine), 'noise' and why
+        shown = f"| {row['ratio']:.3f} |" if not row.get("noise") else f"{row['label']}: the ratio is noise, not a result: {row['noise']}"
+        assert f"| {row['label']} |" in page and shown in page, page
     assert list(out.parent.iterdir()) == [out]  # the JSON alone: no temporary file left beside it
 
 
@@ -161,3 +162,50 @@ def test_docs_blocks_are_made_from_the_results_file(tmp_path):
         assert cells in filled
     assert "Some CPU, 2 cores, 2 torch threads" in filled
     assert fill_bench_blocks(filled, tmp_path) == filled
+
+
+def _fabricated(original_runs, converted_runs, load, cores=2, threads=2) -> dict:
+    """A bench result whose prefill row has these timings, measured on a machine with this load."""
+    from attnres_convert.analysis.timing import compared, ratio_noise
+
+    row = {"name": "prefill", "label": "prefill 1 x 128 tokens", "unit": "s", **compared(original_runs, converted_runs)}
+    machine = {"processor": "AMD EPYC", "cpu_count": cores, "torch_threads": threads, "torch": "2.13.0", "transformers": "5.19.0",
+               "date": "2026-11-28", "load_average_start": [load, load, load], "load_average_end": [load, load, load]}
+    if (why := ratio_noise(row, machine)) is not None:
+        row["noise"] = why
+    settings = {"device": "cpu", "dtype": "float32", "kernels": "auto", "rounds": len(original_runs)}
+    return {"model": "SmolLM2-135M-Instruct", "settings": settings, "machine": machine, "conversion": {}, "rows": [row], "notes": []}
+
+
+def _printed(result: dict) -> str:
+    import io
+
+    from rich.console import Console
+
+    from attnres_convert.analysis.bench_report import console_table
+
+    console = Console(width=80, file=io.StringIO(), color_system=None)
+    console.print(console_table(result))
+    return console.file.getvalue()
+
+
+def test_a_ratio_the_noise_allows_no_reading_of_is_printed_as_noise_with_why():
+    """`bench --quick` on a busy machine: one round each, load average 4.1 on 2 cores, the converted model timed 3.7x
+    faster. The ratio is not printed as a result: the table says noise, and a note says why and what to do."""
+    busy = _fabricated([0.400], [0.109], load=4.1)
+    text = _printed(busy)
+    assert "0.273" not in text and "noise" in text, text
+    flat = " ".join(text.split())
+    assert "prefill 1 x 128 tokens: the ratio is noise, not a result: one timed round on a busy machine (load average 4.1 on 2" in flat, text
+    assert "--rounds" in flat, text
+    md = markdown(busy)
+    assert "| noise | noise |" in md and "0.273" not in md and "the ratio is noise" in md, md
+
+    spread = _fabricated([0.40, 0.41, 0.39, 0.40, 0.40], [0.41, 0.20, 0.42, 0.40, 0.43], load=0.1)  # a fast phase in round 2
+    text = " ".join(_printed(spread).split())
+    assert "noise" in text and "its 5 rounds gave ratios from 0.49 to 1.08" in text, text
+
+    steady = _fabricated([0.40, 0.41, 0.39, 0.40, 0.40], [0.41, 0.42, 0.40, 0.41, 0.42], load=4.1)  # busy, but 5 steady rounds
+    assert "noise" not in _printed(steady) and f"{steady['rows'][0]['ratio']:.3f}" in _printed(steady)
+    idle = _fabricated([0.400], [0.404], load=0.2)  # one round on an idle machine: a rough look, printed
+    assert "noise" not in _printed(idle) and "1.010" in _printed(idle)

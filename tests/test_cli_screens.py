@@ -204,6 +204,7 @@ def test_validate_reports_an_output_dir_that_holds_a_run(tmp_path):
     run.mkdir()
     (run / "recipe.yaml").write_text("{}")
     (run / "metrics.jsonl").write_text("")
+    (run / "checkpoints" / "step-0000002").mkdir(parents=True)
     result = runner.invoke(cli.app, ["recipes", "validate", "quickstart-cpu", f"output.dir={run}"])
     assert result.exit_code == 0, result.output
     assert "alreadyholdsarun" in squash(result.output)
@@ -643,3 +644,163 @@ def test_bench_stage_lines_are_whole_piped_at_80_columns(tmp_path, source):
         progress.add_task(name, total=1, completed=1)
     lines = render(progress.make_tasks_table(progress.tasks))
     assert_unwrapped(lines, *names)
+
+
+# ---------------------------------------------------------------- Ctrl-C after the output is complete
+
+# The installed command (cli.main) in a child process that sends itself SIGINT at a chosen moment: right after the
+# "Saved" line is printed, or while the interpreter shuts down (an atexit hook), after the command has returned.
+_CTRL_C_AFTER = r"""
+import atexit, os, signal, sys, time
+from attnres_convert import cli
+moment = sys.argv[1]
+def ctrl_c():
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(0.2)  # the handler runs here
+if moment == "after-saved":
+    printed = cli.console.print
+    def print_then_ctrl_c(*args, **kwargs):
+        printed(*args, **kwargs)
+        if args and str(args[0]).startswith("[green]Saved"):
+            ctrl_c()
+    cli.console.print = print_then_ctrl_c
+else:
+    atexit.register(ctrl_c)
+sys.argv = ["attnres", *sys.argv[2:]]
+sys.exit(cli.main())
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("moment", ["after-saved", "at-exit"])
+def test_ctrl_c_after_convert_finished_exits_0_saying_the_output_is_complete(tmp_path, tiny_llama_folder, moment):
+    out = tmp_path / "out"
+    env = {**os.environ, **ONE_THREAD_ENV, "PYTHONPATH": str(ROOT), "COLUMNS": "200"}
+    done = subprocess.run(
+        [sys.executable, "-c", _CTRL_C_AFTER, moment, "convert", str(tiny_llama_folder), "-o", str(out)],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, preexec_fn=_sigint_as_in_a_terminal,
+    )
+    assert done.returncode == 0, (done.returncode, done.stdout, done.stderr)
+    assert "Saved" in done.stdout and (out / "config.json").is_file()
+    assert "Traceback" not in done.stderr and "Aborted" not in done.stderr, done.stderr
+    if moment == "after-saved":
+        assert f"note: Ctrl-C after the command had finished: {out} is complete; nothing was undone." in done.stderr, done.stderr
+
+
+# ---------------------------------------------------------------- piped: plain lines, no frames
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("forced", ["FORCE_COLOR=1", "TTY_COMPATIBLE=1"])
+def test_piped_stage_lines_are_plain_even_where_colour_is_forced(tmp_path, tiny_llama_folder, forced):
+    """stderr a pipe, with an environment that makes Rich take it for a terminal (CI sets FORCE_COLOR): every
+    stage line once, no spinner frame, no line redrawn in place (cursor codes)."""
+    name, value = forced.split("=")
+    env = {**os.environ, **ONE_THREAD_ENV, "PYTHONPATH": str(ROOT), "COLUMNS": "80", name: value}
+    env.pop("TTY_INTERACTIVE", None)
+    done = subprocess.run(
+        [sys.executable, "-m", "attnres_convert", "convert", str(tiny_llama_folder), "-o", str(tmp_path / "out")],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    assert not SPINNER & set(done.stderr), f"spinner frames in piped output:\n{done.stderr}"
+    for redraw in ("\r", "\x1b[2K", "\x1b[1A", "\x1b[?25l"):
+        assert redraw not in done.stderr, f"{redraw!r} in piped output:\n{done.stderr!r}"
+    lines = done.stderr.splitlines()
+    for stage in ("Reading config", "Writing shards", "Verifying against the original"):
+        assert sum(stage in line for line in lines) == 1, done.stderr
+
+
+# ---------------------------------------------------------------- finetune: one throughput, said what it measures
+
+
+def test_finetune_bar_and_summary_give_the_same_throughput_and_say_what_it_counts(tmp_path):
+    """The bar's tok/s is the run's training throughput so far; at the end it is the figure of the summary line,
+    which says what is counted (training steps) and what is not (loading, evaluation, checkpoints)."""
+    from finetune_helpers import tiny_model_folder, tiny_recipe, write_corpus, write_recipe
+
+    recipe = write_recipe(tmp_path / "recipe.yaml", tiny_recipe(
+        tiny_model_folder(tmp_path / "tiny"), write_corpus(tmp_path / "corpus"), tmp_path / "run",
+        train={"steps": 4}, eval={"every": 2, "max_sequences": 4}, checkpoint={"every": 2, "keep_last": 1},
+    ))
+    result = runner.invoke(cli.app, ["finetune", str(recipe)], env={"COLUMNS": "80"})
+    assert result.exit_code == 0, result.output
+    bar = re.findall(r"step 4/4 .* ([\d,]+) tok/s", result.output)
+    summary = re.search(r"training throughput: ([\d,]+) tokens/s \(([\d,]+) tokens in ([\d.,]+) s of training steps; "
+                        r"loading, evaluation and checkpoints not counted\)", " ".join(result.output.split()))
+    assert bar and summary, result.output
+    assert bar[-1] == summary.group(1), result.output
+    tokens, seconds = int(summary.group(2).replace(",", "")), float(summary.group(3).replace(",", ""))
+    assert tokens == 4 * 2 * 2 * 32  # steps x micro_batch x grad_accum x seq_len
+    speed = int(summary.group(1).replace(",", ""))
+    assert tokens / (seconds + 0.05) - 1 <= speed <= tokens / max(seconds - 0.05, 1e-9) + 1  # seconds shown to 0.1 s
+
+
+def test_recipes_list_says_a_from_scratch_recipe_trains_a_random_model():
+    """ab-scratch-cpu and ab-retrofit-cpu build a random 24-layer d=128 model from the embedded SmolLM2's config:
+    the list says so (not 'embedded SmolLM2', which is a pretrained model); a pretrained source is named as it is."""
+    result = runner.invoke(cli.app, ["recipes", "list"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    for name in ("ab-scratch-cpu", "ab-retrofit-cpu"):
+        line = next(line for line in lines if line.startswith(f"{name}:"))
+        assert line.startswith(f"{name}: random 24-layer d=128 model (config: embedded SmolLM2), bytes tokenizer, trains full"), line
+    assert any(line.startswith("quickstart-cpu: embedded SmolLM2, trains lora") for line in lines), result.output
+    from attnres_convert.finetune.recipe import load_recipe
+
+    assert load_recipe("ab-scratch-cpu").headline().startswith(
+        "Fine-tuning random 24-layer d=128 model (config: the embedded SmolLM2-135M-Instruct), bytes tokenizer on shakespeare:*")
+
+
+# ---------------------------------------------------------------- finetune on the CPU: torch threads
+
+
+def test_training_threads_are_the_idle_cores_unless_omp_num_threads_says():
+    from attnres_convert.io.threads import cpu_threads
+
+    assert cpu_threads(cores=2, busy=0.1, env={})[0] == 2  # idle: every core
+    assert cpu_threads(cores=2, busy=1.0, env={})[0] == 1  # one core held by another job
+    assert cpu_threads(cores=2, busy=4.7, env={})[0] == 1  # more load than cores: still one
+    assert cpu_threads(cores=2, busy=0.4, env={})[0] == 2
+    assert cpu_threads(processes=2, cores=4, busy=0.0, env={})[0] == 2  # two processes share the idle cores
+    threads, why = cpu_threads(cores=2, busy=1.0, env={})
+    assert why.startswith("2 cores, 1.0 of them busy (given): one per idle core; OMP_NUM_THREADS sets it"), why
+    assert cpu_threads(cores=2, busy=0.0, env={"OMP_NUM_THREADS": "3"}) == (3, "OMP_NUM_THREADS")
+
+
+def test_finetune_says_its_torch_threads_and_gives_the_process_its_own_back(tmp_path):
+    import torch
+    from finetune_helpers import tiny_model_folder, tiny_recipe, write_corpus, write_recipe
+
+    recipe = write_recipe(tmp_path / "recipe.yaml", tiny_recipe(
+        tiny_model_folder(tmp_path / "tiny"), write_corpus(tmp_path / "corpus"), tmp_path / "run", train={"steps": 2},
+    ))
+    before = torch.get_num_threads()
+    result = runner.invoke(cli.app, ["finetune", str(recipe)], env={"COLUMNS": "200", "OMP_NUM_THREADS": "2"})
+    assert result.exit_code == 0, result.output
+    assert "Training on cpu in 1 process, no mixed precision, 2 torch threads (OMP_NUM_THREADS)" in result.output, result.output
+    assert torch.get_num_threads() == before
+    result = runner.invoke(cli.app, ["finetune", str(recipe), "output.overwrite=true"], env={"COLUMNS": "200", "OMP_NUM_THREADS": None})
+    assert result.exit_code == 0, result.output
+    from attnres_convert.io.threads import usable_cores
+
+    assert re.search(rf"no mixed precision, \d+ torch threads? \({usable_cores()} cores, [\d.]+ of them busy \(busy over 0.5 s\): "
+                     r"one per idle core; OMP_NUM_THREADS sets it\)", result.output), result.output
+    assert torch.get_num_threads() == before
+
+
+@pytest.mark.filterwarnings("ignore:.*has no tokenizer")
+def test_convert_computes_on_the_idle_cores_and_says_so_when_fewer_than_all(tmp_path, tiny_llama_folder):
+    import torch
+
+    from attnres_convert.io.threads import usable_cores
+
+    before = torch.get_num_threads()
+    result = runner.invoke(cli.app, ["convert", str(tiny_llama_folder), "-o", str(tmp_path / "a")], env={"COLUMNS": "200", "OMP_NUM_THREADS": "1"})
+    assert result.exit_code == 0, result.output
+    assert ("1 torch thread (OMP_NUM_THREADS)" in result.output) == (usable_cores() > 1), result.output
+    assert torch.get_num_threads() == before
+    result = runner.invoke(cli.app, ["convert", str(tiny_llama_folder), "-o", str(tmp_path / "b"), "--verbose"],
+                           env={"COLUMNS": "200", "OMP_NUM_THREADS": None})
+    assert result.exit_code == 0, result.output
+    assert re.search(rf"\d+ torch threads? \({usable_cores()} cores, [\d.]+ of them busy \(busy over 0.5 s\)", result.output), result.output

@@ -275,3 +275,72 @@ def test_sigint_of_a_run_replacing_an_earlier_one_keeps_it(tmp_path, setup, refe
     assert squash("interrupted:") in message and squash(f"the earlier run in {out} is unchanged") in message, stderr
     assert "--resume" not in message, stderr
     assert _files(out) == before and _staged(out) == []
+
+
+# ---------------------------------------------------------------- Ctrl-C before the first checkpoint
+
+
+def _ctrl_c_in(monkeypatch, module, name):
+    """KeyboardInterrupt (a Ctrl-C before training's own handler is installed) when MODULE.NAME is called."""
+
+    def interrupt(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(module, name, interrupt)
+
+
+def test_ctrl_c_while_loading_says_nothing_was_written(tmp_path, setup, monkeypatch):
+    """Stopped while the model loads: the message says nothing was written and names no checkpoints folder."""
+    from attnres_convert.finetune import training
+
+    out = tmp_path / "run"
+    recipe = _recipe(tmp_path / "recipe.yaml", setup, out)
+    _ctrl_c_in(monkeypatch, training, "load_starting_model")
+    result = run_cli("finetune", recipe)
+    assert result.exit_code == 130, result.output
+    message = squash(result.output)
+    assert squash(f"interrupted: finetune stopped; nothing was written to {out}.") in message, result.output
+    assert "checkpoints" not in result.output and "--resume" not in result.output, result.output
+    assert not out.exists()
+
+
+def test_ctrl_c_during_the_first_evaluation_then_a_plain_rerun_starts_over(tmp_path, setup, monkeypatch, reference):
+    """Stopped during the step-0 evaluation: the folder holds recipe.yaml and metrics.jsonl but no checkpoint; the
+    message says so, and the same command run again (no --resume) starts the run over and finishes it."""
+    from attnres_convert.finetune import training
+
+    out = tmp_path / "run"
+    recipe = _recipe(tmp_path / "recipe.yaml", setup, out, eval={"every": 0, "max_sequences": 4, "at_start": True})
+    _ctrl_c_in(monkeypatch, training, "heldout_loss_across_processes")
+    result = run_cli("finetune", recipe)
+    assert result.exit_code == 130, result.output
+    assert sorted(p.name for p in out.iterdir()) == ["metrics.jsonl", "recipe.yaml"]
+    message = squash(result.output)
+    assert squash(f"{out} holds only recipe.yaml and metrics.jsonl, no checkpoint;") in message, result.output
+    assert squash("run the same command again to start over") in message, result.output
+    assert squash("/checkpoints") not in message, result.output
+
+    monkeypatch.undo()
+    again = run_cli("finetune", recipe)
+    assert again.exit_code == 0, again.output
+    assert squash(f"{out} holds a run stopped before its first checkpoint (nothing to resume): starting it over") in squash(again.output)
+    assert _train_losses(out) == pytest.approx(reference, rel=1e-5, abs=1e-6)
+
+
+def test_ctrl_c_before_training_after_an_earlier_checkpoint_names_it(tmp_path, setup, monkeypatch):
+    """A second run of a folder that holds a checkpoint, stopped while loading (--resume): the message names that
+    checkpoint and how to continue from it."""
+    from attnres_convert.finetune import training
+    from attnres_convert.finetune.training import TrainingInterrupted, finetune
+    from attnres_convert.finetune.recipe import load_recipe
+
+    out = tmp_path / "run"
+    recipe = _recipe(tmp_path / "recipe.yaml", setup, out)
+    with pytest.raises(TrainingInterrupted):
+        finetune(load_recipe(str(recipe)), stop_at_step=EVERY)
+    _ctrl_c_in(monkeypatch, training, "load_starting_model")
+    result = run_cli("finetune", recipe, "--resume")
+    assert result.exit_code == 130, result.output
+    message = squash(result.output)
+    last = out / "checkpoints" / f"step-{EVERY:07d}"
+    assert squash(f"this stop saved no checkpoint; the last one is {last} (--resume continues from it)") in message, result.output

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from attnres_convert.errors import AttnResError
-from attnres_convert.optional import REQUIREMENTS, MissingPackageError, available, require
+from attnres_convert.optional import REQUIRED, REQUIREMENTS, MissingPackageError, available, require
 from reliability_helpers import save_tiny, squash
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -91,6 +91,31 @@ def test_the_pip_commands_install_what_pyproject_requires():
     for module, requirement in REQUIREMENTS.items():
         if module in bounds:  # pyarrow comes with datasets: no bound of its own
             assert requirement == bounds[module], (module, requirement, bounds[module])
+    for module, requirement in REQUIRED.items():
+        assert requirement == bounds[module], (module, requirement, bounds[module])
+
+
+@pytest.mark.parametrize("blocked", [("typer",), ("torch",), ("torch", "typer", "rich")], ids=",".join)
+def test_a_missing_required_package_is_named_with_its_install_command(blocked, tmp_path):
+    """`python3 -m attnres_convert --help` (and `python3 cli.py`) on a Python without typer or torch: one line naming
+    every missing required package and the pip command for this Python, exit code 2, no traceback."""
+    for done in (run_without(blocked, "--help"), _run_cli_py_without(blocked, "--help")):
+        text = squash(done.stderr)
+        assert done.returncode == 2, (done.returncode, done.stdout, done.stderr)
+        assert "Traceback" not in done.stderr and "ModuleNotFoundError" not in done.stderr, done.stderr
+        assert squash(f"attnres needs the Python package{'s' if len(blocked) > 1 else ''} {', '.join(blocked)}, which") in text, done.stderr
+        assert squash(f"{sys.executable} -m pip install") in text, done.stderr
+        for module in blocked:
+            assert REQUIRED[module] in done.stderr or repr(REQUIRED[module]) in done.stderr, done.stderr
+        assert ("download.pytorch.org/whl/cpu" in done.stderr) == ("torch" in blocked), done.stderr
+
+
+def _run_cli_py_without(blocked, *args) -> subprocess.CompletedProcess:
+    """`python3 cli.py ARGS` in the checkout, BLOCKED not importable."""
+    script = BLOCKED_RUN.replace('runpy.run_module("attnres_convert", run_name="__main__", alter_sys=True)',
+                                 'runpy.run_path("cli.py", run_name="__main__")')
+    cmd = [sys.executable, "-c", script, ",".join(blocked), *map(str, args)]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120, env=_env())
 
 
 @pytest.mark.slow

@@ -203,6 +203,8 @@ def test_output_folder_rules(tmp_path):
     run.mkdir()
     (run / "recipe.yaml").write_text("{}")
     (run / "metrics.jsonl").write_text("")
+    check_recipe(parse_recipe(tiny_recipe(model, corpus, run)))  # stopped before its first checkpoint: started over
+    (run / "checkpoints" / "step-0000002").mkdir(parents=True)
     with pytest.raises(RecipeError, match="already holds a run; pass --resume"):
         check_recipe(parse_recipe(tiny_recipe(model, corpus, run)))
     check_recipe(parse_recipe(tiny_recipe(model, corpus, run)), resume=True)

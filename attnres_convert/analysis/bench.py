@@ -34,7 +34,7 @@ from ..conversion.surgery import BlockSizeError
 from ..io.sources import DTYPES, ModelSource, load_model, load_tokenizer, resolve_source
 from . import step_memory
 from .bench_settings import DEVICES, KERNELS, MEASURES, BenchError, BenchSettings, check_values, runs_total  # noqa: F401
-from .timing import compared, device_sync, interleaved, kernel_env, resident
+from .timing import compared, device_sync, interleaved, kernel_env, ratio_noise, resident
 
 
 @dataclass
@@ -235,6 +235,9 @@ def run_bench(
         torch.set_num_threads(threads_before)
     if hasattr(os, "getloadavg"):
         machine["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
+    for row in rows:  # a ratio the timings' spread or the machine's load makes meaningless is marked, with why
+        if (why := ratio_noise(row, machine)) is not None:
+            row["noise"] = why
     summary = converted.summary
     settings_dict = asdict(settings) | {"dtype": settings.resolved_dtype, "kernels": settings.kernels or os.environ.get("ATTNRES_KERNEL", "auto")}
     settings_dict["measure"] = list(settings.measure)

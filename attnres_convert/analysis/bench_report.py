@@ -35,14 +35,31 @@ def title(result: dict) -> str:
     return f"{result['model']}: {s['device']} {s['dtype']}, depth mix {s['kernels']}{compiled}, {s['rounds']} rounds"
 
 
+def ratio_texts(row: dict) -> tuple[str, str]:
+    """The ratio and per-round ratio cells: 'noise' where the timings cannot carry a ratio (row['noise'] says why)."""
+    if row.get("noise"):
+        return "noise", "noise" if "paired_ratio" in row else ""
+    return f"{row['ratio']:.3f}", f"{row['paired_ratio']:.3f}" if "paired_ratio" in row else ""
+
+
+def noise_notes(result: dict) -> list[str]:
+    """One line per ratio shown as noise: which, why, and how to get a result."""
+    return [
+        f"{row['label']}: the ratio is noise, not a result: {row['noise']}. Run again with more --rounds on an idle "
+        "machine (or with --threads 1 where other work holds cores)."
+        for row in result["rows"] if row.get("noise")
+    ]
+
+
 def console_table(result: dict) -> Table:
-    """Medians side by side; fits 80 columns."""
-    table = Table(title=title(result), caption=f"medians of interleaved runs; {RATIO_MEANING}")
+    """Medians side by side, ratios that are noise said to be; fits 80 columns."""
+    notes = noise_notes(result)
+    caption = f"medians of interleaved runs; {RATIO_MEANING}" + "".join(f"\n{note}" for note in notes)
+    table = Table(title=title(result), caption=caption, caption_justify="left" if notes else "center")
     for column in ("measure", "original", "converted", "ratio", "per round"):
         table.add_column(column, justify="left" if column == "measure" else "right")
     for row in result["rows"]:
-        paired = f"{row['paired_ratio']:.3f}" if "paired_ratio" in row else ""
-        table.add_row(row["label"], value_text(row, "original"), value_text(row, "converted"), f"{row['ratio']:.3f}", paired)
+        table.add_row(row["label"], value_text(row, "original"), value_text(row, "converted"), *ratio_texts(row))
     return table
 
 
@@ -72,10 +89,10 @@ def markdown(result: dict, json_path: str | None = None) -> str:
         "|---|---|---|---|---|",
     ]
     for row in result["rows"]:
-        paired = f"{row['paired_ratio']:.3f}" if "paired_ratio" in row else ""
+        ratio, paired = ratio_texts(row)
         lines.append(f"| {row['label']} | {value_text(row, 'original')} | {value_text(row, 'converted')} | "
-                     f"{row['ratio']:.3f} | {paired} |")
-    lines += [f"\n{note}" for note in result.get("notes", [])]
+                     f"{ratio} | {paired} |")
+    lines += [f"\n{note}" for note in result.get("notes", []) + noise_notes(result)]
     return "\n".join(lines) + "\n"
 
 

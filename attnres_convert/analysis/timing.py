@@ -103,3 +103,27 @@ def device_sync(device: torch.device | str) -> Callable[[], None]:
     if torch.device(device).type == "cuda":
         return torch.cuda.synchronize
     return lambda: None
+
+
+# A ratio is noise, not a result, where the per-round ratios range wider than this around their median (a factor),
+# or where one timed round ran while other work held cores the timed threads needed.
+RATIO_SPREAD_LIMIT = 1.5
+
+
+def ratio_noise(row: dict, machine: dict) -> str | None:
+    """Why ROW's ratio (a dict of `compared`, with the runs) says nothing about the models, in words; None where it is
+    a result. MACHINE: what bench records (cpu_count, torch_threads, load averages at the start and end, gpu)."""
+    original, converted = row.get("original_runs") or [], row.get("converted_runs") or []
+    ratios = [b / a for a, b in zip(original, converted) if a > 0]
+    if len(ratios) >= 3:
+        low, high = min(ratios), max(ratios)
+        if high / low > RATIO_SPREAD_LIMIT:
+            return (f"its {len(ratios)} rounds gave ratios from {low:.2f} to {high:.2f} (the machine's speed changed "
+                    "between runs)")
+    loads = [m[0] for m in (machine.get("load_average_start"), machine.get("load_average_end")) if m]
+    cores, threads = machine.get("cpu_count") or 1, machine.get("torch_threads") or 1
+    if ratios and len(ratios) < 3 and not machine.get("gpu") and loads and max(loads) > cores - threads + 0.5:
+        rounds = "one timed round" if len(ratios) == 1 else f"{len(ratios)} timed rounds"
+        return (f"{rounds} on a busy machine (load average {max(loads):.1f} on {cores} cores, {threads} torch "
+                f"thread{'s' if threads != 1 else ''}): other work's share of the cores, not the models, can set it")
+    return None

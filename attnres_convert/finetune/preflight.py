@@ -30,6 +30,15 @@ def is_run_folder(path: Path) -> bool:
     return (path / "recipe.yaml").is_file() and (path / "metrics.jsonl").is_file()
 
 
+def nothing_to_resume(path: Path) -> bool:
+    """A run folder of a run stopped before its first checkpoint (only recipe.yaml and metrics.jsonl, no
+    checkpoint, no result): nothing in it can be resumed, so a plain run starts it over."""
+    if not is_run_folder(path) or (path / "final_metrics.json").exists() or (path / "model").exists():
+        return False
+    checkpoints = path / "checkpoints"
+    return not (checkpoints.is_dir() and any(p.name.startswith("step-") for p in checkpoints.iterdir()))
+
+
 def existing_output_problem(recipe: Recipe, resume: bool = False) -> str | None:
     """Why `attnres finetune` (with or without --resume) cannot write the recipe's output.dir as it stands, or None."""
     out = Path(recipe.output.dir).expanduser()
@@ -41,6 +50,8 @@ def existing_output_problem(recipe: Recipe, resume: bool = False) -> str | None:
             "choose another folder (output.overwrite only replaces earlier runs, never other folders)"
         )
     if not (resume or recipe.output.overwrite):
+        if nothing_to_resume(out):
+            return None  # started over (FinetuneRecipe says so)
         return (
             f"output.dir: {out} already holds a run; pass --resume to continue it, "
             "output.overwrite=true to replace it, or choose another folder"

@@ -122,6 +122,16 @@ class ModelSection(_Section):
     def is_default(self) -> bool:
         return self.source in DEFAULT_SOURCES
 
+    def describe(self, default: str = "embedded SmolLM2") -> str:
+        """The model in a few words: the source (DEFAULT for the embedded one), or for from_scratch the random
+        model it builds from the source's config ('random 24-layer d=128 model (config: embedded SmolLM2), bytes tokenizer')."""
+        source = default if self.is_default else self.source
+        if not self.from_scratch:
+            return source
+        shape = " ".join(filter(None, (f"{self.layers}-layer" if self.layers else None, f"d={self.hidden}" if self.hidden else None)))
+        tokenizer = ", bytes tokenizer" if self.tokenizer == "bytes" else ""
+        return f"random {shape + ' ' if shape else ''}model (config: {source}){tokenizer}"
+
 
 class TextSource(_Section):
     """Where text comes from: local files (or the embedded Shakespeare), or a `datasets` dataset."""
@@ -374,7 +384,7 @@ class Recipe(_Section):
 
     def headline(self) -> str:
         """The fields that matter, in one line: model, data, steps, what trains, output."""
-        model = "the embedded SmolLM2-135M-Instruct" if self.model.is_default else self.model.source
+        model = self.model.describe("the embedded SmolLM2-135M-Instruct")
         train = self.data.train
         data = ", ".join(train.files) if train.files else (train.dataset or "?")
         return (

@@ -30,6 +30,8 @@ class Reporter:
         from ..io.console import AverageTimeRemaining
 
         # Fits 80 columns; the ETA is the average pace of the run (a CPU step can take longer than Rich's window).
+        # tok/s: training tokens over the seconds spent in training steps so far (evaluations and checkpoints not
+        # counted), the figure the command's summary line ends with.
         self.progress = Progress(
             TextColumn("step"),
             MofNCompleteColumn(),

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .preflight import is_run_folder
+from .preflight import is_run_folder, nothing_to_resume
 from .recipe import Recipe, RecipeError, parse_recipe, read_yaml
 
 RECIPE_FILE = "recipe.yaml"
@@ -37,6 +37,25 @@ def check_resume(recipe: Recipe, out: Path, checkpoint: Path | None) -> None:
                 + "\n  ".join(differences)
                 + "\nResume with the same recipe, or start a new run in another output.dir"
             )
+
+
+def left_behind(out: Path) -> str:
+    """What a run stopped before it saved a checkpoint of its own leaves in OUT, in words (for the Ctrl-C
+    message): nothing, an earlier complete run, a checkpoint to resume from, or a run folder with nothing to resume."""
+    from .checkpoints import latest_checkpoint
+
+    if not out.is_dir() or not any(out.iterdir()):
+        return f"nothing was written to {out}"
+    if (out / FINAL_METRICS).is_file():
+        return f"the earlier run in {out} is unchanged"
+    if (checkpoint := latest_checkpoint(out)) is not None:
+        return f"this stop saved no checkpoint; the last one is {checkpoint} (--resume continues from it)"
+    if nothing_to_resume(out):
+        return (
+            f"{out} holds only {RECIPE_FILE} and metrics.jsonl, no checkpoint; "
+            "run the same command again to start over (no --resume needed)"
+        )
+    return f"nothing of this run was saved in {out}"
 
 
 def resume_differences(saved: Recipe, current: Recipe) -> list[str]:

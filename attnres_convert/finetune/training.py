@@ -28,6 +28,7 @@ import torch
 
 from ..io.text import perplexity, token_loss, token_loss_and_kl
 from ..depth_controls import set_depth_gate
+from ..io.threads import cpu_threads
 from .accelerator import make_accelerator
 from .checkpoints import (
     TrainerState,
@@ -50,7 +51,7 @@ from .optim import (
     make_scheduler,
     select_trainable,
 )
-from .preflight import check_recipe
+from .preflight import check_recipe, nothing_to_resume
 from .recipe import Recipe, RecipeError
 from .reporting import Reporter
 from .result import FinetuneResult, final_metrics, save_result
@@ -76,9 +77,11 @@ class FinetuneRecipe:
 
     def __init__(
         self, recipe: Recipe, *, resume: bool = False, console=None, stop_at_step: int | None = None, token: str | None = None,
-        verbose: bool = False,
+        verbose: bool = False, threads: int | str | None = None,
     ):
         self.recipe, self.resume, self.stop_at_step, self.token = recipe, resume, stop_at_step, token
+        # On the CPU: torch threads to train with ("auto": io.threads.cpu_threads; None: as the process has them).
+        self.threads, self.threads_before = threads, None
         self.out = Path(recipe.output.dir).expanduser()
         self.folder = self.out  # where the run is written: a staging folder while it replaces an earlier run
         self.accelerator = make_accelerator(recipe)
@@ -98,6 +101,9 @@ class FinetuneRecipe:
         except BaseException:
             self.discard()
             raise
+        finally:
+            if self.threads_before is not None:
+                torch.set_num_threads(self.threads_before)
 
     @property
     def staged(self) -> bool:
@@ -136,11 +142,22 @@ class FinetuneRecipe:
         else:
             report.say(escape(recipe.headline()) + " [dim](--verbose: the whole recipe)[/]")
         report.say(where_it_trains(self.accelerator.device, self.accelerator.num_processes, self.distributed,
-                                   self.accelerator.mixed_precision))
+                                   self.accelerator.mixed_precision) + self._set_threads())
         if os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true" and self.distributed != "FSDP":
             report.say(f"[yellow]note:[/] FSDP was asked for but Accelerate runs {self.distributed} here (FSDP needs GPUs)")
         if self.resume and self.checkpoint_path is None:
             report.say(f"--resume: no checkpoint in {out / 'checkpoints'}; starting from step 0")
+        elif not self.resume and not recipe.output.overwrite and nothing_to_resume(out):
+            report.say(f"{out} holds a run stopped before its first checkpoint (nothing to resume): starting it over")
+
+    def _set_threads(self) -> str:
+        """Set the torch threads of a CPU run (self.threads) and say how many and why (', N torch threads (...)')."""
+        if self.threads is None or self.accelerator.device.type != "cpu":
+            return ""
+        threads, why = (self.threads, "as asked") if self.threads != "auto" else cpu_threads(self.accelerator.num_processes)
+        self.threads_before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        return f", {threads} torch thread{'s' if threads != 1 else ''} ({why})"
 
     def _build(self) -> None:
         """Model, data, optimizer, scheduler; prepared by Accelerate."""
@@ -338,7 +355,8 @@ class FinetuneRecipe:
         if state.step % self.recipe.train.log_every == 0 or state.step == steps:
             epoch = self.order.epoch_of(state.position)
             self.metrics.write(train_record(stats, state.step, state.tokens, epoch, depth_gate=self._gate_at(state.step - 1)))
-        self.report.step(state.step, stats.loss, stats.lr, stats.tokens_per_s)
+        # The run's training throughput so far (tokens over the time spent in steps): what the summary prints at the end.
+        self.report.step(state.step, stats.loss, stats.lr, state.tokens / state.train_seconds if state.train_seconds else 0.0)
 
     def _gate_at(self, step: int) -> float | None:
         """train.depth_gate_steps: the depth gate of the step after `step` steps (0 first, 1 from depth_gate_steps
@@ -406,6 +424,10 @@ def finetune(
     stop_at_step: int | None = None,
     token: str | None = None,
     verbose: bool = False,
+    threads: int | str | None = None,
 ) -> FinetuneResult:
-    """Run RECIPE (see FinetuneRecipe.run); VERBOSE prints the whole resolved recipe, not only its headline."""
-    return FinetuneRecipe(recipe, resume=resume, console=console, stop_at_step=stop_at_step, token=token, verbose=verbose).run()
+    """Run RECIPE (see FinetuneRecipe.run); VERBOSE prints the whole resolved recipe, not only its headline; THREADS:
+    the torch threads of a CPU run ("auto": one per idle core, or OMP_NUM_THREADS; None: as the process has them)."""
+    return FinetuneRecipe(
+        recipe, resume=resume, console=console, stop_at_step=stop_at_step, token=token, verbose=verbose, threads=threads
+    ).run()
