@@ -18,6 +18,7 @@ test-lowest` and `make test-latest` run the whole suite (conversion, saving and 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -100,11 +101,21 @@ def convert_and_expect(family: str, folder: str) -> dict:
     model = randomize_queries(convert_model(tiny_model(family), block_size=3).eval(), 0.1, key_norms=0.1, add=True)
     save_converted(model, Path(folder))
     ids = token_ids()
-    with torch.no_grad():
-        logits = model(ids).logits
-        generated = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, use_cache=True)
-    loss = model(ids, labels=ids).loss
-    loss.backward()
+    # Where it is loaded, attnres is not importable: the folder runs its built-in paths, which this package runs
+    # under ATTNRES_KERNEL=eager (its own decoding steps sum in another order, equal to ~1e-5 only).
+    before = os.environ.get("ATTNRES_KERNEL")
+    os.environ["ATTNRES_KERNEL"] = "eager"
+    try:
+        with torch.no_grad():
+            logits = model(ids).logits
+            generated = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, use_cache=True)
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+    finally:
+        if before is None:
+            del os.environ["ATTNRES_KERNEL"]
+        else:
+            os.environ["ATTNRES_KERNEL"] = before
     query_grad = sum(p.grad.abs().sum().item() for n, p in model.named_parameters() if n.endswith("_res_proj.weight"))
     return {"transformers": transformers.__version__, "ids": ids.tolist(), "logits": logits.tolist(),
             "generated": generated.tolist(), "loss": loss.item(), "query_grad": query_grad}
