@@ -41,7 +41,6 @@ import importlib.metadata
 import json
 import math
 import os
-import platform
 import re
 import shutil
 import signal
@@ -186,10 +185,10 @@ class Check:
 def environment(check: Check, limit: float) -> dict:
     import torch
 
+    from .bench import machine_info
+
     info = {
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "cpu_count": os.cpu_count(),
+        **machine_info("cpu"),  # the GPU's own fields below, with the check's
         "device": check.device,
         "quick": check.quick,
         "packages": {name: _version(name) for name in (
@@ -197,7 +196,6 @@ def environment(check: Check, limit: float) -> dict:
             "datasets", "gguf", "matplotlib",
         )},
         "torch_cuda": torch.version.cuda,
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     }
     if check.cuda:
         if not torch.cuda.is_available():

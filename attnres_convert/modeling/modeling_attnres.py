@@ -294,6 +294,12 @@ class ModelPlan:
             product *= scalar
         return tuple(scales), product
 
+    def scale_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """The head's own scalars, applied as the base causal LM applies them."""
+        logits = logits if self.logit_scale is None else logits * self.logit_scale
+        logits = logits if self.logit_divisor is None else logits / self.logit_divisor
+        return logits if self.logit_softcap is None else torch.tanh(logits / self.logit_softcap) * self.logit_softcap
+
     @classmethod
     def from_dict(cls, data: dict) -> ModelPlan:
         """The plan the config's `structure` records: its fields by name."""
@@ -1327,14 +1333,7 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
         if hidden_states is not None:
             hidden_states.append(hidden)
         slice_indices = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-        logits = self.get_output_embeddings()(hidden[:, slice_indices, :])
-        # The head's own scalars, applied as the base causal LM applies them.
-        if plan.logit_scale is not None:
-            logits = logits * plan.logit_scale
-        if plan.logit_divisor is not None:
-            logits = logits / plan.logit_divisor
-        if plan.logit_softcap is not None:
-            logits = torch.tanh(logits / plan.logit_softcap) * plan.logit_softcap
+        logits = plan.scale_logits(self.get_output_embeddings()(hidden[:, slice_indices, :]))
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=logits.shape[-1], **kwargs)

@@ -26,7 +26,8 @@ from transformers import AttentionInterface, AutoModelForCausalLM, PreTrainedCon
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.models.transformers.fusers.attention import interface_call
 
-from attnres_convert.serving.vllm_support import ServingRefused, module_path, release, unservable_reason
+from attnres_convert.modeling.modeling_attnres import ModelPlan, module_at
+from attnres_convert.serving.vllm_support import ServingRefused, release, unservable_reason
 
 # The name under which transformers' attention interface reaches vLLM's paged attention for a converted model.
 ATTENTION_IMPLEMENTATION = "attnres_vllm"
@@ -140,7 +141,7 @@ class AttnResForCausalLMVllm(nn.Module):
     @property
     def base(self) -> nn.Module:
         """The base model inside the converted one (a property, not a second registration of the same module)."""
-        return module_path(self.model, self.plan.base_model)
+        return module_at(self.model, self.plan.base_model)
 
     def _run_base(self, tokens: dict, positions: torch.Tensor):
         """The base model on a flattened batch (TOKENS as a batch of one, POSITIONS [T]), as vLLM runs it. The
@@ -164,7 +165,7 @@ class AttnResForCausalLMVllm(nn.Module):
         cache_config = copy.copy(vllm_config.cache_config)
         cache_config.sliding_window = None
         layer_types = getattr(text_config, "layer_types", None)
-        layers = module_path(self.base, self.plan.layers)
+        layers = module_at(self.base, self.plan.layers)
         layers_prefix = ".".join(filter(None, [prefix, self.plan.base_model, self.plan.layers]))
         for index, layer in enumerate(layers):
             name, module = next((n, m) for n, m in layer.named_modules() if interface_call(type(m).forward) is not None)
@@ -219,15 +220,9 @@ class AttnResForCausalLMVllm(nn.Module):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """The head and its scalars, applied as the converted model's own forward applies them."""
-        plan = self.plan
-        logits = module_path(self.model, plan.lm_head)(hidden_states)
-        if getattr(plan, "logit_scale", None) is not None:
-            logits = logits * plan.logit_scale
-        if getattr(plan, "logit_divisor", None) is not None:
-            logits = logits / plan.logit_divisor
-        if getattr(plan, "logit_softcap", None) is not None:
-            logits = torch.tanh(logits / plan.logit_softcap) * plan.logit_softcap
-        return logits
+        logits = module_at(self.model, self.plan.lm_head)(hidden_states)
+        # A folder's own plan; one of a release before ModelPlan.scale_logits has the same fields.
+        return ModelPlan.scale_logits(self.plan, logits)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         # Loaded in __init__ by transformers (see there); vLLM's iterator is left unread.

@@ -3,11 +3,12 @@ Imports no engine: the checks take vLLM's own test of an attention module as an 
 
 from __future__ import annotations
 
-import functools
 import importlib.metadata
 from collections.abc import Callable
 
 from torch import nn
+
+from ..modeling.modeling_attnres import module_at
 
 
 class ServingRefused(ValueError):
@@ -30,11 +31,6 @@ def release() -> str:
     return importlib.metadata.version("attnres")
 
 
-def module_path(root: nn.Module, path: str) -> nn.Module:
-    """The submodule at a dotted attribute path ('' is the root)."""
-    return functools.reduce(getattr, path.split("."), root) if path else root
-
-
 # Families the serving sweep (benchmarks/vllm_sweep.py) found served with tokens other than `generate`'s, whose
 # cause is not known: refused rather than served wrong.
 INEXACT = {
@@ -53,7 +49,7 @@ def unservable_reason(model: nn.Module, interface_call: Callable) -> str | None:
     if family in INEXACT:
         return INEXACT[family]
     plan = model._attnres_plan
-    layers = module_path(module_path(model, plan.base_model), plan.layers)
+    layers = module_at(module_at(model, plan.base_model), plan.layers)
     for index, layer in enumerate(layers):
         found = [name for name, module in layer.named_modules() if interface_call(type(module).forward) is not None]
         if len(found) == 1:

@@ -16,6 +16,8 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+import torch
+
 
 @dataclass(frozen=True)
 class Branch:
@@ -166,6 +168,12 @@ class ModelPlan:
             scales.append(product)
             product *= scalar
         return tuple(scales), product
+
+    def scale_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """The head's own scalars, applied as the base causal LM applies them."""
+        logits = logits if self.logit_scale is None else logits * self.logit_scale
+        logits = logits if self.logit_divisor is None else logits / self.logit_divisor
+        return logits if self.logit_softcap is None else torch.tanh(logits / self.logit_softcap) * self.logit_softcap
 
     @classmethod
     def from_dict(cls, data: dict) -> ModelPlan:
