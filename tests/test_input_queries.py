@@ -171,11 +171,13 @@ def test_gradients_reach_b_first_then_a():
 def test_triton_kernels_are_refused_for_input_dependent_queries(monkeypatch):
     model = convert_model(tiny_model("llama"), query_rank=RANK).eval()
     monkeypatch.setenv(KERNEL_ENV, "triton")
-    with pytest.raises(RuntimeError, match=r"ATTNRES_KERNEL=triton: .*query_rank > 0.*set it to eager"), torch.no_grad():
+    with pytest.raises(RuntimeError, match=r"ATTNRES_KERNEL=triton: .*query_rank > 0.*Unset ATTNRES_KERNEL"), torch.no_grad():
         model(token_ids())
-    monkeypatch.setenv(KERNEL_ENV, "eager")
     with torch.no_grad():
-        model(token_ids())
+        monkeypatch.delenv(KERNEL_ENV)  # what the message says: auto, the built-in path
+        auto = model(token_ids()).logits
+        monkeypatch.setenv(KERNEL_ENV, "eager")
+        assert torch.equal(model(token_ids()).logits, auto)
 
 
 def test_negative_or_fractional_ranks_are_refused(tmp_path):
