@@ -59,7 +59,7 @@ def upgrade_folder(folder: str | os.PathLike, output: str | os.PathLike | None =
     try:
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(folder)
+        tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=True)
     except Exception:  # noqa: BLE001 - a folder without a tokenizer is re-saved without one
         tokenizer = None
     old = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, dtype=torch.float32).eval()
