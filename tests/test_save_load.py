@@ -15,6 +15,8 @@ from attnres_convert.io.saving import SHIPPED_CODE
 from attnres_convert.conversion.surgery import convert_model
 from tiny_models import randomize_queries, tiny_model, token_ids
 
+# A Python without this package. Nor fla-core (installed for tests/test_fla.py): transformers binds a hybrid family's
+# linear attention to fla's GPU-only Triton kernels whenever it imports (as conftest.py keeps from happening here).
 BLOCK_IMPORT = textwrap.dedent(
     """
     import importlib.abc, sys
@@ -22,6 +24,8 @@ BLOCK_IMPORT = textwrap.dedent(
         def find_spec(self, name, path, target=None):
             if name.split(".")[0] in ("attnres_convert", "cli"):
                 raise ImportError("attnres_convert is not installed here")
+            if name.split(".")[0] == "fla":
+                raise ImportError("fla-core's kernels need a GPU")
     sys.meta_path.insert(0, _Block())
     try:
         import attnres_convert
