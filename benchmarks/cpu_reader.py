@@ -5,9 +5,9 @@
 SmolLM2-135M's shapes (d = 576, 61 readers' score table), float32, 2 threads, random sources:
 
 * prefill: a reader of 512 tokens with 4 completed sources and its partial sum, on the source-major
-  buffer with the score table (eager `_mix_buffer` against `buffer_mix`); and the last sublayer's
+  buffer with the score table (eager `SourceBuffer.mix` against `buffer_mix`); and the last sublayer's
   reader of Full AttnRes (S = 1): 60 completed sources and the partial sum;
-* decoding: a reader of one token with 5 sources on the token-major step buffer (eager `step_mix`
+* decoding: a reader of one token with 5 sources on the token-major step buffer (kernels/step.py's `step_mix`
   against the kernel's `step_mix`).
 
 The two are interleaved call by call, with a 32 MB pass over an unrelated tensor before each call, since
@@ -29,8 +29,10 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from attnres_convert.modeling import modeling_attnres as da  # noqa: E402
 from attnres_convert.kernels import cpu as depth_kernels_cpu  # noqa: E402
+from attnres_convert.kernels.step import StepViews, step_mix  # noqa: E402
+from attnres_convert.kernels.training import table_scores  # noqa: E402
+from attnres_convert.modeling import modeling_attnres as da  # noqa: E402
 
 D, READERS, EPS = 576, 61, 1e-5
 
@@ -58,7 +60,7 @@ def prefill_reader(kernels, repeats: int, tokens: int = 512, completed: int = 4)
     inv_rms, scores = torch.empty(capacity, 1, tokens), torch.empty(capacity, 1, tokens, READERS)
     for i in range(completed):
         inv_rms[i] = da.inverse_rms(sources[i], EPS)
-        scores[i] = da.table_scores(sources[i].view(-1, D), queries, inv_rms[i].view(-1)).view(1, tokens, READERS)
+        scores[i] = table_scores(sources[i].view(-1, D), queries, inv_rms[i].view(-1)).view(1, tokens, READERS)
     state = da.SourceBuffer(sources, inv_rms, completed, True, sources[-1], queries, scores, shared_stream=True)
     reader = 7
     fns = {
@@ -75,10 +77,10 @@ def prefill_reader(kernels, repeats: int, tokens: int = 512, completed: int = 4)
 def decoding_reader(kernels, repeats: int, sources: int = 5) -> dict:
     generator = torch.Generator().manual_seed(0)
     padded = torch.randn(1, 1, 10, D + 1, generator=generator)
-    step = da.StepViews.of(padded, EPS, 0.05 * torch.randn(READERS, D, generator=generator), shared_stream=True)
+    step = StepViews.of(padded, EPS, 0.05 * torch.randn(READERS, D, generator=generator), shared_stream=True)
     q, stream = step.queries[7], step.slots[9]
     fns = {
-        "eager": lambda: da.step_mix(step, sources, q, stream, "count"),
+        "eager": lambda: step_mix(step, sources, q, stream, "count"),
         "cpu": lambda: kernels.step_mix(
             step.padded[sources], sources, q, stream, True, depth_kernels_cpu.NONE, 0, *depth_kernels_cpu.NO_NORM
         ),
