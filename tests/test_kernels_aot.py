@@ -1,5 +1,5 @@
 """The Triton kernels compiled ahead of time for real GPUs, without one (tests/aot_compile.py does the compiling, in
-a process of its own): every program a launcher of modeling/depth_triton.py can choose (its block sizes, from the
+a process of its own): every program a launcher of kernels/triton.py can choose (its block sizes, from the
 launcher's own `row_config` and `close_config` over every size it takes; the pointer dtypes of every combination of
 its flags), in float32, bfloat16 and float16, for sm_80 (A100) and sm_90 (H100), specialised as the JIT specialises
 it. Each compiles to a cubin within the target's shared memory and registers, and neither its PTX nor its machine
@@ -145,7 +145,7 @@ def _fla_programs(compiled, kernel, dtype, capability) -> list[dict]:
 @pytest.mark.parametrize("dtype", aot_compile.FLA_DTYPES)
 @pytest.mark.parametrize("kernel", aot_compile.FLA_KERNELS)
 def test_fla_kernels_compile_within_the_targets_limits(compiled, kernel, dtype, capability, record_property):
-    """fla-core's fused AttnRes kernels (FlaState's depth mix, modeling/depth_fla.py), forward and backward, compile
+    """fla-core's fused AttnRes kernels (FlaState's depth mix, kernels/fla.py), forward and backward, compile
     for sm_80 and sm_90 at the hidden sizes of SmolLM2-135M and Llama-3.2-1B, for two of their autotune
     configurations each (tests/aot_compile.py's FLA_CONFIGS), within shared memory and registers. Measured with
     Triton 3.9: none spills, except the dq dw reduction's largest tile (BN 4096 x BD 64, 8 warps), which keeps

@@ -26,8 +26,6 @@ RANK = {"errors": 0, "optional": 0.5, "modeling": 1, "kernels": 1.5, "architectu
 SHIPPED_MAY_IMPORT = {"torch", "transformers", "__future__"} | set(sys.stdlib_module_names)
 # The installed attnres package's kernels, asked for inside a function (modeling_attnres.installed_kernels).
 OPTIONAL_KERNELS = "attnres_convert.kernels"
-# fla (fla-core, the `cuda` extra): depth_fla.py's training depth mix on CUDA, imported only where it is importable.
-SHIPPED_MAY_IMPORT |= {"fla"}
 # A module a newcomer can read in one sitting; past this it holds more than one thing. The generated modeling file
 # is read as its sources (modeling/sources/), each under the limit; its own size is test_generated_modeling's.
 MAX_LINES = 700
