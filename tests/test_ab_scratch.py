@@ -5,7 +5,6 @@ before any training."""
 from __future__ import annotations
 
 import json
-import math
 import re
 import statistics
 from pathlib import Path

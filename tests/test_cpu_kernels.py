@@ -18,7 +18,6 @@ import torch.utils.cpp_extension
 
 from attnres_convert.depth_controls import record_depth_weights
 from attnres_convert import convert_model, save_converted
-from attnres_convert.modeling import modeling_attnres as depth_attention
 from attnres_convert import kernels as depth_backends
 from attnres_convert.kernels import cpu as depth_kernels_cpu
 from attnres_convert.kernels.step import StepBuffer

@@ -297,7 +297,7 @@ def test_two_processes_replace_an_earlier_run(setup, tmp_path):
     sections = dict(train={"trainable": "lora", "steps": 3, "grad_accum": 1, "micro_batch": 2}, lora={"r": 4},
                     eval={"every": 0, "max_sequences": 4}, checkpoint={"every": 2}, output={"overwrite": True})
     recipe = write_recipe(tmp_path / "recipe.yaml", tiny_recipe(setup["model"], setup["corpus"], out, **sections))
-    launched = _finetune_in_two_processes(recipe, tmp_path)
+    _finetune_in_two_processes(recipe, tmp_path)
     assert not (out / "marker.txt").exists() and json.loads((out / "final_metrics.json").read_text())["processes"] == 2
     checkpoint = out / "checkpoints" / "step-0000002"
     assert sorted(p.name for p in checkpoint.glob("random_states_*")) == ["random_states_0.pkl", "random_states_1.pkl"]
