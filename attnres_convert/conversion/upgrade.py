@@ -8,6 +8,7 @@ against the folder's own code on probe tokens, which must agree exactly.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from dataclasses import dataclass
@@ -16,7 +17,7 @@ from pathlib import Path
 import torch
 
 from ..errors import SourceError, VerificationError
-from ..io.paths import is_converted_folder
+from ..io.paths import check_output, is_converted_folder
 from ..io.saving import atomic_folder, load_converted, write_converted
 
 PROBE_TOKENS = 24
@@ -41,11 +42,24 @@ def _logits(model, ids: torch.Tensor) -> torch.Tensor:
         return model(ids).logits.float()
 
 
+def _own_code_model(folder: Path):
+    """FOLDER's model on the code it ships. Not through AutoModelForCausalLM: where this process has registered the
+    package's AttnRes classes (it has, to load the new model), transformers prefers them to a folder's own code, and
+    the check would compare this release's code with itself."""
+    from ..transformers_compat import get_class_from_dynamic_module
+
+    try:
+        reference = json.loads((folder / "config.json").read_text())["auto_map"]["AutoModelForCausalLM"]
+    except (KeyError, TypeError, ValueError) as error:
+        raise SourceError(f"{folder}'s config.json names no code of its own (auto_map): there is nothing to upgrade "
+                          "against.") from error
+    return get_class_from_dynamic_module(reference, str(folder)).from_pretrained(folder, dtype=torch.float32)
+
+
 def upgrade_folder(folder: str | os.PathLike, output: str | os.PathLike | None = None, overwrite: bool = False,
                    trust_remote_code: bool = False) -> UpgradeResult:
     """Write FOLDER again with this release's code, to OUTPUT (FOLDER itself where None, replaced atomically).
     The check runs FOLDER's own code once (`trust_remote_code`: the caller's consent, as for any model code)."""
-    from transformers import AutoModelForCausalLM
 
     folder = Path(folder)
     if not is_converted_folder(folder):
@@ -55,6 +69,9 @@ def upgrade_folder(folder: str | os.PathLike, output: str | os.PathLike | None =
             f"upgrading {folder} checks it against the code it ships, which runs that code: pass --trust-remote-code "
             "if you trust the folder (an attnres conversion you made, or its hub repository)."
         )
+    target = Path(output) if output is not None else folder
+    in_place = output is None or target.resolve() == folder.resolve()
+    check_output(target, overwrite or in_place, owned=in_place)  # before any model runs
     tokenizer = None
     try:
         from transformers import AutoTokenizer
@@ -62,7 +79,7 @@ def upgrade_folder(folder: str | os.PathLike, output: str | os.PathLike | None =
         tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=True)
     except Exception:  # noqa: BLE001 - a folder without a tokenizer is re-saved without one
         tokenizer = None
-    old = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, dtype=torch.float32).eval()
+    old = _own_code_model(folder).eval()
     new = load_converted(folder, trust_remote_code=True, dtype=torch.float32).eval()
     ids = _probe_ids(new)
     difference = (_logits(old, ids) - _logits(new, ids)).abs().max().item()
@@ -72,8 +89,6 @@ def upgrade_folder(folder: str | os.PathLike, output: str | os.PathLike | None =
             f"{folder}: this release's code gives logits {difference:.3g} away from the folder's own code on "
             f"{PROBE_TOKENS} probe tokens; the folder was left as it is. Keep using it with its own code."
         )
-    target = Path(output) if output is not None else folder
-    in_place = output is None or target.resolve() == folder.resolve()
 
     def write(tmp: Path) -> None:
         write_converted(new, tmp, tokenizer)
