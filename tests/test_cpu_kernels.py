@@ -135,13 +135,16 @@ def test_recorded_weights_and_training_take_the_eager_path(monkeypatch):
 def test_a_converted_folder_runs_the_installed_cpu_kernels(tmp_path):
     """A folder ships its two code files and no kernels (no C++ source, no kernel module): loaded with
     trust_remote_code where attnres is installed, it runs the package's C++ kernels."""
-    from transformers import AutoModelForCausalLM
+    from transformers.dynamic_module_utils import get_class_from_dynamic_module
 
     model = _model(4)
     folder = save_converted(copy.deepcopy(model), tmp_path / "converted")
     assert not list(folder.glob("*.cpp"))
     assert sorted(path.name for path in folder.glob("*.py")) == ["configuration_attnres.py", "modeling_attnres.py"]
-    loaded = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, dtype=torch.float32).eval()
+    # The folder's own classes (AutoModelForCausalLM would pick the package's, registered in this process).
+    loaded = get_class_from_dynamic_module("modeling_attnres.AttnResForCausalLM", str(folder)).from_pretrained(
+        folder, dtype=torch.float32).eval()
+    assert "transformers_modules" in type(loaded).__module__, type(loaded).__module__
     ids = token_ids(2, MANY)
     with torch.no_grad():
         got, state = _final_state(loaded, lambda: loaded(ids).logits)

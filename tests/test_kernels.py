@@ -120,13 +120,16 @@ def test_training_gradients_match_the_eager_backward(block_size, dtype, table, m
 def test_a_converted_folder_runs_the_installed_kernels(tmp_path, monkeypatch):
     """The kernels stay in the attnres package (a folder ships only its two code files): a
     from_pretrained(trust_remote_code=True) model runs them where attnres is installed."""
-    from transformers import AutoModelForCausalLM
+    from transformers.dynamic_module_utils import get_class_from_dynamic_module
 
     model = _model(3)
     folder = save_converted(copy.deepcopy(model), tmp_path / "converted")
     assert sorted(path.name for path in folder.glob("*.py")) == ["configuration_attnres.py", "modeling_attnres.py"]
     assert (folder / "modeling_attnres.py").read_text() == Path(depth_attention.__file__).read_text()
-    loaded = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, dtype=torch.float32).eval()
+    # The folder's own classes (AutoModelForCausalLM would pick the package's, registered in this process).
+    loaded = get_class_from_dynamic_module("modeling_attnres.AttnResForCausalLM", str(folder)).from_pretrained(
+        folder, dtype=torch.float32).eval()
+    assert "transformers_modules" in type(loaded).__module__, type(loaded).__module__
     ids = token_ids(1, 3)
     with torch.no_grad():
         (got, states), want = (
