@@ -1,4 +1,4 @@
-"""Compiles every program the Triton launchers of modeling/depth_triton.py can choose, ahead of time for sm_80 and
+"""Compiles every program the Triton launchers of kernels/triton.py can choose, ahead of time for sm_80 and
 sm_90, and writes one JSON line per program (its configuration, shared memory, registers, local memory, and what its
 PTX holds). Run by tests/test_kernels_aot.py in a process of its own: the suite runs the kernels in Triton's
 interpreter (TRITON_INTERPRET=1), and Triton reads that once, when it is imported.
@@ -189,7 +189,7 @@ def compile_all(out) -> None:
             out.write(json.dumps({"kernel": kernel, "control": True, "fma": fused, "sass_fma": sass}) + "\n")
 
 
-# fla-core's fused AttnRes kernels (fla.ops.attnres.fused, the depth mix of modeling/depth_fla.py's FlaState), where
+# fla-core's fused AttnRes kernels (fla.ops.attnres.fused, the depth mix of kernels/fla.py's FlaState), where
 # fla-core is installed: its forward and both backward kernels for float32 and bfloat16 sources. Unlike ours their
 # hidden size is a compile-time constant (D, and the block BD = next_power_of_2(D)), so they compile for the hidden
 # sizes of SmolLM2-135M (576) and Llama-3.2-1B (2048); and they autotune over 24 (forward, dv) and 10 (dq dw)
