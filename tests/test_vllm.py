@@ -42,7 +42,7 @@ HYBRIDS = ["jamba", "falcon_h1", "qwen3_next"]
 
 
 def engine_env() -> dict:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HELPERS.parent)}
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HELPERS.parent), **vllm_helpers.ENGINE_ENV}
 
 
 def run_engine(folder: Path, token_lists: list[list[int]], tmp_path: Path) -> subprocess.CompletedProcess:

@@ -45,6 +45,10 @@ ENGINE = dict(  # a tiny model on a shared CPU: a small KV cache, chunks of 32 t
     dtype="float32", enforce_eager=True, max_model_len=256, max_num_seqs=8, max_num_batched_tokens=32,
     gpu_memory_utilization=0.1, kv_cache_memory_bytes=64 << 20,
 )
+# On a CPU without AMX, vLLM forces a latent-attention model's (DeepSeek's) cache blocks to its CPU MLA kernel's 16
+# tokens, which the attention a converted model runs through (multiples of 32) refuses: "No common block size for 16
+# (CPU_ATTN: [MultipleOf(32)])". VLLM_MLA_DISABLE=1 (vLLM's own switch) keeps the plain attention's block size.
+ENGINE_ENV = {"VLLM_MLA_DISABLE": "1"}
 
 
 def prompts() -> list[list[int]]:
@@ -101,7 +105,7 @@ def run_engine(folder: Path, token_lists: list[list[int]], max_new_tokens: int, 
     environment; the request is written to SCRATCH. `served_tokens` reads its answer."""
     request = scratch / "request.json"
     request.write_text(json.dumps({"prompts": token_lists, "max_new_tokens": max_new_tokens}))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parent), **env}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parent), **ENGINE_ENV, **env}
     return subprocess.run([sys.executable, __file__, str(folder), str(request)], capture_output=True, text=True,
                           timeout=timeout, env=env)
 
