@@ -8,5 +8,9 @@ RECIPES = ["attnres_convert.recipes", "attnres_convert.recipes.accelerate"]
 setup(
     packages=find_packages(include=["attnres_convert", "attnres_convert.*"]) + RECIPES,
     package_dir={"attnres_convert.recipes": "recipes"},
-    package_data={"attnres_convert.kernels": ["*.cpp"], "attnres_convert.recipes": ["*.yaml"], "attnres_convert.recipes.accelerate": ["*.yaml"]},
+    package_data={
+        "attnres_convert.kernels": ["*.cpp"],
+        "attnres_convert.recipes": ["*.yaml"],
+        "attnres_convert.recipes.accelerate": ["*.yaml"],
+    },
 )

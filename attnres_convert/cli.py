@@ -34,7 +34,13 @@ from attnres_convert.cli_kit import (  # noqa: F401 - shared by every command
     written_files,
 )
 from attnres_convert.cli_tables import (  # noqa: F401
-    depth_table, eval_table, finetune_table, generate_note, summary_table, throughput_line, verification_table,
+    depth_table,
+    eval_table,
+    finetune_table,
+    generate_note,
+    summary_table,
+    throughput_line,
+    verification_table,
 )
 from attnres_convert.conversion.options import ConvertOptions, canonical_dtype
 
@@ -61,7 +67,8 @@ def _print_version(value: bool) -> None:
 @app.callback()
 def _root(
     version: Annotated[
-        bool, typer.Option("--version", help="Print the attnres version and exit.", is_eager=True, callback=_print_version)
+        bool,
+        typer.Option("--version", help="Print the attnres version and exit.", is_eager=True, callback=_print_version),
     ] = False,
 ) -> None:
     """Keep `attnres` a command group even while it has one command."""
@@ -72,10 +79,14 @@ PushToHubOption = Annotated[
     Optional[str], typer.Option("--push-to-hub", metavar="REPO_ID", help="Upload the saved folder to this hub repo.")
 ]
 PrivateOption = Annotated[bool, typer.Option("--private", help="Create the hub repo as private.")]
-VerboseOption = Annotated[bool, typer.Option("--verbose", "-v", help="Show every setting and detail, not only the result.")]
+VerboseOption = Annotated[
+    bool, typer.Option("--verbose", "-v", help="Show every setting and detail, not only the result.")
+]
 TokenOption = Annotated[
     Optional[str],
-    typer.Option("--token", help="HuggingFace token with write access (default: HF_TOKEN, else the `hf auth login` cache)."),
+    typer.Option(
+        "--token", help="HuggingFace token with write access (default: HF_TOKEN, else the `hf auth login` cache)."
+    ),
 ]
 
 
@@ -94,7 +105,13 @@ def push_saved(folder: Path, repo_id: str, **kwargs) -> None:
     """Push a saved folder and say where it went (errors: exit 2, the folder stays saved locally)."""
     from attnres_convert.hub.push import push_folder
 
-    with user_errors(), stages(f"pushing to {repo_id}", f"{folder} is unchanged, and a hub commit is made whole or not at all") as stage, stage(f"Pushing {folder} to {repo_id}"):
+    with (
+        user_errors(),
+        stages(
+            f"pushing to {repo_id}", f"{folder} is unchanged, and a hub commit is made whole or not at all"
+        ) as stage,
+        stage(f"Pushing {folder} to {repo_id}"),
+    ):
         result = push_folder(folder, repo_id, **kwargs)
     console.print(f"[green]Pushed[/] {len(result.files)} files to [bold]{result.url}[/] ({result.revision})")
     if result.commit_url:
@@ -105,9 +122,12 @@ def push_saved(folder: Path, repo_id: str, **kwargs) -> None:
 @options_from(ConvertOptions, panel="Conversion options")
 def convert(
     source: Annotated[
-        Optional[str], typer.Argument(help="Hub id, local model folder or .gguf file. Default: embedded SmolLM2-135M-Instruct.")
+        Optional[str],
+        typer.Argument(help="Hub id, local model folder or .gguf file. Default: embedded SmolLM2-135M-Instruct."),
     ] = None,
-    output: Annotated[Path, typer.Option("--output", "-o", help="Output folder (written only once the model is complete).")] = ...,
+    output: Annotated[
+        Path, typer.Option("--output", "-o", help="Output folder (written only once the model is complete).")
+    ] = ...,
     push_to_hub: PushToHubOption = None,
     private: PrivateOption = False,
     token: TokenOption = None,
@@ -165,19 +185,28 @@ def push(
 def inspect_command(
     model: Annotated[
         Optional[str],
-        typer.Argument(help="A converted folder, or a plain model (hub id, folder, .gguf) to convert in memory. Default: embedded SmolLM2."),
+        typer.Argument(
+            help="A converted folder, or a plain model (hub id, folder, .gguf) to convert in memory. Default: embedded SmolLM2."
+        ),
     ] = None,
     plot: Annotated[
         Optional[Path],
         typer.Option(
-            "--plot", metavar="OUT.png",
+            "--plot",
+            metavar="OUT.png",
             help="Write the depth weights to OUT.png, the same against uniform to OUT-relative.png, and per-sublayer "
             "magnitudes and gradients (residual sum against AttnRes) to OUT-magnitudes.png.",
         ),
     ] = None,
-    text: Annotated[Optional[Path], typer.Option("--text", help="Text to average over (default: a built-in sample).")] = None,
-    max_tokens: Annotated[int, typer.Option("--max-tokens", min=2, help="Use at most this many tokens of the text.")] = 256,
-    trust_remote_code: Annotated[bool, typer.Option("--trust-remote-code", help="Allow a plain model's own code to run.")] = False,
+    text: Annotated[
+        Optional[Path], typer.Option("--text", help="Text to average over (default: a built-in sample).")
+    ] = None,
+    max_tokens: Annotated[
+        int, typer.Option("--max-tokens", min=2, help="Use at most this many tokens of the text.")
+    ] = 256,
+    trust_remote_code: Annotated[
+        bool, typer.Option("--trust-remote-code", help="Allow a plain model's own code to run.")
+    ] = False,
 ) -> None:
     """Show the AttnRes structure and the learned depth-attention weights; plot them with --plot."""
     from attnres_convert.io.paths import resolve_source
@@ -214,52 +243,81 @@ BenchKernels = Enum("BenchKernels", {name: name for name in ("eager", "triton", 
 @app.command("bench")
 def bench_command(
     model: Annotated[
-        Optional[str], typer.Argument(help="Hub id, local model folder or .gguf file. Default: embedded SmolLM2-135M-Instruct.")
+        Optional[str],
+        typer.Argument(help="Hub id, local model folder or .gguf file. Default: embedded SmolLM2-135M-Instruct."),
     ] = None,
     device: Annotated[BenchDevice, typer.Option(help="Where both models run.")] = BenchDevice.cpu,
     dtype: Annotated[
         Optional[str],
         typer.Option(
-            "--dtype", metavar="DTYPE", help="float32, bfloat16 or float16 (fp32, bf16, fp16) \\[default: float32 on cpu, bfloat16 on cuda].",
+            "--dtype",
+            metavar="DTYPE",
+            help="float32, bfloat16 or float16 (fp32, bf16, fp16) \\[default: float32 on cpu, bfloat16 on cuda].",
             show_default=False,
         ),
     ] = None,
     kernels: Annotated[
-        Optional[BenchKernels], typer.Option(help="The converted model's depth mix (ATTNRES_KERNEL) \\[default: as set, auto].", show_default=False)
+        Optional[BenchKernels],
+        typer.Option(
+            help="The converted model's depth mix (ATTNRES_KERNEL) \\[default: as set, auto].", show_default=False
+        ),
     ] = None,
     compile_: Annotated[bool, typer.Option("--compile", help="Run both models under torch.compile.")] = False,
     batch: Annotated[int, typer.Option(help="Sequences per prefill and training step.")] = 1,
     seq_len: Annotated[int, typer.Option(help="Tokens per sequence of a prefill and a training step.")] = 512,
-    decode_tokens: Annotated[int, typer.Option(help="Greedy tokens generated with the KV cache, after a 32-token prompt.")] = 64,
+    decode_tokens: Annotated[
+        int, typer.Option(help="Greedy tokens generated with the KV cache, after a 32-token prompt.")
+    ] = 64,
     rounds: Annotated[
-        int,
-        typer.Option(
-            help=f"Timed rounds, each running both models once, after one warm-up round. {ROUND_COST}",
-        ),
+        int, typer.Option(help=f"Timed rounds, each running both models once, after one warm-up round. {ROUND_COST}")
     ] = 5,
     quick: Annotated[
         bool,
         typer.Option(
-            "--quick", help=f"A rough look: {QUICK_SETTINGS_TEXT} (where left at their defaults), no memory measure.",
+            "--quick", help=f"A rough look: {QUICK_SETTINGS_TEXT} (where left at their defaults), no memory measure."
         ),
     ] = False,
-    threads: Annotated[Optional[int], typer.Option(help="torch threads on CPU \\[default: torch's].", show_default=False)] = None,
-    measure: Annotated[str, typer.Option(help="What to measure, comma-separated: prefill, decode, train, memory.")] = "prefill,decode,train,memory",
-    block_size: Annotated[Optional[int], typer.Option(help="Convert with this block size S \\[default: convert's].", show_default=False)] = None,
+    threads: Annotated[
+        Optional[int], typer.Option(help="torch threads on CPU \\[default: torch's].", show_default=False)
+    ] = None,
+    measure: Annotated[
+        str, typer.Option(help="What to measure, comma-separated: prefill, decode, train, memory.")
+    ] = "prefill,decode,train,memory",
+    block_size: Annotated[
+        Optional[int], typer.Option(help="Convert with this block size S \\[default: convert's].", show_default=False)
+    ] = None,
     full: Annotated[bool, typer.Option("--full", help="Convert to Full AttnRes (S = 1).")] = False,
-    json_file: Annotated[Optional[Path], typer.Option("--json", metavar="FILE", help="Write the results as JSON to FILE.")] = None,
-    markdown: Annotated[bool, typer.Option("--markdown", help="Print the results as Markdown (the docs' tables).")] = False,
+    json_file: Annotated[
+        Optional[Path], typer.Option("--json", metavar="FILE", help="Write the results as JSON to FILE.")
+    ] = None,
+    markdown: Annotated[
+        bool, typer.Option("--markdown", help="Print the results as Markdown (the docs' tables).")
+    ] = False,
 ) -> None:
     """Convert MODEL and measure it against the original: prefill, decoding, a training step, peak memory."""
     from attnres_convert.analysis.bench_settings import (
-        BenchSettings, check_values, estimate, output_problem, quick_settings, runs_total,
+        BenchSettings,
+        check_values,
+        estimate,
+        output_problem,
+        quick_settings,
+        runs_total,
     )
     from attnres_convert.io.paths import resolve_source
 
     settings = BenchSettings(
-        device=device.value, dtype=dtype, kernels=kernels.value if kernels else None, compile=compile_, batch=batch,
-        seq_len=seq_len, decode_tokens=decode_tokens, rounds=rounds, threads=threads,
-        measure=tuple(m.strip() for m in measure.split(",") if m.strip()), block_size=block_size, full=full,
+        device=device.value,
+        dtype=dtype,
+        kernels=kernels.value if kernels else None,
+        compile=compile_,
+        batch=batch,
+        seq_len=seq_len,
+        decode_tokens=decode_tokens,
+        rounds=rounds,
+        threads=threads,
+        measure=tuple(m.strip() for m in measure.split(",") if m.strip()),
+        block_size=block_size,
+        full=full,
     )
     with user_errors():  # before torch is imported: every setting the command can check by itself
         source = resolve_source(model)
@@ -273,7 +331,8 @@ def bench_command(
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     err_console.print(estimate(settings, source.kind == "default", os.cpu_count() or 1, load), highlight=False)
     from attnres_convert.analysis.bench import run_bench
-    from attnres_convert.analysis.bench_report import console_table, markdown as to_markdown, write_json
+    from attnres_convert.analysis.bench_report import console_table, write_json
+    from attnres_convert.analysis.bench_report import markdown as to_markdown
 
     command = "attnres bench " + shlex.join(sys.argv[2:]) if len(sys.argv) > 1 and sys.argv[1] == "bench" else None
     with user_errors(), stages("bench") as stage:
@@ -310,7 +369,10 @@ def kernels_build() -> None:
                 kernels = depth_kernels_cpu.build()
             except RuntimeError as error:
                 fail(str(error), EXIT_FAILED_CHECK)
-    console.print(f"[green]C++ depth-mix kernels ready[/] ({time.perf_counter() - start:.0f} s): {escape(str(kernels.__file__))}", highlight=False)
+    console.print(
+        f"[green]C++ depth-mix kernels ready[/] ({time.perf_counter() - start:.0f} s): {escape(str(kernels.__file__))}",
+        highlight=False,
+    )
 
 
 recipes_app = typer.Typer(help="Fine-tuning recipes: list, show and validate them.", no_args_is_help=True)
@@ -325,9 +387,13 @@ def _is_main_process() -> bool:
 @app.command("upgrade")
 def upgrade_command(
     folder: Annotated[Path, typer.Argument(help="A folder converted by an earlier attnres.")],
-    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Where to write it (default: replace FOLDER).")] = None,
+    output: Annotated[
+        Optional[Path], typer.Option("--output", "-o", help="Where to write it (default: replace FOLDER).")
+    ] = None,
     overwrite: Annotated[bool, typer.Option(help="Replace an existing OUTPUT.")] = False,
-    trust_remote_code: Annotated[bool, typer.Option(help="Run the folder's own code once, to check the new code against it.")] = False,
+    trust_remote_code: Annotated[
+        bool, typer.Option(help="Run the folder's own code once, to check the new code against it.")
+    ] = False,
 ) -> None:
     """Re-save a converted folder with this release's code (two files), checked exactly against its own code."""
     from attnres_convert.conversion.upgrade import upgrade_folder
@@ -336,7 +402,8 @@ def upgrade_command(
         result = upgrade_folder(folder, output, overwrite, trust_remote_code)
     console.print(
         f"[green]Saved[/] {escape(str(result.folder))}: this release's code ({', '.join(result.files)}), logits equal "
-        "to the folder's own code on the probe tokens", highlight=False,
+        "to the folder's own code on the probe tokens",
+        highlight=False,
     )
 
 
@@ -344,23 +411,35 @@ def upgrade_command(
 def eval_command(
     model: Annotated[
         Optional[str],
-        typer.Argument(help="A converted folder, hub id, model folder or .gguf file. Default: embedded SmolLM2-135M-Instruct."),
+        typer.Argument(
+            help="A converted folder, hub id, model folder or .gguf file. Default: embedded SmolLM2-135M-Instruct."
+        ),
     ] = None,
     data: Annotated[
         list[str],
         typer.Option(
-            "--data", metavar="FILE",
+            "--data",
+            metavar="FILE",
             help="Held-out text: .txt/.md, .jsonl/.json, .parquet files, globs, or shakespeare:NAME (repeatable).",
         ),
     ] = ...,
     seq_len: Annotated[int, typer.Option("--seq-len", help="Tokens per sequence.")] = 256,
-    max_tokens: Annotated[Optional[int], typer.Option("--max-tokens", help="Read at most this many tokens of text.")] = None,
+    max_tokens: Annotated[
+        Optional[int], typer.Option("--max-tokens", help="Read at most this many tokens of text.")
+    ] = None,
     batch_size: Annotated[int, typer.Option("--batch-size", help="Sequences per forward pass.")] = 1,
     dtype: Annotated[
-        str, typer.Option("--dtype", metavar="DTYPE", help="auto keeps the checkpoint's dtype; or float32, bfloat16, float16 (fp32, bf16, fp16).")
+        str,
+        typer.Option(
+            "--dtype",
+            metavar="DTYPE",
+            help="auto keeps the checkpoint's dtype; or float32, bfloat16, float16 (fp32, bf16, fp16).",
+        ),
     ] = "auto",
     as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON on stdout.")] = False,
-    trust_remote_code: Annotated[bool, typer.Option("--trust-remote-code", help="Allow the model's own code to run.")] = False,
+    trust_remote_code: Annotated[
+        bool, typer.Option("--trust-remote-code", help="Allow the model's own code to run.")
+    ] = False,
 ) -> None:
     """Held-out loss and perplexity of a plain or converted model, to compare the two with one tool."""
     import json
@@ -377,7 +456,9 @@ def eval_command(
     if batch_size < 1:
         fail(f"--batch-size must be at least 1, got {batch_size}")
     if max_tokens is not None and max_tokens < seq_len:
-        fail(f"--max-tokens {max_tokens} is not enough for one sequence of --seq-len {seq_len}: give at least {seq_len}")
+        fail(
+            f"--max-tokens {max_tokens} is not enough for one sequence of --seq-len {seq_len}: give at least {seq_len}"
+        )
     with user_errors(), stages("eval") as stage, stage("Evaluating"):
         from attnres_convert.analysis.evaluate import evaluate
 
@@ -399,11 +480,16 @@ def eval_command(
 
 @app.command("finetune")
 def finetune_command(
-    recipe: Annotated[str, typer.Argument(help="A recipe YAML file, or the name of a shipped recipe (attnres recipes list).")],
+    recipe: Annotated[
+        str, typer.Argument(help="A recipe YAML file, or the name of a shipped recipe (attnres recipes list).")
+    ],
     overrides: Annotated[
-        Optional[list[str]], typer.Argument(help="key.path=value overrides, e.g. train.lr=1e-4 train.steps=50.", show_default=False)
+        Optional[list[str]],
+        typer.Argument(help="key.path=value overrides, e.g. train.lr=1e-4 train.steps=50.", show_default=False),
     ] = None,
-    resume: Annotated[bool, typer.Option("--resume", help="Continue the run in output.dir from its last checkpoint.")] = False,
+    resume: Annotated[
+        bool, typer.Option("--resume", help="Continue the run in output.dir from its last checkpoint.")
+    ] = False,
     push_to_hub: PushToHubOption = None,
     private: PrivateOption = False,
     token: TokenOption = None,
@@ -428,7 +514,9 @@ def finetune_command(
     with training_errors(main), interrupts("finetune", left), quiet_libraries():  # one progress bar: the training one
         from attnres_convert.finetune.training import finetune
 
-        result = finetune(parsed, resume=resume, console=err_console if main else None, token=token, verbose=verbose, threads="auto")
+        result = finetune(
+            parsed, resume=resume, console=err_console if main else None, token=token, verbose=verbose, threads="auto"
+        )
     if not main:
         return
     output_complete(f"the run in {result.output} is complete")
@@ -437,7 +525,9 @@ def finetune_command(
     console.print(table)
     if metrics["tokens_per_s"]:
         console.print(throughput_line(metrics), highlight=False)
-    console.print(f"[green]Run folder[/] [bold]{escape(str(result.output))}[/] ({written_files(result.output, 'metrics.jsonl', 'loss_curve.png', 'final_metrics.json')})")
+    console.print(
+        f"[green]Run folder[/] [bold]{escape(str(result.output))}[/] ({written_files(result.output, 'metrics.jsonl', 'loss_curve.png', 'final_metrics.json')})"
+    )
     if result.model_dir is not None:
         console.print(f"[green]Model[/] [bold]{escape(str(result.model_dir))}[/]")
     if result.pushed is not None:
@@ -453,27 +543,59 @@ def ab_command(
     sweep: Annotated[
         Optional[list[str]],
         typer.Option(
-            "--sweep", metavar="OVERRIDES",
+            "--sweep",
+            metavar="OVERRIDES",
             help='An extra AttnRes arm: space- or comma-separated overrides, e.g. "train.attnres_lr=1e-3" (repeatable).',
         ),
     ] = None,
-    seeds: Annotated[int, typer.Option("--seeds", help="Run every arm with train.seed, train.seed+1, ...: deltas paired per seed.")] = 1,
-    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Output folder (default outputs/ab-RECIPE, or outputs/RECIPE for a recipe named ab-...).")] = None,
-    workdir: Annotated[Optional[Path], typer.Option("--workdir", help="Where the arms' run folders go (default OUTPUT-runs).")] = None,
-    no_plain: Annotated[bool, typer.Option("--no-plain", help="With --sweep: no AttnRes arm without extra overrides.")] = False,
-    jobs: Annotated[int, typer.Option("--jobs", help="Train this many arms at once, in one-thread worker processes (CPU).")] = 1,
-    reuse: Annotated[bool, typer.Option("--reuse", help="Keep arms already finished in the work folder with the same recipe.")] = False,
+    seeds: Annotated[
+        int, typer.Option("--seeds", help="Run every arm with train.seed, train.seed+1, ...: deltas paired per seed.")
+    ] = 1,
+    output: Annotated[
+        Optional[Path],
+        typer.Option(
+            "--output",
+            "-o",
+            help="Output folder (default outputs/ab-RECIPE, or outputs/RECIPE for a recipe named ab-...).",
+        ),
+    ] = None,
+    workdir: Annotated[
+        Optional[Path], typer.Option("--workdir", help="Where the arms' run folders go (default OUTPUT-runs).")
+    ] = None,
+    no_plain: Annotated[
+        bool, typer.Option("--no-plain", help="With --sweep: no AttnRes arm without extra overrides.")
+    ] = False,
+    jobs: Annotated[
+        int, typer.Option("--jobs", help="Train this many arms at once, in one-thread worker processes (CPU).")
+    ] = 1,
+    reuse: Annotated[
+        bool, typer.Option("--reuse", help="Keep arms already finished in the work folder with the same recipe.")
+    ] = False,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an earlier A/B output folder.")] = False,
     throughput: Annotated[
-        int, typer.Option("--throughput", metavar="STEPS", help="Also time STEPS training steps of every arm interleaved in one process (fair tokens/s).")
+        int,
+        typer.Option(
+            "--throughput",
+            metavar="STEPS",
+            help="Also time STEPS training steps of every arm interleaved in one process (fair tokens/s).",
+        ),
     ] = 0,
     from_scratch: Annotated[
-        bool, typer.Option("--from-scratch", help="Every arm starts from the same random initialisation of the config (model.from_scratch=true).")
+        bool,
+        typer.Option(
+            "--from-scratch",
+            help="Every arm starts from the same random initialisation of the config (model.from_scratch=true).",
+        ),
     ] = False,
-    retrofit_after: Annotated[Optional[str], typer.Option(
-        "--retrofit-after", metavar="N[,N...]", help="Retrofit study: pretrain the baseline from scratch once per seed, save it after each "
-        "N steps, and A/B the retrofit from each save (the recipe's retrofit section); with --from-scratch, the from-scratch lead beside it.",
-    )] = None,
+    retrofit_after: Annotated[
+        Optional[str],
+        typer.Option(
+            "--retrofit-after",
+            metavar="N[,N...]",
+            help="Retrofit study: pretrain the baseline from scratch once per seed, save it after each "
+            "N steps, and A/B the retrofit from each save (the recipe's retrofit section); with --from-scratch, the from-scratch lead beside it.",
+        ),
+    ] = None,
 ) -> None:
     """A/B: the recipe trained as a baseline and as AttnRes from the same start and data order.
 
@@ -489,7 +611,9 @@ def ab_command(
         fail(f"--throughput: must be >= 0 (got {throughput})")
     main = _is_main_process()
     arms = [[o for o in entry.replace(",", " ").split() if o] for entry in (sweep or [])]
-    interrupted = "Finished arms are kept in the work folder: run the same command with --reuse to train only the others."
+    interrupted = (
+        "Finished arms are kept in the work folder: run the same command with --reuse to train only the others."
+    )
     after = None
     with training_errors(main):  # the recipe and overrides: answered before torch is imported
         load_recipe(recipe, list(overrides or []))
@@ -498,20 +622,44 @@ def ab_command(
 
             after = retrofit_steps(retrofit_after, sweep=sweep, no_plain=no_plain, throughput=throughput)
     command = "attnres ab " + shlex.join(sys.argv[2:]) if len(sys.argv) > 1 and sys.argv[1] == "ab" else None
-    with training_errors(main, lambda error: f"{escape(str(error).split(';')[0])}. {interrupted}"), \
-            interrupts("ab", "f" + interrupted[1:].rstrip(".")), quiet_libraries():
+    with (
+        training_errors(main, lambda error: f"{escape(str(error).split(';')[0])}. {interrupted}"),
+        interrupts("ab", "f" + interrupted[1:].rstrip(".")),
+        quiet_libraries(),
+    ):
         if after is not None:
             from attnres_convert.finetune.retrofit import run_retrofit
 
             result = run_retrofit(
-                recipe, list(overrides or []), after=after, seeds=seeds, from_scratch=from_scratch, output=output, workdir=workdir,
-                jobs=jobs, reuse=reuse, overwrite=overwrite, console=err_console if main else None, command=command,
+                recipe,
+                list(overrides or []),
+                after=after,
+                seeds=seeds,
+                from_scratch=from_scratch,
+                output=output,
+                workdir=workdir,
+                jobs=jobs,
+                reuse=reuse,
+                overwrite=overwrite,
+                console=err_console if main else None,
+                command=command,
             )
         else:
             result = run_ab(
-                recipe, list(overrides or []), sweep=arms, seeds=seeds, output=output, workdir=workdir, plain=not no_plain,
-                jobs=jobs, reuse=reuse, overwrite=overwrite, throughput=throughput, from_scratch=from_scratch,
-                console=err_console if main else None, command=command,
+                recipe,
+                list(overrides or []),
+                sweep=arms,
+                seeds=seeds,
+                output=output,
+                workdir=workdir,
+                plain=not no_plain,
+                jobs=jobs,
+                reuse=reuse,
+                overwrite=overwrite,
+                throughput=throughput,
+                from_scratch=from_scratch,
+                console=err_console if main else None,
+                command=command,
             )
     if not main:
         return
@@ -521,22 +669,30 @@ def ab_command(
         from rich.markdown import Markdown
 
         console.print(Markdown((result.output / "retrofit.md").read_text()))
-        console.print(f"[green]Retrofit study[/] [bold]{escape(str(result.output))}[/] ({written_files(result.output, 'retrofit.json', 'retrofit.md', 'retrofit.png')}, after-N/)")
+        console.print(
+            f"[green]Retrofit study[/] [bold]{escape(str(result.output))}[/] ({written_files(result.output, 'retrofit.json', 'retrofit.md', 'retrofit.png')}, after-N/)"
+        )
         return
     console.print(console_report(result.report, result.output), highlight=False)
-    console.print(f"[green]A/B[/] [bold]{escape(str(result.output))}[/] ({written_files(result.output, 'ab.json', 'ab.md', 'ab.png')})")
+    console.print(
+        f"[green]A/B[/] [bold]{escape(str(result.output))}[/] ({written_files(result.output, 'ab.json', 'ab.md', 'ab.png')})"
+    )
 
 
 @app.command("architectures")
 def architectures_command(
     model_types: Annotated[
-        Optional[list[str]], typer.Argument(help="Model types to check (all causal-LM model types when none is given).", show_default=False)
+        Optional[list[str]],
+        typer.Argument(help="Model types to check (all causal-LM model types when none is given).", show_default=False),
     ] = None,
     markdown: Annotated[bool, typer.Option("--markdown", help="Print the table as Markdown.")] = False,
     write: Annotated[
-        Optional[Path], typer.Option("--write", help="Replace the coverage table in this Markdown file (e.g. docs/architectures.md).")
+        Optional[Path],
+        typer.Option("--write", help="Replace the coverage table in this Markdown file (e.g. docs/architectures.md)."),
     ] = None,
-    variants: Annotated[bool, typer.Option("--variants/--no-variants", help="Also check non-default config variants.")] = True,
+    variants: Annotated[
+        bool, typer.Option("--variants/--no-variants", help="Also check non-default config variants.")
+    ] = True,
 ) -> None:
     """Which causal-LM model types of the installed transformers convert exactly (tiny random models, no download)."""
     if write is not None and model_types:
@@ -556,7 +712,9 @@ def architectures_command(
 
         close = [match for name in unknown for match in difflib.get_close_matches(name, sorted(known), n=2)]
         hint = f"Did you mean {' or '.join(close)}? " if close else ""
-        fail(f"not a causal-LM model type of this transformers: {', '.join(unknown)}. {hint}Run without arguments for all.")
+        fail(
+            f"not a causal-LM model type of this transformers: {', '.join(unknown)}. {hint}Run without arguments for all."
+        )
     from rich.progress import MofNCompleteColumn
 
     from attnres_convert.conversion import coverage
@@ -564,8 +722,13 @@ def architectures_command(
     rows = len(model_types or coverage.causal_lm_model_types())
     total = rows + (len(coverage.VARIANTS) if variants and not model_types else 0)
     with Progress(
-        SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-        console=err_console, transient=True,
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=err_console,
+        transient=True,
     ) as progress:
         task = progress.add_task("checking", total=total)
         started = [0]
@@ -631,8 +794,12 @@ def recipes_show(name: Annotated[str, typer.Argument(help="A shipped recipe name
 @recipes_app.command("validate")
 def recipes_validate(
     recipe: Annotated[str, typer.Argument(help="A recipe file or a shipped recipe name.")],
-    overrides: Annotated[Optional[list[str]], typer.Argument(help="key.path=value overrides.", show_default=False)] = None,
-    show: Annotated[bool, typer.Option("--show", help="Also print the resolved recipe (every field, overrides applied) as YAML.")] = False,
+    overrides: Annotated[
+        Optional[list[str]], typer.Argument(help="key.path=value overrides.", show_default=False)
+    ] = None,
+    show: Annotated[
+        bool, typer.Option("--show", help="Also print the resolved recipe (every field, overrides applied) as YAML.")
+    ] = False,
 ) -> None:
     """Check a recipe (schema, data files, model source, sequence length) without loading or writing anything."""
     from attnres_convert.finetune.preflight import check_recipe, existing_output_problem

@@ -31,6 +31,7 @@ from rich.progress import (
 )
 from rich.text import Text
 
+
 def _stderr_console() -> Console:
     """The console of progress lines and messages. Its live displays (spinners, bars redrawn in place) need a
     terminal: Rich takes FORCE_COLOR (or TTY_COMPATIBLE=1) for one even where stderr is a pipe or a file, and
@@ -48,6 +49,7 @@ def _stderr_console() -> Console:
 
 
 err_console = _stderr_console()
+
 
 def _readable_value_types() -> None:
     """Typer 0.29 shows `<bool>` beside every flag in --help, as if it took a value: a flag shows none. It
@@ -149,7 +151,9 @@ def user_error_kinds() -> tuple[type[Exception], ...]:
 
 
 @contextlib.contextmanager
-def interrupts(what: str | Callable[[], str], left_behind: str | Callable[[], str] = "nothing was written") -> Iterator[None]:
+def interrupts(
+    what: str | Callable[[], str], left_behind: str | Callable[[], str] = "nothing was written"
+) -> Iterator[None]:
     """Ctrl-C (or SIGTERM) while WHAT (text, or a function saying it at that moment) runs: one line saying
     what stopped and what is LEFT_BEHIND (text, or a function saying it once the stack has unwound), exit
     128 + signal. Temporary folders are removed as the stack unwinds."""
@@ -162,7 +166,9 @@ def interrupts(what: str | Callable[[], str], left_behind: str | Callable[[], st
         raise typer.Exit(130) from None
     except SystemExit as stop:
         if stop.code == 128 + signal.SIGTERM:
-            err_console.print(f"[yellow]terminated:[/] {escape(describe())} stopped; {escape(left())}.", highlight=False)
+            err_console.print(
+                f"[yellow]terminated:[/] {escape(describe())} stopped; {escape(left())}.", highlight=False
+            )
         raise
 
 
@@ -198,7 +204,10 @@ def output_complete(what: str) -> None:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, signal.SIG_IGN)  # one note; the exit is moments away
         name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
-        err_console.print(f"[yellow]note:[/] {name} after the command had finished: {escape(what)}; nothing was undone.", highlight=False)
+        err_console.print(
+            f"[yellow]note:[/] {name} after the command had finished: {escape(what)}; nothing was undone.",
+            highlight=False,
+        )
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, after_completion)
@@ -213,7 +222,9 @@ def ignore_signals_at_exit() -> None:
 
 
 @contextlib.contextmanager
-def training_errors(main: bool, interrupted: Callable[[Exception], str] = lambda error: escape(str(error))) -> Iterator[None]:
+def training_errors(
+    main: bool, interrupted: Callable[[Exception], str] = lambda error: escape(str(error))
+) -> Iterator[None]:
     """Errors of a training command, raised in every process of a launch; only the main process prints.
 
     Interrupted (a checkpoint was saved, or a run replacing an earlier one was discarded): exit 128 + signal,
@@ -257,8 +268,11 @@ def stage_columns() -> list[ProgressColumn]:
     from attnres_convert.io.console import AverageTimeRemaining
 
     return [
-        SpinnerColumn(), TextColumn("{task.description}"), _WhenCounting(BarColumn(bar_width=12)),
-        _WhenCounting(DownloadColumn(), items=MofNCompleteColumn()), _WhenCounting(AverageTimeRemaining(prefix="ETA ")),
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        _WhenCounting(BarColumn(bar_width=12)),
+        _WhenCounting(DownloadColumn(), items=MofNCompleteColumn()),
+        _WhenCounting(AverageTimeRemaining(prefix="ETA ")),
         TimeElapsedColumn(),
     ]
 
@@ -266,10 +280,10 @@ def stage_columns() -> list[ProgressColumn]:
 @contextlib.contextmanager
 def stages(what: str = "the command", left_behind: str = "nothing was written") -> Iterator:
     """A Rich progress display with one line per stage of a long job, the libraries it drives kept quiet
-    (io.console.quiet_libraries); `stage.progress(name, total)` adds a line with a bar over TOTAL bytes,
-    whose context value advances it, and `stage.items(name, total)` a line counting items, returning the
-function that advances it. Ctrl-C removes the running lines (no frozen spinner) and says which
-    stage of WHAT stopped and what is LEFT_BEHIND."""
+        (io.console.quiet_libraries); `stage.progress(name, total)` adds a line with a bar over TOTAL bytes,
+        whose context value advances it, and `stage.items(name, total)` a line counting items, returning the
+    function that advances it. Ctrl-C removes the running lines (no frozen spinner) and says which
+        stage of WHAT stopped and what is LEFT_BEHIND."""
     from attnres_convert.io.console import library_bars_to, quiet_libraries, shorten_middle
 
     running: list[str] = []
@@ -284,6 +298,7 @@ function that advances it. Ctrl-C removes the running lines (no frozen spinner) 
         progress = Progress(*stage_columns(), console=err_console, transient=False)
         progress.start()
         interrupted: list[bool] = []
+
         # Stopped by Ctrl-C: the display goes without Progress.stop's empty line (printed when piped), so the
         # message follows the last stage line directly, as docs/first-run.md shows it.
         def finish() -> None:
@@ -364,14 +379,22 @@ def options_from(model: type, parameter: str = "options", panel: str = "Options"
             metavar = name.upper()
             # A field whose model takes aliases (a dtype: bf16 for bfloat16) is text the model checks; others a choice.
             takes_aliases = field.aliases
-            annotation = str if takes_aliases else Enum(name, {value: value for value in get_args(annotation)}, type=str)
+            annotation = (
+                str if takes_aliases else Enum(name, {value: value for value in get_args(annotation)}, type=str)
+            )
             if not all(choice in description for choice in get_args(field.annotation)):  # the help names the choices
                 description = f"{description} One of: {', '.join(get_args(field.annotation))}."
         info = typer.Option(
             flag, help=description, metavar=metavar, show_default=field.default is not None, rich_help_panel=panel
         )
-        default = annotation(field.default) if isinstance(annotation, type) and issubclass(annotation, Enum) else field.default
-        return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=Annotated[annotation, info], default=default)
+        default = (
+            annotation(field.default)
+            if isinstance(annotation, type) and issubclass(annotation, Enum)
+            else field.default
+        )
+        return inspect.Parameter(
+            name, inspect.Parameter.KEYWORD_ONLY, annotation=Annotated[annotation, info], default=default
+        )
 
     fields = {name: f for name, f in model.model_fields.items() if (f.json_schema_extra or {}).get("cli", True)}
 

@@ -25,8 +25,10 @@ def generate_note(report) -> str | None:
     failure = getattr(report, "generate_failure", None)
     if failure is None:
         return None
-    return (f"The original cannot generate ({escape(failure)}): verified on its logits, the greedy tokens from one "
-            "whole forward per token of each model.")
+    return (
+        f"The original cannot generate ({escape(failure)}): verified on its logits, the greedy tokens from one "
+        "whole forward per token of each model."
+    )
 
 
 def summary_table(summary) -> Table:
@@ -55,7 +57,8 @@ def depth_table(depth) -> Table:
     table = Table(
         title=f"Depth-attention weights (mean over {depth.tokens} tokens)",
         caption="L3 attn: layer 3's attention reads; emb: embedding, bK/sK: block/sublayer K; blank: not read",
-        box=box.SIMPLE_HEAD, pad_edge=False,
+        box=box.SIMPLE_HEAD,
+        pad_edge=False,
     )
     table.add_column("reader", no_wrap=True)
     for column in depth.columns:
@@ -74,8 +77,11 @@ def eval_table(result) -> Table:
     for column in ("model", "AttnRes", "tokens", "loss (nats)", "perplexity"):
         table.add_column(column, justify="left" if column == "model" else "right", no_wrap=True)
     table.add_row(
-        escape(shorten_middle(result.model, 30)), "yes" if result.converted else "no", f"{result.tokens:,}",
-        f"{result.loss:.4f}", f"{result.perplexity:.3f}",
+        escape(shorten_middle(result.model, 30)),
+        "yes" if result.converted else "no",
+        f"{result.tokens:,}",
+        f"{result.loss:.4f}",
+        f"{result.perplexity:.3f}",
     )
     return table
 

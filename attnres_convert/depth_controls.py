@@ -37,8 +37,6 @@ def set_depth_gate(model: nn.Module, gate: float) -> bool:
     return True
 
 
-
-
 @contextlib.contextmanager
 def record_depth_weights(model: nn.Module) -> Iterator[list[torch.Tensor]]:
     """Collect the softmax weights [n, B, T] of every depth mix of `model`'s forwards (sublayers 1..L in order,

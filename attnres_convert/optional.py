@@ -63,7 +63,8 @@ def missing_required_message(missing: list[str]) -> str:
     torch_note = (
         " (on a machine without a GPU, the CPU build of torch is smaller: add "
         "--index-url https://download.pytorch.org/whl/cpu to install torch alone first)"
-        if "torch" in missing else ""
+        if "torch" in missing
+        else ""
     )
     return (
         f"attnres needs the Python package{'s' if len(missing) > 1 else ''} {names}, which "

@@ -30,8 +30,14 @@ INTERNALS: dict[str, tuple[str, str]] = {
     "get_relative_import_files": ("transformers.dynamic_module_utils", "the files a base model's own code imports"),
     "get_relative_imports": ("transformers.dynamic_module_utils", "the files base_code.py imports"),
     "get_class_from_dynamic_module": ("transformers.dynamic_module_utils", "registering a base model's own code"),
-    "MODEL_FOR_CAUSAL_LM_MAPPING": ("transformers.models.auto.modeling_auto", "building the base model from its config"),
-    "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES": ("transformers.models.auto.modeling_auto", "the model types the coverage walk checks"),
+    "MODEL_FOR_CAUSAL_LM_MAPPING": (
+        "transformers.models.auto.modeling_auto",
+        "building the base model from its config",
+    ),
+    "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES": (
+        "transformers.models.auto.modeling_auto",
+        "the model types the coverage walk checks",
+    ),
     "CONFIG_MAPPING_NAMES": ("transformers.models.auto.configuration_auto", "the model types transformers ships"),
     "GgufHeader": ("transformers.integrations.gguf.reader", "reading a GGUF header without its vocabulary"),
     "load_gguf_state_dict": ("transformers.integrations.gguf.reader", "a GGUF's tensors as transformers reads them"),
@@ -132,7 +138,10 @@ MODULES = {
 # attnres does before it (feature-detected with `has`, never by comparing versions). Every other internal is in
 # every tested release.
 SINCE: dict[str, tuple[str, str]] = {
-    "SubConfigSpec": ("5.20", "the sub-config is named in `sub_configs` and built by the config itself (configuration_attnres.build_sub_config)"),
+    "SubConfigSpec": (
+        "5.20",
+        "the sub-config is named in `sub_configs` and built by the config itself (configuration_attnres.build_sub_config)",
+    ),
     "GgufHeader": ("5.17", "the GGUF header is read with gguf's GGUFReader"),
     "load_gguf_state_dict": ("5.17", "the GGUF's tensors are read with gguf's GGUFReader"),
     "is_gguf_arch_supported": ("5.17", "no GGUF architecture has a weight-conversion pipeline: all stream"),

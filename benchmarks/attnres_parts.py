@@ -106,12 +106,16 @@ def main() -> None:
     folder = prepare_folder(args.workdir)
     original = resident(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval())
     converted = resident(
-        AutoModelForCausalLM.from_pretrained(converted_folder(folder, args.workdir), dtype=torch.float32, trust_remote_code=True).eval()
+        AutoModelForCausalLM.from_pretrained(
+            converted_folder(folder, args.workdir), dtype=torch.float32, trust_remote_code=True
+        ).eval()
     )
     module = sys.modules[type(converted).__module__]
     totals: dict[str, float] = collections.defaultdict(float)
     timed_parts(module, totals)
-    prompt = torch.randint(0, converted.config.text_config.vocab_size, (1, 512), generator=torch.Generator().manual_seed(0))
+    prompt = torch.randint(
+        0, converted.config.text_config.vocab_size, (1, 512), generator=torch.Generator().manual_seed(0)
+    )
     short = prompt[:, :32]
 
     def prefill(model):
@@ -133,8 +137,13 @@ def main() -> None:
             rows.append(row)
     os.environ.pop("ATTNRES_KERNEL", None)
     reference = bandwidth_reference()
-    meta = {"torch": torch.__version__, "threads": args.threads, "repeats": args.repeats, "load_average": os.getloadavg(),
-            "note": "parts timed by wrapping the loaded modeling module's functions; run_sublayer is the base model's work"}
+    meta = {
+        "torch": torch.__version__,
+        "threads": args.threads,
+        "repeats": args.repeats,
+        "load_average": os.getloadavg(),
+        "note": "parts timed by wrapping the loaded modeling module's functions; run_sublayer is the base model's work",
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"meta": meta, "rows": rows, "bandwidth_reference": reference}, indent=2))
 
@@ -142,13 +151,18 @@ def main() -> None:
     table.add_column("part")
     for row in rows:
         table.add_column(f"{row['metric'].split(' ')[0]}, {row['kernel']}", justify="right")
-    lines = [("original forward", lambda r: 1e3 * r["original_s"] / r["forwards"]),
-             ("converted forward", lambda r: 1e3 * r["converted_s"] / r["forwards"])]
+    lines = [
+        ("original forward", lambda r: 1e3 * r["original_s"] / r["forwards"]),
+        ("converted forward", lambda r: 1e3 * r["converted_s"] / r["forwards"]),
+    ]
     lines += [(part, lambda r, part=part: r["parts_ms_per_forward"][part]) for part in SHOWN]
     lines += [("AttnRes parts", lambda r: r["attnres_ms_per_forward"])]
     for name, value in lines:
         table.add_row(name, *(f"{value(row):.2f}" for row in rows))
-    table.add_row("parts / original", *(f"{r['attnres_ms_per_forward'] * r['forwards'] / (1e3 * r['original_s']):.3f}" for r in rows))
+    table.add_row(
+        "parts / original",
+        *(f"{r['attnres_ms_per_forward'] * r['forwards'] / (1e3 * r['original_s']):.3f}" for r in rows),
+    )
     table.add_row("converted / original", *(f"{r['ratio']:.3f}" for r in rows))
     console.print(table)
     for row in reference:

@@ -27,8 +27,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 # A TinyLlama-like shape with 24 layers and an untied head: 1.19B parameters.
-CONFIG = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=24, num_attention_heads=32,
-              num_key_value_heads=4, tie_word_embeddings=False, max_position_embeddings=2048, dtype="bfloat16")
+CONFIG = dict(
+    vocab_size=32000,
+    hidden_size=2048,
+    intermediate_size=5632,
+    num_hidden_layers=24,
+    num_attention_heads=32,
+    num_key_value_heads=4,
+    tie_word_embeddings=False,
+    max_position_embeddings=2048,
+    dtype="bfloat16",
+)
 
 MAKE_MODEL = """
 import json, sys, torch
@@ -101,7 +110,10 @@ STEPS = {
     ),
 }
 # Copy and streamed conversion alternate (the disk's speed drifts on a shared machine); the slow steps run once.
-ORDER = ["copy the files", "attnres convert --no-verify"] * 3 + ["load + save_pretrained", "attnres convert --max-memory 1.5GB"]
+ORDER = ["copy the files", "attnres convert --no-verify"] * 3 + [
+    "load + save_pretrained",
+    "attnres convert --max-memory 1.5GB",
+]
 ORDER += ["GGUF: attnres convert --no-verify", "GGUF: attnres convert --no-verify --no-stream"]
 
 
@@ -111,7 +123,9 @@ def run_step(name: str, source: Path, out: Path) -> dict:
     os.sync()  # untimed: the previous step's writes reach the disk before this one starts
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
     code = textwrap.dedent(PROBE).format(imports=imports, body=body)
-    process = subprocess.run([sys.executable, "-c", code, str(source), str(out)], capture_output=True, text=True, env=env)
+    process = subprocess.run(
+        [sys.executable, "-c", code, str(source), str(out)], capture_output=True, text=True, env=env
+    )
     if process.returncode != 0:
         raise SystemExit(f"{name} failed:\n{process.stderr[-3000:]}")
     result = json.loads(process.stdout.strip().splitlines()[-1])
@@ -135,11 +149,15 @@ def summarize(runs: list[dict], input_files: int, model_bytes: int) -> dict:
         median[name] = mine[len(mine) // 2]
     copy = median["copy the files"]["seconds"]
     summary = {
-        name: {"seconds": run["seconds"], "x_copy": None if name.startswith("GGUF") else run["seconds"] / copy,
-               "peak_rss_gb": run["peak_rss"] / 1e9,
-               "peak_rss_growth_gb": (run["peak_rss"] - run["start_rss"]) / 1e9, "import_seconds": run.get("import_seconds"),
-               "files": len([f for f in run["output_files"] if f.endswith(".safetensors")]),
-               "runs": sum(r["step"] == name for r in runs)}
+        name: {
+            "seconds": run["seconds"],
+            "x_copy": None if name.startswith("GGUF") else run["seconds"] / copy,
+            "peak_rss_gb": run["peak_rss"] / 1e9,
+            "peak_rss_growth_gb": (run["peak_rss"] - run["start_rss"]) / 1e9,
+            "import_seconds": run.get("import_seconds"),
+            "files": len([f for f in run["output_files"] if f.endswith(".safetensors")]),
+            "runs": sum(r["step"] == name for r in runs),
+        }
         for name, run in median.items()
     }
     gigabytes = model_bytes / 1e9
@@ -147,19 +165,24 @@ def summarize(runs: list[dict], input_files: int, model_bytes: int) -> dict:
     fixed, per_gb = max(0.0, convert - copy), copy / gigabytes
 
     def at(size_gb: float) -> dict:
-        return {"copy_seconds": size_gb * per_gb, "convert_seconds": fixed + size_gb * per_gb,
-                "x_copy": (fixed + size_gb * per_gb) / (size_gb * per_gb)}
+        return {
+            "copy_seconds": size_gb * per_gb,
+            "convert_seconds": fixed + size_gb * per_gb,
+            "x_copy": (fixed + size_gb * per_gb) / (size_gb * per_gb),
+        }
 
     return {
         "command": "python benchmarks/big_checkpoint.py",
         "model": {"config": CONFIG, "input_files": input_files, "bytes": model_bytes},
         "cpu_count": os.cpu_count(),
         "note": "shared 2-core machine with other jobs running (load averages recorded per step); median run per step; "
-                "every step starts after os.sync() (untimed), its time excludes its imports (import_seconds)",
+        "every step starts after os.sync() (untimed), its time excludes its imports (import_seconds)",
         "summary": summary,
         "extrapolation_no_verify": {
-            "fixed_seconds": fixed, "copy_seconds_per_gb": per_gb,
-            "8B_bf16_16GB": at(16.0), "70B_bf16_140GB": at(140.0),
+            "fixed_seconds": fixed,
+            "copy_seconds_per_gb": per_gb,
+            "8B_bf16_16GB": at(16.0),
+            "70B_bf16_140GB": at(140.0),
             "peak_rss": "constant: tensors are copied by the kernel (copy_file_range), none is held in memory",
         },
         "runs": runs,
@@ -171,8 +194,11 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--keep", action="store_true", help="keep the random model for another run")
     parser.add_argument("--resummarize", action="store_true", help="recompute the summary of --out from its runs")
-    parser.add_argument("--steps", default=None,
-                        help="run only these steps (comma-separated step names); the other steps keep their runs from --out")
+    parser.add_argument(
+        "--steps",
+        default=None,
+        help="run only these steps (comma-separated step names); the other steps keep their runs from --out",
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "big-checkpoint.json")
     args = parser.parse_args()
     if args.resummarize:
@@ -185,8 +211,12 @@ def main() -> None:
     source = workdir / "llama-1.2b"
     if not source.exists():
         print(f"writing a random-weight Llama to {source} ...", flush=True)
-        made = subprocess.run([sys.executable, "-c", MAKE_MODEL, str(source), json.dumps(CONFIG)], capture_output=True,
-                              text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        made = subprocess.run(
+            [sys.executable, "-c", MAKE_MODEL, str(source), json.dumps(CONFIG)],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
         if made.returncode != 0:
             raise SystemExit(made.stderr[-3000:])
     files = sorted(source.glob("*.safetensors"))
@@ -197,8 +227,12 @@ def main() -> None:
         print(f"{name} ...", flush=True)
         before = load_average()
         result = run_step(name, source, workdir / "out")
-        result.update(step=name, load_average_before=before, load_average_after=load_average(),
-                      measured=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
+        result.update(
+            step=name,
+            load_average_before=before,
+            load_average_after=load_average(),
+            measured=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        )
         runs.append(result)
         print(f"  {result['seconds']:.1f} s, peak RSS {result['peak_rss'] / 1e9:.2f} GB", flush=True)
     record = summarize(runs, len(files), model_bytes)

@@ -66,14 +66,21 @@ def main() -> None:
             for name, args in CASES.items():
                 seconds, codes[name] = run_once(args, cwd)
                 times[name].append(seconds)
-    rows = {name: {"median_s": round(statistics.median(t), 3), "max_s": round(max(t), 3), "exit": codes[name]} for name, t in times.items()}
+    rows = {
+        name: {"median_s": round(statistics.median(t), 3), "max_s": round(max(t), 3), "exit": codes[name]}
+        for name, t in times.items()
+    }
     width = max(map(len, CASES))
-    print(f"{'case':<{width}}  median   max  exit   ({options.repeats} runs each, {os.cpu_count()} cores, Python {platform.python_version()})")
+    print(
+        f"{'case':<{width}}  median   max  exit   ({options.repeats} runs each, {os.cpu_count()} cores, Python {platform.python_version()})"
+    )
     for name, row in rows.items():
         print(f"{name:<{width}}  {row['median_s']:5.2f}s {row['max_s']:5.2f}s  {row['exit']:>3}")
     if options.out:
         options.out.parent.mkdir(parents=True, exist_ok=True)
-        options.out.write_text(json.dumps({"repeats": options.repeats, "cores": os.cpu_count(), "cases": rows}, indent=2) + "\n")
+        options.out.write_text(
+            json.dumps({"repeats": options.repeats, "cores": os.cpu_count(), "cases": rows}, indent=2) + "\n"
+        )
 
 
 if __name__ == "__main__":

@@ -70,8 +70,11 @@ def prefill_reader(kernels, repeats: int, tokens: int = 512, completed: int = 4)
         ),
     }
     medians = timed(fns, repeats)
-    return {"metric": f"prefill reader, {tokens} tokens, {completed + 1} sources", **medians,
-            "ratio": medians["cpu"] / medians["eager"]}
+    return {
+        "metric": f"prefill reader, {tokens} tokens, {completed + 1} sources",
+        **medians,
+        "ratio": medians["cpu"] / medians["eager"],
+    }
 
 
 def decoding_reader(kernels, repeats: int, sources: int = 5) -> dict:
@@ -86,7 +89,11 @@ def decoding_reader(kernels, repeats: int, sources: int = 5) -> dict:
         ),
     }
     medians = timed(fns, repeats)
-    return {"metric": f"decoding reader, 1 token, {sources} sources", **medians, "ratio": medians["cpu"] / medians["eager"]}
+    return {
+        "metric": f"decoding reader, 1 token, {sources} sources",
+        **medians,
+        "ratio": medians["cpu"] / medians["eager"],
+    }
 
 
 def main() -> None:
@@ -97,12 +104,21 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     kernels = depth_kernels_cpu.build()
-    rows = [prefill_reader(kernels, args.repeats), prefill_reader(kernels, max(10, args.repeats // 10), completed=60),
-            decoding_reader(kernels, args.repeats)]
+    rows = [
+        prefill_reader(kernels, args.repeats),
+        prefill_reader(kernels, max(10, args.repeats // 10), completed=60),
+        decoding_reader(kernels, args.repeats),
+    ]
     for row in rows:
-        print(f"{row['metric']}: eager {row['eager'] * 1e6:.1f} us, C++ {row['cpu'] * 1e6:.1f} us, ratio {row['ratio']:.2f}")
-    meta = {"torch": torch.__version__, "threads": args.threads, "repeats": args.repeats,
-            "cpu_capability": torch.backends.cpu.get_cpu_capability()}
+        print(
+            f"{row['metric']}: eager {row['eager'] * 1e6:.1f} us, C++ {row['cpu'] * 1e6:.1f} us, ratio {row['ratio']:.2f}"
+        )
+    meta = {
+        "torch": torch.__version__,
+        "threads": args.threads,
+        "repeats": args.repeats,
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     print(f"written to {args.out}")

@@ -78,11 +78,18 @@ def converted_folder(folder: Path, workdir: Path, full: bool = False) -> Path:
 def compared(metric: str, times: dict[str, list[float]], converted: str = "converted") -> dict:
     """The row of one comparison in this script's format (the library's medians and ratios)."""
     row = timing.compared(times["original"], times[converted])
-    return {"metric": metric, "original_s": row["original"], "converted_s": row["converted"], "ratio": row["ratio"],
-            "paired_ratio": row["paired_ratio"]}
+    return {
+        "metric": metric,
+        "original_s": row["original"],
+        "converted_s": row["converted"],
+        "ratio": row["ratio"],
+        "paired_ratio": row["paired_ratio"],
+    }
 
 
-def speed(original, converted, full, repeats: int, compiled: bool, train: bool = True, cpu_kernels: bool = False) -> list[dict]:
+def speed(
+    original, converted, full, repeats: int, compiled: bool, train: bool = True, cpu_kernels: bool = False
+) -> list[dict]:
     generator = torch.Generator().manual_seed(0)
     prompt = torch.randint(100, 40000, (1, 512), generator=generator)
     short = prompt[:, :32]
@@ -96,12 +103,15 @@ def speed(original, converted, full, repeats: int, compiled: bool, train: bool =
         def run():
             with torch.no_grad():  # inference: the decorator of a factory would not cover the call
                 return model(prompt, use_cache=False)
+
         return run
 
     runs = {name: prefill(m) for name, m in models.items()}
     kernels = cpu_kernels and not compiled
     if kernels:
-        runs.update({f"{name} [cpu kernels]": with_kernel("cpu", prefill(models[name])) for name in ("converted", "full")})
+        runs.update(
+            {f"{name} [cpu kernels]": with_kernel("cpu", prefill(models[name])) for name in ("converted", "full")}
+        )
     t = interleaved(runs, repeats)
     rows.append(compared("prefill 512 tokens", t))
     rows.append(compared("prefill 512 tokens, Full AttnRes (S=1)", t, "full"))
@@ -126,10 +136,12 @@ def speed(original, converted, full, repeats: int, compiled: bool, train: bool =
     # Compiled: the plain training step only (compiling a backward takes minutes: measured 62 s for the
     # original, 177 s for the converted model on this machine), and no decode (generate recompiles).
     for checkpointing in ((False,) if compiled else (False, True)) if train else ():
+
         def step(model):
             def run():
                 model.zero_grad(set_to_none=True)
                 model(batch, labels=batch).loss.backward()
+
             return run
 
         for m in (original, converted):
@@ -156,10 +168,29 @@ def speed_in_processes(args, workdir: Path) -> tuple[list[dict], dict]:
     runs = []
     for index in range(args.processes):
         out = workdir / f"speed-{index}.json"
-        cmd = [sys.executable, __file__, "--speed-only", "--out", str(out), "--workdir", str(workdir),
-               "--repeats", str(args.repeats), "--threads", str(args.threads)]
-        cmd += [flag for flag, on in (("--mapped", args.mapped), ("--skip-train", args.skip_train), ("--compile", args.compile),
-                                      ("--cpu-kernels", args.cpu_kernels)) if on]
+        cmd = [
+            sys.executable,
+            __file__,
+            "--speed-only",
+            "--out",
+            str(out),
+            "--workdir",
+            str(workdir),
+            "--repeats",
+            str(args.repeats),
+            "--threads",
+            str(args.threads),
+        ]
+        cmd += [
+            flag
+            for flag, on in (
+                ("--mapped", args.mapped),
+                ("--skip-train", args.skip_train),
+                ("--compile", args.compile),
+                ("--cpu-kernels", args.cpu_kernels),
+            )
+            if on
+        ]
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
         measured = json.loads(out.read_text())
         runs.append(measured["rows"])
@@ -178,14 +209,28 @@ def step_memory(folder: Path, converted_path: Path, threads: int) -> list[dict]:
     rows = []
     for checkpointing in (False, True):
         peaks = {
-            converted: measure_in_child(converted_path if converted else folder, device="cpu", dtype="float32", batch=4,
-                                        seq_len=256, kernels=None, remote_code=converted, threads=threads,
-                                        checkpointing=checkpointing)
+            converted: measure_in_child(
+                converted_path if converted else folder,
+                device="cpu",
+                dtype="float32",
+                batch=4,
+                seq_len=256,
+                kernels=None,
+                remote_code=converted,
+                threads=threads,
+                checkpointing=checkpointing,
+            )
             for converted in (False, True)
         }
-        rows.append({"metric": "train step peak memory" + (", grad checkpointing" if checkpointing else ""),
-                     "original_s": peaks[False] / 2**20, "converted_s": peaks[True] / 2**20,
-                     "ratio": peaks[True] / peaks[False], "unit": "MiB"})
+        rows.append(
+            {
+                "metric": "train step peak memory" + (", grad checkpointing" if checkpointing else ""),
+                "original_s": peaks[False] / 2**20,
+                "converted_s": peaks[True] / 2**20,
+                "ratio": peaks[True] / peaks[False],
+                "unit": "MiB",
+            }
+        )
     return rows
 
 
@@ -227,10 +272,23 @@ def convert_cost(folder: Path, workdir: Path, repeats: int) -> list[dict]:
     med = {k: (statistics.median(t for t, _ in v), statistics.median(m for _, m in v)) for k, v in runs.items()}
     rows = []
     for name in ("convert", "convert+verify"):
-        rows.append({"metric": f"`attnres {name}` time vs load+save", "original_s": med["plain"][0],
-                     "converted_s": med[name][0], "ratio": med[name][0] / med["plain"][0]})
-        rows.append({"metric": f"`attnres {name}` peak RSS vs load+save", "original_s": med["plain"][1],
-                     "converted_s": med[name][1], "ratio": med[name][1] / med["plain"][1], "unit": "MiB"})
+        rows.append(
+            {
+                "metric": f"`attnres {name}` time vs load+save",
+                "original_s": med["plain"][0],
+                "converted_s": med[name][0],
+                "ratio": med[name][0] / med["plain"][0],
+            }
+        )
+        rows.append(
+            {
+                "metric": f"`attnres {name}` peak RSS vs load+save",
+                "original_s": med["plain"][1],
+                "converted_s": med[name][1],
+                "ratio": med[name][1] / med["plain"][1],
+                "unit": "MiB",
+            }
+        )
     return rows
 
 
@@ -242,10 +300,15 @@ def main() -> None:
     parser.add_argument("--skip-convert", action="store_true")
     parser.add_argument("--skip-memory", action="store_true")
     parser.add_argument("--workdir", type=Path, help="keep the model folders here (reused by later runs)")
-    parser.add_argument("--mapped", action="store_true", help="time the weights as from_pretrained maps them (page-cache dependent)")
+    parser.add_argument(
+        "--mapped", action="store_true", help="time the weights as from_pretrained maps them (page-cache dependent)"
+    )
     parser.add_argument("--skip-train", action="store_true", help="no training-step rows (prefill and decode only)")
-    parser.add_argument("--cpu-kernels", action="store_true",
-                        help="also the prefill and decode rows with ATTNRES_KERNEL=cpu (compiles the C++ kernels once)")
+    parser.add_argument(
+        "--cpu-kernels",
+        action="store_true",
+        help="also the prefill and decode rows with ATTNRES_KERNEL=cpu (compiles the C++ kernels once)",
+    )
     parser.add_argument("--processes", type=int, default=3, help="measure the speed rows in this many fresh processes")
     parser.add_argument("--speed-only", action="store_true", help=argparse.SUPPRESS)  # one of those processes
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "overhead-smollm2-cpu.json")
@@ -258,12 +321,17 @@ def main() -> None:
     folder = prepare_folder(workdir)
     converted_path, full_path = converted_folder(folder, workdir), converted_folder(folder, workdir, full=True)
     meta = {
-        "torch": torch.__version__, "threads": args.threads, "repeats": args.repeats, "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "threads": args.threads,
+        "repeats": args.repeats,
+        "cpu_count": os.cpu_count(),
         "loaded": "original: from_pretrained(folder); converted: from_pretrained(attnres convert folder, trust_remote_code=True)",
-        "weights": "mapped by from_pretrained" if args.mapped else "copied into process memory after from_pretrained (see resident)",
+        "weights": "mapped by from_pretrained"
+        if args.mapped
+        else "copied into process memory after from_pretrained (see resident)",
         "processes": 1 if args.speed_only else args.processes,
         "attnres_kernel": os.environ.get("ATTNRES_KERNEL", "auto") + " (CPU tensors: eager unless triton or cpu;"
-                          " rows marked [cpu kernels]: cpu)",
+        " rows marked [cpu kernels]: cpu)",
         "load_average_start": os.getloadavg(),
     }
 
@@ -279,8 +347,15 @@ def main() -> None:
         converted = load(AutoModelForCausalLM.from_pretrained(converted_path, **remote).eval())
         full = load(AutoModelForCausalLM.from_pretrained(full_path, **remote).eval())
         meta["converted_class"] = f"{type(converted).__module__}.{type(converted).__name__}"
-        rows = speed(original, converted, full, args.repeats, compiled=False, train=not args.skip_train,
-                     cpu_kernels=args.cpu_kernels)
+        rows = speed(
+            original,
+            converted,
+            full,
+            args.repeats,
+            compiled=False,
+            train=not args.skip_train,
+            cpu_kernels=args.cpu_kernels,
+        )
         record(rows)
         if args.compile:
             compiled = speed(original, converted, full, args.repeats, True, train=not args.skip_train)
@@ -308,7 +383,9 @@ def main() -> None:
         fmt = "{:.1f} MiB" if unit == "MiB" else "{:.3f} s"
         paired = f"{r['paired_ratio']:.3f}" if "paired_ratio" in r else ""
         spread = f"{min(r['process_ratios']):.3f}-{max(r['process_ratios']):.3f}" if "process_ratios" in r else ""
-        table.add_row(r["metric"], fmt.format(r["original_s"]), fmt.format(r["converted_s"]), f"{r['ratio']:.3f}", paired, spread)
+        table.add_row(
+            r["metric"], fmt.format(r["original_s"]), fmt.format(r["converted_s"]), f"{r['ratio']:.3f}", paired, spread
+        )
     console.print(table)
     console.print(f"written to {args.out}")
 

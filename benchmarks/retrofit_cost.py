@@ -74,7 +74,9 @@ def main() -> None:
         setups, evals = {name: t[0] for name, t in timed.items()}, {name: t[1] for name, t in timed.items()}
         # The share of a core the timings had: below 1 on a machine busy with other work.
         share = (time.process_time() - cpu) / (time.perf_counter() - wall)
-        continued = arm_recipe(study.data, study.continued_overrides(seed, after[0]), ARMS[0], seed, study.after_work(after[0]))
+        continued = arm_recipe(
+            study.data, study.continued_overrides(seed, after[0]), ARMS[0], seed, study.after_work(after[0])
+        )
     base = study.base
     tokens = base.train.micro_batch * base.train.grad_accum * base.data.seq_len
     step = {name: tokens / speed for name, speed in speeds.items()}
@@ -86,10 +88,14 @@ def main() -> None:
     for name in ("baseline", "attnres"):
         runs.append((f"{name} continued", name, study.continued, len(eval_steps(continued)), seeds * len(after)))
     load = os.getloadavg()
-    print(f"Machine: {os.cpu_count()} CPUs, load average {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} (1 / 5 / 15 min); one thread, "
-          f"which had {share:.2f} of a core while timed (CPU time / wall time)")
-    print(f"Per training step ({tokens:,} tokens, median of {args.steps}, interleaved): "
-          + ", ".join(f"{name} {seconds:.3f} s" for name, seconds in step.items()))
+    print(
+        f"Machine: {os.cpu_count()} CPUs, load average {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} (1 / 5 / 15 min); one thread, "
+        f"which had {share:.2f} of a core while timed (CPU time / wall time)"
+    )
+    print(
+        f"Per training step ({tokens:,} tokens, median of {args.steps}, interleaved): "
+        + ", ".join(f"{name} {seconds:.3f} s" for name, seconds in step.items())
+    )
     print("Per held-out evaluation: " + ", ".join(f"{name} {seconds:.2f} s" for name, seconds in evals.items()))
     print("Per run, before its first step: " + ", ".join(f"{name} {seconds:.2f} s" for name, seconds in setups.items()))
     print()
@@ -99,8 +105,12 @@ def main() -> None:
     for label, arm, steps, evaluations, count in runs:
         seconds = count * (setups[arm] + steps * step[arm] + evaluations * evals[arm])
         total += seconds
-        print(f"| {label} | {count} | {steps} | {evaluations} | {seconds / 3600:.2f} h | {seconds * share / 3600:.2f} h |")
-    print(f"| total | | | | {total / 3600:.2f} h ({total / 60:.0f} min) | {total * share / 3600:.2f} h ({total * share / 60:.0f} min) |")
+        print(
+            f"| {label} | {count} | {steps} | {evaluations} | {seconds / 3600:.2f} h | {seconds * share / 3600:.2f} h |"
+        )
+    print(
+        f"| total | | | | {total / 3600:.2f} h ({total / 60:.0f} min) | {total * share / 3600:.2f} h ({total * share / 60:.0f} min) |"
+    )
 
 
 if __name__ == "__main__":

@@ -49,10 +49,10 @@ def main() -> None:
 
     import torch
 
-    from attnres_convert.io.threads import usable_cores
     from attnres_convert.finetune.recipe import load_recipe
     from attnres_convert.finetune.stopping import GracefulStop
     from attnres_convert.finetune.training import FinetuneRecipe
+    from attnres_convert.io.threads import usable_cores
 
     overrides = [f"model.source={args.model}"] if args.model else []
     recipe = load_recipe(args.recipe, overrides + ["output.dir=/nonexistent/training-threads", "train.steps=100000"])
@@ -79,16 +79,28 @@ def main() -> None:
             for hog in hogs:
                 hog.kill()
                 hog.wait()
-        row = {"busy_processes": busy, **{f"threads_{n}_s_per_step": statistics.median(times[n]) for n in counts},
-               "runs": {str(n): times[n] for n in counts}}
+        row = {
+            "busy_processes": busy,
+            **{f"threads_{n}_s_per_step": statistics.median(times[n]) for n in counts},
+            "runs": {str(n): times[n] for n in counts},
+        }
         rows.append(row)
-        print(f"{busy} busy: " + ", ".join(f"{n} thread(s) {statistics.median(times[n]):.2f} s/step" for n in counts), flush=True)
+        print(
+            f"{busy} busy: " + ", ".join(f"{n} thread(s) {statistics.median(times[n]):.2f} s/step" for n in counts),
+            flush=True,
+        )
     result = {
         "command": "python benchmarks/training_threads.py " + " ".join(sys.argv[1:]),
-        "recipe": args.recipe, "model": args.model, "tokens_per_step": run.global_batch * recipe.data.seq_len,
-        "cpu": cpu_name(), "cores": cores, "torch": torch.__version__,
-        "load_average_start": [round(x, 2) for x in load_start], "load_average_end": [round(x, 2) for x in os.getloadavg()],
-        "date": time.strftime("%Y-%m-%d"), "rows": rows,
+        "recipe": args.recipe,
+        "model": args.model,
+        "tokens_per_step": run.global_batch * recipe.data.seq_len,
+        "cpu": cpu_name(),
+        "cores": cores,
+        "torch": torch.__version__,
+        "load_average_start": [round(x, 2) for x in load_start],
+        "load_average_end": [round(x, 2) for x in os.getloadavg()],
+        "date": time.strftime("%Y-%m-%d"),
+        "rows": rows,
     }
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -31,8 +31,14 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 PROMPTS, PROMPT_TOKENS, NEW_TOKENS = 16, 128, 64
-ENGINE = dict(dtype="float32", enforce_eager=True, max_model_len=512, max_num_seqs=16, gpu_memory_utilization=0.1,
-              kv_cache_memory_bytes=512 << 20)
+ENGINE = dict(
+    dtype="float32",
+    enforce_eager=True,
+    max_model_len=512,
+    max_num_seqs=16,
+    gpu_memory_utilization=0.1,
+    kv_cache_memory_bytes=512 << 20,
+)
 
 
 def prepare(workdir: Path) -> tuple[Path, Path]:
@@ -53,18 +59,22 @@ def prepare(workdir: Path) -> tuple[Path, Path]:
 
 def measure(folder: str, model_impl: str, rounds: int) -> dict:
     """In this process (a child of `main`): one engine, a warm-up call, then `rounds` timed calls."""
+    import torch
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
-
-    import torch
 
     generator = torch.Generator().manual_seed(0)
     from transformers import AutoConfig
 
     vocab = AutoConfig.from_pretrained(folder, trust_remote_code=True).get_text_config().vocab_size
-    prompts = [TokensPrompt(prompt_token_ids=torch.randint(min(100, vocab // 2), min(40000, vocab), (PROMPT_TOKENS,),
-                                                           generator=generator).tolist())
-               for _ in range(PROMPTS)]
+    prompts = [
+        TokensPrompt(
+            prompt_token_ids=torch.randint(
+                min(100, vocab // 2), min(40000, vocab), (PROMPT_TOKENS,), generator=generator
+            ).tolist()
+        )
+        for _ in range(PROMPTS)
+    ]
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, detokenize=False)
     started = time.perf_counter()
     llm = LLM(model=folder, model_impl=model_impl, trust_remote_code=True, skip_tokenizer_init=True, **ENGINE)
@@ -77,19 +87,30 @@ def measure(folder: str, model_impl: str, rounds: int) -> dict:
         times.append(time.perf_counter() - started)
         tokens.append(sum(len(result.outputs[0].token_ids) for result in results))
     best = min(range(rounds), key=times.__getitem__)
-    return {"startup_s": round(startup, 1), "seconds": [round(t, 3) for t in times],
-            "requests_per_s": round(PROMPTS / times[best], 3), "output_tokens_per_s": round(tokens[best] / times[best], 2)}
+    return {
+        "startup_s": round(startup, 1),
+        "seconds": [round(t, 3) for t in times],
+        "requests_per_s": round(PROMPTS / times[best], 3),
+        "output_tokens_per_s": round(tokens[best] / times[best], 2),
+    }
 
 
 def run_child(folder: Path, model_impl: str, rounds: int, required: bool = True) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
-    result = subprocess.run([sys.executable, __file__, "--child", str(folder), model_impl, str(rounds)],
-                            capture_output=True, text=True, env=env, timeout=1800)
+    result = subprocess.run(
+        [sys.executable, __file__, "--child", str(folder), model_impl, str(rounds)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=1800,
+    )
     line = next((line for line in result.stdout.splitlines() if line.startswith("RESULT ")), None)
     if (result.returncode != 0 or line is None) and not required:
         return {"failed": (result.stdout + result.stderr).strip().splitlines()[-1][:300]}
     if result.returncode != 0 or line is None:
-        raise SystemExit(f"vLLM run of {folder} ({model_impl}) failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
+        raise SystemExit(
+            f"vLLM run of {folder} ({model_impl}) failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+        )
     return json.loads(line.removeprefix("RESULT "))
 
 
@@ -117,18 +138,26 @@ def main() -> None:
     }
     convert_run = runs["converted (attnres plugin)"]
     ratios = {
-        f"converted / {name}": {metric: round(convert_run[metric] / run[metric], 3) for metric in ("requests_per_s", "output_tokens_per_s")}
-        for name, run in runs.items() if not name.startswith("converted") and "failed" not in run
+        f"converted / {name}": {
+            metric: round(convert_run[metric] / run[metric], 3) for metric in ("requests_per_s", "output_tokens_per_s")
+        }
+        for name, run in runs.items()
+        if not name.startswith("converted") and "failed" not in run
     }
     report = {
-        "command": "OMP_NUM_THREADS=2 .venv-vllm/bin/python benchmarks/vllm_serving.py" + (
-            f" --original {args.original} --converted {args.converted}" if args.original else ""),
-        "model": (f"{original} against {converted}" if args.original else
-                  "SmolLM2-135M-Instruct (embedded GGUF dequantised to float32), converted with the default block size"),
+        "command": "OMP_NUM_THREADS=2 .venv-vllm/bin/python benchmarks/vllm_serving.py"
+        + (f" --original {args.original} --converted {args.converted}" if args.original else ""),
+        "model": (
+            f"{original} against {converted}"
+            if args.original
+            else "SmolLM2-135M-Instruct (embedded GGUF dequantised to float32), converted with the default block size"
+        ),
         "workload": f"{PROMPTS} prompts x {PROMPT_TOKENS} tokens, {NEW_TOKENS} new tokens each, greedy, one call",
-        "engine": ENGINE, "machine": f"{os.cpu_count()} CPU cores ({platform.machine()}), shared",
+        "engine": ENGINE,
+        "machine": f"{os.cpu_count()} CPU cores ({platform.machine()}), shared",
         "versions": {"vllm": vllm.__version__, "transformers": transformers.__version__},
-        "runs": runs, "ratios": ratios,
+        "runs": runs,
+        "ratios": ratios,
     }
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps({"runs": runs, "ratios": ratios}, indent=2))

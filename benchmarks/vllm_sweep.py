@@ -48,7 +48,10 @@ def cpu_heads(config, by_heads: bool = False) -> None:
     a model whose output projection is hidden x hidden whatever the head size, Helium); one whose modules derive it
     from the hidden size (64) gets 2 heads; latent attention (qk_nope + qk_rope = 32) is left as it is."""
     for each in {id(c): c for c in (config, config.get_text_config())}.values():
-        values = {**each.to_dict(), **{name: read(each, name) for name in ("num_attention_heads", "num_key_value_heads")}}
+        values = {
+            **each.to_dict(),
+            **{name: read(each, name) for name in ("num_attention_heads", "num_key_value_heads")},
+        }
         if values.get("kv_channels") is not None:  # JetMoE's head size
             each.kv_channels = 32
             continue
@@ -113,8 +116,14 @@ def engine_tokens(folder: Path, token_lists: list[list[int]]) -> tuple[list[list
     with tempfile.TemporaryDirectory() as scratch:
         try:
             # The engine core in the calling process (vLLM's VLLM_ENABLE_V1_MULTIPROCESSING=0) halves each start.
-            result = run_engine(folder, token_lists, NEW_TOKENS, Path(scratch), timeout=ENGINE_TIMEOUT,
-                                VLLM_ENABLE_V1_MULTIPROCESSING="0")
+            result = run_engine(
+                folder,
+                token_lists,
+                NEW_TOKENS,
+                Path(scratch),
+                timeout=ENGINE_TIMEOUT,
+                VLLM_ENABLE_V1_MULTIPROCESSING="0",
+            )
         except subprocess.TimeoutExpired:
             return None, f"the engine did not answer in {ENGINE_TIMEOUT} s"
     served = served_tokens(result)
@@ -122,8 +131,12 @@ def engine_tokens(folder: Path, token_lists: list[list[int]]) -> tuple[list[list
 
 
 # Errors that wrap the cause (the engine process died, the client was cancelled) or are logged and handled.
-WRAPPERS = ("EngineDeadError", "RuntimeError: cancelled", "Engine core initialization failed",
-            "Tokenizer not available when `skip_tokenizer_init=True`")
+WRAPPERS = (
+    "EngineDeadError",
+    "RuntimeError: cancelled",
+    "Engine core initialization failed",
+    "Tokenizer not available when `skip_tokenizer_init=True`",
+)
 
 
 def engine_error(log: str) -> str:
@@ -134,14 +147,23 @@ def engine_error(log: str) -> str:
     if refusals:  # the serving class's own refusal, which names the cause
         return refusals[0].strip()[:300]
     if any("Segfault encountered" in line for line in lines):
-        frame = next((line for line in lines[lines.index(next(l for l in lines if "Segfault encountered" in l)):]
-                      if re.search(r"in (?!0x)\S", line) and "libc_sigaction" not in line), "")
+        frame = next(
+            (
+                line
+                for line in lines[lines.index(next(l for l in lines if "Segfault encountered" in l)) :]
+                if re.search(r"in (?!0x)\S", line) and "libc_sigaction" not in line
+            ),
+            "",
+        )
         return "segmentation fault in vLLM's native code: " + frame.strip()[:200]
     detail = next((line.split("Value error, ", 1)[1] for line in lines if "Value error, " in line), None)
     if detail is not None:  # a pydantic validation of vLLM's own config: the reason is on the line after
         return ("vLLM's config check: " + detail.split(" [type=")[0]).strip()[:300]
-    errors = [found[1] for line in lines
-              if (found := re.search(r"\b((?:\w+\.)*\w*(?:Error|Exception|Refused)\b:? .*)$", line))]
+    errors = [
+        found[1]
+        for line in lines
+        if (found := re.search(r"\b((?:\w+\.)*\w*(?:Error|Exception|Refused)\b:? .*)$", line))
+    ]
     causes = [error for error in errors if not any(wrapper in error for wrapper in WRAPPERS)]
     chosen = causes or errors
     return chosen[0].strip()[:300] if chosen else (lines or ["no output"])[-1][:300]
@@ -151,16 +173,20 @@ def sweep_one(model_type: str, work: Path) -> dict:
     """One row: admission and, for an admitted type, the engine's tokens against `generate`."""
     from transformers import CONFIG_MAPPING
     from vllm.model_executor.models.transformers.fusers.attention import interface_call
+    from vllm_helpers import generate_tokens, prompts
 
     from attnres_convert.conversion.coverage import short_error
     from attnres_convert.serving.vllm_support import unservable_reason
-    from vllm_helpers import generate_tokens, prompts
 
     if model_type not in CONFIG_MAPPING:
         return {"status": "not in this transformers", "detail": ""}
     folder = work / model_type
     try:
-        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        with (
+            warnings.catch_warnings(),
+            contextlib.redirect_stdout(io.StringIO()),
+            contextlib.redirect_stderr(io.StringIO()),
+        ):
             warnings.simplefilter("ignore")
             converted = converted_folder(model_type, folder)
     except Exception as error:  # noqa: BLE001 - a row of the table
@@ -183,8 +209,10 @@ def sweep_one(model_type: str, work: Path) -> dict:
         wrong = [i for i, (a, b) in enumerate(zip(served, expected)) if a != b]
         first = wrong[0]
         step = next(k for k, (a, b) in enumerate(zip(served[first], expected[first])) if a != b)
-        return {"status": "tokens differ", "detail": f"prompts {wrong} differ from `generate` (prompt {first} at new "
-                                                     f"token {step})"}
+        return {
+            "status": "tokens differ",
+            "detail": f"prompts {wrong} differ from `generate` (prompt {first} at new token {step})",
+        }
     return {"status": "served", "detail": ""}
 
 
@@ -192,16 +220,22 @@ def short(detail: str) -> str:
     """A refusal as a table cell: the layer and which of the two reasons (the engine prints the whole sentence)."""
     found = re.match(r"decoder layer (\d+) \((\w+)\) has no module that calls", detail)
     if found:
-        return (f"layer {found[1]} (`{found[2]}`) calls no attention interface: attention in the model's own code, "
-                "or a recurrent mixer")
+        return (
+            f"layer {found[1]} (`{found[2]}`) calls no attention interface: attention in the model's own code, "
+            "or a recurrent mixer"
+        )
     if "carries a recurrent state" in detail:
         return "the base class carries a recurrent state"
     # The engine's own refusal, without the family (the row's) and the fallback (the same for every row).
-    detail = re.sub(r"^vLLM cannot serve this AttnRes model \(base family '\w+'\): ", "", detail).split(" Fallback: ")[0]
+    detail = re.sub(r"^vLLM cannot serve this AttnRes model \(base family '\w+'\): ", "", detail).split(" Fallback: ")[
+        0
+    ]
     forward = re.match(r"its forward fails on vLLM's batch \(.*?\): (.*?)\. A module", detail)
     if forward:
-        return (f"its forward fails on vLLM's batch, which carries no attention mask ({forward[1]}): a module reads "
-                "other tokens outside the attention interface (a sparse-attention indexer)")
+        return (
+            f"its forward fails on vLLM's batch, which carries no attention mask ({forward[1]}): a module reads "
+            "other tokens outside the attention interface (a sparse-attention indexer)"
+        )
     if detail.startswith("vLLM's config check: "):  # vLLM's message: its first sentence says it
         detail = detail.split(". ")[0]
     return detail.replace("|", "/")
@@ -209,10 +243,15 @@ def short(detail: str) -> str:
 
 def table(rows: dict[str, dict], versions: dict) -> str:
     served = sum(row["status"] == "served" for row in rows.values())
-    lines = [BEGIN, "",
-             f"transformers {versions['transformers']}, vLLM {versions['vllm']}: {served} of {len(rows)} model types "
-             "served with greedy tokens equal to `generate`.", "",
-             "| model type | vLLM | reason |", "|---|---|---|"]
+    lines = [
+        BEGIN,
+        "",
+        f"transformers {versions['transformers']}, vLLM {versions['vllm']}: {served} of {len(rows)} model types "
+        "served with greedy tokens equal to `generate`.",
+        "",
+        "| model type | vLLM | reason |",
+        "|---|---|---|",
+    ]
     for model_type, row in rows.items():
         lines.append(f"| `{model_type}` | {row['status']} | {short(row['detail'])} |")
     return "\n".join([*lines, "", END])
@@ -252,8 +291,11 @@ def main() -> None:
             start = time.perf_counter()
             rows[model_type] = sweep_one(model_type, Path(work))
             rows[model_type]["seconds"] = round(time.perf_counter() - start, 1)
-            print(f"{model_type}: {rows[model_type]['status']} {rows[model_type]['detail'][:120]} "
-                  f"({rows[model_type]['seconds']} s)", flush=True)
+            print(
+                f"{model_type}: {rows[model_type]['status']} {rows[model_type]['detail'][:120]} "
+                f"({rows[model_type]['seconds']} s)",
+                flush=True,
+            )
             ordered = {t: rows[t] for t in sorted(rows)}
             args.out.write_text(json.dumps({"versions": versions, "rows": ordered}, indent=1) + "\n")
     if args.write:

@@ -11,7 +11,6 @@ regenerated.
 from __future__ import annotations
 
 import argparse
-import html
 import sys
 from pathlib import Path
 

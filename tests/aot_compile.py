@@ -51,27 +51,50 @@ def launches(kernel: str, dtype: torch.dtype) -> list:
             if kernel == "mix_kernel":
                 for has_part, has_new, init, table, count, save in itertools.product((False, True), repeat=6):
                     launch(
-                        z(m + 1, tokens, D), m, z(D), z(tokens, D, dtype=dtype), 1e-6, count,
-                        inv_rms=None if table else torch.ones(m, tokens), table=z(m, tokens) if table else None,
+                        z(m + 1, tokens, D),
+                        m,
+                        z(D),
+                        z(tokens, D, dtype=dtype),
+                        1e-6,
+                        count,
+                        inv_rms=None if table else torch.ones(m, tokens),
+                        table=z(m, tokens) if table else None,
                         partial=z(tokens, D, dtype=part_dtype) if has_part else None,
-                        new=z(tokens, D, dtype=dtype) if has_new else None, init_partial=init,
-                        stream_out=z(tokens, D, dtype=dtype) if has_new else None, save=save,
+                        new=z(tokens, D, dtype=dtype) if has_new else None,
+                        init_partial=init,
+                        stream_out=z(tokens, D, dtype=dtype) if has_new else None,
+                        save=save,
                     )
             elif kernel == "close_kernel":
-                for has_new, init, table, rows in itertools.product((False, True), (False, True), (False, True), (5, 100)):
+                for has_new, init, table, rows in itertools.product(
+                    (False, True), (False, True), (False, True), (5, 100)
+                ):
                     launch(
-                        z(tokens, D, dtype=part_dtype), z(tokens, D), z(tokens), 1e-6,
-                        new=z(tokens, D, dtype=dtype) if has_new else None, init_partial=init,
+                        z(tokens, D, dtype=part_dtype),
+                        z(tokens, D),
+                        z(tokens),
+                        1e-6,
+                        new=z(tokens, D, dtype=dtype) if has_new else None,
+                        init_partial=init,
                         stream=z(tokens, D, dtype=dtype) if has_new else None,
                         stream_out=z(tokens, D, dtype=dtype) if has_new else None,
-                        queries=z(rows, D) if table else None, table=z(tokens, rows) if table else None,
+                        queries=z(rows, D) if table else None,
+                        table=z(tokens, rows) if table else None,
                     )
             else:
                 for has_part, table, count in itertools.product((False, True), repeat=3):
                     n = m + has_part
                     launch(
-                        z(tokens, D, dtype=dtype), z(m, tokens, D), m, z(D), z(tokens, n), z(tokens, n), count,
-                        z(m, tokens, D), inv_rms=torch.ones(m, tokens), rms_grad=None if table else z(m, tokens),
+                        z(tokens, D, dtype=dtype),
+                        z(m, tokens, D),
+                        m,
+                        z(D),
+                        z(tokens, n),
+                        z(tokens, n),
+                        count,
+                        z(m, tokens, D),
+                        inv_rms=torch.ones(m, tokens),
+                        rms_grad=None if table else z(m, tokens),
                         score_grad=z(m, tokens) if table else None,
                         partial=z(tokens, D, dtype=part_dtype) if has_part else None,
                         inv_partial=torch.ones(tokens) if has_part else None,
@@ -117,7 +140,9 @@ def jit_source(fn, args: tuple, kwargs: dict, capability: int):
     bound_vals = tuple(bound.values())
     attrs = backend.get_attrs_descriptor(fn.params, bound_vals)
     constant_params = attrs.get_constants()
-    constants = {p.name: v for v, p in zip(bound_vals, fn.params) if p.is_constexpr or p.num in constant_params or v is None}
+    constants = {
+        p.name: v for v, p in zip(bound_vals, fn.params) if p.is_constexpr or p.num in constant_params or v is None
+    }
     del triton
     return key, ASTSource(fn, signature, constants, attrs), options, target
 
@@ -130,7 +155,9 @@ def resources(cubin: bytes, folder: Path) -> dict:
     NVIDIA's cuobjdump (bundled with Triton) reads them."""
     path = folder / "kernel.cubin"
     path.write_bytes(cubin)
-    usage = subprocess.run([str(CUOBJDUMP), "--dump-resource-usage", str(path)], capture_output=True, text=True, check=True)
+    usage = subprocess.run(
+        [str(CUOBJDUMP), "--dump-resource-usage", str(path)], capture_output=True, text=True, check=True
+    )
     line = next(line for line in usage.stdout.splitlines() if "REG:" in line)
     found = {key.lower(): int(value) for key, value in re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", line)}
     return found
@@ -169,20 +196,31 @@ def compile_all(out) -> None:
                 usage = resources(program.asm["cubin"], folder)
                 ptx = program.asm["ptx"]
                 record = {
-                    "kernel": kernel, "dtype": dtype, "capability": capability, "config": config,
-                    "flags": [a for a in args if isinstance(a, bool)], "arch": program.metadata.target.arch,
-                    "num_warps": program.metadata.num_warps, "shared": program.metadata.shared, "regs": usage["reg"],
-                    "local": usage["local"], "stack": usage["stack"], "enable_fp_fusion": program.metadata.enable_fp_fusion,
+                    "kernel": kernel,
+                    "dtype": dtype,
+                    "capability": capability,
+                    "config": config,
+                    "flags": [a for a in args if isinstance(a, bool)],
+                    "arch": program.metadata.target.arch,
+                    "num_warps": program.metadata.num_warps,
+                    "shared": program.metadata.shared,
+                    "regs": usage["reg"],
+                    "local": usage["local"],
+                    "stack": usage["stack"],
+                    "enable_fp_fusion": program.metadata.enable_fp_fusion,
                     "fma": [line.strip() for line in ptx.splitlines() if "fma.rn" in line],
                     "muls": sum("mul.f32" in line or "mul.rn.f32" in line for line in ptx.splitlines()),
                     "sass_fma": sass_fmas(program.asm["cubin"], folder),
-                    "seconds": round(seconds, 3), "triton": triton.__version__,
+                    "seconds": round(seconds, 3),
+                    "triton": triton.__version__,
                 }
                 out.write(json.dumps(record) + "\n")
                 out.flush()
         if dtype == "fp32":  # the control: Triton's default fusion contracts these kernels' products and sums
             args, kwargs = recorded[-1]
-            key, source, options, target = jit_source(fn, args, {**kwargs, **configs(kernel)[-1], "enable_fp_fusion": True}, 90)
+            key, source, options, target = jit_source(
+                fn, args, {**kwargs, **configs(kernel)[-1], "enable_fp_fusion": True}, 90
+            )
             program = triton.compile(source, target=target, options=options.__dict__)
             fused = [line.strip() for line in program.asm["ptx"].splitlines() if "fma.rn" in line]
             sass = sass_fmas(program.asm["cubin"], folder)
@@ -202,7 +240,8 @@ FLA_CONFIGS = {
     "attnres_fwd_kernel": ({"BL": 1, "num_warps": 4, "num_stages": 2}, {"BL": 8, "num_warps": 16, "num_stages": 3}),
     "attnres_bwd_kernel_dv": ({"BL": 1, "num_warps": 4, "num_stages": 2}, {"BL": 8, "num_warps": 16, "num_stages": 3}),
     "attnres_bwd_kernel_dqdw": (
-        {"BN": 1024, "BD": 16, "num_warps": 4, "num_stages": 3}, {"BN": 4096, "BD": 64, "num_warps": 8, "num_stages": 4},
+        {"BN": 1024, "BD": 16, "num_warps": 4, "num_stages": 3},
+        {"BN": 4096, "BD": 64, "num_warps": 8, "num_stages": 4},
     ),
 }
 
@@ -227,11 +266,27 @@ def fla_launches(fused, dtype: torch.dtype, d: int) -> dict:
     l2 = len(res)
     stats = dict(rstd=z(FLA_SOURCES, tokens), logit=z(FLA_SOURCES, tokens), lse=z(tokens))
     found = {
-        "attnres_fwd_kernel": ((), dict(
-            q=z(d), res=res, w=z(d), ow=None, o=z(tokens, d, dtype=dtype), o_pre=None, **stats, N=tokens,
-            L=FLA_SOURCES, L2=l2, D=d, eps=1e-6, scale=1.0, BD=1 << (d - 1).bit_length(), HAS_ONORM=False,
-            SAVE_OPRE=False,
-        )),
+        "attnres_fwd_kernel": (
+            (),
+            dict(
+                q=z(d),
+                res=res,
+                w=z(d),
+                ow=None,
+                o=z(tokens, d, dtype=dtype),
+                o_pre=None,
+                **stats,
+                N=tokens,
+                L=FLA_SOURCES,
+                L2=l2,
+                D=d,
+                eps=1e-6,
+                scale=1.0,
+                BD=1 << (d - 1).bit_length(),
+                HAS_ONORM=False,
+                SAVE_OPRE=False,
+            ),
+        )
     }
     originals = {name: getattr(fused, name) for name in FLA_KERNELS[1:]}
     recorders = {name: _Recorder() for name in originals}
@@ -239,8 +294,17 @@ def fla_launches(fused, dtype: torch.dtype, d: int) -> dict:
         for name, recorder in recorders.items():
             setattr(fused, name, recorder)
         fused.fused_attnres_bwd(
-            do=z(tokens, d, dtype=dtype), q=z(d), residuals=residuals, res=res, w=z(d), ow=None, o_pre=None,
-            eps=1e-6, scale=1.0, checkpoint_level=1, **stats,
+            do=z(tokens, d, dtype=dtype),
+            q=z(d),
+            residuals=residuals,
+            res=res,
+            w=z(d),
+            ow=None,
+            o_pre=None,
+            eps=1e-6,
+            scale=1.0,
+            checkpoint_level=1,
+            **stats,
         )
     finally:
         for name, original in originals.items():
@@ -266,12 +330,27 @@ def fla_compile_all(out, folder: Path) -> None:
                 program = triton.compile(source, target=target, options=options.__dict__)
                 seconds = time.perf_counter() - start
                 usage = resources(program.asm["cubin"], folder)
-                out.write(json.dumps({
-                    "fla": True, "kernel": kernel, "dtype": dtype, "hidden": d, "capability": capability,
-                    "config": config, "arch": program.metadata.target.arch, "num_warps": program.metadata.num_warps,
-                    "shared": program.metadata.shared, "regs": usage["reg"], "local": usage["local"],
-                    "stack": usage["stack"], "seconds": round(seconds, 3), "triton": triton.__version__,
-                }) + "\n")
+                out.write(
+                    json.dumps(
+                        {
+                            "fla": True,
+                            "kernel": kernel,
+                            "dtype": dtype,
+                            "hidden": d,
+                            "capability": capability,
+                            "config": config,
+                            "arch": program.metadata.target.arch,
+                            "num_warps": program.metadata.num_warps,
+                            "shared": program.metadata.shared,
+                            "regs": usage["reg"],
+                            "local": usage["local"],
+                            "stack": usage["stack"],
+                            "seconds": round(seconds, 3),
+                            "triton": triton.__version__,
+                        }
+                    )
+                    + "\n"
+                )
                 out.flush()
 
 

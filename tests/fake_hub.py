@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, unquote, urlparse
 
-
 # Anonymous endpoints huggingface_hub calls on its own (agent detection), not part of a push.
 PUBLIC = {"/api/agent-harnesses": []}
 
@@ -115,7 +114,9 @@ class FakeHub:
                     status, payload = 404, {"error": f"Repository not found: {missing}"}
                 self._send(status, payload, {"X-Error-Message": payload.get("error", "")} if status >= 400 else None)
 
-            def do_HEAD(self):  # a reachability check (attnres' hub_reachable): the hub's root answers, as huggingface.co does
+            def do_HEAD(
+                self,
+            ):  # a reachability check (attnres' hub_reachable): the hub's root answers, as huggingface.co does
                 hub.requests.append(Request("HEAD", self.path, {k.lower(): v for k, v in self.headers.items()}, b""))
                 self.send_response(200)
                 self.send_header("Content-Length", "0")
@@ -150,7 +151,11 @@ class FakeHub:
         if path.endswith(".git/info/lfs/objects/batch"):
             objects = json.loads(body)["objects"]
             actions = [
-                {"oid": o["oid"], "size": o["size"], "actions": {"upload": {"href": f"{self.endpoint}/lfs-upload/{o['oid']}"}}}
+                {
+                    "oid": o["oid"],
+                    "size": o["size"],
+                    "actions": {"upload": {"href": f"{self.endpoint}/lfs-upload/{o['oid']}"}},
+                }
                 for o in objects
             ]
             return 200, {"transfer": "basic", "objects": actions}
@@ -202,4 +207,8 @@ class FakeHub:
             elif line["key"] == "deletedFile":
                 files.pop(value["path"], None)
         self.repos[repo_id].commits.append({"branch": branch, "header": lines[0]["value"]})
-        return 200, {"commitUrl": f"{self.endpoint}/{repo_id}/commit/{'a' * 40}", "commitOid": "a" * 40, "success": True}
+        return 200, {
+            "commitUrl": f"{self.endpoint}/{repo_id}/commit/{'a' * 40}",
+            "commitOid": "a" * 40,
+            "success": True,
+        }

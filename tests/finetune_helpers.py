@@ -6,9 +6,9 @@ import string
 from pathlib import Path
 
 import yaml
+from tiny_models import tiny_model
 
 from attnres_convert.io.samples import SAMPLE_TEXT
-from tiny_models import tiny_model
 
 SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
 
@@ -55,8 +55,16 @@ def tiny_recipe(model_dir: Path, corpus: dict, out: Path, **sections) -> dict:
     recipe = {
         "model": {"source": str(model_dir), "convert": True, "num_blocks": 2},
         "data": {"train": {"files": corpus["train"]}, "eval": {"files": corpus["eval"]}, "seq_len": 32},
-        "train": {"trainable": "attnres", "steps": 6, "micro_batch": 2, "grad_accum": 2, "lr": 1e-3, "attnres_lr": 3e-2,
-                  "warmup_steps": 1, "seed": 0},
+        "train": {
+            "trainable": "attnres",
+            "steps": 6,
+            "micro_batch": 2,
+            "grad_accum": 2,
+            "lr": 1e-3,
+            "attnres_lr": 3e-2,
+            "warmup_steps": 1,
+            "seed": 0,
+        },
         "eval": {"every": 3, "max_sequences": 8},
         "checkpoint": {"every": 0, "keep_last": 2},
         "output": {"dir": str(out)},

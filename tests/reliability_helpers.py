@@ -63,7 +63,12 @@ def run_attnres(*args, env: dict | None = None, timeout: float = 120) -> subproc
     full_env = {**os.environ, **ONE_THREAD_ENV, **(env or {})}
     return subprocess.run(
         [sys.executable, "-c", "import sys; from attnres_convert.cli import main; sys.exit(main())", *map(str, args)],
-        cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL,
+        cwd=ROOT,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
     )
 
 
@@ -154,7 +159,9 @@ def forkserver_context():
     import multiprocessing
 
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["reliability_helpers", "tiny_models", "attnres_convert", "attnres_convert.finetune.training"])
+    context.set_forkserver_preload(
+        ["reliability_helpers", "tiny_models", "attnres_convert", "attnres_convert.finetune.training"]
+    )
     return context
 
 
@@ -177,9 +184,10 @@ def read_only_folder(folder: Path):
 
     folder.mkdir(parents=True, exist_ok=True)
     if os.geteuid() == 0:
-        done = shutil.which("chattr") is not None and subprocess.run(
-            ["chattr", "+i", str(folder)], capture_output=True
-        ).returncode == 0
+        done = (
+            shutil.which("chattr") is not None
+            and subprocess.run(["chattr", "+i", str(folder)], capture_output=True).returncode == 0
+        )
         try:
             yield done
         finally:

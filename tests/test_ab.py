@@ -8,13 +8,13 @@ import math
 
 import pytest
 import torch
+from finetune_helpers import tiny_model_folder, tiny_recipe, write_corpus, write_recipe
 from typer.testing import CliRunner
 
 from attnres_convert.cli import app
 from attnres_convert.finetune.ab import run_ab
 from attnres_convert.finetune.recipe import RecipeError, parse_recipe
 from attnres_convert.finetune.training import FinetuneRecipe
-from finetune_helpers import tiny_model_folder, tiny_recipe, write_corpus, write_recipe
 
 runner = CliRunner()
 
@@ -23,8 +23,14 @@ runner = CliRunner()
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("ab")
     model, corpus = tiny_model_folder(root / "tiny-llama"), write_corpus(root / "corpus")
-    recipe = tiny_recipe(model, corpus, root / "unused", train={"trainable": "lora", "steps": 4, "lr": 1e-2},
-                         lora={"r": 4}, eval={"every": 2, "max_sequences": 4})
+    recipe = tiny_recipe(
+        model,
+        corpus,
+        root / "unused",
+        train={"trainable": "lora", "steps": 4, "lr": 1e-2},
+        lora={"r": 4},
+        eval={"every": 2, "max_sequences": 4},
+    )
     return {"root": root, "model": model, "corpus": corpus, "recipe": write_recipe(root / "ab.yaml", recipe)}
 
 
@@ -38,8 +44,20 @@ def test_ab_end_to_end_writes_paired_deltas_over_seeds(setup, tmp_path, monkeypa
     out = tmp_path / "ab"
     screen = Console(width=80, file=io.StringIO(), record=True, color_system=None)
     monkeypatch.setattr(cli, "console", screen)
-    result = runner.invoke(app, ["ab", str(setup["recipe"]), "train.warmup_steps=0", "--seeds", "2", "-o", str(out),
-                                 "--sweep", "train.attnres_lr=1e-3 model.num_blocks=null model.full=true"])
+    result = runner.invoke(
+        app,
+        [
+            "ab",
+            str(setup["recipe"]),
+            "train.warmup_steps=0",
+            "--seeds",
+            "2",
+            "-o",
+            str(out),
+            "--sweep",
+            "train.attnres_lr=1e-3 model.num_blocks=null model.full=true",
+        ],
+    )
     assert result.exit_code == 0, result.output
     shown = screen.export_text()  # the final report at 80 columns: whole, the sweep arm's overrides included
     assert all(len(line) <= 80 for line in shown.splitlines()) and "…" not in shown, shown
@@ -48,8 +66,16 @@ def test_ab_end_to_end_writes_paired_deltas_over_seeds(setup, tmp_path, monkeypa
     report = json.loads((out / "ab.json").read_text())
     assert report["seeds"] == [0, 1] and report["steps"] == 4 and report["overrides"] == ["train.warmup_steps=0"]
     arms = report["arms"]
-    assert [a["name"] for a in arms] == ["baseline", "attnres", "attnres train.attnres_lr=1e-3 model.num_blocks=null model.full=true"]
-    assert [a["overrides"] for a in arms] == [["model.convert=false"], [], ["train.attnres_lr=1e-3", "model.num_blocks=null", "model.full=true"]]
+    assert [a["name"] for a in arms] == [
+        "baseline",
+        "attnres",
+        "attnres train.attnres_lr=1e-3 model.num_blocks=null model.full=true",
+    ]
+    assert [a["overrides"] for a in arms] == [
+        ["model.convert=false"],
+        [],
+        ["train.attnres_lr=1e-3", "model.num_blocks=null", "model.full=true"],
+    ]
     for arm in arms:
         assert [step for step, _ in arm["eval"]] == [0, 2, 4]
         assert arm["tokens_per_s"] > 0 and arm["tokens"] == 4 * 4 * 32
@@ -80,8 +106,16 @@ def test_ab_end_to_end_writes_paired_deltas_over_seeds(setup, tmp_path, monkeypa
     stamps = {p: p.stat().st_mtime_ns for p in (tmp_path / "ab-runs").rglob("metrics.jsonl")}
     assert len(stamps) == 6
     # --throughput: every arm's training steps also timed interleaved in one process.
-    again = run_ab(setup["recipe"], ["train.warmup_steps=0"], seeds=2, output=out, reuse=True, overwrite=True,
-                   sweep=[["train.attnres_lr=1e-3", "model.num_blocks=null", "model.full=true"]], throughput=1)
+    again = run_ab(
+        setup["recipe"],
+        ["train.warmup_steps=0"],
+        seeds=2,
+        output=out,
+        reuse=True,
+        overwrite=True,
+        sweep=[["train.attnres_lr=1e-3", "model.num_blocks=null", "model.full=true"]],
+        throughput=1,
+    )
     assert {p: p.stat().st_mtime_ns for p in stamps} == stamps
     speeds = [arm.pop("tokens_per_s_interleaved") for arm in again.report["arms"]]
     assert json.loads(json.dumps(again.report["arms"])) == arms
@@ -105,8 +139,12 @@ def _first_step_gradients(setup, out, convert: bool = True, **train) -> tuple[di
     """The gradients the optimizer applies at step 1 (after clipping), by parameter name, and the step's stats."""
     from attnres_convert.finetune.stopping import GracefulStop
 
-    sections = dict(model={"convert": convert}, train={"trainable": "lora", "steps": 2, "warmup_steps": 0, **train},
-                    lora={"r": 4}, eval={"at_start": False})
+    sections = dict(
+        model={"convert": convert},
+        train={"trainable": "lora", "steps": 2, "warmup_steps": 0, **train},
+        lora={"r": 4},
+        eval={"at_start": False},
+    )
     run = FinetuneRecipe(parse_recipe(tiny_recipe(setup["model"], setup["corpus"], out, **sections)))
     run.setup()
     seen: dict[str, torch.Tensor] = {}
@@ -151,8 +189,11 @@ def _lora_train_records(setup, out, **train) -> list[dict]:
     """The train records of a short LoRA run of the tiny model (no evaluation), with `train` overrides."""
     from attnres_convert.finetune.training import finetune
 
-    sections = dict(train={"trainable": "lora", "lr": 3e-2, "warmup_steps": 0, **train}, lora={"r": 4},
-                    eval={"every": 0, "max_sequences": 4})
+    sections = dict(
+        train={"trainable": "lora", "lr": 3e-2, "warmup_steps": 0, **train},
+        lora={"r": 4},
+        eval={"every": 0, "max_sequences": 4},
+    )
     result = finetune(parse_recipe(tiny_recipe(setup["model"], setup["corpus"], out, **sections)))
     return [r for r in result.records if r["kind"] == "train"]
 
@@ -160,6 +201,7 @@ def _lora_train_records(setup, out, **train) -> list[dict]:
 def test_kl_term_to_the_starting_model(setup, tmp_path):
     """train.kl_weight: KL(original || model) joins the loss. At step 1 the converted model is the original
     (KL 0 up to float rounding); afterwards the KL is recorded and the term changes the run."""
+
     def records(out, **train):
         return _lora_train_records(setup, out, steps=3, **train)
 
@@ -175,8 +217,16 @@ def test_kl_term_to_the_starting_model(setup, tmp_path):
 def test_a_failing_arm_is_named_and_the_finished_ones_are_kept(setup, tmp_path):
     from attnres_convert.finetune.training import NonFiniteLossError
 
-    broken = ["train.trainable=full", "train.lr=1e6", "train.attnres_lr=1e6", "train.max_grad_norm=null", "train.steps=10"]
-    with pytest.raises(NonFiniteLossError, match=r"arm 'attnres train\.trainable=full .*', seed 0: training stopped at step \d+"):
+    broken = [
+        "train.trainable=full",
+        "train.lr=1e6",
+        "train.attnres_lr=1e6",
+        "train.max_grad_norm=null",
+        "train.steps=10",
+    ]
+    with pytest.raises(
+        NonFiniteLossError, match=r"arm 'attnres train\.trainable=full .*', seed 0: training stopped at step \d+"
+    ):
         run_ab(setup["recipe"], ["train.warmup_steps=0"], sweep=[broken], plain=False, output=tmp_path / "ab")
     assert not (tmp_path / "ab").exists()
     assert (tmp_path / "ab-runs" / "baseline" / "seed-0" / "final_metrics.json").is_file()
@@ -186,6 +236,7 @@ def test_depth_gate_ramps_the_mix_in(setup, tmp_path):
     """train.depth_gate_steps: at step 1 the gate is 0, so every reader reads the plain stream and the AttnRes
     parameters get no gradient at all; it rises to 1 and the run differs from one without it. The gate is a
     training schedule: a length that would end the run with a partial gate is refused."""
+
     def records(out, **train):
         return _lora_train_records(setup, out, steps=4, **train)
 
@@ -224,7 +275,9 @@ def test_an_arm_run_again_replaces_its_earlier_folder_only_once_finished(setup, 
         run_ab(setup["recipe"], ["train.steps=3"], output=out, overwrite=True)
     assert (arm / "marker.txt").is_file() and (arm / "final_metrics.json").read_text() == earlier
     [(live, (step, loss, done))] = seen
-    assert live.parent == arm.parent and live.name.startswith(".seed-0.partial-")  # the run in progress, not the earlier one
+    assert live.parent == arm.parent and live.name.startswith(
+        ".seed-0.partial-"
+    )  # the run in progress, not the earlier one
     assert step == 1 and loss is not None and not done
     assert not [p for p in arm.parent.iterdir() if p.name.startswith(".")]
 

@@ -10,16 +10,23 @@ import time
 
 import pytest
 import yaml
+from finetune_helpers import tiny_model_folder, tiny_recipe, write_corpus, write_recipe
+from tiny_models import CONFIGS
 from typer.testing import CliRunner
 
 from attnres_convert.cli import app
 from attnres_convert.finetune.ab import arm_recipe, compute_equivalent, folder_name, paired
 from attnres_convert.finetune.metrics import read_metrics
 from attnres_convert.finetune.retrofit import (
-    ARMS, ATTNRES, BASELINE, continued_is_current, difference_se, plan_study, run_retrofit, savings_claim,
+    ARMS,
+    ATTNRES,
+    BASELINE,
+    continued_is_current,
+    difference_se,
+    plan_study,
+    run_retrofit,
+    savings_claim,
 )
-from finetune_helpers import tiny_model_folder, tiny_recipe, write_corpus, write_recipe
-from tiny_models import CONFIGS
 
 runner = CliRunner()
 SCRATCH = {"from_scratch": True, "tokenizer": "bytes", "layers": 4, "hidden": 32, "heads": 4, "kv_heads": 2}
@@ -33,10 +40,15 @@ def setup(tmp_path_factory):
     config.mkdir()
     CONFIGS["llama"]().save_pretrained(config)  # training from scratch reads the config alone
     corpus = write_corpus(root / "corpus")
-    recipe = tiny_recipe(config, corpus, root / "unused", model=SCRATCH,
-                         train={"trainable": "full", "steps": STEPS, "lr": 3e-3, "warmup_steps": 1},
-                         retrofit={"steps": CONTINUED, "lr": 2e-3, "warmup_steps": 0},
-                         eval={"every": 2, "max_sequences": 4})
+    recipe = tiny_recipe(
+        config,
+        corpus,
+        root / "unused",
+        model=SCRATCH,
+        train={"trainable": "full", "steps": STEPS, "lr": 3e-3, "warmup_steps": 1},
+        retrofit={"steps": CONTINUED, "lr": 2e-3, "warmup_steps": 0},
+        eval={"every": 2, "max_sequences": 4},
+    )
     return {"root": root, "corpus": corpus, "recipe": write_recipe(root / "retrofit.yaml", recipe)}
 
 
@@ -55,9 +67,18 @@ def _train(folder) -> dict[int, float]:
 @pytest.mark.slow  # 2 seeds x (pretraining + AttnRes from scratch + 2 N x 2 continued arms): twelve short trainings
 def test_retrofit_study_end_to_end(setup, tmp_path):
     out, work = tmp_path / "study", tmp_path / "study-runs"
-    result = runner.invoke(app, ["ab", str(setup["recipe"]), "--retrofit-after", "4,2", "--from-scratch", "--seeds", "2", "-o", str(out)])
+    result = runner.invoke(
+        app, ["ab", str(setup["recipe"]), "--retrofit-after", "4,2", "--from-scratch", "--seeds", "2", "-o", str(out)]
+    )
     assert result.exit_code == 0, result.output
-    assert sorted(p.name for p in out.iterdir()) == ["after-2", "after-4", "from-scratch", "retrofit.json", "retrofit.md", "retrofit.png"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "after-2",
+        "after-4",
+        "from-scratch",
+        "retrofit.json",
+        "retrofit.md",
+        "retrofit.png",
+    ]
     for sub in ("after-2", "after-4", "from-scratch"):
         assert sorted(p.name for p in (out / sub).iterdir()) == ["ab.json", "ab.md", "ab.png"]
     report = json.loads((out / "retrofit.json").read_text())
@@ -68,7 +89,11 @@ def test_retrofit_study_end_to_end(setup, tmp_path):
     scratch = work / "scratch"
     pretraining = {seed: scratch / folder_name(BASELINE, seed) for seed in (0, 1)}
     assert sorted(p.parent.name + "/" + p.name for p in scratch.glob("*/seed-*")) == [
-        "attnres/seed-0", "attnres/seed-1", "baseline/seed-0", "baseline/seed-1"]
+        "attnres/seed-0",
+        "attnres/seed-1",
+        "baseline/seed-0",
+        "baseline/seed-1",
+    ]
     for seed, folder in pretraining.items():
         assert sorted(_train(folder)) == list(range(1, STEPS + 1))
         assert sorted(p.name for p in (folder / "snapshots").iterdir()) == ["step-2", "step-4"]
@@ -76,12 +101,20 @@ def test_retrofit_study_end_to_end(setup, tmp_path):
     per_step = 2 * 2 * 32  # micro_batch x grad_accum x seq_len
     for point in report["after"]:
         n = point["after"]
-        runs = {(arm.name, seed): work / f"after-{n}" / folder_name(arm, seed) for arm in (BASELINE, ATTNRES) for seed in (0, 1)}
+        runs = {
+            (arm.name, seed): work / f"after-{n}" / folder_name(arm, seed)
+            for arm in (BASELINE, ATTNRES)
+            for seed in (0, 1)
+        }
         for (arm, seed), folder in runs.items():
             # Every continued arm starts from that seed's save after N steps, on the training text after step N.
             saved = yaml.safe_load((folder / "recipe.yaml").read_text())
             assert saved["model"]["source"] == str(pretraining[seed] / "snapshots" / f"step-{n}")
-            assert saved["data"]["start_step"] == n and saved["train"]["steps"] == CONTINUED and saved["train"]["lr"] == 2e-3
+            assert (
+                saved["data"]["start_step"] == n
+                and saved["train"]["steps"] == CONTINUED
+                and saved["train"]["lr"] == 2e-3
+            )
             # The save is the pretrained model at step N: the same held-out loss (the AttnRes arm: converted, exact)...
             assert _evals(folder)[0]["loss"] == pytest.approx(_evals(pretraining[seed])[n]["loss"], abs=1e-5)
             # ...and the continued baseline's first batch is the pretraining's batch N + 1, met by the same model.
@@ -93,49 +126,91 @@ def test_retrofit_study_end_to_end(setup, tmp_path):
         assert point["lead_final"]["per_seed"] == pytest.approx(leads)
         assert point["lead_final"]["mean"] == pytest.approx(sum(leads) / 2)
         for step, lead in point["lead_curve"]:
-            expected = [_evals(runs["baseline", s])[step]["loss"] - _evals(runs["attnres", s])[step]["loss"] for s in (0, 1)]
+            expected = [
+                _evals(runs["baseline", s])[step]["loss"] - _evals(runs["attnres", s])[step]["loss"] for s in (0, 1)
+            ]
             assert lead["per_seed"] == pytest.approx(expected)
         assert [step for step, _ in point["lead_curve"]] == [0, 2]
         assert point["lead_curve"][0][1]["mean"] == pytest.approx(0, abs=1e-5)  # converted exactly at the save
-        ses = [(_evals(runs["baseline", s])[CONTINUED]["loss_se"], _evals(runs["attnres", s])[CONTINUED]["loss_se"]) for s in (0, 1)]
+        ses = [
+            (_evals(runs["baseline", s])[CONTINUED]["loss_se"], _evals(runs["attnres", s])[CONTINUED]["loss_se"])
+            for s in (0, 1)
+        ]
         assert all(a > 0 and b > 0 for a, b in ses)
         assert point["eval_se"] == pytest.approx(difference_se(ses))
         assert point["verdict"] == savings_claim(paired(leads), point["eval_se"])
         # The token equivalent both ways, from the mean continued curves.
-        mean = {arm: [(step, sum(_evals(runs[arm, s])[step]["loss"] for s in (0, 1)) / 2) for step in (0, 2)] for arm in ("baseline", "attnres")}
-        figure = compute_equivalent(mean["baseline"], mean["attnres"][-1][1], CONTINUED * per_step, CONTINUED, mean["attnres"])
+        mean = {
+            arm: [(step, sum(_evals(runs[arm, s])[step]["loss"] for s in (0, 1)) / 2) for step in (0, 2)]
+            for arm in ("baseline", "attnres")
+        }
+        figure = compute_equivalent(
+            mean["baseline"], mean["attnres"][-1][1], CONTINUED * per_step, CONTINUED, mean["attnres"]
+        )
         for key in ("ratio", "baseline_tokens", "ratio_at_baseline_final", "arm_tokens_to_baseline_final"):
-            assert point["token_equivalent"][key] == (pytest.approx(figure[key]) if figure[key] is not None else None), key
+            assert point["token_equivalent"][key] == (
+                pytest.approx(figure[key]) if figure[key] is not None else None
+            ), key
         # The from-scratch lead at the same tokens: step N + continued of the from-scratch runs.
         at = n + CONTINUED
-        scratch_leads = [_evals(pretraining[s])[at]["loss"] - _evals(scratch / folder_name(ATTNRES, s))[at]["loss"] for s in (0, 1)]
+        scratch_leads = [
+            _evals(pretraining[s])[at]["loss"] - _evals(scratch / folder_name(ATTNRES, s))[at]["loss"] for s in (0, 1)
+        ]
         assert point["scratch"]["step"] == at and point["scratch"]["tokens"] == at * per_step
         assert point["scratch"]["lead"]["per_seed"] == pytest.approx(scratch_leads)
 
     table = (out / "retrofit.md").read_text()
     first = report["after"][0]
-    assert f"| 2 | {first['baseline_at_start']:.4f} | {first['lead_final']['mean']:+.4f} ± {first['lead_final']['std']:.4f}" in table
+    assert (
+        f"| 2 | {first['baseline_at_start']:.4f} | {first['lead_final']['mean']:+.4f} ± {first['lead_final']['std']:.4f}"
+        in table
+    )
     assert f"{first['scratch']['lead']['mean']:+.4f}" in table and "(step 4)" in table
     assert (out / "retrofit.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     # Again with --reuse: every run is read back (none trains), the same report.
     stamps = {p: p.stat().st_mtime_ns for p in work.rglob("metrics.jsonl")}
     assert len(stamps) == 12
-    again = run_retrofit(setup["recipe"], after=[2, 4], seeds=2, from_scratch=True, output=out, reuse=True, overwrite=True,
-                         command=report["command"])
+    again = run_retrofit(
+        setup["recipe"],
+        after=[2, 4],
+        seeds=2,
+        from_scratch=True,
+        output=out,
+        reuse=True,
+        overwrite=True,
+        command=report["command"],
+    )
     assert {p: p.stat().st_mtime_ns for p in stamps} == stamps
     assert json.loads(json.dumps(again.report))["after"] == report["after"]
     # A save written again (the pretraining ran again) makes the runs continued from it stale, and only those.
     study = plan_study(setup["recipe"], ["model.from_scratch=true"], [2, 4], 2, True, work)
-    current = {(n, arm.name, seed): continued_is_current(
-        arm_recipe(study.data, study.continued_overrides(seed, n), arm, seed, study.after_work(n)), study.snapshot(seed, n))
-        for n in (2, 4) for arm in (BASELINE, ATTNRES) for seed in (0, 1)}
+    current = {
+        (n, arm.name, seed): continued_is_current(
+            arm_recipe(study.data, study.continued_overrides(seed, n), arm, seed, study.after_work(n)),
+            study.snapshot(seed, n),
+        )
+        for n in (2, 4)
+        for arm in (BASELINE, ATTNRES)
+        for seed in (0, 1)
+    }
     assert all(current.values())
     saved = study.snapshot(1, 4) / "config.json"
     os.utime(saved, ns=(saved.stat().st_atime_ns, time.time_ns() + 10**9))
-    stale = [key for key in current if not continued_is_current(
-        arm_recipe(study.data, study.continued_overrides(key[2], key[0]), ARMS[key[1] == "attnres"], key[2], study.after_work(key[0])),
-        study.snapshot(key[2], key[0]))]
+    stale = [
+        key
+        for key in current
+        if not continued_is_current(
+            arm_recipe(
+                study.data,
+                study.continued_overrides(key[2], key[0]),
+                ARMS[key[1] == "attnres"],
+                key[2],
+                study.after_work(key[0]),
+            ),
+            study.snapshot(key[2], key[0]),
+        )
+    ]
     assert stale == [(4, "baseline", 1), (4, "attnres", 1)]
     # The pretraining runs' recipe leaves the retrofit section out: changing it retrains no pretraining.
     assert yaml.safe_load((pretraining[0] / "recipe.yaml").read_text())["retrofit"]["steps"] is None
@@ -146,32 +221,53 @@ def test_savings_claim_follows_the_noise_rule():
     spread = savings_claim(paired([0.01, 0.03, -0.01]), 0.001)
     assert not spread["claim"] and spread["why"].startswith("|Δ| 0.0100 <= the seeds' spread 0.02")
     assert savings_claim(paired([0.010, 0.011, 0.012]), 0.02) == {
-        "claim": False, "why": "|Δ| 0.0110 <= the evaluation's standard error 0.0200"}
+        "claim": False,
+        "why": "|Δ| 0.0110 <= the evaluation's standard error 0.0200",
+    }
     assert savings_claim(paired([0.010, 0.011, 0.012]), 0.002) == {"claim": True, "why": "AttnRes ahead"}
     assert savings_claim(paired([-0.010, -0.011, -0.012]), None) == {"claim": True, "why": "AttnRes behind"}
     # Two independent errors of 0.03 and 0.04 at each of two seeds: sqrt(2 x 0.05^2) / 2.
-    assert difference_se([(0.03, 0.04), (0.03, 0.04)]) == pytest.approx(0.05 / 2 ** 0.5)
+    assert difference_se([(0.03, 0.04), (0.03, 0.04)]) == pytest.approx(0.05 / 2**0.5)
     assert difference_se([(0.03, None)]) is None
 
 
 @pytest.mark.parametrize(
     "arguments, message",
     [
-        (["--retrofit-after", "2,7"], "--retrofit-after: 7 pretraining steps is past the recipe's schedule (train.steps = 6); set train.steps=7"),
+        (
+            ["--retrofit-after", "2,7"],
+            "--retrofit-after: 7 pretraining steps is past the recipe's schedule (train.steps = 6); set train.steps=7",
+        ),
         (["--retrofit-after", "2,x"], "--retrofit-after: 'x' is not a positive whole number of pretraining steps"),
-        (["--retrofit-after", "5", "--from-scratch"], "train.steps: the from-scratch arms give the same-token lead at N + retrofit.steps = 7 "
-                                                      "steps, past train.steps = 6; set train.steps=7"),
-        (["--retrofit-after", "2,3", "--from-scratch"], "eval.every: the from-scratch arms are compared with the retrofit at steps 5 "
-                                                        "(N + retrofit.steps), which eval.every = 2 does not evaluate"),
-        (["--retrofit-after", "2", "train.trainable=lora"], "model.from_scratch: these fields belong to a retrofit of a pretrained model, "
-                                                            "not to training from scratch: train.trainable (lora;"),
+        (
+            ["--retrofit-after", "5", "--from-scratch"],
+            "train.steps: the from-scratch arms give the same-token lead at N + retrofit.steps = 7 "
+            "steps, past train.steps = 6; set train.steps=7",
+        ),
+        (
+            ["--retrofit-after", "2,3", "--from-scratch"],
+            "eval.every: the from-scratch arms are compared with the retrofit at steps 5 "
+            "(N + retrofit.steps), which eval.every = 2 does not evaluate",
+        ),
+        (
+            ["--retrofit-after", "2", "train.trainable=lora"],
+            "model.from_scratch: these fields belong to a retrofit of a pretrained model, "
+            "not to training from scratch: train.trainable (lora;",
+        ),
         (["--retrofit-after", "2", "retrofit.steps=null"], "retrofit.steps: required by --retrofit-after"),
-        (["--retrofit-after", "2", "data.train.files=null", "data.train.dataset=some/dataset"],
-         "data.max_tokens: --retrofit-after on a dataset needs data.max_tokens set"),
-        (["--retrofit-after", "2", "retrofit.warmup_steps=2"], "retrofit: warmup_steps (2) must be smaller than steps (2)"),
-        (["--retrofit-after", "2", "retrofit.warmup_steps=null", "train.warmup_steps=3"],
-         "retrofit: the continued phase after 2 steps (the recipe's train fields, retrofit's in their place): arm 'baseline': "
-         "train: warmup_steps (3) must be smaller than steps (2)"),
+        (
+            ["--retrofit-after", "2", "data.train.files=null", "data.train.dataset=some/dataset"],
+            "data.max_tokens: --retrofit-after on a dataset needs data.max_tokens set",
+        ),
+        (
+            ["--retrofit-after", "2", "retrofit.warmup_steps=2"],
+            "retrofit: warmup_steps (2) must be smaller than steps (2)",
+        ),
+        (
+            ["--retrofit-after", "2", "retrofit.warmup_steps=null", "train.warmup_steps=3"],
+            "retrofit: the continued phase after 2 steps (the recipe's train fields, retrofit's in their place): arm 'baseline': "
+            "train: warmup_steps (3) must be smaller than steps (2)",
+        ),
         (["--retrofit-after", "2", "--sweep", "model.full=true"], "--sweep: not available with --retrofit-after"),
     ],
 )
@@ -185,13 +281,17 @@ def test_bad_input_is_refused_before_anything_trains(setup, tmp_path, arguments,
 
 def test_a_pretrained_source_is_refused(setup, tmp_path):
     model = tiny_model_folder(tmp_path / "tiny-llama")
-    recipe = write_recipe(tmp_path / "pretrained.yaml", tiny_recipe(model, setup["corpus"], tmp_path / "unused",
-                                                                    train={"trainable": "full"}, retrofit={"steps": 2}))
+    recipe = write_recipe(
+        tmp_path / "pretrained.yaml",
+        tiny_recipe(model, setup["corpus"], tmp_path / "unused", train={"trainable": "full"}, retrofit={"steps": 2}),
+    )
     out = tmp_path / "study"
     result = runner.invoke(app, ["ab", str(recipe), "--retrofit-after", "2", "-o", str(out)])
     assert result.exit_code == 2, result.output
-    assert f"--retrofit-after: the study pretrains its baseline from scratch, but model.from_scratch is false (model.source is {model}" \
+    assert (
+        f"--retrofit-after: the study pretrains its baseline from scratch, but model.from_scratch is false (model.source is {model}"
         in " ".join(result.output.split())
+    )
     assert not out.exists() and not (tmp_path / "study-runs").exists()
 
 
@@ -204,10 +304,10 @@ def test_the_held_out_standard_error_is_over_sequences():
     import numpy as np
     import torch
     import torch.nn.functional as F
+    from tiny_models import tiny_model
 
     from attnres_convert.finetune.evaluation import heldout_loss_across_processes
     from attnres_convert.io.text import Sequences
-    from tiny_models import tiny_model
 
     model = tiny_model("llama").eval()
     rng = np.random.default_rng(0)

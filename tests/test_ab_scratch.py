@@ -11,14 +11,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from finetune_helpers import tiny_recipe, write_corpus, write_recipe
+from tiny_models import CONFIGS
 from typer.testing import CliRunner
 
 from attnres_convert.cli import app
 from attnres_convert.finetune.ab import compute_equivalent, compute_equivalent_lines, run_ab, tokens_to_reach
 from attnres_convert.finetune.recipe import RecipeError, parse_recipe
 from attnres_convert.finetune.starting_model import load_starting_model
-from finetune_helpers import tiny_recipe, write_corpus, write_recipe
-from tiny_models import CONFIGS
 
 runner = CliRunner()
 SCRATCH = {"from_scratch": True, "tokenizer": "bytes", "layers": 4, "hidden": 32, "heads": 4, "kv_heads": 2}
@@ -35,9 +35,21 @@ def _config_folder(folder, config):
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("scratch")
     model, corpus = _config_folder(root / "llama-config", CONFIGS["llama"]()), write_corpus(root / "corpus")
-    recipe = tiny_recipe(model, corpus, root / "unused", model=SCRATCH, train={"trainable": "full", "steps": 3, "lr": 3e-3},
-                         eval={"every": 0, "max_sequences": 4})
-    return {"root": root, "model": model, "corpus": corpus, "data": recipe, "recipe": write_recipe(root / "scratch.yaml", recipe)}
+    recipe = tiny_recipe(
+        model,
+        corpus,
+        root / "unused",
+        model=SCRATCH,
+        train={"trainable": "full", "steps": 3, "lr": 3e-3},
+        eval={"every": 0, "max_sequences": 4},
+    )
+    return {
+        "root": root,
+        "model": model,
+        "corpus": corpus,
+        "data": recipe,
+        "recipe": write_recipe(root / "scratch.yaml", recipe),
+    }
 
 
 def _recipe(setup, **model):
@@ -57,7 +69,12 @@ def test_both_arms_start_from_the_same_initialisation_with_equal_logits(setup):
         assert torch.equal(tensor, base[name]), name
     # The resized config and the byte tokenizer: 4 layers of 32, 259 ids.
     config = baseline.model.config
-    assert (config.num_hidden_layers, config.hidden_size, config.num_attention_heads, config.vocab_size) == (4, 32, 4, 259)
+    assert (config.num_hidden_layers, config.hidden_size, config.num_attention_heads, config.vocab_size) == (
+        4,
+        32,
+        4,
+        259,
+    )
     ids = torch.tensor([list(b"To be, or not to be, that is the question")]) + 3
     with torch.no_grad():
         plain, attnres = baseline.model.eval()(ids).logits, converted.model.eval()(ids).logits
@@ -77,23 +94,46 @@ def test_tokens_to_reach_a_loss_on_a_known_curve():
     assert tokens_to_reach([(0, 4.0), (10, 2.0), (20, 3.0), (30, 1.0)], 2.5, 1) == pytest.approx(7.5)
     # The AttnRes arm ends at 2.5 after 200 steps of 1,000 tokens: the baseline gets there after 150,000 tokens.
     assert compute_equivalent(curve, 2.5, 200_000, 200) == {
-        "target_loss": 2.5, "arm_tokens": 200_000, "baseline_tokens": pytest.approx(150_000), "ratio": pytest.approx(0.75)}
+        "target_loss": 2.5,
+        "arm_tokens": 200_000,
+        "baseline_tokens": pytest.approx(150_000),
+        "ratio": pytest.approx(0.75),
+    }
     # An arm at 1.6 after 200 steps: the baseline needs 280 steps, 1.4x the tokens.
     assert compute_equivalent(curve, 1.6, 200_000, 200)["ratio"] == pytest.approx(1.4)
     # An arm that ends at 1.0, below anything the baseline reaches, and passes the baseline's final 1.5 at step 200:
     # the baseline needs more than the 300 steps it had, at least 1.5x the tokens.
     never = compute_equivalent(curve, 1.0, 300_000, 300, arm_curve=[(0, 5.0), (100, 2.0), (200, 1.5), (300, 1.0)])
     assert never["ratio"] is None and never["baseline_tokens"] is None
-    assert never["arm_tokens_to_baseline_final"] == pytest.approx(200_000) and never["ratio_at_baseline_final"] == pytest.approx(1.5)
+    assert never["arm_tokens_to_baseline_final"] == pytest.approx(200_000) and never[
+        "ratio_at_baseline_final"
+    ] == pytest.approx(1.5)
     figure = {**never, "per_seed": [None, 1.25], "per_seed_at_baseline_final": [1.5, 1.4]}
-    lines = "\n".join(compute_equivalent_lines([{"name": "baseline"}, {"name": "attnres", "compute_equivalent": figure}]))
-    assert "| attnres | 1.0000 | not reached (> 300,000 tokens) | not reached, 1.25x | 200,000 tokens: 1.50x | 1.50x, 1.40x |" in lines
+    lines = "\n".join(
+        compute_equivalent_lines([{"name": "baseline"}, {"name": "attnres", "compute_equivalent": figure}])
+    )
+    assert (
+        "| attnres | 1.0000 | not reached (> 300,000 tokens) | not reached, 1.25x | 200,000 tokens: 1.50x | 1.50x, 1.40x |"
+        in lines
+    )
 
 
 @pytest.mark.slow  # six short trainings
 def test_ab_from_scratch_end_to_end(setup, tmp_path):
     out = tmp_path / "ab"
-    result = runner.invoke(app, ["ab", str(setup["recipe"]), "--seeds", "2", "-o", str(out), "--sweep", "model.num_blocks=null model.full=true"])
+    result = runner.invoke(
+        app,
+        [
+            "ab",
+            str(setup["recipe"]),
+            "--seeds",
+            "2",
+            "-o",
+            str(out),
+            "--sweep",
+            "model.num_blocks=null model.full=true",
+        ],
+    )
     assert result.exit_code == 0, result.output
     report = json.loads((out / "ab.json").read_text())
     assert report["from_scratch"] is True and report["seeds"] == [0, 1]
@@ -123,12 +163,21 @@ def test_ab_from_scratch_end_to_end(setup, tmp_path):
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (["model.from_scratch=false"], "model.layers, model.hidden, model.heads, model.kv_heads, model.tokenizer resize a model trained from scratch"),
+        (
+            ["model.from_scratch=false"],
+            "model.layers, model.hidden, model.heads, model.kv_heads, model.tokenizer resize a model trained from scratch",
+        ),
         (["model.hidden=30"], "hidden (30) must be a multiple of heads (4)"),
         (["model.kv_heads=3"], "heads (4) must be a multiple of kv_heads (3)"),
-        (["train.trainable=lora"], "belong to a retrofit of a pretrained model, not to training from scratch: train.trainable (lora; "
-                                   "a random model trains every weight: use full)"),
-        (["train.kl_weight=0.1", "train.depth_gate_steps=1"], "scratch: train.kl_weight (a KL term to a random model); train.depth_gate_steps"),
+        (
+            ["train.trainable=lora"],
+            "belong to a retrofit of a pretrained model, not to training from scratch: train.trainable (lora; "
+            "a random model trains every weight: use full)",
+        ),
+        (
+            ["train.kl_weight=0.1", "train.depth_gate_steps=1"],
+            "scratch: train.kl_weight (a KL term to a random model); train.depth_gate_steps",
+        ),
     ],
 )
 def test_bad_recipes_are_refused_before_training(setup, tmp_path, overrides, message):
@@ -143,8 +192,10 @@ def test_sizes_that_make_no_model_and_a_config_that_is_not_prenorm(setup, tmp_pa
         run_ab(setup["recipe"], ["model.hidden=null", "model.heads=5", "model.kv_heads=1"], output=tmp_path / "ab")
     import transformers as T
 
-    olmo2 = _config_folder(tmp_path / "olmo2", T.Olmo2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                                               num_attention_heads=4, vocab_size=128))
+    olmo2 = _config_folder(
+        tmp_path / "olmo2",
+        T.Olmo2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=128),
+    )
     with pytest.raises(RecipeError, match="arm 'attnres': model.source: the olmo2 config .* is not a PreNorm model"):
         run_ab(setup["recipe"], [f"model.source={olmo2}"], output=tmp_path / "ab")
     # Refused before the baseline trained: no run folder was written.
@@ -152,16 +203,33 @@ def test_sizes_that_make_no_model_and_a_config_that_is_not_prenorm(setup, tmp_pa
 
 
 def _arm(name, overrides, loss, deltas=None, stderr=0.01, ratio=1.5):
-    entry = {"name": name, "overrides": overrides, "eval": [(0, 5.0), (30, loss)], "eval_loss_final": loss,
-             "eval_stderr_final": stderr, "tokens": 30_544, "runs": []}
+    entry = {
+        "name": name,
+        "overrides": overrides,
+        "eval": [(0, 5.0), (30, loss)],
+        "eval_loss_final": loss,
+        "eval_stderr_final": stderr,
+        "tokens": 30_544,
+        "runs": [],
+    }
     if deltas is not None:
-        entry["delta_final"] = {"mean": sum(deltas) / len(deltas), "per_seed": deltas,
-                                "std": statistics.stdev(deltas) if len(deltas) > 1 else 0.0,
-                                "min": min(deltas), "max": max(deltas)}
-        entry["compute_equivalent"] = {"target_loss": loss, "arm_tokens": 30_544, "baseline_tokens": ratio * 30_544,
-                                       "ratio": ratio, "arm_tokens_to_baseline_final": 20_000,
-                                       "ratio_at_baseline_final": 1.53, "per_seed": [ratio] * len(deltas),
-                                       "per_seed_at_baseline_final": [1.53] * len(deltas)}
+        entry["delta_final"] = {
+            "mean": sum(deltas) / len(deltas),
+            "per_seed": deltas,
+            "std": statistics.stdev(deltas) if len(deltas) > 1 else 0.0,
+            "min": min(deltas),
+            "max": max(deltas),
+        }
+        entry["compute_equivalent"] = {
+            "target_loss": loss,
+            "arm_tokens": 30_544,
+            "baseline_tokens": ratio * 30_544,
+            "ratio": ratio,
+            "arm_tokens_to_baseline_final": 20_000,
+            "ratio_at_baseline_final": 1.53,
+            "per_seed": [ratio] * len(deltas),
+            "per_seed_at_baseline_final": [1.53] * len(deltas),
+        }
     return entry
 
 
@@ -170,17 +238,22 @@ def test_a_difference_within_the_noise_claims_no_savings():
 
     base = _arm("baseline", ["model.convert=false"], 3.0)
     assert within_noise(_arm("attnres", [], 2.9998, [-0.0002]), base) == (
-        "one seed; |Δ| 0.0002 <= the evaluation's standard error 0.0141")
+        "one seed; |Δ| 0.0002 <= the evaluation's standard error 0.0141"
+    )
     assert within_noise(_arm("attnres", [], 2.9, [-0.3]), base) == "one seed"  # a clear difference, but one seed
     assert "the seeds' spread" in within_noise(_arm("attnres", [], 2.99, [-0.05, 0.03, -0.01]), base)
     assert within_noise(_arm("attnres", [], 2.99, [-0.012, -0.011]), base) == (
-        "|Δ| 0.0115 <= the evaluation's standard error 0.0141")
+        "|Δ| 0.0115 <= the evaluation's standard error 0.0141"
+    )
     assert within_noise(_arm("attnres", [], 2.8, [-0.21, -0.19, -0.2]), base) is None  # clear: a figure stands
     # ab.md gives no figure for a difference within the noise.
     noisy = _arm("attnres", [], 2.9998, [-0.0002])
     noisy["compute_equivalent"]["noise"] = within_noise(noisy, base)
     lines = "\n".join(compute_equivalent_lines([base, noisy]))
-    assert "| attnres | 2.9998 | within the noise (one seed; |Δ| 0.0002 <= the evaluation's standard error 0.0141): no savings claim |" in lines
+    assert (
+        "| attnres | 2.9998 | within the noise (one seed; |Δ| 0.0002 <= the evaluation's standard error 0.0141): no savings claim |"
+        in lines
+    )
     assert "1.50x" not in lines and "1.53x" not in lines
 
 
@@ -193,7 +266,11 @@ def test_the_ab_console_report_is_whole_at_80_columns():
 
     base = _arm("baseline", ["model.convert=false"], 3.0)
     long = ["train.attnres_lr=1e-3", "model.num_blocks=null", "model.full=true", "train.depth_gate_steps=100"]
-    arms = [base, _arm("attnres", [], 2.9998, [-0.0002, 0.0001]), _arm("attnres " + " ".join(long), long, 2.5, [-0.51, -0.49])]
+    arms = [
+        base,
+        _arm("attnres", [], 2.9998, [-0.0002, 0.0001]),
+        _arm("attnres " + " ".join(long), long, 2.5, [-0.51, -0.49]),
+    ]
     for arm in arms[1:]:
         arm["compute_equivalent"]["noise"] = within_noise(arm, base)
     report = {"recipe": "ab-scratch-cpu", "steps": 30, "seeds": [0, 1], "arms": arms, "from_scratch": True}
@@ -205,8 +282,14 @@ def test_the_ab_console_report_is_whole_at_80_columns():
     words = " ".join(text.split())
     assert "sweep 1: " + " ".join(long) in words  # the overrides whole
     assert "baseline: model.convert=false" in words and "attnres: none: the recipe as written" in words
-    for cell in ("random init (step 0)", "3.0000 ± 0.0100", "-0.0001 ± 0.0002", "within the noise", "-0.5000 ± 0.0141",
-                 "1.50x"):
+    for cell in (
+        "random init (step 0)",
+        "3.0000 ± 0.0100",
+        "-0.0001 ± 0.0002",
+        "within the noise",
+        "-0.5000 ± 0.0141",
+        "1.50x",
+    ):
         assert any(cell in line for line in text.splitlines()), f"{cell!r} cut or missing:\n{text}"
     assert "Within the noise, so no savings claimed: attnres: |Δ| 0.0001 <= the seeds' spread 0.0002" in words
     assert "outputs/ab-scratch-cpu/ab.md" in words

@@ -28,7 +28,6 @@ from typing import NamedTuple
 import pytest
 import torch
 import transformers
-
 from test_save_load import BLOCK_IMPORT
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -76,7 +75,8 @@ LOAD = textwrap.dedent(
     print("RESULT " + json.dumps({"transformers": transformers.__version__, "logits": logits.tolist(),
                                   "generated": generated.tolist(), "loss": loss.item(), "query_grad": query_grad,
                                   "resaved_delta": resaved_delta, "warnings": ours}))
-    """ % NEW_TOKENS
+    """
+    % NEW_TOKENS
 )
 
 # Run by another full environment's Python: converts there with this module's `convert_and_expect`.
@@ -94,9 +94,10 @@ CONVERT = textwrap.dedent(
 
 def convert_and_expect(family: str, folder: str) -> dict:
     """Converts a tiny FAMILY model with trained-looking depth attention into FOLDER; what it gives here."""
+    from tiny_models import randomize_queries, tiny_model, token_ids
+
     from attnres_convert import save_converted
     from attnres_convert.conversion.surgery import convert_model
-    from tiny_models import randomize_queries, tiny_model, token_ids
 
     model = randomize_queries(convert_model(tiny_model(family), block_size=3).eval(), 0.1, key_norms=0.1, add=True)
     save_converted(model, Path(folder))
@@ -117,8 +118,14 @@ def convert_and_expect(family: str, folder: str) -> dict:
         else:
             os.environ["ATTNRES_KERNEL"] = before
     query_grad = sum(p.grad.abs().sum().item() for n, p in model.named_parameters() if n.endswith("_res_proj.weight"))
-    return {"transformers": transformers.__version__, "ids": ids.tolist(), "logits": logits.tolist(),
-            "generated": generated.tolist(), "loss": loss.item(), "query_grad": query_grad}
+    return {
+        "transformers": transformers.__version__,
+        "ids": ids.tolist(),
+        "logits": logits.tolist(),
+        "generated": generated.tolist(),
+        "loss": loss.item(),
+        "query_grad": query_grad,
+    }
 
 
 def _this_environment() -> str | None:
@@ -137,7 +144,11 @@ def _python_of(name: str) -> Path:
 def _run(python, code: str, *args: str, cwd: Path) -> dict:
     run = subprocess.run(
         [str(python), "-c", code, *args, str(torch.get_num_threads())],
-        capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL, cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        stdin=subprocess.DEVNULL,
+        cwd=cwd,
     )
     assert run.returncode == 0, run.stderr[-3000:]
     return json.loads(next(line for line in run.stdout.splitlines() if line.startswith("RESULT "))[7:])
@@ -169,7 +180,9 @@ def test_converted_here_loads_there(there, family, tmp_path):
 
 @pytest.mark.slow  # a conversion in another Python, then a model load in this one's
 @pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("there", sorted(name for name, env in ENVIRONMENTS.items() if env.full and name != _this_environment()))
+@pytest.mark.parametrize(
+    "there", sorted(name for name, env in ENVIRONMENTS.items() if env.full and name != _this_environment())
+)
 def test_converted_there_loads_here(there, family, tmp_path):
     python = _python_of(there)
     expected = _run(python, CONVERT, str(Path(__file__).parent), family, str(tmp_path / "converted"), cwd=tmp_path)

@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 import torch
 import transformers as T
-
 from reliability_helpers import (
     assert_user_error,
     copy_model,
@@ -24,7 +23,6 @@ from reliability_helpers import (
     save_config_only,
     truncate,
 )
-
 
 # ---------------------------------------------------------------- the source
 
@@ -100,7 +98,9 @@ def test_truncated_gguf(tmp_path, smollm2_path):
     assert_user_error(result, str(path), "truncated, corrupt", "re-download", out=out)
 
 
-@pytest.mark.parametrize("content", [b"", b"GGUF\x03\x00\x00\x00" + b"\xff" * 40, os.urandom(4096)], ids=["empty", "bad-header", "random"])
+@pytest.mark.parametrize(
+    "content", [b"", b"GGUF\x03\x00\x00\x00" + b"\xff" * 40, os.urandom(4096)], ids=["empty", "bad-header", "random"]
+)
 def test_corrupt_gguf(tmp_path, content):
     path = tmp_path / "model.gguf"
     path.write_bytes(content)
@@ -113,21 +113,38 @@ def test_corrupt_gguf(tmp_path, content):
 
 
 def _opt_post_norm():
-    return T.OPTConfig(hidden_size=32, num_hidden_layers=2, ffn_dim=64, num_attention_heads=4, vocab_size=128,
-                       word_embed_proj_dim=32, do_layer_norm_before=False)
+    return T.OPTConfig(
+        hidden_size=32,
+        num_hidden_layers=2,
+        ffn_dim=64,
+        num_attention_heads=4,
+        vocab_size=128,
+        word_embed_proj_dim=32,
+        do_layer_norm_before=False,
+    )
 
 
 def _exaone4():
-    return T.Exaone4Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                           num_key_value_heads=2, vocab_size=128)
+    return T.Exaone4Config(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+    )
 
 
 def _olmo2():
-    return T.Olmo2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=128)
+    return T.Olmo2Config(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=128
+    )
 
 
 def _bert():
-    return T.BertConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=128)
+    return T.BertConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=128
+    )
 
 
 def _t5():
@@ -135,8 +152,16 @@ def _t5():
 
 
 def _bart():
-    return T.BartConfig(d_model=32, encoder_ffn_dim=64, decoder_ffn_dim=64, encoder_layers=1, decoder_layers=1,
-                        encoder_attention_heads=4, decoder_attention_heads=4, vocab_size=128)
+    return T.BartConfig(
+        d_model=32,
+        encoder_ffn_dim=64,
+        decoder_ffn_dim=64,
+        encoder_layers=1,
+        decoder_layers=1,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        vocab_size=128,
+    )
 
 
 @pytest.mark.parametrize(
@@ -169,8 +194,15 @@ def test_unsupported_architecture_with_weights(tmp_path):
     out = tmp_path / "out"
     result = run_cli("convert", folder, "-o", out)
     # The reason ends as a sentence before the pointer to the coverage table.
-    assert_user_error(result, str(folder), "exaone4", "decoder layer 0", "post-norm",
-                      "per-layer-input gate does). `attnres architectures` lists", out=out)
+    assert_user_error(
+        result,
+        str(folder),
+        "exaone4",
+        "decoder layer 0",
+        "post-norm",
+        "per-layer-input gate does). `attnres architectures` lists",
+        out=out,
+    )
 
 
 def test_made_up_model_type(tmp_path, tiny_llama_folder):
@@ -181,8 +213,9 @@ def test_made_up_model_type(tmp_path, tiny_llama_folder):
 
 
 def test_gpt2_with_cross_attention(tmp_path, tiny_llama_folder):
-    folder = save_config_only(tmp_path / "gpt2-x", T.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=128,
-                                                                  add_cross_attention=True))
+    folder = save_config_only(
+        tmp_path / "gpt2-x", T.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=128, add_cross_attention=True)
+    )
     out = tmp_path / "out"
     assert_user_error(run_cli("convert", folder, "-o", out), "add_cross_attention", "cross-attention", out=out)
 
@@ -347,7 +380,6 @@ def test_check_output_does_not_trust_os_access(tmp_path, monkeypatch):
         check_output("/sys/attnres-out")
     assert check_output(tmp_path / "fine") == tmp_path / "fine"
     assert list(tmp_path.iterdir()) == []  # the probe is gone
-
 
 
 @pytest.mark.parametrize("stream", [True, False], ids=["streamed", "in-memory"])

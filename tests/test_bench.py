@@ -11,10 +11,10 @@ import sys
 
 import pytest
 import torch
+from reliability_helpers import assert_user_error, run_cli, save_config_only
 
 from attnres_convert.analysis.bench import BenchError, BenchSettings, check_settings, run_bench, runs_total
 from attnres_convert.analysis.bench_report import markdown, read_json
-from reliability_helpers import assert_user_error, run_cli, save_config_only
 
 TINY = ["--batch", "2", "--seq-len", "12", "--decode-tokens", "3", "--rounds", "2"]
 
@@ -40,7 +40,9 @@ def test_bench_measures_both_models_loaded_from_their_folders(tiny_llama_folder)
     """The library call: prefill, decode and a training step, each as both medians and their ratio; the converted
     model is the class its folder ships (remote code), the original the folder's own; on_run sees every run."""
     runs = []
-    settings = BenchSettings(batch=2, seq_len=12, decode_tokens=3, prompt_tokens=4, rounds=2, measure=("prefill", "decode", "train"))
+    settings = BenchSettings(
+        batch=2, seq_len=12, decode_tokens=3, prompt_tokens=4, rounds=2, measure=("prefill", "decode", "train")
+    )
     result = run_bench(str(tiny_llama_folder), settings, on_run=runs.append).to_dict()
     _check_rows(result, ["prefill", "decode", "train_step"])
     assert len(runs) == runs_total(settings) == 3 * 2 * 3 and set(runs) == {"original", "converted"}
@@ -69,7 +71,11 @@ def test_bench_command_writes_json_that_renders_the_docs_table(tiny_llama_folder
     page = markdown(data)
     assert page.startswith("```bash\nattnres bench") and data["machine"]["processor"] in page
     for row in data["rows"]:  # the ratio, or where the timings cannot carry one (a busy machine), 'noise' and why
-        shown = f"| {row['ratio']:.3f} |" if not row.get("noise") else f"{row['label']}: the ratio is noise, not a result: {row['noise']}"
+        shown = (
+            f"| {row['ratio']:.3f} |"
+            if not row.get("noise")
+            else f"{row['label']}: the ratio is noise, not a result: {row['noise']}"
+        )
         assert f"| {row['label']} |" in page and shown in page, page
     assert list(out.parent.iterdir()) == [out]  # the JSON alone: no temporary file left beside it
 
@@ -85,7 +91,15 @@ def test_bench_command_writes_json_that_renders_the_docs_table(tiny_llama_folder
         (["--rounds", "0"], ["--rounds 0", "at least 1"]),
         (["--measure", "prefill,speed"], ["--measure", "prefill"]),
     ],
-    ids=["unknown-device", "unknown-dtype", "triton-on-cpu", "cpu-kernels-bf16", "compile-with-kernels", "no-rounds", "unknown-measure"],
+    ids=[
+        "unknown-device",
+        "unknown-dtype",
+        "triton-on-cpu",
+        "cpu-kernels-bf16",
+        "compile-with-kernels",
+        "no-rounds",
+        "unknown-measure",
+    ],
 )
 def test_bad_settings_are_refused_before_anything_runs(tiny_llama_folder, tmp_path, args, needles):
     out = tmp_path / "bench.json"
@@ -97,7 +111,9 @@ def test_bad_settings_are_refused_before_anything_runs(tiny_llama_folder, tmp_pa
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a CUDA GPU")
 def test_cuda_without_a_gpu_is_named(tiny_llama_folder, tmp_path):
     out = tmp_path / "bench.json"
-    assert_user_error(run_cli("bench", tiny_llama_folder, "--device", "cuda", "--json", out), "--device cuda", "--device cpu")
+    assert_user_error(
+        run_cli("bench", tiny_llama_folder, "--device", "cuda", "--json", out), "--device cuda", "--device cpu"
+    )
     assert not out.exists()
     with pytest.raises(BenchError, match="--device cuda"):
         check_settings(BenchSettings(device="cuda"))
@@ -140,25 +156,61 @@ def test_docs_blocks_are_made_from_the_results_file(tmp_path):
     from attnres_convert.analysis.bench_report import fill_bench_blocks, write_json
 
     result = {
-        "model": "m", "command": "attnres bench m --rounds 3 --json /tmp/x.json", "notes": [],
+        "model": "m",
+        "command": "attnres bench m --rounds 3 --json /tmp/x.json",
+        "notes": [],
         "settings": {"device": "cpu", "dtype": "float32", "kernels": "eager", "compile": False, "rounds": 3},
-        "machine": {"processor": "Some CPU", "cpu_count": 2, "torch_threads": 2, "torch": "2.x", "transformers": "5.x",
-                    "date": "2026-01-01 00:00 UTC"},
+        "machine": {
+            "processor": "Some CPU",
+            "cpu_count": 2,
+            "torch_threads": 2,
+            "torch": "2.x",
+            "transformers": "5.x",
+            "date": "2026-01-01 00:00 UTC",
+        },
         "rows": [
-            {"name": "prefill", "label": "prefill 1 x 8 tokens", "unit": "s", "original": 0.5, "converted": 0.51,
-             "ratio": 1.02, "paired_ratio": 1.019},
-            {"name": "decode", "label": "decode 4 tokens (KV cache)", "unit": "s", "original": 0.2, "converted": 0.21,
-             "ratio": 1.05, "paired_ratio": 1.04, "original_tokens_per_s": 20.0, "converted_tokens_per_s": 19.05},
-            {"name": "train_step_peak_memory", "label": "peak", "unit": "MiB", "original": 100.0, "converted": 107.0, "ratio": 1.07},
+            {
+                "name": "prefill",
+                "label": "prefill 1 x 8 tokens",
+                "unit": "s",
+                "original": 0.5,
+                "converted": 0.51,
+                "ratio": 1.02,
+                "paired_ratio": 1.019,
+            },
+            {
+                "name": "decode",
+                "label": "decode 4 tokens (KV cache)",
+                "unit": "s",
+                "original": 0.2,
+                "converted": 0.21,
+                "ratio": 1.05,
+                "paired_ratio": 1.04,
+                "original_tokens_per_s": 20.0,
+                "converted_tokens_per_s": 19.05,
+            },
+            {
+                "name": "train_step_peak_memory",
+                "label": "peak",
+                "unit": "MiB",
+                "original": 100.0,
+                "converted": 107.0,
+                "ratio": 1.07,
+            },
         ],
     }
     write_json(result, tmp_path / "results" / "b.json")
     page = "intro\n<!-- bench: results/b.json -->\nstale table\n<!-- /bench -->\nafter\n"
     filled = fill_bench_blocks(page, tmp_path)
-    assert filled.startswith("intro\n<!-- bench: results/b.json -->\n```bash\nattnres bench m --rounds 3 --json results/b.json\n```")
+    assert filled.startswith(
+        "intro\n<!-- bench: results/b.json -->\n```bash\nattnres bench m --rounds 3 --json results/b.json\n```"
+    )
     assert "stale table" not in filled and filled.endswith("<!-- /bench -->\nafter\n")
-    for cells in ("| prefill 1 x 8 tokens | 0.500 s | 0.510 s | 1.020 | 1.019 |",
-                  "| decode 4 tokens (KV cache) | 20.0 tok/s | 19.1 tok/s | 1.050 | 1.040 |", "| peak | 100 MiB | 107 MiB | 1.070 |  |"):
+    for cells in (
+        "| prefill 1 x 8 tokens | 0.500 s | 0.510 s | 1.020 | 1.019 |",
+        "| decode 4 tokens (KV cache) | 20.0 tok/s | 19.1 tok/s | 1.050 | 1.040 |",
+        "| peak | 100 MiB | 107 MiB | 1.070 |  |",
+    ):
         assert cells in filled
     assert "Some CPU, 2 cores, 2 torch threads" in filled
     assert fill_bench_blocks(filled, tmp_path) == filled
@@ -169,12 +221,27 @@ def _fabricated(original_runs, converted_runs, load, cores=2, threads=2) -> dict
     from attnres_convert.analysis.timing import compared, ratio_noise
 
     row = {"name": "prefill", "label": "prefill 1 x 128 tokens", "unit": "s", **compared(original_runs, converted_runs)}
-    machine = {"processor": "AMD EPYC", "cpu_count": cores, "torch_threads": threads, "torch": "2.13.0", "transformers": "5.19.0",
-               "date": "2026-11-28", "load_average_start": [load, load, load], "load_average_end": [load, load, load]}
+    machine = {
+        "processor": "AMD EPYC",
+        "cpu_count": cores,
+        "torch_threads": threads,
+        "torch": "2.13.0",
+        "transformers": "5.19.0",
+        "date": "2026-11-28",
+        "load_average_start": [load, load, load],
+        "load_average_end": [load, load, load],
+    }
     if (why := ratio_noise(row, machine)) is not None:
         row["noise"] = why
     settings = {"device": "cpu", "dtype": "float32", "kernels": "auto", "rounds": len(original_runs)}
-    return {"model": "SmolLM2-135M-Instruct", "settings": settings, "machine": machine, "conversion": {}, "rows": [row], "notes": []}
+    return {
+        "model": "SmolLM2-135M-Instruct",
+        "settings": settings,
+        "machine": machine,
+        "conversion": {},
+        "rows": [row],
+        "notes": [],
+    }
 
 
 def _printed(result: dict) -> str:
@@ -196,16 +263,23 @@ def test_a_ratio_the_noise_allows_no_reading_of_is_printed_as_noise_with_why():
     text = _printed(busy)
     assert "0.273" not in text and "noise" in text, text
     flat = " ".join(text.split())
-    assert "prefill 1 x 128 tokens: the ratio is noise, not a result: one timed round on a busy machine (load average 4.1 on 2" in flat, text
+    assert (
+        "prefill 1 x 128 tokens: the ratio is noise, not a result: one timed round on a busy machine (load average 4.1 on 2"
+        in flat
+    ), text
     assert "--rounds" in flat, text
     md = markdown(busy)
     assert "| noise | noise |" in md and "0.273" not in md and "the ratio is noise" in md, md
 
-    spread = _fabricated([0.40, 0.41, 0.39, 0.40, 0.40], [0.41, 0.20, 0.42, 0.40, 0.43], load=0.1)  # a fast phase in round 2
+    spread = _fabricated(
+        [0.40, 0.41, 0.39, 0.40, 0.40], [0.41, 0.20, 0.42, 0.40, 0.43], load=0.1
+    )  # a fast phase in round 2
     text = " ".join(_printed(spread).split())
     assert "noise" in text and "its 5 rounds gave ratios from 0.49 to 1.08" in text, text
 
-    steady = _fabricated([0.40, 0.41, 0.39, 0.40, 0.40], [0.41, 0.42, 0.40, 0.41, 0.42], load=4.1)  # busy, but 5 steady rounds
+    steady = _fabricated(
+        [0.40, 0.41, 0.39, 0.40, 0.40], [0.41, 0.42, 0.40, 0.41, 0.42], load=4.1
+    )  # busy, but 5 steady rounds
     assert "noise" not in _printed(steady) and f"{steady['rows'][0]['ratio']:.3f}" in _printed(steady)
     idle = _fabricated([0.400], [0.404], load=0.2)  # one round on an idle machine: a rough look, printed
     assert "noise" not in _printed(idle) and "1.010" in _printed(idle)

@@ -15,16 +15,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from reliability_helpers import sharded_tensors
 from safetensors import safe_open
 from safetensors.torch import load_file
+from tiny_models import randomize_queries, tiny_model, token_ids
 
 from attnres_convert import convert, convert_model, load_converted, save_converted
 from attnres_convert.conversion import memory_budget
-from attnres_convert.io import shards
 from attnres_convert.conversion.streaming import plan_stream
 from attnres_convert.errors import AttnResError
-from reliability_helpers import sharded_tensors
-from tiny_models import randomize_queries, tiny_model, token_ids
+from attnres_convert.io import shards
 
 INDEX = "model.safetensors.index.json"
 SHARD = 40_000  # bytes: a tiny llama (3 layers, hidden 64) spreads over several shards
@@ -41,7 +41,14 @@ def test_streamed_conversion_writes_what_the_in_memory_conversion_writes(family,
     """A tied head (GPT-2), a sharded input: the streamed folder holds the same tensors as a save of the model
     converted in memory, and loads to the same logits."""
     base = _saved(family, tmp_path / "plain", max_shard_size="50KB")
-    result = convert(tmp_path / "plain", tmp_path / "streamed", block_size=2, max_shard_size=SHARD, verify_tokens=32, verify_new_tokens=4)
+    result = convert(
+        tmp_path / "plain",
+        tmp_path / "streamed",
+        block_size=2,
+        max_shard_size=SHARD,
+        verify_tokens=32,
+        verify_new_tokens=4,
+    )
     assert result.verification.passed and result.verification.max_abs_logit_diff == 0.0
     reference = convert_model(base, block_size=2)
     save_converted(reference, tmp_path / "memory")
@@ -67,7 +74,9 @@ def test_moe_experts_stream_under_their_checkpoint_names(tmp_path):
     names = set(sharded_tensors(tmp_path / "out"))
     assert set(load_file(tmp_path / "plain" / "model.safetensors")) <= names
     assert "model.layers.0.mlp_res_proj.weight" in names
-    loaded, info = type(convert_model(tiny_model("mixtral"))).from_pretrained(tmp_path / "out", output_loading_info=True)
+    loaded, info = type(convert_model(tiny_model("mixtral"))).from_pretrained(
+        tmp_path / "out", output_loading_info=True
+    )
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     ids = token_ids()
     with torch.no_grad():
@@ -122,8 +131,11 @@ def test_checkpoint_with_extra_tensors_is_converted_in_memory(tmp_path):
 
     _saved("llama", tmp_path / "plain")
     tensors = load_file(tmp_path / "plain" / "model.safetensors")
-    save_file({**tensors, "model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(8)}, tmp_path / "plain" / "model.safetensors",
-              metadata={"format": "pt"})
+    save_file(
+        {**tensors, "model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(8)},
+        tmp_path / "plain" / "model.safetensors",
+        metadata={"format": "pt"},
+    )
     with pytest.warns(UserWarning, match="converted in memory, not streamed.*inv_freq"):
         result = convert(tmp_path / "plain", tmp_path / "out", verify_new_tokens=4)
     assert result.verification.passed
@@ -165,9 +177,16 @@ KILLED_SAVE = textwrap.dedent(
 def test_kill_during_a_sharded_save_leaves_nothing_at_the_output(tmp_path):
     _saved("llama", tmp_path / "plain")
     out, marker = tmp_path / "out", tmp_path / "marker"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
-    process = subprocess.Popen([sys.executable, "-c", KILLED_SAVE, str(tmp_path / "plain"), str(out), str(marker)], env=env,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")]),
+    }
+    process = subprocess.Popen(
+        [sys.executable, "-c", KILLED_SAVE, str(tmp_path / "plain"), str(out), str(marker)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.monotonic() + 120
     while not marker.exists():
         assert process.poll() is None, "the save ended before it was killed"
@@ -206,8 +225,15 @@ def test_streamed_conversion_memory_does_not_grow_with_the_model(tmp_path):
         pytest.skip("needs Linux's /proc/self/clear_refs to measure a peak RSS from a point in time")
     import transformers as T
 
-    config = T.LlamaConfig(vocab_size=32000, hidden_size=512, intermediate_size=64, num_hidden_layers=1,
-                           num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=False)
+    config = T.LlamaConfig(
+        vocab_size=32000,
+        hidden_size=512,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        tie_word_embeddings=False,
+    )
     with torch.device("meta"):
         skeleton = T.AutoModelForCausalLM.from_config(config)
     from safetensors.torch import save_file
@@ -218,10 +244,18 @@ def test_streamed_conversion_memory_does_not_grow_with_the_model(tmp_path):
     model_bytes = sum(t.nbytes for t in state.values())
     save_file(state, tmp_path / "plain" / "model.safetensors", metadata={"format": "pt"})
     del state
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")]),
+    }
     for dtype in ("auto", "bfloat16"):
-        run = subprocess.run([sys.executable, "-c", MEMORY_PROBE, str(tmp_path / "plain"), str(tmp_path / dtype), dtype],
-                             capture_output=True, text=True, env=env, timeout=300)
+        run = subprocess.run(
+            [sys.executable, "-c", MEMORY_PROBE, str(tmp_path / "plain"), str(tmp_path / dtype), dtype],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=300,
+        )
         assert run.returncode == 0, run.stderr[-3000:]
         probe = json.loads(run.stdout.strip().splitlines()[-1])
         grown = probe["peak"] - probe["baseline"]
@@ -237,7 +271,9 @@ def test_verification_streams_a_model_larger_than_the_budget(tmp_path, monkeypat
     monkeypatch.setattr(memory_budget, "current_rss", lambda: 0)  # the budget then covers the weights alone
     loads = []
     real = memory_budget.VerifyBudget.load_kwargs
-    monkeypatch.setattr(memory_budget.VerifyBudget, "load_kwargs", lambda self, folder: loads.append(real(self, folder)) or loads[-1])
+    monkeypatch.setattr(
+        memory_budget.VerifyBudget, "load_kwargs", lambda self, folder: loads.append(real(self, folder)) or loads[-1]
+    )
     budget = memory_budget.OVERHEAD + 300_000  # the model is ~560 KB: at most two layers fit
     result = convert(tmp_path / "plain", tmp_path / "out", max_memory=budget, verify_new_tokens=4)
     assert result.verification.passed and result.verification.max_abs_logit_diff == 0.0
@@ -250,7 +286,9 @@ def test_verification_streams_a_model_larger_than_the_budget(tmp_path, monkeypat
 def test_default_budget_is_chosen_from_free_memory_and_said(tmp_path):
     _saved("llama", tmp_path / "plain")
     result = convert(tmp_path / "plain", tmp_path / "out", verify_new_tokens=4)
-    assert "80% of the free memory" in result.verification_budget and "whole model in memory" in result.verification_budget
+    assert (
+        "80% of the free memory" in result.verification_budget and "whole model in memory" in result.verification_budget
+    )
 
 
 def test_too_small_a_budget_says_what_is_needed(tmp_path):
@@ -262,7 +300,10 @@ def test_too_small_a_budget_says_what_is_needed(tmp_path):
 
 def test_bad_sizes_are_refused_before_any_work(tmp_path):
     _saved("llama", tmp_path / "plain")
-    for kwargs, flag in (({"max_shard_size": "five gigs"}, "--max-shard-size"), ({"max_memory": "-3GB"}, "--max-memory")):
+    for kwargs, flag in (
+        ({"max_shard_size": "five gigs"}, "--max-shard-size"),
+        ({"max_memory": "-3GB"}, "--max-memory"),
+    ):
         with pytest.raises(AttnResError, match=flag):
             convert(tmp_path / "plain", tmp_path / "out", **kwargs)
 
@@ -282,7 +323,13 @@ def test_device_map_auto_keeps_layers_whole_and_gives_the_same_logits(remote_cod
     load = AutoModelForCausalLM.from_pretrained if remote_code else type(model).from_pretrained
     kwargs = {"trust_remote_code": True} if remote_code else {}
     for cpu in ("300KB", "100KB"):
-        loaded = load(tmp_path / "m", device_map="auto", max_memory={"cpu": cpu}, offload_folder=str(tmp_path / "offload"), **kwargs)
+        loaded = load(
+            tmp_path / "m",
+            device_map="auto",
+            max_memory={"cpu": cpu},
+            offload_folder=str(tmp_path / "offload"),
+            **kwargs,
+        )
         placed = loaded.hf_device_map
         assert "disk" in placed.values()
         assert not [name for name in placed if ".layers." in name and name.count(".") > 2], placed  # no layer split
@@ -307,20 +354,25 @@ def test_meta_device_loading_allocates_nothing(tmp_path):
 
 
 def test_finetune_output_is_sharded_and_a_bad_size_is_refused_before_training(tmp_path):
+    from finetune_helpers import tiny_model_folder, tiny_recipe, write_corpus
+
     from attnres_convert.finetune.recipe import RecipeError, parse_recipe
     from attnres_convert.finetune.training import finetune
-    from finetune_helpers import tiny_model_folder, tiny_recipe, write_corpus
 
     model, corpus = tiny_model_folder(tmp_path / "tiny"), write_corpus(tmp_path / "corpus")
     with pytest.raises(RecipeError, match="max_shard_size"):
         parse_recipe(tiny_recipe(model, corpus, tmp_path / "bad", output={"max_shard_size": "lots"}))
-    recipe = tiny_recipe(model, corpus, tmp_path / "run", train={"steps": 2}, eval={"every": 0}, output={"max_shard_size": "40KB"})
+    recipe = tiny_recipe(
+        model, corpus, tmp_path / "run", train={"steps": 2}, eval={"every": 0}, output={"max_shard_size": "40KB"}
+    )
     result = finetune(parse_recipe(recipe))
     files = sorted(p.name for p in result.model_dir.glob("*.safetensors"))
     assert len(files) >= 3 and (result.model_dir / INDEX).is_file()
     trained = sharded_tensors(result.model_dir)
     reloaded = load_converted(result.model_dir)
-    assert all(torch.equal(reloaded.get_parameter(name), tensor) for name, tensor in trained.items() if "_res_proj" in name)
+    assert all(
+        torch.equal(reloaded.get_parameter(name), tensor) for name, tensor in trained.items() if "_res_proj" in name
+    )
 
 
 def test_streamed_sharded_folder_loads_without_this_package(tmp_path):
@@ -361,8 +413,9 @@ def test_streamed_sharded_folder_loads_without_this_package(tmp_path):
 def test_structure_is_proven_on_the_smallest_faithful_miniature(family, overrides, layers):
     """The streamed path proves the structure on a miniature that keeps every kind of decoder layer of the model
     (up to the first layer of the last new kind) and no more, with per-layer config entries cut to match."""
-    from attnres_convert.conversion.streaming import _miniature, proven_plan
     from tiny_models import CONFIGS
+
+    from attnres_convert.conversion.streaming import _miniature, proven_plan
 
     tiny = CONFIGS[family]().to_dict()
     config = type(CONFIGS[family]())(**{**tiny, **overrides, "layer_types": None})  # layer types for all the layers
@@ -386,7 +439,9 @@ def test_a_structure_the_miniature_does_not_prove_is_converted_in_memory(tmp_pat
 
     _saved("llama", tmp_path / "plain")
     monkeypatch.setattr(streaming, "find_plan", unproven)
-    with pytest.warns(UserWarning, match="not streamed: its structure could not be proven on a miniature.*layer 1 differs"):
+    with pytest.warns(
+        UserWarning, match="not streamed: its structure could not be proven on a miniature.*layer 1 differs"
+    ):
         result = convert(tmp_path / "plain", tmp_path / "out", verify_new_tokens=4)
     assert result.verification.passed
     assert sorted(p.name for p in (tmp_path / "out").glob("*.safetensors")) == ["model.safetensors"]
@@ -413,10 +468,20 @@ def test_hub_id_streams_from_the_hf_cache(tmp_path):
     (repo / "refs" / "main").write_text(revision)
     (repo / "snapshots").mkdir()
     (tmp_path / "plain").rename(repo / "snapshots" / revision)
-    env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hf-cache"), "HF_HOME": str(tmp_path / "hf-home"), "HF_HUB_OFFLINE": "1",
-           "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
-    run = subprocess.run([sys.executable, "-c", HUB_CACHE_CONVERT, str(tmp_path / "from-hub")], capture_output=True, text=True,
-                         env=env, timeout=300)
+    env = {
+        **os.environ,
+        "HF_HUB_CACHE": str(tmp_path / "hf-cache"),
+        "HF_HOME": str(tmp_path / "hf-home"),
+        "HF_HUB_OFFLINE": "1",
+        "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")]),
+    }
+    run = subprocess.run(
+        [sys.executable, "-c", HUB_CACHE_CONVERT, str(tmp_path / "from-hub")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     convert(repo / "snapshots" / revision, tmp_path / "from-folder", max_shard_size=40_000, verify=False)
     hub, folder = tmp_path / "from-hub", tmp_path / "from-folder"

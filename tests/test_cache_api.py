@@ -8,6 +8,8 @@ import warnings
 
 import pytest
 import torch
+from test_save_load import run_isolated
+from tiny_models import randomize_queries, tiny_model, token_ids
 from torch import nn
 from transformers.utils.deprecation import deprecate_kwarg
 
@@ -15,8 +17,6 @@ from attnres_convert import save_converted
 from attnres_convert.conversion.surgery import convert_model
 from attnres_convert.io.saving import SHIPPED_CODE
 from attnres_convert.modeling.modeling_attnres import INSTALLED, cache_keyword, cache_of
-from test_save_load import run_isolated
-from tiny_models import randomize_queries, tiny_model, token_ids
 
 
 class _Renamed(nn.Module):
@@ -66,6 +66,7 @@ def test_cache_keyword_reads_the_forward_it_is_given():
     def current(input_ids=None, cache=None, past_key_values=None): ...
     def legacy(input_ids=None, past_key_values=None): ...
     def any_keyword(input_ids=None, **kwargs): ...
+
     assert cache_keyword(current) == "cache"
     assert cache_keyword(legacy) == "past_key_values"
     assert cache_keyword(any_keyword) == INSTALLED
@@ -114,7 +115,7 @@ def test_generate_from_a_converted_folder_is_quiet_and_uses_its_cache(tmp_path):
     )
     line = next((line for line in result.stdout.splitlines() if line.startswith("RESULT")), None)
     assert line is not None, result.stderr[-3000:]
-    found = json.loads(line[len("RESULT"):])
+    found = json.loads(line[len("RESULT") :])
     tokens = found["tokens"]
     about_the_cache = [w for w in found["warnings"] if "past_key_values" in w or "cache" in w]
     assert about_the_cache == [], about_the_cache

@@ -6,12 +6,11 @@ from __future__ import annotations
 import json
 
 import yaml
+from tiny_models import tiny_model
 
 from attnres_convert import convert
-from attnres_convert.io.card import baseline_card, card_identity, finetune_card
-from attnres_convert.io.card import read_front_matter
 from attnres_convert.conversion.surgery import convert_model, summarize
-from tiny_models import tiny_model
+from attnres_convert.io.card import baseline_card, card_identity, finetune_card, read_front_matter
 
 
 def _split(card: str) -> tuple[dict, str]:
@@ -42,15 +41,23 @@ def test_conversion_card(tmp_path):
 
 def test_finetune_card():
     summary = summarize(convert_model(tiny_model("llama"), block_size=2))
-    recipe = {"train": {"steps": 200, "lr": 3e-4, "attnres_lr": 1e-2}, "data": {"seq_len": 256, "train": {"files": ["shakespeare:*"]}}}
-    history = [{"step": s, "loss": 3.0 - s / 400, **({"eval_loss": 3.1 - s / 500} if s % 50 == 0 else {})} for s in range(201)]
+    recipe = {
+        "train": {"steps": 200, "lr": 3e-4, "attnres_lr": 1e-2},
+        "data": {"seq_len": 256, "train": {"files": ["shakespeare:*"]}},
+    }
+    history = [
+        {"step": s, "loss": 3.0 - s / 400, **({"eval_loss": 3.1 - s / 500} if s % 50 == 0 else {})} for s in range(201)
+    ]
     card = finetune_card(
         summary,
         name="SmolLM2-135M-Instruct",
         base_model="HuggingFaceTB/SmolLM2-135M-Instruct",
         license="apache-2.0",
         recipe=recipe,
-        metrics={"original": {"loss": 3.2809, "perplexity": 26.6}, "fine-tuned": {"loss": 2.9571, "perplexity": 19.246}},
+        metrics={
+            "original": {"loss": 3.2809, "perplexity": 26.6},
+            "fine-tuned": {"loss": 2.9571, "perplexity": 19.246},
+        },
         eval_data="Hamlet and Macbeth",
         train_data="40 plays",
         history=history,
@@ -73,7 +80,12 @@ def test_finetune_card():
 def test_cards_never_carry_a_token():
     summary = summarize(convert_model(tiny_model("llama")))
     card = finetune_card(
-        summary, name="x", base_model=None, license=None, metrics={}, loss_curve=None,
+        summary,
+        name="x",
+        base_model=None,
+        license=None,
+        metrics={},
+        loss_curve=None,
         recipe={"hub": {"token": "hf_AbCdEfGhIjKlMnOpQrStUvWxYz0123"}},
     )
     assert "hf_AbCdEfGhIjKlMnOpQrStUvWxYz0123" not in card
@@ -92,5 +104,9 @@ def test_baseline_card_is_a_plain_model_card():
     )
     meta, body = _split(card)
     assert "attnres" not in meta["tags"] and "attnres-baseline" in meta["tags"]
-    assert meta["model-index"][0]["results"][0]["metrics"][1] == {"type": "perplexity", "value": 20.3, "name": "held-out perplexity"}
+    assert meta["model-index"][0]["results"][0]["metrics"][1] == {
+        "type": "perplexity",
+        "value": 20.3,
+        "name": "held-out perplexity",
+    }
     assert "trust_remote_code" not in body and "| fine-tuned | 3.01 | 20.3 |" in body

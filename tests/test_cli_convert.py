@@ -3,10 +3,10 @@
 import json
 
 import pytest
+from tiny_models import tiny_model
 from typer.testing import CliRunner
 
 from attnres_convert.cli import app
-from tiny_models import tiny_model
 
 runner = CliRunner()
 
@@ -43,10 +43,14 @@ def test_verification_fits_a_short_learned_position_table(tmp_path):
 
 
 def test_full_and_num_blocks(tiny_llama_folder, tmp_path):
-    result = runner.invoke(app, ["convert", str(tiny_llama_folder), "-o", str(tmp_path / "full"), "--full", "--no-verify"])
+    result = runner.invoke(
+        app, ["convert", str(tiny_llama_folder), "-o", str(tmp_path / "full"), "--full", "--no-verify"]
+    )
     assert result.exit_code == 0, result.output
     assert json.loads((tmp_path / "full" / "config.json").read_text())["block_size"] == 1
-    result = runner.invoke(app, ["convert", str(tiny_llama_folder), "-o", str(tmp_path / "nb"), "--num-blocks", "2", "--no-verify"])
+    result = runner.invoke(
+        app, ["convert", str(tiny_llama_folder), "-o", str(tmp_path / "nb"), "--num-blocks", "2", "--no-verify"]
+    )
     assert result.exit_code == 0, result.output
     assert json.loads((tmp_path / "nb" / "config.json").read_text())["block_size"] == 4  # 6 sublayers, whole layers
 

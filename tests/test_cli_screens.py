@@ -40,8 +40,20 @@ def help_of(*command: str, columns: int = 80) -> str:
     return result.output
 
 
-COMMANDS = [("convert",), ("push",), ("inspect",), ("eval",), ("finetune",), ("ab",), ("architectures",), ("bench",),
-            ("kernels", "build"), ("recipes", "list"), ("recipes", "show"), ("recipes", "validate")]
+COMMANDS = [
+    ("convert",),
+    ("push",),
+    ("inspect",),
+    ("eval",),
+    ("finetune",),
+    ("ab",),
+    ("architectures",),
+    ("bench",),
+    ("kernels", "build"),
+    ("recipes", "list"),
+    ("recipes", "show"),
+    ("recipes", "validate"),
+]
 
 
 def declared_command(*command: str):
@@ -58,6 +70,7 @@ def declared_helps(*command: str) -> list[str]:
     node = declared_command(*command)
     return [param.help.replace("\\[", "[") for param in node.params if getattr(param, "help", None)]
 
+
 # A short reference of facts each --help must state (squashed: Rich wraps anywhere a space is).
 HELP_FACTS = {
     ("convert",): ["*--output-o", "[required]", "GGUFde-quantised", "--verbose"],
@@ -73,7 +86,9 @@ def test_every_help_is_true_and_fits_80_columns(command):
     assert "<bool>" not in text  # a flag takes no value
     assert "list[" not in text  # a repeatable value is shown by what is typed (<str>, FILE), not Python's type
     assert all(len(line) <= 80 for line in text.splitlines()), text
-    for line in text.splitlines():  # a metavar such as <auto|float32|...> stands whole on its line, never split mid-word
+    for (
+        line
+    ) in text.splitlines():  # a metavar such as <auto|float32|...> stands whole on its line, never split mid-word
         assert not re.search(r"<[^>]*$", line), f"a value type split across lines:\n{text}"
     # The description's paragraphs are sentences Rich wraps to the terminal: no line break of the source inside one.
     node = declared_command(*command)
@@ -121,40 +136,87 @@ def _cli_in_subprocess(args: list[str], cwd: Path, columns: int = 200) -> subpro
         "print('IMPORTED', 'torch' in sys.modules, 'transformers' in sys.modules, file=sys.stderr)\nsys.exit(status)\n"
     )
     env = {**os.environ, **ONE_THREAD_ENV, "PYTHONPATH": str(ROOT), "COLUMNS": str(columns)}
-    return subprocess.run([sys.executable, "-c", code, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-c", code, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=120
+    )
 
 
 ARGUMENT_ERRORS = {
-    "convert: no such path": (["convert", "/nonexistent/folder", "-o", "out"], "no such file or folder: /nonexistent/folder"),
+    "convert: no such path": (
+        ["convert", "/nonexistent/folder", "-o", "out"],
+        "no such file or folder: /nonexistent/folder",
+    ),
     "convert: output taken": (["convert", "-o", "taken"], "output folder taken already exists"),
     "convert: --num-blocks 0": (["convert", "--num-blocks", "0", "-o", "out"], "--num-blocks must be >= 1"),
-    "convert: two block choices": (["convert", "--full", "--block-size", "2", "-o", "out"], "only one of --block-size, --num-blocks, --full (got --block-size, --full)"),
-    "convert: bad shard size": (["convert", "--max-shard-size", "huge", "-o", "out"], "--max-shard-size 'huge' is not a size"),
+    "convert: two block choices": (
+        ["convert", "--full", "--block-size", "2", "-o", "out"],
+        "only one of --block-size, --num-blocks, --full (got --block-size, --full)",
+    ),
+    "convert: bad shard size": (
+        ["convert", "--max-shard-size", "huge", "-o", "out"],
+        "--max-shard-size 'huge' is not a size",
+    ),
     "eval: misspelt play": (["eval", "--data", "shakespeare:hamlett"], "did you mean 'shakespeare:hamlet'?"),
     "eval: missing file": (["eval", "--data", "missing.txt"], "file missing.txt does not exist"),
     "inspect: no such path": (["inspect", "./nowhere"], "no such file or folder: ./nowhere"),
-    "recipes validate: misspelt key": (["recipes", "validate", "quickstart-cpu", "train.stpes=3"], "did you mean steps?"),
+    "recipes validate: misspelt key": (
+        ["recipes", "validate", "quickstart-cpu", "train.stpes=3"],
+        "did you mean steps?",
+    ),
     "finetune: misspelt key": (["finetune", "quickstart-cpu", "train.stpes=3"], "did you mean steps?"),
     "ab: misspelt key": (["ab", "quickstart-cpu", "train.stpes=3"], "did you mean steps?"),
-    "finetune: missing data": (["finetune", "quickstart-cpu", "data.train.files=[missing.txt]"], "missing.txt does not exist"),
+    "finetune: missing data": (
+        ["finetune", "quickstart-cpu", "data.train.files=[missing.txt]"],
+        "missing.txt does not exist",
+    ),
     "architectures: misspelt type": (["architectures", "lama"], "Did you mean llama"),
     "bench: no such path": (["bench", "/nonexistent/folder"], "no such file or folder: /nonexistent/folder"),
-    "eval: a play without its prefix": (["eval", "--data", "hamlet"], "file hamlet does not exist; for the Shakespeare play write 'shakespeare:hamlet'"),
-    "eval: not a model folder": (["eval", "taken", "--data", "shakespeare:hamlet"], "taken is not a model folder: it has no config.json"),
-    "eval: --seq-len 1": (["eval", "--seq-len", "1", "--data", "shakespeare:hamlet"], "--seq-len must be at least 2, got 1"),
-    "eval: --batch-size 0": (["eval", "--batch-size", "0", "--data", "shakespeare:hamlet"], "--batch-size must be at least 1, got 0"),
+    "eval: a play without its prefix": (
+        ["eval", "--data", "hamlet"],
+        "file hamlet does not exist; for the Shakespeare play write 'shakespeare:hamlet'",
+    ),
+    "eval: not a model folder": (
+        ["eval", "taken", "--data", "shakespeare:hamlet"],
+        "taken is not a model folder: it has no config.json",
+    ),
+    "eval: --seq-len 1": (
+        ["eval", "--seq-len", "1", "--data", "shakespeare:hamlet"],
+        "--seq-len must be at least 2, got 1",
+    ),
+    "eval: --batch-size 0": (
+        ["eval", "--batch-size", "0", "--data", "shakespeare:hamlet"],
+        "--batch-size must be at least 1, got 0",
+    ),
     "inspect: a run folder": (["inspect", "run"], "It is a fine-tuning run folder: its model is run/model. Pass that."),
     "bench: --rounds 0": (["bench", "--rounds", "0"], "--rounds 0: must be at least 1."),
     "bench: --seq-len 0": (["bench", "--seq-len", "0"], "--seq-len 0: must be at least 1."),
     "bench: unknown measure": (["bench", "--measure", "prefill,speed"], "--measure prefill,speed: choose from"),
-    "bench: triton on cpu": (["bench", "--kernels", "triton"], "--kernels triton runs the Triton kernels on CUDA tensors"),
+    "bench: triton on cpu": (
+        ["bench", "--kernels", "triton"],
+        "--kernels triton runs the Triton kernels on CUDA tensors",
+    ),
     "push: no such folder": (["push", "/nonexistent/folder", "alice/x"], "/nonexistent/folder is not a folder"),
     "ab: --seeds 0": (["ab", "quickstart-cpu", "--seeds", "0"], "--seeds: must be >= 1 (got 0)"),
-    "eval: --max-tokens below a sequence": (["eval", "--max-tokens", "10", "--data", "shakespeare:hamlet"], "--max-tokens 10 is not enough for one sequence of --seq-len 256"),
-    "convert: no such dtype": (["convert", "--dtype", "bf17", "-o", "out"], "--dtype 'bf17' is not a data type we know: use auto, float32, bfloat16 or float16 (or bf16, fp16, fp32)"),
-    "eval: no such dtype": (["eval", "--dtype", "fp8", "--data", "shakespeare:hamlet"], "--dtype 'fp8' is not a data type we know"),
-    "bench: no such dtype": (["bench", "--dtype", "auto"], "--dtype 'auto' is not a data type we know: use float32, bfloat16 or float16"),
-    "finetune: no such dtype": (["finetune", "quickstart-cpu", "model.dtype=bf17"], "model.dtype: 'bf17' is not a data type we know"),
+    "eval: --max-tokens below a sequence": (
+        ["eval", "--max-tokens", "10", "--data", "shakespeare:hamlet"],
+        "--max-tokens 10 is not enough for one sequence of --seq-len 256",
+    ),
+    "convert: no such dtype": (
+        ["convert", "--dtype", "bf17", "-o", "out"],
+        "--dtype 'bf17' is not a data type we know: use auto, float32, bfloat16 or float16 (or bf16, fp16, fp32)",
+    ),
+    "eval: no such dtype": (
+        ["eval", "--dtype", "fp8", "--data", "shakespeare:hamlet"],
+        "--dtype 'fp8' is not a data type we know",
+    ),
+    "bench: no such dtype": (
+        ["bench", "--dtype", "auto"],
+        "--dtype 'auto' is not a data type we know: use float32, bfloat16 or float16",
+    ),
+    "finetune: no such dtype": (
+        ["finetune", "quickstart-cpu", "model.dtype=bf17"],
+        "model.dtype: 'bf17' is not a data type we know",
+    ),
 }
 
 
@@ -229,15 +291,32 @@ def assert_unwrapped(lines: list[str], *pieces: str) -> None:
 
 def test_conversion_tables_fit_80_columns():
     summary = SimpleNamespace(
-        model_type="llama", num_layers=30, num_sublayers=60, block_size=8, num_blocks=8,
-        sources_per_sublayer=[1, 9], output_sources=9, params_added=34_560, params_total=134_550_000, query_rank=0,
+        model_type="llama",
+        num_layers=30,
+        num_sublayers=60,
+        block_size=8,
+        num_blocks=8,
+        sources_per_sublayer=[1, 9],
+        output_sources=9,
+        params_added=34_560,
+        params_total=134_550_000,
+        query_rank=0,
     )
     report = SimpleNamespace(
-        tokens=256, dtype="float32", new_tokens=32, max_abs_logit_diff=1.2e-5, kl=3.4e-9, top1_agreement=1.0,
-        greedy_identical=True, first_divergence=None, passed=True,
+        tokens=256,
+        dtype="float32",
+        new_tokens=32,
+        max_abs_logit_diff=1.2e-5,
+        kl=3.4e-9,
+        top1_agreement=1.0,
+        greedy_identical=True,
+        first_divergence=None,
+        passed=True,
     )
     assert_unwrapped(render(cli.summary_table(summary)), "Block AttnRes structure", "34,560 (0.0257%)")
-    assert_unwrapped(render(cli.verification_table(report)), "Verification against the original (256 tokens, float32)", "PASS")
+    assert_unwrapped(
+        render(cli.verification_table(report)), "Verification against the original (256 tokens, float32)", "PASS"
+    )
 
 
 def test_depth_table_of_smollm2_shape_fits_80_columns():
@@ -251,14 +330,27 @@ def test_depth_table_of_smollm2_shape_fits_80_columns():
 
 def test_eval_and_finetune_tables_fit_80_columns():
     result = SimpleNamespace(
-        model="SmolLM2-135M-Instruct (embedded, SmolLM2-135M-Instruct.Q4_1.gguf)", converted=False, tokens=1023,
-        loss=3.2809, perplexity=26.601, sequences=4, seq_len=256, dtype="float32",
+        model="SmolLM2-135M-Instruct (embedded, SmolLM2-135M-Instruct.Q4_1.gguf)",
+        converted=False,
+        tokens=1023,
+        loss=3.2809,
+        perplexity=26.601,
+        sequences=4,
+        seq_len=256,
+        dtype="float32",
     )
     lines = render(cli.eval_table(result))
     assert_unwrapped(lines, "Held-out evaluation (4 x 256 tokens, float32)", "SmolLM2-135M-", "Q4_1.gguf)", "26.601")
     assert any("…" in line for line in lines)  # shortened in the middle, not wrapped
-    metrics = {"steps": 1000, "tokens": 1_024_000, "processes": 1, "eval_loss_start": 3.28, "eval_perplexity_start": 26.6,
-               "eval_loss": 3.01, "eval_perplexity": 20.3}
+    metrics = {
+        "steps": 1000,
+        "tokens": 1_024_000,
+        "processes": 1,
+        "eval_loss_start": 3.28,
+        "eval_perplexity_start": 26.6,
+        "eval_loss": 3.01,
+        "eval_perplexity": 20.3,
+    }
     assert_unwrapped(render(cli.finetune_table(metrics)), "Fine-tuned 1000 steps, 1,024,000 tokens (1 process)")
 
 
@@ -349,7 +441,9 @@ def test_library_bars_reach_our_display_while_quiet():
 
 
 def test_converting_prints_no_foreign_bar_or_warning(tmp_path, tiny_llama_folder):
-    result = runner.invoke(cli.app, ["convert", str(tiny_llama_folder), "-o", str(tmp_path / "out")], env={"COLUMNS": "80"})
+    result = runner.invoke(
+        cli.app, ["convert", str(tiny_llama_folder), "-o", str(tmp_path / "out")], env={"COLUMNS": "80"}
+    )
     assert result.exit_code == 0, result.output
     for noise in ("it/s]", "Warning", "warn(", "DynamicCache(", "Loading weights", "Writing model shards"):
         assert noise not in result.output, result.output
@@ -385,7 +479,11 @@ def test_ctrl_c_says_what_stopped_and_leaves_nothing(tmp_path, tiny_llama_folder
     env = {**os.environ, **ONE_THREAD_ENV, "PYTHONPATH": str(ROOT), "COLUMNS": "80"}
     process = subprocess.Popen(
         [sys.executable, "-m", "attnres_convert.cli", command, str(tiny_llama_folder), *args],
-        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
         preexec_fn=_sigint_as_in_a_terminal,
     )
     deadline = time.monotonic() + 60
@@ -422,7 +520,9 @@ def test_finetune_prints_the_whole_recipe_only_with_verbose(tmp_path):
     shown = {}
     for verbose in (False, True):
         console = Console(width=80, file=io.StringIO(), record=True, color_system=None)
-        recipe = parse_recipe(tiny_recipe(model, corpus, tmp_path / f"run-{verbose}", train={"steps": 2}, eval={"every": 0}))
+        recipe = parse_recipe(
+            tiny_recipe(model, corpus, tmp_path / f"run-{verbose}", train={"steps": 2}, eval={"every": 0})
+        )
         finetune(recipe, console=console, verbose=verbose)
         shown[verbose] = console.export_text()
     # The headline names the run folder, whose tmp path may be long enough to wrap the line anywhere: read it as
@@ -496,7 +596,9 @@ def test_recipes_validate_prints_a_verdict_and_the_recipe_only_with_show(monkeyp
     assert _yaml_of(text) == expected  # the whole screen is YAML: the verdict is a comment
     assert "# valid: quickstart-cpu" in text
     # Piped, in a fresh process at 80 columns: the same YAML, unwrapped by Rich.
-    result = _cli_in_subprocess(["recipes", "validate", "quickstart-cpu", "train.steps=7", "--show"], tmp_path, columns=80)
+    result = _cli_in_subprocess(
+        ["recipes", "validate", "quickstart-cpu", "train.steps=7", "--show"], tmp_path, columns=80
+    )
     assert result.returncode == 0, result.stderr
     assert _yaml_of(result.stdout) == expected
 
@@ -504,11 +606,22 @@ def test_recipes_validate_prints_a_verdict_and_the_recipe_only_with_show(monkeyp
 # ---------------------------------------------------------------- dtypes by their usual names
 
 
-@pytest.mark.parametrize("typed, meant", [
-    ("bf16", "bfloat16"), ("BF16", "bfloat16"), ("bfloat16", "bfloat16"), ("torch.bfloat16", "bfloat16"),
-    ("fp16", "float16"), ("half", "float16"), ("f16", "float16"), ("fp32", "float32"), ("float", "float32"),
-    ("float32", "float32"), ("auto", "auto"),
-])
+@pytest.mark.parametrize(
+    "typed, meant",
+    [
+        ("bf16", "bfloat16"),
+        ("BF16", "bfloat16"),
+        ("bfloat16", "bfloat16"),
+        ("torch.bfloat16", "bfloat16"),
+        ("fp16", "float16"),
+        ("half", "float16"),
+        ("f16", "float16"),
+        ("fp32", "float32"),
+        ("float", "float32"),
+        ("float32", "float32"),
+        ("auto", "auto"),
+    ],
+)
 def test_dtype_aliases_mean_the_dtype_everywhere_one_is_taken(typed, meant):
     from attnres_convert.conversion.options import ConvertOptions, canonical_dtype
     from attnres_convert.finetune.recipe import load_recipe
@@ -526,11 +639,14 @@ def test_mixed_precision_takes_the_dtype_names_too():
     assert load_recipe("quickstart-cpu", ["train.mixed_precision=float16"]).train.mixed_precision == "fp16"
 
 
-@pytest.mark.parametrize("args", [
-    ["convert", "--dtype", "bf17", "-o", "out"],
-    ["finetune", "quickstart-cpu", "model.dtype=bf17"],
-    ["recipes", "validate", "quickstart-cpu", "model.dtype=bf17"],
-])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["convert", "--dtype", "bf17", "-o", "out"],
+        ["finetune", "quickstart-cpu", "model.dtype=bf17"],
+        ["recipes", "validate", "quickstart-cpu", "model.dtype=bf17"],
+    ],
+)
 def test_a_wrong_dtype_is_answered_in_our_words(tmp_path, monkeypatch, args):
     monkeypatch.chdir(tmp_path)
     result = runner.invoke(cli.app, args)
@@ -544,7 +660,9 @@ def test_where_it_trains_is_said_in_words():
     from attnres_convert.finetune.training import where_it_trains
 
     assert where_it_trains("cpu", 1, "NO", "no") == "Training on cpu in 1 process, no mixed precision"
-    assert where_it_trains("cuda:0", 4, "FSDP", "bf16") == "Training on cuda:0 in 4 processes (FSDP), bf16 mixed precision"
+    assert (
+        where_it_trains("cuda:0", 4, "FSDP", "bf16") == "Training on cuda:0 in 4 processes (FSDP), bf16 mixed precision"
+    )
     assert where_it_trains("cpu", 2, "MULTI_CPU", "no") == "Training on cpu in 2 processes (DDP), no mixed precision"
 
 
@@ -604,27 +722,47 @@ def test_ctrl_c_names_the_stage_it_stopped_with_no_blank_line(monkeypatch, earli
 
 
 def test_bench_says_how_long_before_it_starts():
-    from attnres_convert.analysis.bench_settings import PACE_S, SETUP_S, MEMORY_S, BenchSettings, estimate, quick_settings
+    from attnres_convert.analysis.bench_settings import (
+        MEMORY_S,
+        PACE_S,
+        SETUP_S,
+        BenchSettings,
+        estimate,
+        quick_settings,
+    )
 
     idle = estimate(BenchSettings(threads=1), embedded=True, cores=2, load=0.5)
     round_s = 2 * sum(PACE_S.values())  # 1 thread, the default sizes: the measured pace
     total = SETUP_S + 6 * round_s + MEMORY_S
-    assert f"about {total / 60:.0f} min with 1 thread(s), 6 rounds (one a warm-up) of about {round_s:.0f} s" in idle, idle
+    assert f"about {total / 60:.0f} min with 1 thread(s), 6 rounds (one a warm-up) of about {round_s:.0f} s" in idle, (
+        idle
+    )
     assert "busy" not in idle and "--quick" in idle
     busy = estimate(BenchSettings(), embedded=True, cores=2, load=7.3)
     assert "This machine is busy (load average 7.3 on 2 cores)" in busy
     other = estimate(BenchSettings(), embedded=False, cores=2, load=0.1)
     assert "one of the embedded SmolLM2-135M would take about" in other and "bigger model" in other
     quick = quick_settings(BenchSettings())
-    assert (quick.rounds, quick.seq_len, quick.decode_tokens, quick.measure) == (1, 128, 16, ("prefill", "decode", "train"))
+    assert (quick.rounds, quick.seq_len, quick.decode_tokens, quick.measure) == (
+        1,
+        128,
+        16,
+        ("prefill", "decode", "train"),
+    )
     assert quick_settings(BenchSettings(seq_len=256, measure=("prefill",))).seq_len == 256  # what the user set stays
     assert "--quick" not in estimate(quick, embedded=True, cores=2, load=0.1)
     assert estimate(quick, embedded=True, cores=2) < idle or True
     assert "rounds (one a warm-up) of about" in estimate(quick, embedded=True, cores=2)
 
 
-@pytest.mark.parametrize("source", ["", "/models/Meta-Llama-3.1-8B-Instruct-Q4_K_M-imatrix-long-name.gguf",
-                                    "some-organisation-name/a-rather-long-model-repository-name-v2"])
+@pytest.mark.parametrize(
+    "source",
+    [
+        "",
+        "/models/Meta-Llama-3.1-8B-Instruct-Q4_K_M-imatrix-long-name.gguf",
+        "some-organisation-name/a-rather-long-model-repository-name-v2",
+    ],
+)
 def test_bench_stage_lines_are_whole_piped_at_80_columns(tmp_path, source):
     from rich.progress import Progress
 
@@ -633,11 +771,21 @@ def test_bench_stage_lines_are_whole_piped_at_80_columns(tmp_path, source):
     from attnres_convert.io.paths import ModelSource
 
     kind = "default" if not source else ("gguf" if source.endswith(".gguf") else "hub")
-    model = ModelSource(kind, str(Path(source).parent) if kind == "gguf" else source or "/x",
-                        Path(source).name if kind == "gguf" else ("SmolLM2-135M-Instruct.Q4_1.gguf" if kind == "default" else None),
-                        given=source or None)
-    names = [saving_stage(model), "Converting", "Loading both models", "prefill", "decode", "train step",
-             "peak memory of a training step (a process per model)"]
+    model = ModelSource(
+        kind,
+        str(Path(source).parent) if kind == "gguf" else source or "/x",
+        Path(source).name if kind == "gguf" else ("SmolLM2-135M-Instruct.Q4_1.gguf" if kind == "default" else None),
+        given=source or None,
+    )
+    names = [
+        saving_stage(model),
+        "Converting",
+        "Loading both models",
+        "prefill",
+        "decode",
+        "train step",
+        "peak memory of a training step (a process per model)",
+    ]
     console = Console(width=80, file=io.StringIO(), color_system=None)  # piped: Rich crops a line at the width
     progress = Progress(*stage_columns(), console=console)
     for name in names:
@@ -678,13 +826,20 @@ def test_ctrl_c_after_convert_finished_exits_0_saying_the_output_is_complete(tmp
     env = {**os.environ, **ONE_THREAD_ENV, "PYTHONPATH": str(ROOT), "COLUMNS": "200"}
     done = subprocess.run(
         [sys.executable, "-c", _CTRL_C_AFTER, moment, "convert", str(tiny_llama_folder), "-o", str(out)],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, preexec_fn=_sigint_as_in_a_terminal,
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        preexec_fn=_sigint_as_in_a_terminal,
     )
     assert done.returncode == 0, (done.returncode, done.stdout, done.stderr)
     assert "Saved" in done.stdout and (out / "config.json").is_file()
     assert "Traceback" not in done.stderr and "Aborted" not in done.stderr, done.stderr
     if moment == "after-saved":
-        assert f"note: Ctrl-C after the command had finished: {out} is complete; nothing was undone." in done.stderr, done.stderr
+        assert f"note: Ctrl-C after the command had finished: {out} is complete; nothing was undone." in done.stderr, (
+            done.stderr
+        )
 
 
 # ---------------------------------------------------------------- piped: plain lines, no frames
@@ -700,7 +855,11 @@ def test_piped_stage_lines_are_plain_even_where_colour_is_forced(tmp_path, tiny_
     env.pop("TTY_INTERACTIVE", None)
     done = subprocess.run(
         [sys.executable, "-m", "attnres_convert", "convert", str(tiny_llama_folder), "-o", str(tmp_path / "out")],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert done.returncode == 0, done.stderr
     assert not SPINNER & set(done.stderr), f"spinner frames in piped output:\n{done.stderr}"
@@ -719,15 +878,25 @@ def test_finetune_bar_and_summary_give_the_same_throughput_and_say_what_it_count
     which says what is counted (training steps) and what is not (loading, evaluation, checkpoints)."""
     from finetune_helpers import tiny_model_folder, tiny_recipe, write_corpus, write_recipe
 
-    recipe = write_recipe(tmp_path / "recipe.yaml", tiny_recipe(
-        tiny_model_folder(tmp_path / "tiny"), write_corpus(tmp_path / "corpus"), tmp_path / "run",
-        train={"steps": 4}, eval={"every": 2, "max_sequences": 4}, checkpoint={"every": 2, "keep_last": 1},
-    ))
+    recipe = write_recipe(
+        tmp_path / "recipe.yaml",
+        tiny_recipe(
+            tiny_model_folder(tmp_path / "tiny"),
+            write_corpus(tmp_path / "corpus"),
+            tmp_path / "run",
+            train={"steps": 4},
+            eval={"every": 2, "max_sequences": 4},
+            checkpoint={"every": 2, "keep_last": 1},
+        ),
+    )
     result = runner.invoke(cli.app, ["finetune", str(recipe)], env={"COLUMNS": "80"})
     assert result.exit_code == 0, result.output
     bar = re.findall(r"step 4/4 .* ([\d,]+) tok/s", result.output)
-    summary = re.search(r"training throughput: ([\d,]+) tokens/s \(([\d,]+) tokens in ([\d.,]+) s of training steps; "
-                        r"loading, evaluation and checkpoints not counted\)", " ".join(result.output.split()))
+    summary = re.search(
+        r"training throughput: ([\d,]+) tokens/s \(([\d,]+) tokens in ([\d.,]+) s of training steps; "
+        r"loading, evaluation and checkpoints not counted\)",
+        " ".join(result.output.split()),
+    )
     assert bar and summary, result.output
     assert bar[-1] == summary.group(1), result.output
     tokens, seconds = int(summary.group(2).replace(",", "")), float(summary.group(3).replace(",", ""))
@@ -744,12 +913,19 @@ def test_recipes_list_says_a_from_scratch_recipe_trains_a_random_model():
     lines = result.output.splitlines()
     for name in ("ab-scratch-cpu", "ab-retrofit-cpu"):
         line = next(line for line in lines if line.startswith(f"{name}:"))
-        assert line.startswith(f"{name}: random 24-layer d=128 model (config: embedded SmolLM2), bytes tokenizer, trains full"), line
+        assert line.startswith(
+            f"{name}: random 24-layer d=128 model (config: embedded SmolLM2), bytes tokenizer, trains full"
+        ), line
     assert any(line.startswith("quickstart-cpu: embedded SmolLM2, trains lora") for line in lines), result.output
     from attnres_convert.finetune.recipe import load_recipe
 
-    assert load_recipe("ab-scratch-cpu").headline().startswith(
-        "Fine-tuning random 24-layer d=128 model (config: the embedded SmolLM2-135M-Instruct), bytes tokenizer on shakespeare:*")
+    assert (
+        load_recipe("ab-scratch-cpu")
+        .headline()
+        .startswith(
+            "Fine-tuning random 24-layer d=128 model (config: the embedded SmolLM2-135M-Instruct), bytes tokenizer on shakespeare:*"
+        )
+    )
 
 
 # ---------------------------------------------------------------- finetune on the CPU: torch threads
@@ -772,20 +948,33 @@ def test_finetune_says_its_torch_threads_and_gives_the_process_its_own_back(tmp_
     import torch
     from finetune_helpers import tiny_model_folder, tiny_recipe, write_corpus, write_recipe
 
-    recipe = write_recipe(tmp_path / "recipe.yaml", tiny_recipe(
-        tiny_model_folder(tmp_path / "tiny"), write_corpus(tmp_path / "corpus"), tmp_path / "run", train={"steps": 2},
-    ))
+    recipe = write_recipe(
+        tmp_path / "recipe.yaml",
+        tiny_recipe(
+            tiny_model_folder(tmp_path / "tiny"),
+            write_corpus(tmp_path / "corpus"),
+            tmp_path / "run",
+            train={"steps": 2},
+        ),
+    )
     before = torch.get_num_threads()
     result = runner.invoke(cli.app, ["finetune", str(recipe)], env={"COLUMNS": "200", "OMP_NUM_THREADS": "2"})
     assert result.exit_code == 0, result.output
-    assert "Training on cpu in 1 process, no mixed precision, 2 torch threads (OMP_NUM_THREADS)" in result.output, result.output
+    assert "Training on cpu in 1 process, no mixed precision, 2 torch threads (OMP_NUM_THREADS)" in result.output, (
+        result.output
+    )
     assert torch.get_num_threads() == before
-    result = runner.invoke(cli.app, ["finetune", str(recipe), "output.overwrite=true"], env={"COLUMNS": "200", "OMP_NUM_THREADS": None})
+    result = runner.invoke(
+        cli.app, ["finetune", str(recipe), "output.overwrite=true"], env={"COLUMNS": "200", "OMP_NUM_THREADS": None}
+    )
     assert result.exit_code == 0, result.output
     from attnres_convert.io.threads import usable_cores
 
-    assert re.search(rf"no mixed precision, \d+ torch threads? \({usable_cores()} cores, [\d.]+ of them busy \(busy over 0.5 s\): "
-                     r"one per idle core; OMP_NUM_THREADS sets it\)", result.output), result.output
+    assert re.search(
+        rf"no mixed precision, \d+ torch threads? \({usable_cores()} cores, [\d.]+ of them busy \(busy over 0.5 s\): "
+        r"one per idle core; OMP_NUM_THREADS sets it\)",
+        result.output,
+    ), result.output
     assert torch.get_num_threads() == before
 
 
@@ -796,11 +985,20 @@ def test_convert_computes_on_the_idle_cores_and_says_so_when_fewer_than_all(tmp_
     from attnres_convert.io.threads import usable_cores
 
     before = torch.get_num_threads()
-    result = runner.invoke(cli.app, ["convert", str(tiny_llama_folder), "-o", str(tmp_path / "a")], env={"COLUMNS": "200", "OMP_NUM_THREADS": "1"})
+    result = runner.invoke(
+        cli.app,
+        ["convert", str(tiny_llama_folder), "-o", str(tmp_path / "a")],
+        env={"COLUMNS": "200", "OMP_NUM_THREADS": "1"},
+    )
     assert result.exit_code == 0, result.output
     assert ("1 torch thread (OMP_NUM_THREADS)" in result.output) == (usable_cores() > 1), result.output
     assert torch.get_num_threads() == before
-    result = runner.invoke(cli.app, ["convert", str(tiny_llama_folder), "-o", str(tmp_path / "b"), "--verbose"],
-                           env={"COLUMNS": "200", "OMP_NUM_THREADS": None})
+    result = runner.invoke(
+        cli.app,
+        ["convert", str(tiny_llama_folder), "-o", str(tmp_path / "b"), "--verbose"],
+        env={"COLUMNS": "200", "OMP_NUM_THREADS": None},
+    )
     assert result.exit_code == 0, result.output
-    assert re.search(rf"\d+ torch threads? \({usable_cores()} cores, [\d.]+ of them busy \(busy over 0.5 s\)", result.output), result.output
+    assert re.search(
+        rf"\d+ torch threads? \({usable_cores()} cores, [\d.]+ of them busy \(busy over 0.5 s\)", result.output
+    ), result.output

@@ -2,9 +2,9 @@
 
 import torch
 import torch._dynamo as dynamo
+from tiny_models import tiny_model, token_ids
 
 from attnres_convert.conversion.surgery import convert_model
-from tiny_models import tiny_model, token_ids
 
 
 def _breaks(model, ids, grad: bool):

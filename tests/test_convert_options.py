@@ -7,10 +7,10 @@ import json
 
 import pytest
 import typer
+from reliability_helpers import leftovers, run_cli, save_tiny
 
 from attnres_convert import ConvertOptions, OptionsError, convert
 from attnres_convert.cli import app
-from reliability_helpers import leftovers, run_cli, save_tiny
 
 
 def convert_command():

@@ -66,9 +66,18 @@ def test_refusals_say_why(report):
 
 # Model types whose refusal is a limit of AttnRes itself, by the mechanism that makes them so: the only refusals.
 DESIGN_REFUSALS = (
-    "encoder", "post-norm", "hyper-connections", "several residual streams", "not a sum of sublayer outputs",
-    "not a causal LM on its own", "its own attention residuals", "not one decoder stack", "not a PreNorm sublayer",
-    "reversible", "a delayed add has no equivalent", "not one step of one residual stream",
+    "encoder",
+    "post-norm",
+    "hyper-connections",
+    "several residual streams",
+    "not a sum of sublayer outputs",
+    "not a causal LM on its own",
+    "its own attention residuals",
+    "not one decoder stack",
+    "not a PreNorm sublayer",
+    "reversible",
+    "a delayed add has no equivalent",
+    "not one step of one residual stream",
     "every reader of its stream is a scale-invariant norm",
 )
 
@@ -78,8 +87,11 @@ def test_every_model_type_builds_and_every_refusal_is_a_design_refusal(report):
     types = [row for row in report.rows if not row.variant]
     assert not [row.label for row in types if row.status == "not built"]
     assert len(report.converted_types()) >= 130
-    undesigned = {row.label: row.detail for row in report.rows if row.status == "refused"
-                  and not any(reason in row.detail for reason in DESIGN_REFUSALS)}
+    undesigned = {
+        row.label: row.detail
+        for row in report.rows
+        if row.status == "refused" and not any(reason in row.detail for reason in DESIGN_REFUSALS)
+    }
     assert not undesigned, undesigned
 
 
@@ -103,10 +115,13 @@ def test_the_summary_counts_model_types_and_variants_apart(monkeypatch):
 
     from attnres_convert import cli
 
-    rows = [coverage.CoverageRow("llama", "", "converted", "x", 0.1), coverage.CoverageRow("olmo2", "", "refused", "y", 0.1),
-            coverage.CoverageRow("gpt2", "", "converted", "z", 0.1),
-            coverage.CoverageRow("llama", "tied head", "converted", "x", 0.1),
-            coverage.CoverageRow("gemma3", "sliding", "refused", "y", 0.1)]
+    rows = [
+        coverage.CoverageRow("llama", "", "converted", "x", 0.1),
+        coverage.CoverageRow("olmo2", "", "refused", "y", 0.1),
+        coverage.CoverageRow("gpt2", "", "converted", "z", 0.1),
+        coverage.CoverageRow("llama", "tied head", "converted", "x", 0.1),
+        coverage.CoverageRow("gemma3", "sliding", "refused", "y", 0.1),
+    ]
     report = coverage.CoverageReport(rows, transformers.__version__)
     assert report.summary() == "3 model types: 2 converted, 1 refused, 0 not built; 2 config variants: 1 converted"
     monkeypatch.setattr(coverage, "walk", lambda *args, **kwargs: report)

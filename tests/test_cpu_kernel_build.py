@@ -129,7 +129,11 @@ def test_a_live_build_is_waited_for_at_most_the_timeout_then_named(fresh_build, 
         holder.wait()
     error = outcome["error"]
     assert isinstance(error, depth_kernels_cpu.BuildLockTimeout)
-    assert "waited 1 s" in str(error) and depth_kernels_cpu.LOCK_NAME in str(error) and "ATTNRES_BUILD_TIMEOUT" in str(error)
+    assert (
+        "waited 1 s" in str(error)
+        and depth_kernels_cpu.LOCK_NAME in str(error)
+        and "ATTNRES_BUILD_TIMEOUT" in str(error)
+    )
     assert 1 <= waited < 10
     assert fresh_build == [] and depth_kernels_cpu._BUILT == []
     assert _build_in_thread(10) == {"value": "built"}  # the holder is gone: the lock is free again
@@ -167,5 +171,7 @@ def test_another_build_failure_is_not_taken_for_missing_openmp(fresh_build, monk
         raise OSError("c++: command not found")
 
     monkeypatch.setattr("torch.utils.cpp_extension.load_inline", no_compiler)
-    with pytest.raises(RuntimeError, match=r"building the C\+\+ depth-mix kernels failed .*command not found.*unset ATTNRES_KERNEL"):
+    with pytest.raises(
+        RuntimeError, match=r"building the C\+\+ depth-mix kernels failed .*command not found.*unset ATTNRES_KERNEL"
+    ):
         depth_kernels_cpu.build()

@@ -15,14 +15,14 @@ from pathlib import Path
 import pytest
 import torch
 import torch.utils.cpp_extension
-
-from attnres_convert.depth_controls import record_depth_weights
-from attnres_convert import convert_model, save_converted
-from attnres_convert import kernels as depth_backends
-from attnres_convert.kernels import cpu as depth_kernels_cpu
-from attnres_convert.kernels.step import StepBuffer
 from test_structure import _reference_llama
 from tiny_models import CONFIGS, randomize_queries, tiny_model, token_ids
+
+from attnres_convert import convert_model, save_converted
+from attnres_convert import kernels as depth_backends
+from attnres_convert.depth_controls import record_depth_weights
+from attnres_convert.kernels import cpu as depth_kernels_cpu
+from attnres_convert.kernels.step import StepBuffer
 
 if shutil.which("c++") is None and shutil.which("g++") is None:
     pytest.skip("no C++ compiler (c++ or g++) to build the CPU kernels with", allow_module_level=True)
@@ -142,8 +142,11 @@ def test_a_converted_folder_runs_the_installed_cpu_kernels(tmp_path):
     assert not list(folder.glob("*.cpp"))
     assert sorted(path.name for path in folder.glob("*.py")) == ["configuration_attnres.py", "modeling_attnres.py"]
     # The folder's own classes (AutoModelForCausalLM would pick the package's, registered in this process).
-    loaded = get_class_from_dynamic_module("modeling_attnres.AttnResForCausalLM", str(folder)).from_pretrained(
-        folder, dtype=torch.float32).eval()
+    loaded = (
+        get_class_from_dynamic_module("modeling_attnres.AttnResForCausalLM", str(folder))
+        .from_pretrained(folder, dtype=torch.float32)
+        .eval()
+    )
     assert "transformers_modules" in type(loaded).__module__, type(loaded).__module__
     ids = token_ids(2, MANY)
     with torch.no_grad():
@@ -205,7 +208,9 @@ def test_selection_errors(monkeypatch):
     bf16 = _model(4).to(torch.bfloat16)
     with torch.no_grad(), pytest.raises(RuntimeError, match=r"ATTNRES_KERNEL=cpu runs float32 models .*torch.bfloat16"):
         bf16(ids)
-    rank = _eager(monkeypatch, lambda: convert_model(tiny_model("llama", num_hidden_layers=LAYERS), block_size=4, query_rank=2))
+    rank = _eager(
+        monkeypatch, lambda: convert_model(tiny_model("llama", num_hidden_layers=LAYERS), block_size=4, query_rank=2)
+    )
     with torch.no_grad(), pytest.raises(RuntimeError, match="ATTNRES_KERNEL=cpu: .*depend on each token"):
         rank(ids)
     monkeypatch.setenv("ATTNRES_KERNEL", "auto")
@@ -217,7 +222,10 @@ def test_selection_errors(monkeypatch):
     monkeypatch.setenv("ATTNRES_KERNEL", "cpu")
     monkeypatch.setattr(depth_kernels_cpu, "_BUILT", [])
     monkeypatch.setattr("torch.utils.cpp_extension.load_inline", broken)
-    with torch.no_grad(), pytest.raises(RuntimeError, match=r"building the C\+\+ .*command not found.*unset ATTNRES_KERNEL"):
+    with (
+        torch.no_grad(),
+        pytest.raises(RuntimeError, match=r"building the C\+\+ .*command not found.*unset ATTNRES_KERNEL"),
+    ):
         _model(4)(ids)
 
 
@@ -379,8 +387,24 @@ def test_a_layer_norm_family_at_zero_queries():
 
 
 # Norms the C++ readers fuse: the Llama-style RMSNorms. Not fused: Gemma's (1 + weight) and the LayerNorms.
-FUSED_NORMS = {"llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "phi3", "granite", "glm4", "gemma4_text", "gemma4_moe", "deepseek_v3", "mamba", "jamba",
-               "falcon_h1", "xlstm"}
+FUSED_NORMS = {
+    "llama",
+    "mistral",
+    "mixtral",
+    "qwen2",
+    "qwen3",
+    "qwen3_moe",
+    "phi3",
+    "granite",
+    "glm4",
+    "gemma4_text",
+    "gemma4_moe",
+    "deepseek_v3",
+    "mamba",
+    "jamba",
+    "falcon_h1",
+    "xlstm",
+}
 # transformers' RWKV decodes a batch of several sequences wrongly itself (tests/test_hybrids.py): one sequence.
 ONE_SEQUENCE = {"rwkv"}
 

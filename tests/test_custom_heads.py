@@ -6,15 +6,14 @@ tell (two heads to the vocabulary, nested in a module of their own), the head is
 returns as its logits."""
 
 import pytest
-
 import torch
+from remote_code_model.configuration_tiny_prenorm import TinyPreNormConfig
+from remote_code_model.modeling_tiny_prenorm import TinyPreNormModel
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from attnres_convert.conversion.surgery import convert_model
-from remote_code_model.configuration_tiny_prenorm import TinyPreNormConfig
-from remote_code_model.modeling_tiny_prenorm import TinyPreNormModel
 
 
 class OwnNamesForCausalLM(PreTrainedModel, GenerationMixin):
@@ -33,11 +32,27 @@ class OwnNamesForCausalLM(PreTrainedModel, GenerationMixin):
     def get_output_embeddings(self):
         return None
 
-    def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, past_key_values=None,
-                inputs_embeds=None, use_cache=None, logits_to_keep=0, **kwargs):
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        position_ids=None,
+        cache=None,
+        past_key_values=None,
+        inputs_embeds=None,
+        use_cache=None,
+        logits_to_keep=0,
+        **kwargs,
+    ):
         past_key_values = cache if cache is not None else past_key_values
-        out = self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                            past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache)
+        out = self.backbone(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+        )
         hidden = out.last_hidden_state
         logits = self.to_logits(hidden[:, -logits_to_keep:] if logits_to_keep else hidden)
         return CausalLMOutputWithPast(logits=logits, past_key_values=out.past_key_values)
@@ -50,10 +65,12 @@ class TwoHeadsForCausalLM(OwnNamesForCausalLM):
     def __init__(self, config):
         PreTrainedModel.__init__(self, config)
         self.backbone = TinyPreNormModel(config)
-        self.heads = nn.ModuleDict({
-            "draft": nn.Linear(config.hidden_size, config.vocab_size, bias=False),
-            "next": nn.Linear(config.hidden_size, config.vocab_size, bias=False),
-        })
+        self.heads = nn.ModuleDict(
+            {
+                "draft": nn.Linear(config.hidden_size, config.vocab_size, bias=False),
+                "next": nn.Linear(config.hidden_size, config.vocab_size, bias=False),
+            }
+        )
         self.post_init()
 
     @property
@@ -62,8 +79,9 @@ class TwoHeadsForCausalLM(OwnNamesForCausalLM):
 
 
 def _model(cls=OwnNamesForCausalLM):
-    config = TinyPreNormConfig(vocab_size=96, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
-                               intermediate_size=64)
+    config = TinyPreNormConfig(
+        vocab_size=96, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=64
+    )
     config.n_blocks = config.num_hidden_layers  # its own key as well
     torch.manual_seed(0)
     model = cls(config).eval()
@@ -79,11 +97,18 @@ def test_head_and_stack_are_found_without_get_output_embeddings():
     ids = torch.randint(0, 96, (1, 10), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         logits = original(ids).logits
-    tokens = original.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False, pad_token_id=0)
+    tokens = original.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False, pad_token_id=0
+    )
 
     converted = convert_model(_model(), block_size=2).eval()
     plan = converted._attnres_plan
-    assert (plan.base_model, plan.layers, plan.lm_head, plan.final_norm) == ("backbone", "blocks", "to_logits", "final_norm")
+    assert (plan.base_model, plan.layers, plan.lm_head, plan.final_norm) == (
+        "backbone",
+        "blocks",
+        "to_logits",
+        "final_norm",
+    )
     with torch.no_grad():
         assert (converted(ids).logits - logits).abs().max().item() <= 1e-4
     kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False, pad_token_id=0)
@@ -117,7 +142,10 @@ def test_no_head_that_makes_the_logits_is_refused_with_the_reason():
             hidden = out.last_hidden_state
             return CausalLMOutputWithPast(logits=self.heads["next"](hidden) + self.heads["draft"](hidden))
 
-    with pytest.raises(UnsupportedModelError, match="names no LM head: get_output_embeddings returns none and not exactly one .* no single one of its Linear modules outputs the model.s logits"):
+    with pytest.raises(
+        UnsupportedModelError,
+        match="names no LM head: get_output_embeddings returns none and not exactly one .* no single one of its Linear modules outputs the model.s logits",
+    ):
         convert_model(_model(ScaledByHand), block_size=2)
 
 

@@ -5,10 +5,10 @@ import copy
 
 import pytest
 import torch
+from tiny_models import randomize_queries, tiny_model, token_ids
 
 from attnres_convert.conversion.surgery import convert_model
 from attnres_convert.depth_controls import set_depth_gate
-from tiny_models import randomize_queries, tiny_model, token_ids
 
 
 def _trained_pair():

@@ -5,12 +5,9 @@ import threading
 
 import pytest
 import torch
+import transformers as T
+from tiny_models import tiny_model, token_ids
 
-from attnres_convert.conversion import discovery
-from attnres_convert.conversion.proof import prove
-from attnres_convert.conversion.single_thread import run_single_threaded
-from attnres_convert.conversion.surgery import convert_model
-from attnres_convert.conversion.trace import trace_model
 from attnres_convert.architectures import (
     FAMILIES,
     ModelPlan,
@@ -22,8 +19,11 @@ from attnres_convert.architectures import (
     sublayer_to_dict,
     uniform_plan,
 )
-from tiny_models import tiny_model, token_ids
-import transformers as T
+from attnres_convert.conversion import discovery
+from attnres_convert.conversion.proof import prove
+from attnres_convert.conversion.single_thread import run_single_threaded
+from attnres_convert.conversion.surgery import convert_model
+from attnres_convert.conversion.trace import trace_model
 
 LLAMA = next(family for family in FAMILIES if family.name == "llama")
 
@@ -92,12 +92,15 @@ def test_a_layer_that_does_more_than_its_sublayers_is_refused_naming_layer_subla
 
 def test_post_norm_is_refused_by_discovery_itself():
     """OLMo-2 is refused by the table before anything runs; discovery alone says why too."""
-    config = T.Olmo2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                           vocab_size=128)
+    config = T.Olmo2Config(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=128
+    )
     model = T.AutoModelForCausalLM.from_config(config).eval()
     where = locate(model)
     trace = trace_model(model, where)
-    with pytest.raises(UnsupportedModelError, match=r"decoder layer 0: the residual stream is read by `self_attn`.*post-norm"):
+    with pytest.raises(
+        UnsupportedModelError, match=r"decoder layer 0: the residual stream is read by `self_attn`.*post-norm"
+    ):
         discovery.discovered_plan(model, where, trace, {})
 
 
@@ -210,7 +213,7 @@ def test_a_layer_that_scales_its_stream_converts_exactly():
 
 
 def test_stream_scales_are_the_products_of_the_earlier_layer_scalars():
-    from attnres_convert.architectures import ModelPlan, Branch
+    from attnres_convert.architectures import Branch, ModelPlan
 
     plan = uniform_plan(3, (Sublayer("mlp", (Branch("norm", "mlp"),)),), 1e-6, layer_scalars=(0.5, 4.0, 3.0))
     assert plan.stream_scales() == ((1.0, 0.5, 2.0), 6.0)
@@ -225,8 +228,10 @@ def test_gemma4_moe_block_is_one_sublayer_with_a_side_router_and_a_norm_of_its_s
 
     converted = convert_model(tiny_model("gemma4_moe"), block_size=3)
     moe = converted._attnres_plan.sublayers(0)[1]
-    assert describe(moe) == ("(pre_feedforward_layernorm -> mlp -> post_feedforward_layernorm_1 + pre_feedforward_layernorm_2 "
-                              "-> experts(router) -> post_feedforward_layernorm_2) -> post_feedforward_layernorm")
+    assert describe(moe) == (
+        "(pre_feedforward_layernorm -> mlp -> post_feedforward_layernorm_1 + pre_feedforward_layernorm_2 "
+        "-> experts(router) -> post_feedforward_layernorm_2) -> post_feedforward_layernorm"
+    )
     assert moe.name == "mlp" and moe.post == ("post_feedforward_layernorm",) and moe.side == (("router", True),)
     assert [b.flat for b in moe.branches] == [False, True]
     assert dict(moe.branches[1].arguments) == {"top_k_index": "<output:router:2>", "top_k_weights": "<output:router:1>"}

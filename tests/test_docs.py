@@ -69,7 +69,7 @@ def _command_lines(text: str):
         for line in block.replace("\\\n", " ").splitlines():
             line = line.strip().removeprefix("$ ")
             if line.startswith("attnres "):
-                yield line[len("attnres "):]
+                yield line[len("attnres ") :]
             elif "$(which attnres) " in line:
                 yield line.split("$(which attnres) ", 1)[1]
 
@@ -80,9 +80,7 @@ def _options(command) -> set[str]:
 
 def _positional_words(command, words: list[str]) -> list[str]:
     """WORDS without the options and the values they take (an option takes one value per occurrence)."""
-    takes_value = {
-        opt for p in command.params if p.param_type_name == "option" and not p.is_flag for opt in p.opts
-    }
+    takes_value = {opt for p in command.params if p.param_type_name == "option" and not p.is_flag for opt in p.opts}
     positional, skip = [], False
     for word in words:
         if skip:
@@ -112,7 +110,7 @@ def test_command_lines_in_the_docs_use_real_commands_and_options():
             positional = _positional_words(command, words)
             arguments = [p for p in command.params if p.param_type_name == "argument"]
             if not any(p.nargs == -1 for p in arguments):
-                assert len(positional) <= len(arguments), f"{where}: extra argument(s) {positional[len(arguments):]}"
+                assert len(positional) <= len(arguments), f"{where}: extra argument(s) {positional[len(arguments) :]}"
             checked += 1
     assert checked >= 10  # the pages do show commands; a broken extraction must not pass silently
 

@@ -27,10 +27,16 @@ pytestmark = pytest.mark.slow
 def earlier_folder(tmp_path_factory) -> Path:
     """A tiny Llama converted by the earlier release's package (its tree from git, run in a child process)."""
     root = tmp_path_factory.mktemp("earlier")
-    archive = subprocess.run(["git", "archive", EARLIER_RELEASE, "attnres_convert"], cwd=REPOSITORY,
-                             capture_output=True, stdin=subprocess.DEVNULL)
+    archive = subprocess.run(
+        ["git", "archive", EARLIER_RELEASE, "attnres_convert"],
+        cwd=REPOSITORY,
+        capture_output=True,
+        stdin=subprocess.DEVNULL,
+    )
     if archive.returncode != 0:
-        pytest.skip(f"this checkout has no commit {EARLIER_RELEASE} (a shallow clone?): {archive.stderr.decode()[:200]}")
+        pytest.skip(
+            f"this checkout has no commit {EARLIER_RELEASE} (a shallow clone?): {archive.stderr.decode()[:200]}"
+        )
     (root / "package").mkdir()
     subprocess.run(["tar", "-x", "-C", str(root / "package")], input=archive.stdout, check=True)
     folder = root / "folder"
@@ -52,8 +58,9 @@ def earlier_folder(tmp_path_factory) -> Path:
         save_converted(model, {str(folder)!r})
         """
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                            cwd=root, stdin=subprocess.DEVNULL)
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=root, stdin=subprocess.DEVNULL
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return folder
 
@@ -102,8 +109,21 @@ def test_upgrade_re_saves_an_earlier_folder_exactly_with_two_code_files(earlier_
     before = _own_code_logits(earlier_folder)
     out = tmp_path / "upgraded"
     result = subprocess.run(
-        [sys.executable, "-m", "attnres_convert", "upgrade", str(earlier_folder), "-o", str(out), "--trust-remote-code"],
-        capture_output=True, text=True, timeout=600, cwd=REPOSITORY, stdin=subprocess.DEVNULL,
+        [
+            sys.executable,
+            "-m",
+            "attnres_convert",
+            "upgrade",
+            str(earlier_folder),
+            "-o",
+            str(out),
+            "--trust-remote-code",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=REPOSITORY,
+        stdin=subprocess.DEVNULL,
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     assert "logits equal to the folder's own code" in " ".join(result.stdout.split())
@@ -114,13 +134,19 @@ def test_upgrade_re_saves_an_earlier_folder_exactly_with_two_code_files(earlier_
     # Loaded where attnres is not installed, the new folder runs its built-in buffer, which sums the few tokens'
     # sources in another order than the earlier code's token-major one: float32 rounding apart.
     torch.testing.assert_close(_own_code_logits(out), before, rtol=1e-4, atol=1e-4)
-    assert sorted(p.name for p in earlier_folder.iterdir() if p.suffix == ".cpp") == ["depth_kernels_cpu.cpp"]  # untouched
+    assert sorted(p.name for p in earlier_folder.iterdir() if p.suffix == ".cpp") == [
+        "depth_kernels_cpu.cpp"
+    ]  # untouched
 
 
 def test_upgrade_runs_folder_code_only_with_consent_and_names_the_flag(earlier_folder, tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "attnres_convert", "upgrade", str(earlier_folder), "-o", str(tmp_path / "out")],
-        capture_output=True, text=True, timeout=300, cwd=REPOSITORY, stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPOSITORY,
+        stdin=subprocess.DEVNULL,
     )
     assert result.returncode == 2
     assert "pass --trust-remote-code" in " ".join((result.stdout + result.stderr).split())

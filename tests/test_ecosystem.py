@@ -9,10 +9,10 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from tiny_models import save_plain_and_converted, tiny_model, token_ids
 from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
 
 from attnres_convert import convert_model, load_converted, save_converted
-from tiny_models import save_plain_and_converted, tiny_model, token_ids
 
 PROMPT = "To be, or not to be, that is the question:"
 
@@ -25,7 +25,9 @@ def tokenizer(smollm2_folder):
 @pytest.fixture(scope="module")
 def folders(tokenizer, tmp_path_factory):
     """A tiny Llama with SmolLM2's vocabulary, saved plain and converted, each with the tokenizer."""
-    ids = dict(pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
+    ids = dict(
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id
+    )
     base = tiny_model("llama", vocab_size=len(tokenizer), tie_word_embeddings=True, **ids)
     return save_plain_and_converted(base, tokenizer, tmp_path_factory.mktemp("ecosystem"), block_size=2)
 
@@ -35,7 +37,9 @@ def test_text_generation_pipeline(folders):
     generator = pipeline("text-generation", model=str(converted), trust_remote_code=True)
     assert type(generator.model).__name__ == "AttnResForCausalLM"
     out = generator(PROMPT, max_new_tokens=12, do_sample=False)[0]["generated_text"]
-    reference = pipeline("text-generation", model=str(plain))(PROMPT, max_new_tokens=12, do_sample=False)[0]["generated_text"]
+    reference = pipeline("text-generation", model=str(plain))(PROMPT, max_new_tokens=12, do_sample=False)[0][
+        "generated_text"
+    ]
     assert out.startswith(PROMPT) and len(out) > len(PROMPT)
     assert out == reference  # the converted model is the original until trained
     if generator.tokenizer.pad_token_id is None:  # transformers 5.16.1 reads no pad token from the GGUF's tokenizer

@@ -8,14 +8,14 @@ import math
 
 import pytest
 import torch
+from tiny_models import save_plain_and_converted, tiny_model
 from transformers import AutoTokenizer
 from typer.testing import CliRunner
 
 from attnres_convert import convert_model, save_converted
 from attnres_convert.analysis.evaluate import EvalError, evaluate, evaluation_sequences
-from attnres_convert.io.samples import SAMPLE_TEXT
 from attnres_convert.cli import app
-from tiny_models import save_plain_and_converted, tiny_model
+from attnres_convert.io.samples import SAMPLE_TEXT
 
 runner = CliRunner()
 
@@ -43,19 +43,25 @@ def test_plain_and_converted_score_the_same_as_transformers(setup):
     assert converted.loss == pytest.approx(plain.loss, abs=1e-5)
     # transformers' own loss (mean over each sequence's 63 predictions; all sequences are full)
     with torch.no_grad():
-        reference = base(torch.from_numpy(sequences.tokens).long(), labels=torch.from_numpy(sequences.tokens).long()).loss
+        reference = base(
+            torch.from_numpy(sequences.tokens).long(), labels=torch.from_numpy(sequences.tokens).long()
+        ).loss
     assert plain.loss == pytest.approx(reference.item(), rel=1e-5)
     assert plain.perplexity == pytest.approx(math.exp(plain.loss))
 
 
 def test_cli_json_and_table(setup):
     root, _, _, text = setup
-    result = runner.invoke(app, ["eval", str(root / "attnres"), "--data", str(text), "--seq-len", "32", "--max-tokens", "200", "--json"])
+    result = runner.invoke(
+        app, ["eval", str(root / "attnres"), "--data", str(text), "--seq-len", "32", "--max-tokens", "200", "--json"]
+    )
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
     assert data["converted"] is True and data["seq_len"] == 32 and data["sequences"] == 200 // 32
     assert data["tokens"] == 6 * 31 and data["perplexity"] == pytest.approx(math.exp(data["loss"]))
-    table = runner.invoke(app, ["eval", str(root / "plain"), "--data", str(text), "--seq-len", "32", "--batch-size", "4"])
+    table = runner.invoke(
+        app, ["eval", str(root / "plain"), "--data", str(text), "--seq-len", "32", "--batch-size", "4"]
+    )
     assert table.exit_code == 0 and "perplexity" in table.output and f"{data['loss']:.4f}"[:3] in table.output
 
 

@@ -5,9 +5,9 @@ import copy
 
 import pytest
 import torch
+from tiny_models import CONFIGS, tiny_model, token_ids
 
 from attnres_convert.conversion.surgery import convert_model, resolve_block_size, structure_of_model
-from tiny_models import CONFIGS, tiny_model, token_ids
 
 FAMILIES = sorted(CONFIGS)
 

@@ -11,13 +11,13 @@ bf16 conversion are saved, and a Python without this package loads both folders 
 
 import pytest
 import torch
+from test_save_load import run_isolated
+from tiny_models import randomize_queries, tiny_model, token_ids
 from transformers import AutoModelForCausalLM
 
 from attnres_convert import save_converted
 from attnres_convert.conversion.surgery import convert_model
 from attnres_convert.conversion.verify import capture_reference, compare
-from test_save_load import run_isolated
-from tiny_models import randomize_queries, tiny_model, token_ids
 
 REPRESENTATIVES = {
     "deepseek_v3": "MoE with a shared expert after a dense first layer (layers of two kinds), latent attention",

@@ -18,20 +18,25 @@ import time
 from pathlib import Path
 
 import pytest
-
 from reliability_helpers import ONE_THREAD_ENV, ROOT, convert_in_child, forkserver_context, snapshot
 
-
-STAGES = ("Reading config", "Loading model", "Running the original model", "Converting",
-          "Verifying against the original", "Saving")
+STAGES = (
+    "Reading config",
+    "Loading model",
+    "Running the original model",
+    "Converting",
+    "Verifying against the original",
+    "Saving",
+)
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     """A tiny Llama with a 32k vocabulary (16 MB of weights: saving takes long enough to be hit), the complete
     output of converting it with S = 3 (the new output) and with S = 2 (the previous output)."""
-    from attnres_convert import convert
     from tiny_models import tiny_model
+
+    from attnres_convert import convert
 
     root = tmp_path_factory.mktemp("faults")
     source = root / "base"
@@ -39,8 +44,13 @@ def models(tmp_path_factory):
     # The in-memory path (load, convert, save_pretrained); test_big_checkpoints kills the streamed one.
     convert(str(source), root / "reference-new", block_size=3, verify=False, stream=False)
     convert(str(source), root / "reference-old", block_size=2, verify=False, stream=False)
-    return {"root": root, "source": source, "new": snapshot(root / "reference-new"),
-            "old_folder": root / "reference-old", "old": snapshot(root / "reference-old")}
+    return {
+        "root": root,
+        "source": source,
+        "new": snapshot(root / "reference-new"),
+        "old_folder": root / "reference-old",
+        "old": snapshot(root / "reference-old"),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +67,9 @@ def assert_old_or_complete_new(out: Path, models, previous) -> str:
     state = snapshot(out)
     if state == previous:
         return "old" if previous else "absent"
-    assert state == models["new"], f"{out} is neither the previous output nor a complete new one: {state and sorted(state)}"
+    assert state == models["new"], (
+        f"{out} is neither the previous output nor a complete new one: {state and sorted(state)}"
+    )
     return "new"
 
 
@@ -131,8 +143,13 @@ def test_sigkill_at_any_moment_keeps_the_previous_output(tmp_path, models, forks
 
 def test_sigkill_without_a_previous_output_leaves_nothing(tmp_path, models, forkserver):
     out = tmp_path / "fresh" / "out"
-    triggers = [("stage", ("Converting", 0.0)), ("stage", ("Saving", 0.0)), ("stage", ("Saving", 0.03)),
-                ("file", "model.safetensors"), ("file", "README.md")]
+    triggers = [
+        ("stage", ("Converting", 0.0)),
+        ("stage", ("Saving", 0.0)),
+        ("stage", ("Saving", 0.03)),
+        ("file", "model.safetensors"),
+        ("file", "README.md"),
+    ]
     for trigger in triggers:
         _kill_at(forkserver, models, out, trigger, verify=False)
         outcome = assert_old_or_complete_new(out, models, None)
@@ -214,10 +231,26 @@ def _run_and_signal(out: Path, source: Path, sig: int) -> tuple[subprocess.Compl
     """`attnres convert SOURCE -o OUT --overwrite --no-verify --no-stream` (the in-memory path, as the reference
     outputs were written), sent SIG as soon as its temporary folder appears."""
     process = subprocess.Popen(
-        [sys.executable, "-c", "import sys; from attnres_convert.cli import main; sys.exit(main())", "convert", str(source), "-o",
-         str(out), "--overwrite", "--no-verify", "--block-size", "3", "--no-stream"],
-        cwd=ROOT, env={**os.environ, **ONE_THREAD_ENV}, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL,
+        [
+            sys.executable,
+            "-c",
+            "import sys; from attnres_convert.cli import main; sys.exit(main())",
+            "convert",
+            str(source),
+            "-o",
+            str(out),
+            "--overwrite",
+            "--no-verify",
+            "--block-size",
+            "3",
+            "--no-stream",
+        ],
+        cwd=ROOT,
+        env={**os.environ, **ONE_THREAD_ENV},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        stdin=subprocess.DEVNULL,
     )
     deadline, hit = time.monotonic() + 120, False
     while time.monotonic() < deadline and process.poll() is None:
@@ -262,8 +295,9 @@ def test_disk_full_while_saving(tmp_path, models, monkeypatch, previous):
     import errno
     import shutil
 
-    from attnres_convert.io import saving
     from reliability_helpers import assert_user_error, run_cli
+
+    from attnres_convert.io import saving
 
     def disk_full(model, folder, tokenizer=None, extra=None, max_shard_size=None):
         (folder / "model.safetensors").write_bytes(b"\0" * 1000)
@@ -273,7 +307,9 @@ def test_disk_full_while_saving(tmp_path, models, monkeypatch, previous):
     out = tmp_path / "out"
     if previous:
         shutil.copytree(models["old_folder"], out)
-    result = run_cli("convert", models["source"], "-o", out, "--overwrite", "--no-verify", "--block-size", "3", "--no-stream")
+    result = run_cli(
+        "convert", models["source"], "-o", out, "--overwrite", "--no-verify", "--block-size", "3", "--no-stream"
+    )
     assert_user_error(result, str(out), "No space left on device", "nothing was written there", "free disk space")
     assert snapshot(out) == (models["old"] if previous else None)
     assert partials(out) == []

@@ -17,11 +17,9 @@ import time
 from pathlib import Path
 
 import pytest
-from safetensors.torch import load_file
-
 from finetune_helpers import tiny_model_folder, tiny_recipe, write_corpus, write_recipe
 from reliability_helpers import ONE_THREAD_ENV, ROOT, finetune_in_child, forkserver_context, run_cli, squash
-
+from safetensors.torch import load_file
 
 STEPS, EVERY = 10, 3
 
@@ -91,7 +89,9 @@ def _last_logged_step(out: Path) -> int:
 
 
 @pytest.mark.parametrize("kill_after_step", [2, 5, 7])
-def test_sigkill_then_resume_loses_at_most_the_steps_since_the_last_checkpoint(tmp_path, setup, reference, kill_after_step):
+def test_sigkill_then_resume_loses_at_most_the_steps_since_the_last_checkpoint(
+    tmp_path, setup, reference, kill_after_step
+):
     context = forkserver_context()
     out = tmp_path / "run"
     recipe = _recipe(tmp_path / "recipe.yaml", setup, out)
@@ -111,7 +111,11 @@ def test_sigkill_then_resume_loses_at_most_the_steps_since_the_last_checkpoint(t
     losses = _train_losses(out)
     assert sorted(losses) == list(range(1, STEPS + 1))
     for step in range(1, STEPS + 1):  # the same losses as the uninterrupted run, before and after the kill
-        assert math.isclose(losses[step], reference[step], rel_tol=1e-5, abs_tol=1e-6), (step, losses[step], reference[step])
+        assert math.isclose(losses[step], reference[step], rel_tol=1e-5, abs_tol=1e-6), (
+            step,
+            losses[step],
+            reference[step],
+        )
     assert (out / "model" / "model.safetensors").is_file()
 
 
@@ -126,8 +130,11 @@ def test_sigkill_while_writing_a_checkpoint(tmp_path, setup, reference):
     def writing_a_checkpoint() -> bool:
         """A checkpoint after the first is half-written (so a complete one exists to resume from)."""
         try:
-            return any(p.name.startswith(".") and p.name.endswith(".partial") and any(p.iterdir()) for p in folder.iterdir()
-                       if p.name != ".step-0000001.partial")
+            return any(
+                p.name.startswith(".") and p.name.endswith(".partial") and any(p.iterdir())
+                for p in folder.iterdir()
+                if p.name != ".step-0000001.partial"
+            )
         except OSError:
             return False
 
@@ -161,9 +168,19 @@ def test_sigint_saves_a_checkpoint_and_exits_cleanly(tmp_path, setup, reference,
     out = tmp_path / "run"
     recipe = _recipe(tmp_path / "recipe.yaml", setup, out, checkpoint={"every": 0, "keep_last": 2})
     process = subprocess.Popen(
-        [sys.executable, "-c", "import sys; from attnres_convert.cli import main; sys.exit(main())", "finetune", str(recipe)],
-        cwd=ROOT, env={**os.environ, **ONE_THREAD_ENV}, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL,
+        [
+            sys.executable,
+            "-c",
+            "import sys; from attnres_convert.cli import main; sys.exit(main())",
+            "finetune",
+            str(recipe),
+        ],
+        cwd=ROOT,
+        env={**os.environ, **ONE_THREAD_ENV},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        stdin=subprocess.DEVNULL,
     )
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline and process.poll() is None and _last_logged_step(out) < 2:
@@ -193,9 +210,13 @@ def test_non_finite_loss_stops_naming_the_step(tmp_path, setup):
     import torch
 
     out = tmp_path / "run"
-    recipe = _recipe(tmp_path / "recipe.yaml", setup, out,
-                     train={"lr": 1e6, "attnres_lr": 1e6, "max_grad_norm": None, "warmup_steps": 0, "schedule": "constant"},
-                     checkpoint={"every": 1, "keep_last": 5})
+    recipe = _recipe(
+        tmp_path / "recipe.yaml",
+        setup,
+        out,
+        train={"lr": 1e6, "attnres_lr": 1e6, "max_grad_norm": None, "warmup_steps": 0, "schedule": "constant"},
+        checkpoint={"every": 1, "keep_last": 5},
+    )
     result = run_cli("finetune", recipe)
     assert result.exit_code == 1, result.output
     flat = " ".join(result.output.split())
@@ -258,12 +279,26 @@ def test_sigint_of_a_run_replacing_an_earlier_one_keeps_it(tmp_path, setup, refe
     before = _earlier_run(setup, out)
     recipe = _recipe(tmp_path / "recipe.yaml", setup, out, output={"overwrite": True})
     process = subprocess.Popen(
-        [sys.executable, "-c", "import sys; from attnres_convert.cli import main; sys.exit(main())", "finetune", str(recipe)],
-        cwd=ROOT, env={**os.environ, **ONE_THREAD_ENV}, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL,
+        [
+            sys.executable,
+            "-c",
+            "import sys; from attnres_convert.cli import main; sys.exit(main())",
+            "finetune",
+            str(recipe),
+        ],
+        cwd=ROOT,
+        env={**os.environ, **ONE_THREAD_ENV},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        stdin=subprocess.DEVNULL,
     )
     deadline = time.monotonic() + 180
-    while time.monotonic() < deadline and process.poll() is None and not any(_last_logged_step(p) >= 2 for p in _staged(out)):
+    while (
+        time.monotonic() < deadline
+        and process.poll() is None
+        and not any(_last_logged_step(p) >= 2 for p in _staged(out))
+    ):
         time.sleep(0.001)
     process.send_signal(signal.SIGINT)
     stdout, stderr = process.communicate(timeout=120)
@@ -323,7 +358,9 @@ def test_ctrl_c_during_the_first_evaluation_then_a_plain_rerun_starts_over(tmp_p
     monkeypatch.undo()
     again = run_cli("finetune", recipe)
     assert again.exit_code == 0, again.output
-    assert squash(f"{out} holds a run stopped before its first checkpoint (nothing to resume): starting it over") in squash(again.output)
+    assert squash(
+        f"{out} holds a run stopped before its first checkpoint (nothing to resume): starting it over"
+    ) in squash(again.output)
     assert _train_losses(out) == pytest.approx(reference, rel=1e-5, abs=1e-6)
 
 
@@ -331,8 +368,8 @@ def test_ctrl_c_before_training_after_an_earlier_checkpoint_names_it(tmp_path, s
     """A second run of a folder that holds a checkpoint, stopped while loading (--resume): the message names that
     checkpoint and how to continue from it."""
     from attnres_convert.finetune import training
-    from attnres_convert.finetune.training import TrainingInterrupted, finetune
     from attnres_convert.finetune.recipe import load_recipe
+    from attnres_convert.finetune.training import TrainingInterrupted, finetune
 
     out = tmp_path / "run"
     recipe = _recipe(tmp_path / "recipe.yaml", setup, out)
@@ -343,4 +380,6 @@ def test_ctrl_c_before_training_after_an_earlier_checkpoint_names_it(tmp_path, s
     assert result.exit_code == 130, result.output
     message = squash(result.output)
     last = out / "checkpoints" / f"step-{EVERY:07d}"
-    assert squash(f"this stop saved no checkpoint; the last one is {last} (--resume continues from it)") in message, result.output
+    assert squash(f"this stop saved no checkpoint; the last one is {last} (--resume continues from it)") in message, (
+        result.output
+    )

@@ -27,7 +27,9 @@ import torch
 if os.environ.get("TRITON_INTERPRET") != "1":  # conftest sets it: the kernels run on CPU in the interpreter
     pytest.skip("TRITON_INTERPRET is not 1: no GPU kernels to run on CPU", allow_module_level=True)
 pytest.importorskip("triton", reason="the kernel tests need triton (make test installs it)")
-pytest.importorskip("fla.ops.attnres", reason="fla-core is not installed (make install installs it: pip install 'attnres[cuda]')")
+pytest.importorskip(
+    "fla.ops.attnres", reason="fla-core is not installed (make install installs it: pip install 'attnres[cuda]')"
+)
 
 from attnres_convert.kernels.fla import FlaState, fla_fits, fla_mix_function  # noqa: E402
 from attnres_convert.modeling.modeling_attnres import BlockState, depth_mix, inverse_rms  # noqa: E402
@@ -101,13 +103,15 @@ def _states(sources, partial, dtype):
 # The gradients are float32 on both sides from the same bfloat16 cotangent; the partial's is rounded to bfloat16.
 TOLERANCE = {
     torch.float32: {"mix": (2e-5, 1e-5), "grad": (5e-5, 1e-4)},
-    torch.bfloat16: {"mix": (2 ** -6, 2 ** -7), "grad": (1e-4, 1e-4), "partial": (1e-2, 2 ** -7)},
+    torch.bfloat16: {"mix": (2**-6, 2**-7), "grad": (1e-4, 1e-4), "partial": (1e-2, 2**-7)},
 }
 
 
 def _reference(sources, partial, query, key_norm, scaling):
     """The mix in float64 from the leaves: design section 2's formula."""
-    keys = torch.stack([s.detach().double() for s in sources] + ([partial.detach().double()] if partial is not None else []))
+    keys = torch.stack(
+        [s.detach().double() for s in sources] + ([partial.detach().double()] if partial is not None else [])
+    )
     q = query.detach().double().reshape(-1) * key_norm.detach().double()
     scores = (keys @ q) * torch.rsqrt(keys.square().mean(-1) + EPS)
     mixed = (torch.softmax(scores, dim=0)[..., None] * keys).sum(0)
@@ -134,7 +138,7 @@ def test_fla_mix_and_gradients_match_the_eager_path(interpreted_fla, dtype, scal
     atol, rtol = TOLERANCE[dtype]["mix"]
     torch.testing.assert_close(got, want, atol=atol * max(want.abs().max().item(), 1.0), rtol=rtol)
     reference = _reference(sources, part, query, key_norm, scaling)
-    one_rounding = 2 ** -8 if dtype == torch.bfloat16 else 1e-6  # fla's float32 mix, rounded once to dtype
+    one_rounding = 2**-8 if dtype == torch.bfloat16 else 1e-6  # fla's float32 mix, rounded once to dtype
     torch.testing.assert_close(got.double(), reference, atol=1e-5, rtol=one_rounding)
     names = ["query", "key_norm"] + [f"source {i}" for i in range(len(sources))] + ["partial"] * (part is not None)
     for name, g, w in zip(names, got_grads, want_grads):

@@ -40,12 +40,16 @@ def _query_grads(named) -> dict[str, list[float]]:
 
 
 def _wrap(model, variant: str):
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing, checkpoint_wrapper
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        apply_activation_checkpointing,
+        checkpoint_wrapper,
+    )
 
     layer_cls = type(model.model.layers[0])
     if "checkpoint" in variant:
         apply_activation_checkpointing(
-            model, checkpoint_wrapper_fn=lambda m: checkpoint_wrapper(m, preserve_rng_state=False),
+            model,
+            checkpoint_wrapper_fn=lambda m: checkpoint_wrapper(m, preserve_rng_state=False),
             check_fn=lambda m: isinstance(m, layer_cls),
         )
     if variant.startswith("fsdp2"):
@@ -58,8 +62,9 @@ def _wrap(model, variant: str):
         from torch.distributed.fsdp import FullyShardedDataParallel
         from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-        model = FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({layer_cls}), device_id=torch.device("cpu"),
-                                         use_orig_params=True)
+        model = FullyShardedDataParallel(
+            model, auto_wrap_policy=ModuleWrapPolicy({layer_cls}), device_id=torch.device("cpu"), use_orig_params=True
+        )
     return model
 
 
@@ -121,7 +126,9 @@ def _train_step(model, variant: str, ids: torch.Tensor, world: int) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="torch.distributed with gloo is not available")
+@pytest.mark.skipif(
+    not dist.is_available() or not dist.is_gloo_available(), reason="torch.distributed with gloo is not available"
+)
 def test_fsdp_and_checkpoint_wrappers_match_one_process(tmp_path):
     mp.spawn(_worker, args=(2, str(tmp_path / "init"), str(tmp_path / "out.json")), nprocs=2, join=True)
     results = json.loads((tmp_path / "out.json").read_text())

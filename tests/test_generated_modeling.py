@@ -18,8 +18,14 @@ MAX_COLUMNS = 120
 
 def test_the_modeling_file_is_what_its_sources_generate():
     assert generate.TARGET.read_text() == generate.generate(), f"stale: run `{generate.COMMAND}`"
-    check = subprocess.run([sys.executable, "-m", "attnres_convert.modeling.generate", "--check"], capture_output=True,
-                           text=True, timeout=120, cwd=generate.HERE.parent.parent, stdin=subprocess.DEVNULL)
+    check = subprocess.run(
+        [sys.executable, "-m", "attnres_convert.modeling.generate", "--check"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=generate.HERE.parent.parent,
+        stdin=subprocess.DEVNULL,
+    )
     assert check.returncode == 0, check.stderr
 
 
@@ -33,8 +39,12 @@ def test_the_shipped_code_is_two_files_within_the_line_and_column_limits():
     texts = {name: (generate.HERE / name).read_text() for name in SHIPPED_CODE}
     lines = sum(len(text.splitlines()) for text in texts.values())
     assert lines <= MAX_SHIPPED_LINES, f"{lines} lines shipped: move out what running the model does not need"
-    wide = [f"{name}:{number}" for name, text in texts.items() for number, line in enumerate(text.splitlines(), 1)
-            if len(line) > MAX_COLUMNS]
+    wide = [
+        f"{name}:{number}"
+        for name, text in texts.items()
+        for number, line in enumerate(text.splitlines(), 1)
+        if len(line) > MAX_COLUMNS
+    ]
     assert wide == [], f"lines over {MAX_COLUMNS} columns: {wide}"
 
 

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from reliability_helpers import sharded_tensors
 from safetensors.torch import load_file
 
 from attnres_convert import convert_model
-from reliability_helpers import sharded_tensors
 
 pytestmark = pytest.mark.slow
 
@@ -41,8 +41,13 @@ def test_gguf_streams_tensor_by_tensor_to_the_in_memory_result(smollm2_path, smo
     if not Path("/proc/self/clear_refs").exists():
         pytest.skip("needs Linux's /proc/self/clear_refs to measure a peak RSS from a point in time")
     out = tmp_path / "out"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
-    run = subprocess.run([sys.executable, "-c", PROBE, str(smollm2_path), str(out)], capture_output=True, text=True, env=env, timeout=600)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")]),
+    }
+    run = subprocess.run(
+        [sys.executable, "-c", PROBE, str(smollm2_path), str(out)], capture_output=True, text=True, env=env, timeout=600
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     grown = json.loads(run.stdout.strip().splitlines()[-1])["grown"]
 
@@ -50,7 +55,9 @@ def test_gguf_streams_tensor_by_tensor_to_the_in_memory_result(smollm2_path, smo
     dequantised = load_file(smollm2_folder / "model.safetensors")
     model_bytes = sum(t.nbytes for t in dequantised.values())
     largest = max(t.nbytes for t in dequantised.values())
-    print(f"dequantised model {model_bytes / 1e6:.0f} MB, largest tensor {largest / 1e6:.0f} MB, peak RSS grew by {grown / 1e6:.0f} MB")
+    print(
+        f"dequantised model {model_bytes / 1e6:.0f} MB, largest tensor {largest / 1e6:.0f} MB, peak RSS grew by {grown / 1e6:.0f} MB"
+    )
     # One tensor at a time, plus transformers' parse of the GGUF's metadata and tokenizer (~0.2 GB, transient).
     assert grown < largest + 250e6 and grown < 0.6 * model_bytes, grown
 
@@ -80,13 +87,17 @@ def test_gguf_streams_tensor_by_tensor_to_the_in_memory_result(smollm2_path, smo
 def test_a_gguf_the_stream_cannot_map_says_why(smollm2_path, monkeypatch):
     """An architecture transformers converts with its newer pipeline is not streamed; convert falls back to memory
     with this reason in its warning."""
-    from attnres_convert.io.sources import load_config, resolve_source
     from attnres_convert.conversion.streaming import stream_input
     from attnres_convert.io.shards import NotStreamable
+    from attnres_convert.io.sources import load_config, resolve_source
     from attnres_convert.transformers_compat import SINCE, has
 
-    if not has("is_gguf_arch_supported"):  # every GGUF streams: see test_gguf_streams_tensor_by_tensor_to_the_in_memory_result
-        pytest.skip(f"transformers {transformers.__version__} has no GGUF weight-conversion pipeline (since {SINCE['is_gguf_arch_supported'][0]})")
+    if not has(
+        "is_gguf_arch_supported"
+    ):  # every GGUF streams: see test_gguf_streams_tensor_by_tensor_to_the_in_memory_result
+        pytest.skip(
+            f"transformers {transformers.__version__} has no GGUF weight-conversion pipeline (since {SINCE['is_gguf_arch_supported'][0]})"
+        )
     import transformers.integrations.gguf.utils as gguf_utils
 
     source = resolve_source(str(smollm2_path))
@@ -123,8 +134,17 @@ def test_a_gguf_converted_in_memory_saves_no_quantisation_config(smollm2_path, t
 
 # Model types of transformers' tensor-by-tensor GGUF loader, with the architecture their GGUF files name.
 GGUF_ARCHITECTURES = {
-    "llama": "llama", "qwen2": "qwen2", "gpt2": "gpt2", "bloom": "bloom", "gemma2": "gemma2", "gemma3_text": "gemma3",
-    "qwen2_moe": "qwen2moe", "nemotron": "nemotron", "mamba": "mamba", "falcon": "falcon", "cohere": "command-r",
+    "llama": "llama",
+    "qwen2": "qwen2",
+    "gpt2": "gpt2",
+    "bloom": "bloom",
+    "gemma2": "gemma2",
+    "gemma3_text": "gemma3",
+    "qwen2_moe": "qwen2moe",
+    "nemotron": "nemotron",
+    "mamba": "mamba",
+    "falcon": "falcon",
+    "cohere": "command-r",
 }
 
 

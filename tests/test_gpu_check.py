@@ -20,9 +20,18 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_the_deadline_records_what_it_leaves_out(tmp_path):
     lines = []
-    report = run_check("cpu", quick=True, out=tmp_path, deadline_s=REPORT_RESERVE_S + 1, stages=["environment", "models"],
-                       say=lines.append)
-    assert [(s["name"], s["status"]) for s in report["stages"]] == [("environment", "not reached"), ("models", "not reached")]
+    report = run_check(
+        "cpu",
+        quick=True,
+        out=tmp_path,
+        deadline_s=REPORT_RESERVE_S + 1,
+        stages=["environment", "models"],
+        say=lines.append,
+    )
+    assert [(s["name"], s["status"]) for s in report["stages"]] == [
+        ("environment", "not reached"),
+        ("models", "not reached"),
+    ]
     assert all("before the deadline" in s["error"] for s in report["stages"])
     assert json.loads((tmp_path / "gpu-check.json").read_text())["stages"] == report["stages"]
     markdown = (tmp_path / "gpu-check.md").read_text()
@@ -46,14 +55,29 @@ def test_a_failing_stage_records_its_error_and_the_next_one_runs(tmp_path, monke
     def no_tool(check, limit):
         raise StageSkipped("pytest is not installed")
 
-    monkeypatch.setattr(gpu_check, "STAGES", [Stage("broken", 30, broken), Stage("partial", 30, partial),
-                                              Stage("fine", 30, fine), Stage("short", 30, short), Stage("no-tool", 30, no_tool), Stage("gpu", 30, fine, cuda_only="needs CUDA")])
+    monkeypatch.setattr(
+        gpu_check,
+        "STAGES",
+        [
+            Stage("broken", 30, broken),
+            Stage("partial", 30, partial),
+            Stage("fine", 30, fine),
+            Stage("short", 30, short),
+            Stage("no-tool", 30, no_tool),
+            Stage("gpu", 30, fine, cuda_only="needs CUDA"),
+        ],
+    )
     report = run_check("cpu", quick=True, out=tmp_path, deadline_s=600, say=lambda line: None)
     stages = {s["name"]: s for s in report["stages"]}
     assert stages["broken"]["status"] == "failed" and stages["broken"]["error"] == "ZeroDivisionError: division by zero"
     assert stages["partial"]["status"] == "failed" and stages["partial"]["result"] == {"rows": [1, 2, 3]}
-    assert stages["fine"]["status"] == "ok" and stages["fine"]["result"]["limit"] == 30  # its budget, inside the deadline
-    assert stages["short"]["status"] == "partial" and stages["short"]["error"] == "budget spent before: llama-3.2-1b bfloat16"
+    assert (
+        stages["fine"]["status"] == "ok" and stages["fine"]["result"]["limit"] == 30
+    )  # its budget, inside the deadline
+    assert (
+        stages["short"]["status"] == "partial"
+        and stages["short"]["error"] == "budget spent before: llama-3.2-1b bfloat16"
+    )
     assert stages["no-tool"]["status"] == "skipped" and stages["no-tool"]["error"] == "pytest is not installed"
     assert stages["gpu"]["status"] == "skipped" and stages["gpu"]["error"] == "CUDA only: needs CUDA"
     assert "ZeroDivisionError" in (tmp_path / "gpu-check.log").read_text()  # the traceback, for the details
@@ -68,8 +92,20 @@ def test_quick_cpu_check_runs_every_stage_and_reports_sane_numbers(tmp_path):
     out = tmp_path / "report"
     env = dict(os.environ, OMP_NUM_THREADS="1")
     done = subprocess.run(
-        ["make", "--no-print-directory", "gpu-check", "DEVICE=cpu", "QUICK=1", f"PYTHON={sys.executable}", f"GPU_CHECK_OUT={out}"],
-        cwd=ROOT, capture_output=True, text=True, timeout=1200, env=env,
+        [
+            "make",
+            "--no-print-directory",
+            "gpu-check",
+            "DEVICE=cpu",
+            "QUICK=1",
+            f"PYTHON={sys.executable}",
+            f"GPU_CHECK_OUT={out}",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+        env=env,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads((out / "gpu-check.json").read_text())
@@ -84,7 +120,9 @@ def test_quick_cpu_check_runs_every_stage_and_reports_sane_numbers(tmp_path):
     assert all(packages[name] for name in ("torch", "transformers", "accelerate", "typer", "rich"))
 
     rows = stages["exactness"]["result"]["rows"]
-    assert {(r["model"], r["dtype"]) for r in rows} == {(m, d) for m in ("smollm2-135m", "llama-3.2-1b") for d in ("float32", "bfloat16")}
+    assert {(r["model"], r["dtype"]) for r in rows} == {
+        (m, d) for m in ("smollm2-135m", "llama-3.2-1b") for d in ("float32", "bfloat16")
+    }
     for row in rows:
         assert row["passed"] and row["greedy_identical"] and row["top1_agreement"] == 1.0, row
         if row["dtype"] == "float32":

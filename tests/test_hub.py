@@ -11,17 +11,17 @@ import socket
 
 import pytest
 import torch
+from fake_hub import PUBLIC, FakeHub
 from huggingface_hub import constants
+from tiny_models import tiny_model, token_ids
 from transformers import AutoModelForCausalLM
 from typer.testing import CliRunner
 
 from attnres_convert import convert
+from attnres_convert.cli import app
 from attnres_convert.errors import scrub
 from attnres_convert.hub.push import HubError, check_push_ready, push_folder
 from attnres_convert.modeling import SHIPPED_CODE
-from attnres_convert.cli import app
-from fake_hub import PUBLIC, FakeHub
-from tiny_models import tiny_model, token_ids
 
 TOKEN = "hf_FakeTokenForTests0123456789abcdefXYZ"
 # What a pushed converted folder holds: the weights, configs, card, conversion record and the shipped code.
@@ -107,8 +107,11 @@ def test_cli_push_reads_the_login_cache_and_never_shows_the_token(hub, converted
     assert repo.commits[-1]["header"]["summary"] == "first"
     # The token travels in the Authorization header of hub calls, and nowhere else.
     # The reachability check (HEAD of the endpoint's root) is not a hub call and carries no token.
-    hub_calls = [r for r in hub.requests
-                 if not r.path.startswith("/lfs-upload/") and r.path not in PUBLIC and (r.method, r.path) != ("HEAD", "/")]
+    hub_calls = [
+        r
+        for r in hub.requests
+        if not r.path.startswith("/lfs-upload/") and r.path not in PUBLIC and (r.method, r.path) != ("HEAD", "/")
+    ]
     assert all("authorization" not in r.headers for r in hub.requests if (r.method, r.path) == ("HEAD", "/"))
     assert hub_calls and all(r.headers.get("authorization") == f"Bearer {TOKEN}" for r in hub_calls)
     assert not any(TOKEN.encode() in r.body for r in hub.requests)
@@ -147,7 +150,9 @@ def test_convert_push_to_hub(hub, tiny_llama_folder, tmp_path, monkeypatch):
 def test_convert_push_offline_keeps_the_saved_folder(hub, tiny_llama_folder, tmp_path, monkeypatch):
     monkeypatch.setattr(constants, "ENDPOINT", _closed_port_endpoint())
     out = tmp_path / "out"
-    result = runner.invoke(app, ["convert", str(tiny_llama_folder), "-o", str(out), "--push-to-hub", "a/b", "--token", TOKEN])
+    result = runner.invoke(
+        app, ["convert", str(tiny_llama_folder), "-o", str(out), "--push-to-hub", "a/b", "--token", TOKEN]
+    )
     assert result.exit_code == 2
     assert "unreachable" in result.output and "saved locally" in " ".join(result.output.split())
     assert check_push_ready(out)  # the folder is complete, ready for a later `attnres push`
@@ -171,7 +176,12 @@ def test_incomplete_folder_is_refused_before_any_request(hub, converted, tmp_pat
     with pytest.raises(HubError) as error:
         push_folder(folder, "alice/x", token=TOKEN)
     message = str(error.value)
-    for expected in ("modeling_attnres.py is missing", "model-00001-of-00002.safetensors is truncated", "no vocabulary", "front matter"):
+    for expected in (
+        "modeling_attnres.py is missing",
+        "model-00001-of-00002.safetensors is truncated",
+        "no vocabulary",
+        "front matter",
+    ):
         assert expected in message
     assert "nothing was uploaded" in message and hub.requests == []
 
@@ -183,7 +193,12 @@ def test_plain_model_folder_needs_a_card_then_pushes(hub, tiny_llama_folder, tmp
         push_folder(folder, "alice/baseline", token=TOKEN)
     (folder / "README.md").write_text("---\nlibrary_name: transformers\ntags: [attnres-baseline]\n---\n# baseline\n")
     push_folder(folder, "alice/baseline", token=TOKEN)
-    assert set(hub.files("alice/baseline")) == {"config.json", "generation_config.json", "model.safetensors", "README.md"}
+    assert set(hub.files("alice/baseline")) == {
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "README.md",
+    }
     (folder / "config.json").write_text("{}")
     with pytest.raises(HubError, match="no model_type"):
         push_folder(folder, "alice/baseline", token=TOKEN)

@@ -15,7 +15,16 @@ from fake_hub import FakeHub
 
 ROOT = Path(__file__).resolve().parent.parent
 CHECK = "from attnres_convert.io.hub_access import hub_reachable; print('REACHABLE', hub_reachable())"
-PROXY_VARIABLES = ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "NO_PROXY", "http_proxy", "https_proxy", "all_proxy", "no_proxy")
+PROXY_VARIABLES = (
+    "HTTP_PROXY",
+    "HTTPS_PROXY",
+    "ALL_PROXY",
+    "NO_PROXY",
+    "http_proxy",
+    "https_proxy",
+    "all_proxy",
+    "no_proxy",
+)
 
 
 def reachable(env: dict) -> tuple[bool, float]:
@@ -23,8 +32,9 @@ def reachable(env: dict) -> tuple[bool, float]:
     full = {key: value for key, value in os.environ.items() if key not in PROXY_VARIABLES}
     full.update({"PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "0", **env})
     start = time.monotonic()
-    run = subprocess.run([sys.executable, "-c", CHECK], capture_output=True, text=True, env=full, timeout=120,
-                         stdin=subprocess.DEVNULL)
+    run = subprocess.run(
+        [sys.executable, "-c", CHECK], capture_output=True, text=True, env=full, timeout=120, stdin=subprocess.DEVNULL
+    )
     assert run.returncode == 0, run.stderr[-2000:]
     return json.loads(run.stdout.split("REACHABLE ")[-1].strip().lower()), time.monotonic() - start
 

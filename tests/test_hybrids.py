@@ -16,13 +16,13 @@ import json
 
 import pytest
 import torch
+from test_save_load import run_isolated
+from tiny_models import tiny_model, token_ids
 
 from attnres_convert import save_converted
 from attnres_convert.conversion import stream_settings
-from attnres_convert.conversion.surgery import convert_model
 from attnres_convert.conversion.coverage import LOGIT_TOLERANCE  # 1e-4, as the coverage table
-from test_save_load import run_isolated
-from tiny_models import tiny_model, token_ids
+from attnres_convert.conversion.surgery import convert_model
 
 pytestmark = pytest.mark.slow  # each case saves a folder and loads it in a fresh Python
 
@@ -33,9 +33,16 @@ NEW_TOKENS = 8
 
 
 def _greedy(model, ids, use_cache=True):
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-                         do_sample=False, use_cache=use_cache, pad_token_id=0)
-    return out[:, ids.shape[1]:]
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=NEW_TOKENS,
+        min_new_tokens=NEW_TOKENS,
+        do_sample=False,
+        use_cache=use_cache,
+        pad_token_id=0,
+    )
+    return out[:, ids.shape[1] :]
 
 
 # Settings at which the base model acts between its layers at inference: RWKV halves the stream at every layer,
@@ -102,7 +109,9 @@ def test_recurrent_models_run_without_their_stream_settings(tmp_path):
     with torch.no_grad():
         inference = used(ids).logits  # divides the weights of layers 1 and 2 in place
     trained = tiny_model("rwkv", **AT_INFERENCE["rwkv"]).state_dict()
-    assert not torch.equal(used.rwkv.blocks[2].attention.output.weight, trained["rwkv.blocks.2.attention.output.weight"])
+    assert not torch.equal(
+        used.rwkv.blocks[2].attention.output.weight, trained["rwkv.blocks.2.attention.output.weight"]
+    )
     folder = save_converted(convert_model(used, block_size=3), tmp_path / "rwkv")
     saved = load_file(folder / "model.safetensors")
     for name in ("rwkv.blocks.1.attention.output.weight", "rwkv.blocks.2.feed_forward.value.weight"):
@@ -129,7 +138,9 @@ def test_a_batch_the_base_model_itself_mixes_up_is_refused_with_the_reason():
     original carries on with that; the converted model stops and says what the module returned."""
     converted = convert_model(tiny_model("rwkv"), block_size=3).eval()
     ids = token_ids(batch=2, length=6, seed=3)
-    with pytest.raises(ValueError, match=r"`attention` \(RwkvSelfAttention\) returned \(2, 2, 64\) for an input of \(2, 1, 64\)"):
+    with pytest.raises(
+        ValueError, match=r"`attention` \(RwkvSelfAttention\) returned \(2, 2, 64\) for an input of \(2, 1, 64\)"
+    ):
         converted.generate(ids, max_new_tokens=2, do_sample=False, pad_token_id=0)
     one = converted.generate(ids[:1], max_new_tokens=2, do_sample=False, pad_token_id=0)  # one sequence decodes
     assert one.shape == (1, 8)
@@ -138,11 +149,11 @@ def test_a_batch_the_base_model_itself_mixes_up_is_refused_with_the_reason():
 def test_finetune_trains_a_converted_hybrid_on_cpu(tmp_path):
     """`attnres finetune` converts a Jamba folder (Mamba and attention layers, MoE) and trains it: every loss
     finite, the held-out loss falls, the base weights and the AttnRes parameters all move."""
+    from finetune_helpers import tiny_model_folder, tiny_recipe, write_corpus
     from safetensors.torch import load_file
 
     from attnres_convert.finetune.recipe import parse_recipe
     from attnres_convert.finetune.training import finetune
-    from finetune_helpers import tiny_model_folder, tiny_recipe, write_corpus
 
     model_dir = tiny_model_folder(tmp_path / "tiny-jamba", family="jamba")
     corpus = write_corpus(tmp_path / "corpus")

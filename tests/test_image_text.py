@@ -21,7 +21,9 @@ def test_gemma3_image_text_logits_are_exact_and_the_tower_is_untouched():
     pixels = torch.randn(1, 3, size, size, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         want = original(ids, pixel_values=pixels).logits
-    tower = {name: p.clone() for name, p in original.named_parameters() if "vision_tower" in name or "projector" in name}
+    tower = {
+        name: p.clone() for name, p in original.named_parameters() if "vision_tower" in name or "projector" in name
+    }
 
     converted = convert_model(_build("gemma3", {}), block_size=3).eval()
     assert converted._attnres_plan.layers == "language_model.layers"
@@ -62,13 +64,29 @@ def _tiny_gemma3_processor(config):
     from transformers import Gemma3ImageProcessor, Gemma3Processor, PreTrainedTokenizerFast
 
     words = {w: 4 + i for i, w in enumerate("a b c d e f g h".split())}
-    vocab = {"<pad>": 0, "<eos>": 1, "<bos>": 2, "<unk>": 3, **words, "<start_of_image>": config.boi_token_id,
-             "<end_of_image>": config.eoi_token_id, "<image_soft_token>": config.image_token_id}
+    vocab = {
+        "<pad>": 0,
+        "<eos>": 1,
+        "<bos>": 2,
+        "<unk>": 3,
+        **words,
+        "<start_of_image>": config.boi_token_id,
+        "<end_of_image>": config.eoi_token_id,
+        "<image_soft_token>": config.image_token_id,
+    }
     model = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     model.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=model, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", unk_token="<unk>",
-        extra_special_tokens={"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"},
+        tokenizer_object=model,
+        bos_token="<bos>",
+        eos_token="<eos>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+        extra_special_tokens={
+            "boi_token": "<start_of_image>",
+            "eoi_token": "<end_of_image>",
+            "image_token": "<image_soft_token>",
+        },
     )
     size = config.vision_config.image_size
     image_processor = Gemma3ImageProcessor(size={"height": size, "width": size})
@@ -93,7 +111,9 @@ def test_convert_an_image_text_folder_loads_with_its_processor_and_generates_exa
     source, out = tmp_path / "gemma3", tmp_path / "gemma3-attnres"
     original.save_pretrained(source)
     processor.save_pretrained(source)
-    processor_names = [name for name in ("preprocessor_config.json", "processor_config.json") if (source / name).is_file()]
+    processor_names = [
+        name for name in ("preprocessor_config.json", "processor_config.json") if (source / name).is_file()
+    ]
     assert processor_names
 
     convert(str(source), out, dtype="float32")
@@ -125,13 +145,26 @@ def _tiny_gemma4_image_text():
 
     from attnres_convert.conversion.tiny_configs import tiny_config
 
-    vision = T.Gemma4VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                  num_key_value_heads=4, head_dim=8, patch_size=4, pooling_kernel_size=2,
-                                  position_embedding_size=64)
+    vision = T.Gemma4VisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        head_dim=8,
+        patch_size=4,
+        pooling_kernel_size=2,
+        position_embedding_size=64,
+    )
     text = tiny_config("gemma4_text")
     assert text.hidden_size_per_layer_input  # the gate that reads the raw stream is there
-    config = T.Gemma4Config(text_config=text.to_dict(), vision_config=vision.to_dict(), image_token_id=250,
-                            boi_token_id=251, eoi_token_id=252)
+    config = T.Gemma4Config(
+        text_config=text.to_dict(),
+        vision_config=vision.to_dict(),
+        image_token_id=250,
+        boi_token_id=251,
+        eoi_token_id=252,
+    )
     torch.manual_seed(0)
     model = T.AutoModelForCausalLM.from_config(config).eval()
     generator = torch.Generator().manual_seed(0)
@@ -163,13 +196,17 @@ def test_gemma4_image_text_converts_exactly_with_its_raw_stream_gate():
     plan = converted._attnres_plan
     assert plan.layers == "language_model.layers" and plan.layer_scalars == (0.5, 2.0)
     gate = plan.sublayers(0)[-1]
-    assert describe(gate) == ("stream -> per_layer_input_gate -> act_fn -> * per_layer_input -> per_layer_projection "
-                               "-> post_per_layer_input_norm")
+    assert describe(gate) == (
+        "stream -> per_layer_input_gate -> act_fn -> * per_layer_input -> per_layer_projection "
+        "-> post_per_layer_input_norm"
+    )
     params = dict(converted.named_parameters())
     assert tower and all(torch.equal(params[name], value) for name, value in tower.items())
     with torch.no_grad():
         got = converted(ids, **image).logits
-        other = converted(ids, pixel_values=image["pixel_values"].flip(-1), image_position_ids=image["image_position_ids"]).logits
+        other = converted(
+            ids, pixel_values=image["pixel_values"].flip(-1), image_position_ids=image["image_position_ids"]
+        ).logits
     assert (got - want).abs().max().item() <= 1e-4
     assert (other - got).abs().max().item() > 1e-3  # the image reaches the language model
     generated = converted.generate(input_ids=ids, **image, **options)

@@ -6,9 +6,9 @@ weights)."""
 import threading
 
 import torch
+from tiny_models import randomize_queries, tiny_model, token_ids
 
 from attnres_convert.conversion.surgery import convert_model
-from tiny_models import randomize_queries, tiny_model, token_ids
 
 
 def _converted(seed: int = 0):

@@ -10,7 +10,10 @@ import json
 
 import pytest
 import torch
+from finetune_helpers import tiny_model_folder, tiny_recipe, write_corpus
 from safetensors.torch import load_file
+from test_save_load import run_isolated
+from tiny_models import randomize_queries, tiny_model, token_ids
 from typer.testing import CliRunner
 
 from attnres_convert import convert, load_converted, save_converted
@@ -21,11 +24,7 @@ from attnres_convert.finetune.checkpoints import list_checkpoints
 from attnres_convert.finetune.recipe import RecipeError, parse_recipe
 from attnres_convert.finetune.training import TrainingInterrupted, finetune
 from attnres_convert.modeling.configuration_attnres import AttnResConfig
-from attnres_convert.modeling.modeling_attnres import KERNEL_ENV
-from attnres_convert.modeling.modeling_attnres import AttnResQuery
-from finetune_helpers import tiny_model_folder, tiny_recipe, write_corpus
-from test_save_load import run_isolated
-from tiny_models import randomize_queries, tiny_model, token_ids
+from attnres_convert.modeling.modeling_attnres import KERNEL_ENV, AttnResQuery
 
 RANK = 4
 GENERATE = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0)
@@ -86,7 +85,9 @@ def test_bfloat16_conversion_with_query_rank_matches_the_static_one():
 def test_trained_projections_save_and_load_without_this_package(tmp_path):
     """A model whose projections have learned (B != 0, so the queries really depend on the input) reloads with
     the same logits, through the package and through trust_remote_code where it cannot be imported."""
-    model = randomize_queries(convert_model(tiny_model("llama"), block_size=3, query_rank=RANK).eval(), 0.3, parts=("up", "weight"))
+    model = randomize_queries(
+        convert_model(tiny_model("llama"), block_size=3, query_rank=RANK).eval(), 0.3, parts=("up", "weight")
+    )
     ids = token_ids()
     with torch.no_grad():
         expected = model(ids).logits
@@ -129,12 +130,26 @@ def test_projections_keep_their_names_through_the_base_models_renaming_rules(tmp
 def test_streamed_and_in_memory_conversions_write_the_same_projections(tmp_path):
     """A is drawn from a generator seeded by the reader's index: a conversion is reproducible, streamed or not."""
     tiny_model("llama").save_pretrained(tmp_path / "plain")
-    streamed = CliRunner().invoke(app, ["convert", str(tmp_path / "plain"), "-o", str(tmp_path / "streamed"), "--query-rank",
-                                        str(RANK), "--verify-tokens", "32", "--verify-new-tokens", "4"])
+    streamed = CliRunner().invoke(
+        app,
+        [
+            "convert",
+            str(tmp_path / "plain"),
+            "-o",
+            str(tmp_path / "streamed"),
+            "--query-rank",
+            str(RANK),
+            "--verify-tokens",
+            "32",
+            "--verify-new-tokens",
+            "4",
+        ],
+    )
     assert streamed.exit_code == 0, streamed.output
     assert "input-dependent, rank 4" in streamed.output and "PASS" in streamed.output
-    in_memory = convert(tmp_path / "plain", tmp_path / "memory", query_rank=RANK, stream=False, verify_tokens=32,
-                        verify_new_tokens=4)
+    in_memory = convert(
+        tmp_path / "plain", tmp_path / "memory", query_rank=RANK, stream=False, verify_tokens=32, verify_new_tokens=4
+    )
     assert in_memory.verification.passed and in_memory.verification.max_abs_logit_diff == 0.0
     a, b = _folder_tensors(tmp_path / "streamed"), _folder_tensors(tmp_path / "memory")
     assert a.keys() == b.keys() and any(name.endswith(".down") for name in a)
@@ -171,7 +186,10 @@ def test_gradients_reach_b_first_then_a():
 def test_triton_kernels_are_refused_for_input_dependent_queries(monkeypatch):
     model = convert_model(tiny_model("llama"), query_rank=RANK).eval()
     monkeypatch.setenv(KERNEL_ENV, "triton")
-    with pytest.raises(RuntimeError, match=r"ATTNRES_KERNEL=triton: .*query_rank > 0.*Unset ATTNRES_KERNEL"), torch.no_grad():
+    with (
+        pytest.raises(RuntimeError, match=r"ATTNRES_KERNEL=triton: .*query_rank > 0.*Unset ATTNRES_KERNEL"),
+        torch.no_grad(),
+    ):
         model(token_ids())
     with torch.no_grad():
         monkeypatch.delenv(KERNEL_ENV)  # what the message says: auto, the built-in path
@@ -207,16 +225,31 @@ def test_finetune_trains_the_projections_with_the_attnres_group(setup, tmp_path,
     """model.query_rank=4 end to end: the step-0 held-out loss is the original's, A and B train in the AttnRes
     group, the saved model reloads (A/B included) to the trained logits; with LoRA, a resumed run reproduces
     the uninterrupted one from checkpoints that hold A and B."""
-    sections = dict(model={"query_rank": RANK}, train={"trainable": trainable, "steps": 4, "lr": 1e-2, "warmup_steps": 0},
-                    lora={"r": 4}, eval={"every": 2, "max_sequences": 4, "at_start": True}, checkpoint={"every": 2, "keep_last": 2})
+    sections = dict(
+        model={"query_rank": RANK},
+        train={"trainable": trainable, "steps": 4, "lr": 1e-2, "warmup_steps": 0},
+        lora={"r": 4},
+        eval={"every": 2, "max_sequences": 4, "at_start": True},
+        checkpoint={"every": 2, "keep_last": 2},
+    )
     recipe = parse_recipe(tiny_recipe(setup["model"], setup["corpus"], tmp_path / "run", **sections))
-    baseline = finetune(parse_recipe(tiny_recipe(setup["model"], setup["corpus"], tmp_path / "base",
-                                                 **{**sections, "model": {"convert": False}, "train": {**sections["train"], "steps": 1}})))
+    baseline = finetune(
+        parse_recipe(
+            tiny_recipe(
+                setup["model"],
+                setup["corpus"],
+                tmp_path / "base",
+                **{**sections, "model": {"convert": False}, "train": {**sections["train"], "steps": 1}},
+            )
+        )
+    )
     if trainable == "lora":
         with pytest.raises(TrainingInterrupted):
             finetune(recipe, stop_at_step=2)
         saved = load_file(list_checkpoints(tmp_path / "run")[-1] / "model.safetensors")
-        assert any(name.endswith("_res_proj.down") for name in saved) and any(name.endswith("_res_proj.up") for name in saved)
+        assert any(name.endswith("_res_proj.down") for name in saved) and any(
+            name.endswith("_res_proj.up") for name in saved
+        )
         result = finetune(recipe, resume=True)
         whole = finetune(parse_recipe(tiny_recipe(setup["model"], setup["corpus"], tmp_path / "whole", **sections)))
         assert [r["loss"] for r in result.records] == [r["loss"] for r in whole.records]

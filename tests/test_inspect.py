@@ -10,15 +10,15 @@ import numpy as np
 import pytest
 import torch
 from matplotlib.image import imread
+from tiny_models import randomize_queries, tiny_model, token_ids
 from typer.testing import CliRunner
 
 from attnres_convert import convert_model, save_converted
-from attnres_convert.block_sizes import source_ranges
 from attnres_convert.analysis.inspection import depth_weights, inspect_model, original_behaviour, sublayer_profile
-from attnres_convert.modeling.modeling_attnres import AttnResQuery
 from attnres_convert.analysis.plots import depth_heatmaps, loss_curve_plot, magnitude_profiles
+from attnres_convert.block_sizes import source_ranges
 from attnres_convert.cli import app
-from tiny_models import randomize_queries, tiny_model, token_ids
+from attnres_convert.modeling.modeling_attnres import AttnResQuery
 
 runner = CliRunner()
 
@@ -28,7 +28,9 @@ def test_depth_weights_follow_the_block_structure():
     depth = depth_weights(model, token_ids(2, 16))
     total = 8
     assert depth.matrix.shape == (total + 1, 1 + 3)  # embedding + ceil(8 / 3) blocks
-    assert depth.readers[0] == "layer 0 attention" and depth.readers[1] == "layer 0 mlp" and depth.readers[-1] == "output"
+    assert (
+        depth.readers[0] == "layer 0 attention" and depth.readers[1] == "layer 0 mlp" and depth.readers[-1] == "output"
+    )
     for row, sources in zip(depth.matrix, source_ranges(total, 3)):
         read = ~np.isnan(row)
         assert read.sum() == len(sources)
@@ -98,7 +100,9 @@ def test_cli_inspect_converted_folder(tmp_path):
     save_converted(randomize_queries(convert_model(tiny_model("qwen3"), block_size=2), 0.3, seed=0), folder)
     text = tmp_path / "sample.txt"
     text.write_text("unused without a tokenizer, but it must exist")
-    result = runner.invoke(app, ["inspect", str(folder), "--plot", str(tmp_path / "out.png"), "--text", str(text), "--max-tokens", "24"])
+    result = runner.invoke(
+        app, ["inspect", str(folder), "--plot", str(tmp_path / "out.png"), "--text", str(text), "--max-tokens", "24"]
+    )
     assert result.exit_code == 0, result.output
     for expected in ("qwen3", "block size S", "parameters added", "L2 mlp", "output", "pseudo-random"):
         assert expected in result.output
@@ -116,7 +120,13 @@ def test_cli_inspect_plain_model_converts_in_memory(tmp_path):
     assert not list(tmp_path.glob("*.png"))  # no --plot, no files
 
 
-@pytest.mark.parametrize("args, needle", [(["--text", "missing.txt"], "no such file"), (["--max-tokens", "1"], "'--max-tokens': Input should be greater than or equal to 2")])
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--text", "missing.txt"], "no such file"),
+        (["--max-tokens", "1"], "'--max-tokens': Input should be greater than or equal to 2"),
+    ],
+)
 def test_cli_inspect_bad_input(tmp_path, args, needle):
     folder = tmp_path / "plain"
     tiny_model("llama").save_pretrained(folder)

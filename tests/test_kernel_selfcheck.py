@@ -15,13 +15,13 @@ if os.environ.get("TRITON_INTERPRET") != "1":  # conftest sets it: the kernels r
     pytest.skip("TRITON_INTERPRET is not 1: no GPU kernels to run on CPU", allow_module_level=True)
 pytest.importorskip("triton", reason="the kernel tests need triton (make test installs it)")
 
+from tiny_models import randomize_queries, tiny_model, token_ids  # noqa: E402
 from triton.runtime.errors import OutOfResources  # noqa: E402
 
 from attnres_convert import convert_model  # noqa: E402
 from attnres_convert.kernels import triton as depth_triton  # noqa: E402
 from attnres_convert.kernels import triton_check as depth_triton_check  # noqa: E402
 from attnres_convert.kernels import triton_reference as depth_triton_reference  # noqa: E402
-from tiny_models import randomize_queries, tiny_model, token_ids  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -71,8 +71,15 @@ def _mix_inputs(d=8, m=2, tokens=2):
     generator = torch.Generator().manual_seed(0)
     keys = torch.randn(m, tokens, d, generator=generator)
     inv = torch.rsqrt(keys.pow(2).mean(-1) + 1e-6)
-    return dict(keys=keys, m=m, q=torch.randn(d, generator=generator), stream=torch.randn(tokens, d, generator=generator),
-                eps=1e-6, count=True, inv_rms=inv)
+    return dict(
+        keys=keys,
+        m=m,
+        q=torch.randn(d, generator=generator),
+        stream=torch.randn(tokens, d, generator=generator),
+        eps=1e-6,
+        count=True,
+        inv_rms=inv,
+    )
 
 
 def test_a_faulty_kernel_falls_back_to_the_reference_with_one_warning(monkeypatch):

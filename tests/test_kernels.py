@@ -16,12 +16,13 @@ if os.environ.get("TRITON_INTERPRET") != "1":  # conftest sets it: the kernels r
     pytest.skip("TRITON_INTERPRET is not 1: no GPU kernels to run on CPU", allow_module_level=True)
 pytest.importorskip("triton", reason="the kernel tests need triton (make test installs it)")
 
-from attnres_convert import convert_model, save_converted  # noqa: E402
-from attnres_convert.modeling import modeling_attnres as depth_attention  # noqa: E402
-from attnres_convert import kernels as depth_backends  # noqa: E402
 from test_structure import _reference_llama  # noqa: E402
 from tiny_models import randomize_queries, tiny_model, token_ids
 from tiny_models import with_kernels as _with  # noqa: E402
+
+from attnres_convert import convert_model, save_converted  # noqa: E402
+from attnres_convert import kernels as depth_backends  # noqa: E402
+from attnres_convert.modeling import modeling_attnres as depth_attention  # noqa: E402
 
 LAYERS = 2  # four sublayers: S = 3 leaves a partial block, S = 1 is Full AttnRes
 
@@ -127,8 +128,11 @@ def test_a_converted_folder_runs_the_installed_kernels(tmp_path, monkeypatch):
     assert sorted(path.name for path in folder.glob("*.py")) == ["configuration_attnres.py", "modeling_attnres.py"]
     assert (folder / "modeling_attnres.py").read_text() == Path(depth_attention.__file__).read_text()
     # The folder's own classes (AutoModelForCausalLM would pick the package's, registered in this process).
-    loaded = get_class_from_dynamic_module("modeling_attnres.AttnResForCausalLM", str(folder)).from_pretrained(
-        folder, dtype=torch.float32).eval()
+    loaded = (
+        get_class_from_dynamic_module("modeling_attnres.AttnResForCausalLM", str(folder))
+        .from_pretrained(folder, dtype=torch.float32)
+        .eval()
+    )
     assert "transformers_modules" in type(loaded).__module__, type(loaded).__module__
     ids = token_ids(1, 3)
     with torch.no_grad():

@@ -24,6 +24,7 @@ import torch
 pytest.importorskip("triton", reason="the compile tests need triton (the test extra installs it)")
 
 import aot_compile  # noqa: E402
+
 from attnres_convert.kernels import triton as depth_triton  # noqa: E402
 
 pytestmark = pytest.mark.aot
@@ -47,19 +48,26 @@ def compiled(tmp_path_factory) -> list[dict]:
     start = time.perf_counter()
     run = subprocess.run(
         [sys.executable, str(ROOT / "tests" / "aot_compile.py"), str(folder / "programs.jsonl")],
-        env=env, capture_output=True, text=True,
+        env=env,
+        capture_output=True,
+        text=True,
     )
     assert run.returncode == 0, run.stderr[-4000:]
     records = [json.loads(line) for line in (folder / "programs.jsonl").read_text().splitlines()]
     programs = sum(not r.get("control") and not r.get("missing") for r in records)
-    print(f"\n{programs} programs (and {len(records) - programs} controls) compiled in {time.perf_counter() - start:.1f} s")
+    print(
+        f"\n{programs} programs (and {len(records) - programs} controls) compiled in {time.perf_counter() - start:.1f} s"
+    )
     return records
 
 
 def _programs(compiled, kernel, dtype, capability) -> list[dict]:
     return [
-        r for r in compiled
-        if not r.get("control") and not r.get("fla") and (r["kernel"], r["dtype"], r["capability"]) == (kernel, dtype, capability)
+        r
+        for r in compiled
+        if not r.get("control")
+        and not r.get("fla")
+        and (r["kernel"], r["dtype"], r["capability"]) == (kernel, dtype, capability)
     ]
 
 
@@ -138,7 +146,11 @@ def _fla_programs(compiled, kernel, dtype, capability) -> list[dict]:
     missing = [r["missing"] for r in compiled if r.get("fla") and r.get("missing")]
     if missing:
         pytest.skip(missing[0])
-    return [r for r in compiled if r.get("fla") and (r["kernel"], r["dtype"], r["capability"]) == (kernel, dtype, capability)]
+    return [
+        r
+        for r in compiled
+        if r.get("fla") and (r["kernel"], r["dtype"], r["capability"]) == (kernel, dtype, capability)
+    ]
 
 
 @pytest.mark.parametrize("capability", aot_compile.TARGETS, ids=[f"sm_{c}" for c in aot_compile.TARGETS])

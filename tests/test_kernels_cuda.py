@@ -11,10 +11,10 @@ import warnings
 
 import pytest
 import torch
-
-from attnres_convert import convert_model
 from tiny_models import randomize_queries, tiny_model, token_ids
 from tiny_models import with_kernels as _with
+
+from attnres_convert import convert_model
 
 pytestmark = pytest.mark.cuda
 LAYERS = 2  # four sublayers: S = 3 leaves a partial block, S = 1 is Full AttnRes

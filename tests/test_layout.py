@@ -21,8 +21,27 @@ from attnres_convert.modeling import SHIPPED_CODE
 
 PACKAGE = Path(attnres_convert.__file__).resolve().parent
 ROOT = "(the package root, which re-exports every layer)"
-RANK = {"errors": 0, "optional": 0.5, "modeling": 1, "kernels": 1.5, "architectures": 1.5, "transformers_compat": 1.5,
-        "block_sizes": 1.5, "depth_controls": 1.6, "io": 2, "conversion": 3, "hub": 4, "analysis": 4, "serving": 4, "finetune": 5, ROOT: 6, "cli_kit": 6.5, "cli_tables": 6.6, "cli": 7, "__main__": 8}
+RANK = {
+    "errors": 0,
+    "optional": 0.5,
+    "modeling": 1,
+    "kernels": 1.5,
+    "architectures": 1.5,
+    "transformers_compat": 1.5,
+    "block_sizes": 1.5,
+    "depth_controls": 1.6,
+    "io": 2,
+    "conversion": 3,
+    "hub": 4,
+    "analysis": 4,
+    "serving": 4,
+    "finetune": 5,
+    ROOT: 6,
+    "cli_kit": 6.5,
+    "cli_tables": 6.6,
+    "cli": 7,
+    "__main__": 8,
+}
 SHIPPED_MAY_IMPORT = {"torch", "transformers", "__future__"} | set(sys.stdlib_module_names)
 # The installed attnres package's kernels, asked for inside a function (modeling_attnres.installed_kernels).
 OPTIONAL_KERNELS = "attnres_convert.kernels"
@@ -64,7 +83,9 @@ def package_imports(name: str, path: Path) -> list[tuple[str, int]]:
             continue
         for target in targets:
             if isinstance(node, ast.Import) or not node.level:
-                if target.split(".")[0] != "attnres_convert" or (top(name) == "modeling" and target == OPTIONAL_KERNELS):
+                if target.split(".")[0] != "attnres_convert" or (
+                    top(name) == "modeling" and target == OPTIONAL_KERNELS
+                ):
                     continue
                 target = target.partition(".")[2]
             found.append((target.strip(".") or ROOT, node.lineno))
@@ -87,7 +108,10 @@ def test_the_import_parser_sees_relative_absolute_and_lazy_imports(tmp_path):
         "def f():\n    from ..finetune import training\n    import json\n"
     )
     assert package_imports("io.sample", source) == [
-        ("errors", 1), ("io.card", 2), ("hub.push", 3), ("finetune.training", 5)
+        ("errors", 1),
+        ("io.card", 2),
+        ("hub.push", 3),
+        ("finetune.training", 5),
     ]
 
 
@@ -167,7 +191,9 @@ def test_no_module_is_over_the_line_limit(tmp_path):
     (tmp_path / "short.py").write_text("x = 1\n" * MAX_LINES)
     (tmp_path / "long.py").write_text("x = 1\n" * (MAX_LINES + 1))
     assert long_modules({p.stem: p for p in tmp_path.glob("*.py")}) == [f"long: {MAX_LINES + 1} lines"]
-    too_long = long_modules({name: path for name, path in modules().items() if name != GENERATED} | {ROOT: PACKAGE / "__init__.py"})
+    too_long = long_modules(
+        {name: path for name, path in modules().items() if name != GENERATED} | {ROOT: PACKAGE / "__init__.py"}
+    )
     assert too_long == [], f"over {MAX_LINES} lines (split by what each part owns):\n" + "\n".join(too_long)
 
 
@@ -223,7 +249,9 @@ def test_errors_is_the_bottom_and_the_recipe_schema_stands_alone():
 
 def test_the_shipped_code_imports_only_its_siblings_torch_transformers_and_stdlib():
     folder = PACKAGE / "modeling"
-    code = sorted(p.name for p in folder.iterdir() if p.suffix in (".py", ".cpp") and p.name not in ("__init__.py", "generate.py"))
+    code = sorted(
+        p.name for p in folder.iterdir() if p.suffix in (".py", ".cpp") and p.name not in ("__init__.py", "generate.py")
+    )
     assert code == list(SHIPPED_CODE)
     siblings = {Path(name).stem for name in SHIPPED_CODE}
     problems = []
@@ -284,8 +312,14 @@ def test_importing_the_package_registers_nothing_and_registration_is_explicit(co
         print(type(AutoModelForCausalLM.from_pretrained({str(converted_folder)!r}, trust_remote_code=False)).__name__)
         """
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=PACKAGE.parent,
-                            stdin=subprocess.DEVNULL)
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=PACKAGE.parent,
+        stdin=subprocess.DEVNULL,
+    )
     assert result.stdout.split() == ["False", "AttnResForCausalLM"], result.stdout + result.stderr[-2000:]
 
 
@@ -295,6 +329,12 @@ def test_the_command_line_starts_without_torch():
     import subprocess
 
     code = "import sys, attnres_convert.cli; print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=PACKAGE.parent,
-                            stdin=subprocess.DEVNULL)
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=PACKAGE.parent,
+        stdin=subprocess.DEVNULL,
+    )
     assert result.stdout.strip() == "[]", result.stdout + result.stderr[-2000:]

@@ -8,14 +8,14 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
+from reliability_helpers import save_tiny, squash
 
 from attnres_convert.errors import AttnResError
 from attnres_convert.optional import REQUIRED, REQUIREMENTS, MissingPackageError, available, require
-from reliability_helpers import save_tiny, squash
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -29,8 +29,12 @@ def _typer_requires_pydantic() -> bool:
 
 
 TYPER_NEEDS_PYDANTIC = _typer_requires_pydantic()
-OPTIONAL = tuple(p for p in ("pydantic", "datasets", "gguf", "matplotlib", "pyarrow") if p != "pydantic" or not TYPER_NEEDS_PYDANTIC)
-needs_pydantic = pytest.mark.skipif(not available("pydantic"), reason="reads a recipe, and pydantic is not installed here")
+OPTIONAL = tuple(
+    p for p in ("pydantic", "datasets", "gguf", "matplotlib", "pyarrow") if p != "pydantic" or not TYPER_NEEDS_PYDANTIC
+)
+needs_pydantic = pytest.mark.skipif(
+    not available("pydantic"), reason="reads a recipe, and pydantic is not installed here"
+)
 needs_typer_without_pydantic = pytest.mark.skipif(
     TYPER_NEEDS_PYDANTIC, reason="this typer requires pydantic (typer >= 0.29), so pydantic cannot be missing here"
 )
@@ -67,7 +71,10 @@ def assert_names_the_package(done: subprocess.CompletedProcess, module: str, nee
     assert "Traceback" not in done.stderr, done.stderr
     assert squash(f"needs the Python package '{module}', which is not installed") in text, done.stderr
     assert squash(needed_for) in text, done.stderr
-    assert squash(f"-m pip install {REQUIREMENTS[module]}") in text or squash(f"-m pip install '{REQUIREMENTS[module]}'") in text, done.stderr
+    assert (
+        squash(f"-m pip install {REQUIREMENTS[module]}") in text
+        or squash(f"-m pip install '{REQUIREMENTS[module]}'") in text
+    ), done.stderr
 
 
 def test_require_names_the_package_why_and_the_pip_command(monkeypatch):
@@ -103,7 +110,10 @@ def test_a_missing_required_package_is_named_with_its_install_command(blocked, t
         text = squash(done.stderr)
         assert done.returncode == 2, (done.returncode, done.stdout, done.stderr)
         assert "Traceback" not in done.stderr and "ModuleNotFoundError" not in done.stderr, done.stderr
-        assert squash(f"attnres needs the Python package{'s' if len(blocked) > 1 else ''} {', '.join(blocked)}, which") in text, done.stderr
+        assert (
+            squash(f"attnres needs the Python package{'s' if len(blocked) > 1 else ''} {', '.join(blocked)}, which")
+            in text
+        ), done.stderr
         assert squash(f"{sys.executable} -m pip install") in text, done.stderr
         for module in blocked:
             assert REQUIRED[module] in done.stderr or repr(REQUIRED[module]) in done.stderr, done.stderr
@@ -112,8 +122,10 @@ def test_a_missing_required_package_is_named_with_its_install_command(blocked, t
 
 def _run_cli_py_without(blocked, *args) -> subprocess.CompletedProcess:
     """`python3 cli.py ARGS` in the checkout, BLOCKED not importable."""
-    script = BLOCKED_RUN.replace('runpy.run_module("attnres_convert", run_name="__main__", alter_sys=True)',
-                                 'runpy.run_path("cli.py", run_name="__main__")')
+    script = BLOCKED_RUN.replace(
+        'runpy.run_module("attnres_convert", run_name="__main__", alter_sys=True)',
+        'runpy.run_path("cli.py", run_name="__main__")',
+    )
     cmd = [sys.executable, "-c", script, ",".join(blocked), *map(str, args)]
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120, env=_env())
 
@@ -121,8 +133,11 @@ def _run_cli_py_without(blocked, *args) -> subprocess.CompletedProcess:
 @pytest.mark.slow
 @needs_typer_without_pydantic
 def test_recipes_say_they_need_pydantic_and_write_nothing(tmp_path):
-    for args in (["finetune", "quickstart-cpu", f"output.dir={tmp_path / 'run'}"], ["recipes", "list"],
-                 ["ab", "ab-scratch-cpu", "--from-scratch", "-o", tmp_path / "ab"]):
+    for args in (
+        ["finetune", "quickstart-cpu", f"output.dir={tmp_path / 'run'}"],
+        ["recipes", "list"],
+        ["ab", "ab-scratch-cpu", "--from-scratch", "-o", tmp_path / "ab"],
+    ):
         done = run_without(OPTIONAL, *args)
         assert_names_the_package(done, "pydantic", "a fine-tuning recipe (attnres finetune, ab and recipes)")
     assert list(tmp_path.iterdir()) == []
@@ -168,13 +183,28 @@ def test_convert_and_bench_run_without_any_optional_package(tmp_path):
     tiny = save_tiny(tmp_path / "tiny")
     done = run_without(OPTIONAL, "--version")
     assert done.returncode == 0 and done.stdout.startswith("attnres "), done.stderr
-    done = run_without(OPTIONAL, "convert", tiny, "-o", tmp_path / "converted", "--verify-tokens", "16", "--verify-new-tokens", "4")
+    done = run_without(
+        OPTIONAL, "convert", tiny, "-o", tmp_path / "converted", "--verify-tokens", "16", "--verify-new-tokens", "4"
+    )
     assert done.returncode == 0, done.stderr
     config = json.loads((tmp_path / "converted" / "config.json").read_text())
     assert config["model_type"] == "attnres" and "PASS" in done.stdout
     out = tmp_path / "bench.json"
-    done = run_without(OPTIONAL, "bench", tiny, "--seq-len", "16", "--decode-tokens", "2", "--rounds", "1",
-                       "--measure", "prefill,train", "--json", out)
+    done = run_without(
+        OPTIONAL,
+        "bench",
+        tiny,
+        "--seq-len",
+        "16",
+        "--decode-tokens",
+        "2",
+        "--rounds",
+        "1",
+        "--measure",
+        "prefill,train",
+        "--json",
+        out,
+    )
     assert done.returncode == 0, done.stderr
     rows = {row["name"]: row for row in json.loads(out.read_text())["rows"]}
     assert set(rows) == {"prefill", "train_step"} and all(row["ratio"] > 0 for row in rows.values())
@@ -187,17 +217,39 @@ def test_an_ab_without_matplotlib_writes_everything_but_the_picture(tmp_path):
     out = tmp_path / "ab"
     docs = json.dumps([str(p) for p in sorted((ROOT / "docs").glob("*.md"))])
     done = run_without(
-        ["matplotlib"], "ab", "ab-scratch-cpu", "--from-scratch", "-o", out, "--workdir", tmp_path / "arms",
-        f"model.source={tiny}", "model.layers=2", "model.hidden=32", "model.heads=2", "model.kv_heads=2", "model.num_blocks=1",
-        f"data.train.files={docs}", "data.eval.files=null", "data.eval.fraction=0.2", "data.seq_len=16",
-        "train.steps=2", "train.warmup_steps=0", "train.micro_batch=1", "eval.every=1", "eval.max_sequences=2",
+        ["matplotlib"],
+        "ab",
+        "ab-scratch-cpu",
+        "--from-scratch",
+        "-o",
+        out,
+        "--workdir",
+        tmp_path / "arms",
+        f"model.source={tiny}",
+        "model.layers=2",
+        "model.hidden=32",
+        "model.heads=2",
+        "model.kv_heads=2",
+        "model.num_blocks=1",
+        f"data.train.files={docs}",
+        "data.eval.files=null",
+        "data.eval.fraction=0.2",
+        "data.seq_len=16",
+        "train.steps=2",
+        "train.warmup_steps=0",
+        "train.micro_batch=1",
+        "eval.every=1",
+        "eval.max_sequences=2",
         f"output.dir={tmp_path / 'run'}",
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert sorted(p.name for p in out.iterdir()) == ["ab.json", "ab.md"]
     assert len(json.loads((out / "ab.json").read_text())["arms"]) == 2
     text = squash(done.stderr)
-    assert squash("ab.png (the held-out curves) is not drawn") in text and squash("-m pip install 'matplotlib>=3.9'") in text
+    assert (
+        squash("ab.png (the held-out curves) is not drawn") in text
+        and squash("-m pip install 'matplotlib>=3.9'") in text
+    )
     assert squash(f"{out} (ab.json, ab.md)") in squash(done.stdout), done.stdout  # the files it wrote, no more
     # each arm's run folder: everything but loss_curve.png
     runs = sorted((tmp_path / "arms").glob("*/seed-0"))

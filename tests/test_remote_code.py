@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_save_load import BLOCK_IMPORT
 from transformers import AutoConfig, AutoModelForCausalLM
 from typer.testing import CliRunner
 
 from attnres_convert import load_converted
 from attnres_convert.cli import app
 from attnres_convert.errors import SourceError
-from test_save_load import BLOCK_IMPORT
 
 FIXTURE = Path(__file__).parent / "remote_code_model"
 AUTO_MAP = {
@@ -37,8 +37,13 @@ OWN_NAMES_AUTO_MAP = {
 }
 
 
-def own_code_folder(folder: Path, fixture: Path = FIXTURE, model_type: str = "tiny_prenorm",
-                    architecture: str = "TinyPreNormForCausalLM", auto_map: dict = AUTO_MAP) -> Path:
+def own_code_folder(
+    folder: Path,
+    fixture: Path = FIXTURE,
+    model_type: str = "tiny_prenorm",
+    architecture: str = "TinyPreNormForCausalLM",
+    auto_map: dict = AUTO_MAP,
+) -> Path:
     """A tiny random checkpoint of a fixture model, as a repository with its own code holds it."""
     folder.mkdir(parents=True)
     for path in fixture.glob("*.py"):
@@ -46,7 +51,9 @@ def own_code_folder(folder: Path, fixture: Path = FIXTURE, model_type: str = "ti
     config = {"model_type": model_type, "architectures": [architecture], "auto_map": auto_map}
     (folder / "config.json").write_text(json.dumps(config))
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder, trust_remote_code=True), trust_remote_code=True)
+    model = AutoModelForCausalLM.from_config(
+        AutoConfig.from_pretrained(folder, trust_remote_code=True), trust_remote_code=True
+    )
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():  # larger than the default init, so that an inexact conversion shows in the logits
         for param in model.parameters():
@@ -57,9 +64,10 @@ def own_code_folder(folder: Path, fixture: Path = FIXTURE, model_type: str = "ti
 
 
 def _greedy(model, ids, use_cache=True):
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False, use_cache=use_cache,
-                         pad_token_id=0)
-    return out[:, ids.shape[1]:]
+    out = model.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False, use_cache=use_cache, pad_token_id=0
+    )
+    return out[:, ids.shape[1] :]
 
 
 def test_convert_without_trust_remote_code_says_to_pass_it(tmp_path):
@@ -139,8 +147,15 @@ def test_own_code_model_converts_exactly_and_loads_without_its_folder_or_attnres
     env.pop("ATTNRES_KERNEL", None)
     # This process's thread count, so the logits compared bit for bit sum in the same order (like for like).
     code = code.replace("import torch\n", f"import torch\ntorch.set_num_threads({torch.get_num_threads()})\n", 1)
-    result = subprocess.run([sys.executable, "-c", code], cwd=elsewhere, env=env, capture_output=True, text=True,
-                            timeout=300, stdin=subprocess.DEVNULL)
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=elsewhere,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        stdin=subprocess.DEVNULL,
+    )
     assert "REMOTE-OK" in result.stdout, result.stderr[-3000:]
     assert not any("tiny-own-code" in p.name for p in (tmp_path / "fresh-modules-cache").rglob("*"))
 
@@ -148,8 +163,8 @@ def test_own_code_model_converts_exactly_and_loads_without_its_folder_or_attnres
 def test_own_code_that_claims_a_transformers_model_type_is_refused(tmp_path):
     """A converted folder registers the base code under its model type; one transformers ships cannot be
     registered over, so the folder would silently build transformers' implementation instead."""
-    from attnres_convert.conversion.surgery import convert_model
     from attnres_convert.architectures import UnsupportedModelError
+    from attnres_convert.conversion.surgery import convert_model
 
     source = own_code_folder(tmp_path / "tiny-own-code")
     model = AutoModelForCausalLM.from_pretrained(source, trust_remote_code=True)
@@ -163,8 +178,9 @@ def test_own_code_model_with_its_own_config_names_converts_exactly(tmp_path):
     """Sizes the config does not name are read from the modules (the stream's width, the embedding's rows, the
     stack's length) and the head is found from the logits; the converted config records the stream's width for
     the shipped code (`stream_width`), which cannot read a `hidden_size` the base config does not have."""
-    source = own_code_folder(tmp_path / "own-names", OWN_NAMES_FIXTURE, "own_names_lm", "OwnNamesForCausalLM",
-                             OWN_NAMES_AUTO_MAP)
+    source = own_code_folder(
+        tmp_path / "own-names", OWN_NAMES_FIXTURE, "own_names_lm", "OwnNamesForCausalLM", OWN_NAMES_AUTO_MAP
+    )
     base_config = json.loads((source / "config.json").read_text())
     assert {"d_model", "n_vocab", "n_layer"} <= set(base_config)
     assert not {"hidden_size", "vocab_size", "num_hidden_layers"} & set(base_config)
@@ -179,7 +195,11 @@ def test_own_code_model_with_its_own_config_names_converts_exactly(tmp_path):
     assert "outer_forward" not in config  # its base model takes the standard inputs: the converted model calls it
     structure = config["structure"]
     assert (structure["base_model"], structure["layers"], structure["final_norm"], structure["lm_head"]) == (
-        "transformer", "h", "ln_f", "unembed")
+        "transformer",
+        "h",
+        "ln_f",
+        "unembed",
+    )
     assert len(structure["layer_kinds"]) == base_config["n_layer"] == 3
 
     ids = torch.randint(3, 112, (2, 12), generator=torch.Generator().manual_seed(1))
@@ -216,8 +236,15 @@ def test_own_code_model_with_its_own_config_names_converts_exactly(tmp_path):
     )
     env = dict(os.environ, HF_MODULES_CACHE=str(tmp_path / "fresh-modules-cache"))
     env.pop("PYTHONPATH", None)
-    result = subprocess.run([sys.executable, "-c", code], cwd=elsewhere, env=env, capture_output=True, text=True,
-                            timeout=300, stdin=subprocess.DEVNULL)
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=elsewhere,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        stdin=subprocess.DEVNULL,
+    )
     assert "REMOTE-OK" in result.stdout, result.stderr[-3000:]
 
 

@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_save_load import BLOCK_IMPORT
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 from typer.testing import CliRunner
 
 from attnres_convert import load_converted
 from attnres_convert.cli import app
-from test_save_load import BLOCK_IMPORT
 
 FIXTURE = Path(__file__).parent / "trunk_model"
 runner = CliRunner()
@@ -31,16 +31,24 @@ def trunk_folder(folder: Path, architecture: str, **config) -> Path:
     folder.mkdir(parents=True)
     # A model type of its own per variant, as distinct repositories have: a converted folder loaded in this process
     # registers its base code under its type, which would then serve the next variant.
-    model_type = "tiny_" + architecture.removeprefix("Tiny").removesuffix("ForCausalLM").lower() + "".join(
-        f"_{key}" for key, value in sorted(config.items()) if value)
+    model_type = (
+        "tiny_"
+        + architecture.removeprefix("Tiny").removesuffix("ForCausalLM").lower()
+        + "".join(f"_{key}" for key, value in sorted(config.items()) if value)
+    )
     for path in FIXTURE.glob("*.py"):
         (folder / path.name).write_text(path.read_text().replace('"tiny_trunk"', repr(model_type)))
-    auto_map = {"AutoConfig": "configuration_tiny_trunk.TinyTrunkConfig",
-                "AutoModelForCausalLM": f"modeling_tiny_trunk.{architecture}"}
-    (folder / "config.json").write_text(json.dumps(
-        {"model_type": model_type, "architectures": [architecture], "auto_map": auto_map, **config}))
+    auto_map = {
+        "AutoConfig": "configuration_tiny_trunk.TinyTrunkConfig",
+        "AutoModelForCausalLM": f"modeling_tiny_trunk.{architecture}",
+    }
+    (folder / "config.json").write_text(
+        json.dumps({"model_type": model_type, "architectures": [architecture], "auto_map": auto_map, **config})
+    )
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder, trust_remote_code=True), trust_remote_code=True)
+    model = AutoModelForCausalLM.from_config(
+        AutoConfig.from_pretrained(folder, trust_remote_code=True), trust_remote_code=True
+    )
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():  # larger than the default init, so that an inexact conversion shows in the logits
         for param in model.parameters():
@@ -61,9 +69,13 @@ def _greedy_by_forward(model, ids, steps=6):
 
 
 def _convert(source: Path, out: Path, *extra: str):
-    result = runner.invoke(app, ["convert", str(source), "-o", str(out), "--trust-remote-code", "--block-size", "2", *extra])
+    result = runner.invoke(
+        app, ["convert", str(source), "-o", str(out), "--trust-remote-code", "--block-size", "2", *extra]
+    )
     assert "Traceback" not in result.output, result.output
-    assert not isinstance(result.exception, Exception) or isinstance(result.exception, SystemExit), repr(result.exception)
+    assert not isinstance(result.exception, Exception) or isinstance(result.exception, SystemExit), repr(
+        result.exception
+    )
     return result
 
 
@@ -102,7 +114,11 @@ def test_trunk_model_converts_exactly_and_loads(tmp_path, variant):
     assert config["outer_forward"] is True and config["stream_width"] == 48
     structure = config["structure"]
     assert (structure["base_model"], structure["layers"], structure["final_norm"], structure["lm_head"]) == (
-        "trunk", "blocks", "norm", "head")
+        "trunk",
+        "blocks",
+        "norm",
+        "head",
+    )
     assert [b["norm"] for s in structure["kinds"][0] for b in s["branches"]] == ["norm1", "norm2"]
 
     ids = torch.randint(0, 96, (2, 20), generator=torch.Generator().manual_seed(1))
@@ -122,7 +138,9 @@ def test_trunk_model_converts_exactly_and_loads(tmp_path, variant):
         assert (converted(ids).logits - want).abs().max().item() > 1e-3
 
     # Where neither the original folder nor attnres is: AutoModelForCausalLM with the folder's own code.
-    torch.save({"ids": ids, "logits": want, "tokens": want_tokens, "generated": want_generated}, tmp_path / "expected.pt")
+    torch.save(
+        {"ids": ids, "logits": want, "tokens": want_tokens, "generated": want_generated}, tmp_path / "expected.pt"
+    )
     shutil.move(source, tmp_path / "moved-away")
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
@@ -151,8 +169,15 @@ def test_trunk_model_converts_exactly_and_loads(tmp_path, variant):
     )
     env = dict(os.environ, HF_MODULES_CACHE=str(tmp_path / "fresh-modules-cache"))
     env.pop("PYTHONPATH", None)
-    result = subprocess.run([sys.executable, "-c", code], cwd=elsewhere, env=env, capture_output=True, text=True,
-                            timeout=300, stdin=subprocess.DEVNULL)
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=elsewhere,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        stdin=subprocess.DEVNULL,
+    )
     assert "REMOTE-OK" in result.stdout, result.stderr[-3000:]
 
 
@@ -172,8 +197,12 @@ def test_trunk_model_that_cannot_convert_exits_2_naming_what_is_missing(tmp_path
         expected = ("cannot convert", "decoder layer 0", "returns the output of its norm `norm2`", "post-norm layer")
     else:
         source = trunk_folder(tmp_path / "tiny", "TinyNoAccessorsForCausalLM")
-        expected = ("cannot convert", "TinyNoAccessorsForCausalLM.get_input_embeddings fails (NotImplementedError",
-                    "names no token embedding", "Define get_input_embeddings on the causal LM class")
+        expected = (
+            "cannot convert",
+            "TinyNoAccessorsForCausalLM.get_input_embeddings fails (NotImplementedError",
+            "names no token embedding",
+            "Define get_input_embeddings on the causal LM class",
+        )
     result = _convert(source, tmp_path / "converted", *([] if verify else ["--no-verify"]))
     assert result.exit_code == 2, result.output
     text = " ".join(result.output.split())

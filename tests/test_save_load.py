@@ -9,11 +9,11 @@ import textwrap
 import pytest
 import torch
 from safetensors import safe_open
+from tiny_models import randomize_queries, tiny_model, token_ids
 
 from attnres_convert import load_converted, save_converted
-from attnres_convert.io.saving import SHIPPED_CODE
 from attnres_convert.conversion.surgery import convert_model
-from tiny_models import randomize_queries, tiny_model, token_ids
+from attnres_convert.io.saving import SHIPPED_CODE
 
 # A Python without this package. Nor fla-core (installed for tests/test_fla.py): transformers binds a hybrid family's
 # linear attention to fla's GPU-only Triton kernels whenever it imports (as conftest.py keeps from happening here).
@@ -40,11 +40,18 @@ def run_isolated(code: str) -> subprocess.CompletedProcess:
     """Run code in a Python that cannot import this package. The child uses this process's torch thread
     count, so a comparison with logits computed here sums in the same order (like for like)."""
     threads = f"import torch\ntorch.set_num_threads({torch.get_num_threads()})\n"
-    return subprocess.run([sys.executable, "-c", BLOCK_IMPORT + threads + textwrap.dedent(code)], capture_output=True,
-                          text=True, timeout=300, stdin=subprocess.DEVNULL)
+    return subprocess.run(
+        [sys.executable, "-c", BLOCK_IMPORT + threads + textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        stdin=subprocess.DEVNULL,
+    )
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2", "gpt_neox_parallel", "gemma2", "granite", "gemma4_text", "gemma4_moe"])
+@pytest.mark.parametrize(
+    "family", ["llama", "gpt2", "gpt_neox_parallel", "gemma2", "granite", "gemma4_text", "gemma4_moe"]
+)
 def test_folder_reloads_in_package_and_without_it(family, tmp_path, monkeypatch):
     """The folder alone runs the built-in paths, which the package runs under ATTNRES_KERNEL=eager: the same bits.
     The package's default (its token-major buffer for few tokens) agrees to float32 rounding."""
@@ -90,8 +97,12 @@ def test_new_parameters_follow_production_names_and_base_names_are_kept(tmp_path
         keys = set(f.keys())
         shapes = {k: tuple(f.get_slice(k).get_shape()) for k in keys}
     new = keys - base_names
-    expected_new = {f"model.layers.{i}.{p}_res_{kind}.weight" for i in range(3) for p in ("self_attention", "mlp")
-                    for kind in ("proj", "norm")} | {"model.output_attn_res_proj.weight", "model.output_attn_res_norm.weight"}
+    expected_new = {
+        f"model.layers.{i}.{p}_res_{kind}.weight"
+        for i in range(3)
+        for p in ("self_attention", "mlp")
+        for kind in ("proj", "norm")
+    } | {"model.output_attn_res_proj.weight", "model.output_attn_res_norm.weight"}
     assert new == expected_new
     assert base_names - {"lm_head.weight"} <= keys  # tied head may be stored once
     assert shapes["model.layers.0.self_attention_res_proj.weight"] == (1, 64)
@@ -138,6 +149,7 @@ def test_loading_keeps_trained_queries_and_zeroes_missing_ones(tmp_path):
     for (name, a), b in zip(model.state_dict().items(), reloaded.state_dict().values()):
         assert torch.equal(a, b), name
     from safetensors.torch import load_file, save_file
+
     weights = load_file(out / "model.safetensors")
     weights = {k: v for k, v in weights.items() if "_res_proj" not in k}
     save_file(weights, out / "model.safetensors", metadata={"format": "pt"})

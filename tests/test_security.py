@@ -14,9 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from reliability_helpers import ONE_THREAD_ENV, ROOT, assert_user_error, run_attnres, run_cli
-
 
 PACKAGE = ROOT / "attnres_convert"
 SENTINEL_ENV = "ATTNRES_TEST_REMOTE_CODE_SENTINEL"
@@ -40,7 +38,7 @@ class CustomConfig(LlamaConfig):
     model_type = "llama"
 '''
 
-CUSTOM_MODELING = '''
+CUSTOM_MODELING = """
 from transformers import LlamaForCausalLM
 
 from .configuration_custom import CustomConfig
@@ -48,7 +46,7 @@ from .configuration_custom import CustomConfig
 
 class CustomForCausalLM(LlamaForCausalLM):
     config_class = CustomConfig
-'''
+"""
 
 
 @pytest.fixture()
@@ -62,8 +60,10 @@ def remote_code_model(tmp_path, tiny_llama_folder) -> Path:
     config.update(
         model_type="tiny_custom_llama",
         architectures=["CustomForCausalLM"],
-        auto_map={"AutoConfig": "configuration_custom.CustomConfig",
-                  "AutoModelForCausalLM": "modeling_custom.CustomForCausalLM"},
+        auto_map={
+            "AutoConfig": "configuration_custom.CustomConfig",
+            "AutoModelForCausalLM": "modeling_custom.CustomForCausalLM",
+        },
     )
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     (folder / "configuration_custom.py").write_text(CUSTOM_CONFIG)
@@ -93,16 +93,28 @@ def test_remote_code_is_refused_without_the_flag(tmp_path, remote_code_model, mo
 def test_remote_code_runs_with_the_flag(tmp_path, remote_code_model):
     """In a fresh Python with its own module cache: with trust_remote_code the custom classes load."""
     sentinel = tmp_path / "remote-code-ran"
-    env = {**os.environ, **ONE_THREAD_ENV, SENTINEL_ENV: str(sentinel), "HF_MODULES_CACHE": str(tmp_path / "modules"),
-           "HF_HOME": str(tmp_path / "hf-home")}
+    env = {
+        **os.environ,
+        **ONE_THREAD_ENV,
+        SENTINEL_ENV: str(sentinel),
+        "HF_MODULES_CACHE": str(tmp_path / "modules"),
+        "HF_HOME": str(tmp_path / "hf-home"),
+    }
     code = textwrap.dedent(f"""
         from attnres_convert.io.sources import load_config, load_model, resolve_source
         source = resolve_source({str(remote_code_model)!r})
         print(type(load_config(source, trust_remote_code=True)).__name__)
         print(type(load_model(source, trust_remote_code=True)).__name__)
     """)
-    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
-                            timeout=120, stdin=subprocess.DEVNULL)
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        stdin=subprocess.DEVNULL,
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["CustomConfig", "CustomForCausalLM"]
     assert sentinel.read_text() == "the model's own code ran"
@@ -168,8 +180,15 @@ def test_malicious_pickle_is_refused(tmp_path, tiny_llama_folder, monkeypatch, f
         monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
     out = tmp_path / "out"
     result = run_cli("convert", folder, "-o", out)
-    assert_user_error(result, str(folder), "refused to load the pickle checkpoint", "exec",
-                      "weights_only=True", "safetensors", out=out)
+    assert_user_error(
+        result,
+        str(folder),
+        "refused to load the pickle checkpoint",
+        "exec",
+        "weights_only=True",
+        "safetensors",
+        out=out,
+    )
     assert not sentinel.exists(), "unpickling ran code"
 
 
@@ -209,7 +228,9 @@ def test_no_unsafe_deserialisation_anywhere_in_the_package():
         tree = ast.parse(path.read_text(), filename=str(path))
         for node in ast.walk(tree):
             if isinstance(node, (ast.Import, ast.ImportFrom)):
-                names = [alias.name for alias in node.names] + ([node.module] if isinstance(node, ast.ImportFrom) and node.module else [])
+                names = [alias.name for alias in node.names] + (
+                    [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
+                )
                 for name in names:
                     if name.split(".")[0] in ("pickle", "marshal", "shelve", "dill", "cloudpickle"):
                         problems.append(f"{path.name}:{node.lineno} imports {name}")
@@ -239,23 +260,60 @@ def test_no_unsafe_deserialisation_anywhere_in_the_package():
 # imports) and pure-computation parts of the standard library. It writes no file and builds no native code: the
 # C++ and Triton kernels stay in the attnres package (kernels/), which the shipped code asks for, where installed,
 # through one import (PACKAGE_IMPORTS), so a folder carries no kernel code of its own (no .cpp, no extension build).
-ALLOWED_STDLIB = {"__future__", "typing", "dataclasses", "collections", "contextlib", "inspect", "math", "enum",
-                  "functools", "itertools", "abc", "numbers", "copy", "types", "operator", "warnings", "os", "re"}
+ALLOWED_STDLIB = {
+    "__future__",
+    "typing",
+    "dataclasses",
+    "collections",
+    "contextlib",
+    "inspect",
+    "math",
+    "enum",
+    "functools",
+    "itertools",
+    "abc",
+    "numbers",
+    "copy",
+    "types",
+    "operator",
+    "warnings",
+    "os",
+    "re",
+}
 PACKAGE_IMPORTS = {("attnres_convert", "kernels")}  # modeling_attnres.installed_kernels: the installed package's
 # triton: the fused kernels, imported only where it is installed.
 ALLOWED_THIRD_PARTY = {"torch", "transformers", "triton"}
 FORBIDDEN_CALLS = {"open", "eval", "exec", "compile", "__import__", "breakpoint", "input"}
 # Attribute names that reach files, processes or the network from torch/transformers objects.
-FORBIDDEN_ATTRIBUTES = {"load", "save", "hub", "load_library", "cpp_extension", "system", "popen", "urlopen",
-                        "hf_hub_download", "snapshot_download", "cached_file", "download", "unlink", "write_text", "write_bytes",
-                        "rmtree", "environ", "getenv", "set_trace"}
+FORBIDDEN_ATTRIBUTES = {
+    "load",
+    "save",
+    "hub",
+    "load_library",
+    "cpp_extension",
+    "system",
+    "popen",
+    "urlopen",
+    "hf_hub_download",
+    "snapshot_download",
+    "cached_file",
+    "download",
+    "unlink",
+    "write_text",
+    "write_bytes",
+    "rmtree",
+    "environ",
+    "getenv",
+    "set_trace",
+}
 
 
 def _shipped_files(tmp_path: Path) -> list[Path]:
     """The .py files of a real converted folder (whatever save_pretrained copies, not a list kept by hand)."""
+    from tiny_models import tiny_model
+
     from attnres_convert import save_converted
     from attnres_convert.conversion.surgery import convert_model
-    from tiny_models import tiny_model
 
     out = save_converted(convert_model(tiny_model("llama"), block_size=2), tmp_path / "converted")
     return sorted(out.glob("*.py"))
@@ -265,21 +323,34 @@ def test_shipped_code_only_defines_the_model(tmp_path):
     files = _shipped_files(tmp_path)
     from attnres_convert.io.saving import SHIPPED_CODE
 
-    assert sorted(path.name for path in files) == sorted(SHIPPED_CODE) == ["configuration_attnres.py", "modeling_attnres.py"]
+    assert (
+        sorted(path.name for path in files)
+        == sorted(SHIPPED_CODE)
+        == ["configuration_attnres.py", "modeling_attnres.py"]
+    )
     folder = files[0].parent
     assert not [path.name for path in folder.iterdir() if path.suffix in (".cpp", ".cu", ".so", ".pyd", ".c", ".h")]
     imports, problems = {}, []
     for path in files:
         tree = ast.parse(path.read_text(), filename=path.name)
         # `os` is there only to read environment switches (ATTNRES_KERNEL): `os.environ.get(...)`, nothing else.
-        env_reads = {id(node.func.value) for node in ast.walk(tree) if isinstance(node, ast.Call)
-                     and isinstance(node.func, ast.Attribute) and node.func.attr == "get" and _dotted(node.func.value) == "os.environ"}
+        env_reads = {
+            id(node.func.value)
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "get"
+            and _dotted(node.func.value) == "os.environ"
+        }
         for node in ast.walk(tree):
             where = f"{path.name}:{getattr(node, 'lineno', '?')}"
             if isinstance(node, ast.Import):
                 modules = [alias.name for alias in node.names]
-            elif isinstance(node, ast.ImportFrom) and not node.level and \
-                    {(node.module, alias.name) for alias in node.names} <= PACKAGE_IMPORTS:
+            elif (
+                isinstance(node, ast.ImportFrom)
+                and not node.level
+                and {(node.module, alias.name) for alias in node.names} <= PACKAGE_IMPORTS
+            ):
                 modules = []  # the installed attnres package's kernels (none in the folder)
                 imports.setdefault(path.name, set()).add(f"{node.module}.{node.names[0].name}")
             elif isinstance(node, ast.ImportFrom):
@@ -297,12 +368,20 @@ def test_shipped_code_only_defines_the_model(tmp_path):
                     problems.append(f"{where}: imports {module}")
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in FORBIDDEN_CALLS:
                 problems.append(f"{where}: calls {node.func.id}()")
-            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "os" \
-                    and id(node) not in env_reads:
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id == "os"
+                and id(node) not in env_reads
+            ):
                 problems.append(f"{where}: uses {_dotted(node)} (only os.environ.get is allowed)")
             # Triton's tl.load / tl.store move data between GPU memory and registers, not files.
-            elif isinstance(node, ast.Attribute) and node.attr in FORBIDDEN_ATTRIBUTES and id(node) not in env_reads \
-                    and not _dotted(node).startswith("tl."):
+            elif (
+                isinstance(node, ast.Attribute)
+                and node.attr in FORBIDDEN_ATTRIBUTES
+                and id(node) not in env_reads
+                and not _dotted(node).startswith("tl.")
+            ):
                 problems.append(f"{where}: uses .{node.attr} ({_dotted(node)})")
             if isinstance(node, ast.Name) and node.id in ("__builtins__", "__loader__", "__spec__"):
                 problems.append(f"{where}: touches {node.id}")
@@ -340,9 +419,22 @@ def test_shipped_code_opens_no_file_and_no_connection_at_runtime(tmp_path):
         print("OPENED", opened)
         print("CONNECTIONS", connections)
     """)
-    env = {**os.environ, **ONE_THREAD_ENV, "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp_path / "modules"), "HF_HOME": str(tmp_path / "hf")}
-    result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
-                            timeout=120, stdin=subprocess.DEVNULL)
+    env = {
+        **os.environ,
+        **ONE_THREAD_ENV,
+        "HF_HUB_OFFLINE": "1",
+        "HF_MODULES_CACHE": str(tmp_path / "modules"),
+        "HF_HOME": str(tmp_path / "hf"),
+    }
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        stdin=subprocess.DEVNULL,
+    )
     assert result.returncode == 0, result.stderr
     report = [line for line in result.stdout.splitlines() if line.startswith(("OPENED", "CONNECTIONS"))]
     assert report == ["OPENED []", "CONNECTIONS []"], result.stdout
@@ -351,13 +443,16 @@ def test_shipped_code_opens_no_file_and_no_connection_at_runtime(tmp_path):
 def test_resume_refuses_a_tampered_checkpoint(tmp_path):
     """Accelerate unpickles registered state (custom_checkpoint_*.pkl) without weights_only: a checkpoint that
     holds code is refused before it is read, so `--resume` never runs it."""
-    from attnres_convert.finetune.recipe import load_recipe
-    from attnres_convert.finetune.training import TrainingInterrupted, finetune
     from finetune_helpers import tiny_model_folder, tiny_recipe, write_corpus, write_recipe
 
+    from attnres_convert.finetune.recipe import load_recipe
+    from attnres_convert.finetune.training import TrainingInterrupted, finetune
+
     out = tmp_path / "run"
-    recipe = write_recipe(tmp_path / "recipe.yaml", tiny_recipe(tiny_model_folder(tmp_path / "model"),
-                                                                write_corpus(tmp_path / "corpus"), out, train={"steps": 6}))
+    recipe = write_recipe(
+        tmp_path / "recipe.yaml",
+        tiny_recipe(tiny_model_folder(tmp_path / "model"), write_corpus(tmp_path / "corpus"), out, train={"steps": 6}),
+    )
     with pytest.raises(TrainingInterrupted):
         finetune(load_recipe(recipe), stop_at_step=2)
     checkpoint = sorted((out / "checkpoints").iterdir())[-1]
@@ -381,7 +476,9 @@ def test_cpu_kernel_build_compiles_only_its_own_source(monkeypatch):
     from attnres_convert.kernels import cpu as depth_kernels_cpu
 
     calls = []
-    monkeypatch.setattr(torch.utils.cpp_extension, "load_inline", lambda *args, **kwargs: calls.append((args, kwargs)) or "built")
+    monkeypatch.setattr(
+        torch.utils.cpp_extension, "load_inline", lambda *args, **kwargs: calls.append((args, kwargs)) or "built"
+    )
     monkeypatch.setattr(depth_kernels_cpu, "_BUILT", [])
     x = torch.zeros(1, 1, 8)
     for mode in ("auto", "eager", ""):
@@ -392,5 +489,8 @@ def test_cpu_kernel_build_compiles_only_its_own_source(monkeypatch):
     assert depth_backends.cpu_kernels_for(x) == "built"
     (name,), kwargs = calls[0]
     assert name.startswith("attnres_depth_cpu_") and kwargs["cpp_sources"] == [depth_kernels_cpu.source_text()]
-    assert depth_kernels_cpu.source_text() == Path(depth_kernels_cpu.__file__).with_name("depth_kernels_cpu.cpp").read_text()
+    assert (
+        depth_kernels_cpu.source_text()
+        == Path(depth_kernels_cpu.__file__).with_name("depth_kernels_cpu.cpp").read_text()
+    )
     assert set(kwargs) == {"cpp_sources", "extra_cflags", "extra_ldflags"}  # no CUDA sources, no extra includes

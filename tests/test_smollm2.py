@@ -6,9 +6,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from attnres_convert.io.samples import shakespeare_plays
 from attnres_convert.conversion.surgery import convert_model
 from attnres_convert.conversion.verify import capture_reference, compare
+from attnres_convert.io.samples import shakespeare_plays
 
 pytestmark = pytest.mark.slow
 

@@ -2,11 +2,11 @@
 
 import pytest
 import torch
+from tiny_models import randomize_queries, tiny_model, token_ids
 
 from attnres_convert.block_sizes import default_block_size, source_ranges
-from attnres_convert.modeling.modeling_attnres import plan_sublayers
 from attnres_convert.conversion.surgery import convert_model
-from tiny_models import randomize_queries, tiny_model, token_ids
+from attnres_convert.modeling.modeling_attnres import plan_sublayers
 
 # docs/design.md, block structure: Block AttnRes with S = 3 over seven sublayers.
 DESIGN_TEST_VECTOR = [
@@ -47,8 +47,13 @@ def test_source_structure_is_the_design_test_vector():
 
 
 def test_full_attnres_reads_every_output_and_one_block_reads_embedding_and_running_sum():
-    assert source_ranges(4, 1) == [[(0, 0)], [(0, 0), (1, 1)], [(0, 0), (1, 1), (2, 2)],
-                                   [(0, 0), (1, 1), (2, 2), (3, 3)], [(0, 0), (1, 1), (2, 2), (3, 3), (4, 4)]]
+    assert source_ranges(4, 1) == [
+        [(0, 0)],
+        [(0, 0), (1, 1)],
+        [(0, 0), (1, 1), (2, 2)],
+        [(0, 0), (1, 1), (2, 2), (3, 3)],
+        [(0, 0), (1, 1), (2, 2), (3, 3), (4, 4)],
+    ]
     assert source_ranges(4, 4) == [[(0, 0)], [(0, 0), (1, 1)], [(0, 0), (1, 2)], [(0, 0), (1, 3)], [(0, 0), (1, 4)]]
 
 
@@ -72,14 +77,29 @@ def _reference_llama(model, ids, block_size, scaling="count"):
     positions = torch.arange(ids.shape[1]).unsqueeze(0)
     rotary = base.rotary_emb(outputs[0], positions)
     for j, layer in enumerate(base.layers):
-        h = _mix(design_sources(2 * j + 1, block_size, outputs), layer.self_attention_res_proj.weight,
-                 layer.self_attention_res_norm.weight, eps, scaling)
+        h = _mix(
+            design_sources(2 * j + 1, block_size, outputs),
+            layer.self_attention_res_proj.weight,
+            layer.self_attention_res_norm.weight,
+            eps,
+            scaling,
+        )
         outputs.append(layer.self_attn(layer.input_layernorm(h), position_embeddings=rotary, attention_mask=None)[0])
-        h = _mix(design_sources(2 * j + 2, block_size, outputs), layer.mlp_res_proj.weight, layer.mlp_res_norm.weight,
-                 eps, scaling)
+        h = _mix(
+            design_sources(2 * j + 2, block_size, outputs),
+            layer.mlp_res_proj.weight,
+            layer.mlp_res_norm.weight,
+            eps,
+            scaling,
+        )
         outputs.append(layer.mlp(layer.post_attention_layernorm(h)))
-    h = _mix(design_sources(len(outputs), block_size, outputs), base.output_attn_res_proj.weight,
-             base.output_attn_res_norm.weight, eps, scaling)
+    h = _mix(
+        design_sources(len(outputs), block_size, outputs),
+        base.output_attn_res_proj.weight,
+        base.output_attn_res_norm.weight,
+        eps,
+        scaling,
+    )
     return model.lm_head(base.norm(h))
 
 
@@ -88,12 +108,20 @@ def _reference_neox_parallel(model, ids, block_size):
     outputs = [base.embed_in(ids)]
     rotary = base.rotary_emb(outputs[0], torch.arange(ids.shape[1]).unsqueeze(0))
     for j, layer in enumerate(base.layers):
-        h = _mix(design_sources(j + 1, block_size, outputs), layer.self_attention_res_proj.weight,
-                 layer.self_attention_res_norm.weight, eps)
+        h = _mix(
+            design_sources(j + 1, block_size, outputs),
+            layer.self_attention_res_proj.weight,
+            layer.self_attention_res_norm.weight,
+            eps,
+        )
         attn = layer.attention(layer.input_layernorm(h), attention_mask=None, position_embeddings=rotary)[0]
         outputs.append(attn + layer.mlp(layer.post_attention_layernorm(h)))
-    h = _mix(design_sources(len(outputs), block_size, outputs), base.output_attn_res_proj.weight,
-             base.output_attn_res_norm.weight, eps)
+    h = _mix(
+        design_sources(len(outputs), block_size, outputs),
+        base.output_attn_res_proj.weight,
+        base.output_attn_res_norm.weight,
+        eps,
+    )
     return model.lm_head(base.final_layer_norm(h))
 
 
@@ -205,8 +233,8 @@ def test_training_gradients_match_autograd_through_the_reference(block_size, sca
     model's weights and embeddings) must be autograd's through the plain reference; and a second
     backward through the same graph (retain_graph) must add exactly as much again. Without the table
     (queries that are not whole tensors on one device, as under FSDP) every reader scores the blocks itself."""
-    from attnres_convert.modeling import modeling_attnres
     from attnres_convert.kernels.training import TrainState
+    from attnres_convert.modeling import modeling_attnres
 
     if not table:
         monkeypatch.setattr(modeling_attnres, "_all_queries", lambda spec, like: None)
@@ -223,7 +251,9 @@ def test_training_gradients_match_autograd_through_the_reference(block_size, sca
     assert got.keys() == want.keys() and any("_res_proj" in name for name in got)
     for name in want:
         scale = want[name].abs().max().item()
-        assert scale > 0 or "layers.0.self_attention_res_" in name, f"no gradient for {name}"  # one source: nothing to route
+        assert scale > 0 or "layers.0.self_attention_res_" in name, (
+            f"no gradient for {name}"
+        )  # one source: nothing to route
         assert (got[name] - want[name]).abs().max().item() <= 1e-4 * max(scale, 1.0), name
     twice = _gradients(model, lambda: model(ids).logits, ids, backwards=2)
     for name in got:

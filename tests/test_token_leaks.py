@@ -15,11 +15,9 @@ import textwrap
 from pathlib import Path
 
 import pytest
-
 from fake_hub import FakeHub
 from finetune_helpers import tiny_model_folder, tiny_recipe, write_corpus, write_recipe
 from reliability_helpers import ONE_THREAD_ENV
-
 
 TOKEN = "attnres-SECRET-token-7f3a9c1e5b2d"
 
@@ -66,8 +64,10 @@ def test_token_never_leaks(tmp_path):
     text = Path(corpus["eval"][0])
     outputs = tmp_path / "outputs"
     converted, pushed = outputs / "converted", outputs / "pushed"
-    recipe = write_recipe(tmp_path / "recipe.yaml", tiny_recipe(base, corpus, outputs / "run", train={"steps": 3},
-                                                                 checkpoint={"every": 2, "keep_last": 2}))
+    recipe = write_recipe(
+        tmp_path / "recipe.yaml",
+        tiny_recipe(base, corpus, outputs / "run", train={"steps": 3}, checkpoint={"every": 2, "keep_last": 2}),
+    )
     with FakeHub(TOKEN) as hub:
         hub.forbidden_namespaces.add("someone-else")
         commands = [
@@ -95,8 +95,15 @@ def test_token_never_leaks(tmp_path):
             "TRANSFORMERS_VERBOSITY": "debug",
             "TOKENIZERS_PARALLELISM": "false",
         }
-        result = subprocess.run([sys.executable, "-c", DRIVER, json.dumps(commands)], cwd=tmp_path, env=env,
-                                capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+        result = subprocess.run(
+            [sys.executable, "-c", DRIVER, json.dumps(commands)],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            stdin=subprocess.DEVNULL,
+        )
         published = {name: data for repo in hub.repos for name, data in hub.files(repo).items()}
     captured = result.stdout + result.stderr
     assert result.returncode == 0, captured

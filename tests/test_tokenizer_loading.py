@@ -15,12 +15,12 @@ import warnings
 from pathlib import Path
 
 import pytest
+from finetune_helpers import tiny_model_folder
+from reliability_helpers import ONE_THREAD_ENV, leftovers, run_cli, squash
 
 from attnres_convert import convert
 from attnres_convert.errors import SourceError
 from attnres_convert.io.samples import SAMPLE_TEXT
-from finetune_helpers import tiny_model_folder
-from reliability_helpers import ONE_THREAD_ENV, leftovers, run_cli, squash
 
 ROOT = Path(__file__).resolve().parent.parent
 TEXT = SAMPLE_TEXT[:400]
@@ -42,14 +42,28 @@ LOADERS = ("AutoTokenizer", "AutoProcessor")
 NOISE = ("[y/N]", "custom code", "trust_remote_code", "attnres", "model of type")
 TRUST = [
     True,
-    pytest.param(None, marks=pytest.mark.xfail(strict=True, reason=(
-        "transformers (5.16.1 to 5.24) AutoTokenizer and AutoProcessor read the model config (AutoConfig) before "
-        "tokenizer_config.json, whatever the folder's tokenizer_class says, and a config whose model type only the "
-        "shipped code knows asks whether to run that code (then warns when the answer is no); transformers has no "
-        "setting in the folder that answers it, and the model type must stay attnres (docs/design.md)"))),
-    pytest.param(False, marks=pytest.mark.xfail(strict=True, reason=(
-        "transformers (5.16.1 to 5.24) falls back to a generic config for the refused model type and warns "
-        "'You are using a model of type `attnres` to instantiate a model of type ``'"))),
+    pytest.param(
+        None,
+        marks=pytest.mark.xfail(
+            strict=True,
+            reason=(
+                "transformers (5.16.1 to 5.24) AutoTokenizer and AutoProcessor read the model config (AutoConfig) before "
+                "tokenizer_config.json, whatever the folder's tokenizer_class says, and a config whose model type only the "
+                "shipped code knows asks whether to run that code (then warns when the answer is no); transformers has no "
+                "setting in the folder that answers it, and the model type must stay attnres (docs/design.md)"
+            ),
+        ),
+    ),
+    pytest.param(
+        False,
+        marks=pytest.mark.xfail(
+            strict=True,
+            reason=(
+                "transformers (5.16.1 to 5.24) falls back to a generic config for the refused model type and warns "
+                "'You are using a model of type `attnres` to instantiate a model of type ``'"
+            ),
+        ),
+    ),
 ]
 
 
@@ -64,8 +78,12 @@ def load_in_child(location, env: dict | None = None, loader: str = "AutoTokenize
     """The class LOADER.from_pretrained(LOCATION, **KWARGS) returns in a fresh Python and the ids it gives TEXT,
     and everything else it printed."""
     run = subprocess.run(
-        [sys.executable, "-c", CHILD, str(location), json.dumps(kwargs), TEXT, loader], capture_output=True, text=True,
-        env=_child_env(env), stdin=subprocess.DEVNULL, timeout=300,
+        [sys.executable, "-c", CHILD, str(location), json.dumps(kwargs), TEXT, loader],
+        capture_output=True,
+        text=True,
+        env=_child_env(env),
+        stdin=subprocess.DEVNULL,
+        timeout=300,
     )
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
     lines = run.stdout.splitlines()
@@ -107,8 +125,14 @@ def _convert_from_the_hub_cache(env: dict, out: Path) -> subprocess.CompletedPro
         "import sys, warnings; warnings.simplefilter('always', UserWarning); from attnres_convert import convert; "
         "convert('tiny-org/tiny-llama', sys.argv[1], verify=False)"
     )
-    return subprocess.run([sys.executable, "-c", script, str(out)], capture_output=True, text=True,
-                          env=_child_env(env), stdin=subprocess.DEVNULL, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-c", script, str(out)],
+        capture_output=True,
+        text=True,
+        env=_child_env(env),
+        stdin=subprocess.DEVNULL,
+        timeout=300,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -214,9 +238,10 @@ def test_a_converted_folder_without_a_tokenizer_still_opens(tiny_llama_folder, t
 
 def test_tokenizer_of_a_fine_tuned_folder_loads_like_the_original(from_folder, tmp_path):
     """Fine-tuning writes a model folder of its own: its tokenizer loads as the source's does."""
+    from finetune_helpers import tiny_recipe, write_corpus
+
     from attnres_convert.finetune.recipe import parse_recipe
     from attnres_convert.finetune.training import finetune
-    from finetune_helpers import tiny_recipe, write_corpus
 
     root, original_ids = from_folder
     recipe = tiny_recipe(root / "plain", write_corpus(tmp_path / "corpus"), tmp_path / "run", train={"steps": 2})
@@ -232,7 +257,9 @@ def test_hub_cache_sources_without_or_with_a_broken_tokenizer(tmp_path):
     env, snapshot = _cached_hub_repo(tmp_path)
     (snapshot / "tokenizer.json").write_text('{"version": "1.0", "model": {')
     run = _convert_from_the_hub_cache(env, tmp_path / "broken")
-    assert run.returncode != 0 and "could not load the tokenizer of tiny-org/tiny-llama" in run.stderr, run.stderr[-3000:]
+    assert run.returncode != 0 and "could not load the tokenizer of tiny-org/tiny-llama" in run.stderr, run.stderr[
+        -3000:
+    ]
     assert leftovers(tmp_path / "broken") == []
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (snapshot / name).unlink()

@@ -4,10 +4,10 @@ nothing."""
 
 import pytest
 import torch
-
-from attnres_convert.modeling.modeling_attnres import plan_sublayers
-from attnres_convert.conversion.surgery import convert_model
 from tiny_models import randomize_queries, tiny_model, token_ids
+
+from attnres_convert.conversion.surgery import convert_model
+from attnres_convert.modeling.modeling_attnres import plan_sublayers
 
 
 def _loss_and_grads(model, ids):

@@ -5,10 +5,10 @@ few directly, each one listed there too."""
 
 import ast
 import re
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 import transformers
 from packaging.version import Version
 
@@ -28,7 +28,9 @@ def test_internal_is_where_attnres_looks(name):
     if name in SINCE and not has(name):
         since, instead = SINCE[name]
         # Missing only where SINCE says so: an older release of the range, whose way attnres takes instead.
-        assert Version(transformers.__version__) < Version(since), f"transformers {transformers.__version__} lacks {name}"
+        assert Version(transformers.__version__) < Version(since), (
+            f"transformers {transformers.__version__} lacks {name}"
+        )
         pytest.skip(f"transformers {transformers.__version__} predates {module_name}.{name} ({since}): {instead}")
     assert has(name)
     found = internal(name)
@@ -39,10 +41,15 @@ def test_internal_is_where_attnres_looks(name):
 
 def test_a_moved_internal_fails_naming_it(monkeypatch):
     monkeypatch.setitem(INTERNALS, "SubConfigSpec", ("transformers.no_such_module", "declaring the sub-config"))
-    with pytest.raises(MissingTransformersInternal, match=r"transformers\.no_such_module\.SubConfigSpec.*declaring the sub-config"):
+    with pytest.raises(
+        MissingTransformersInternal, match=r"transformers\.no_such_module\.SubConfigSpec.*declaring the sub-config"
+    ):
         transformers_compat.SubConfigSpec
     monkeypatch.setitem(INTERNALS, "NoSuchName", ("transformers.configuration_utils", "nothing"))
-    with pytest.raises(ImportError, match=rf"transformers {re.escape(transformers.__version__)} has no transformers\.configuration_utils\.NoSuchName"):
+    with pytest.raises(
+        ImportError,
+        match=rf"transformers {re.escape(transformers.__version__)} has no transformers\.configuration_utils\.NoSuchName",
+    ):
         internal("NoSuchName")
     with pytest.raises(AttributeError):
         transformers_compat.not_an_internal
@@ -53,13 +60,19 @@ def test_a_module_that_no_longer_imports_fails_naming_the_internal(monkeypatch):
         raise ModuleNotFoundError("No module named 'transformers.core_model_loading'")
 
     monkeypatch.setitem(MODULES, "transformers.core_model_loading", moved)
-    with pytest.raises(MissingTransformersInternal, match=r"no transformers\.core_model_loading\.PrefixChange.*transformers>=5\.16\.1,<6"):
+    with pytest.raises(
+        MissingTransformersInternal,
+        match=r"no transformers\.core_model_loading\.PrefixChange.*transformers>=5\.16\.1,<6",
+    ):
         internal("PrefixChange")
 
 
 def test_only_internals_are_optional():
     assert set(SINCE) <= set(INTERNALS)
-    assert all(Version(since) > Version(transformers_compat.TESTED_TRANSFORMERS.split(",")[0][2:]) for since, _ in SINCE.values())
+    assert all(
+        Version(since) > Version(transformers_compat.TESTED_TRANSFORMERS.split(",")[0][2:])
+        for since, _ in SINCE.values()
+    )
 
 
 @pytest.mark.parametrize("has_spec", [True, False], ids=["with SubConfigSpec", "before SubConfigSpec"])
@@ -98,7 +111,12 @@ def _transformers_imports(path: Path) -> set[tuple[str, str | None]]:
     """(module, name) of each transformers import (name None for `import transformers...`)."""
     imports = set()
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module and node.module.startswith("transformers"):
+        if (
+            isinstance(node, ast.ImportFrom)
+            and node.level == 0
+            and node.module
+            and node.module.startswith("transformers")
+        ):
             imports |= {(node.module, alias.name) for alias in node.names}
         elif isinstance(node, ast.Import):
             imports |= {(alias.name, None) for alias in node.names if alias.name.startswith("transformers")}
@@ -106,7 +124,9 @@ def _transformers_imports(path: Path) -> set[tuple[str, str | None]]:
 
 
 # The shipped code (generated from modeling/sources/) cannot import the package, so it imports its internals itself.
-SHIPPED = [PACKAGE / "modeling" / name for name in SHIPPED_CODE] + sorted((PACKAGE / "modeling" / "sources").glob("*.py"))
+SHIPPED = [PACKAGE / "modeling" / name for name in SHIPPED_CODE] + sorted(
+    (PACKAGE / "modeling" / "sources").glob("*.py")
+)
 
 
 def test_no_module_imports_an_internal_directly():

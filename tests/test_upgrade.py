@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from reliability_helpers import assert_user_error, run_cli
+from tiny_models import randomize_queries, tiny_model, token_ids
 
 from attnres_convert import load_converted, save_converted
 from attnres_convert.conversion.surgery import convert_model
@@ -18,8 +20,6 @@ from attnres_convert.conversion.upgrade import upgrade_folder
 from attnres_convert.errors import SourceError
 from attnres_convert.io.paths import OutputError
 from attnres_convert.modeling import SHIPPED_CODE, modeling_attnres
-from reliability_helpers import assert_user_error, run_cli
-from tiny_models import randomize_queries, tiny_model, token_ids
 
 # What an earlier release's folder held beside the two files (its code was several modules and the C++ source).
 OLD_CODE = {"depth_attention.py": "# an earlier release's module\n", "depth_kernels_cpu.cpp": "// an earlier source\n"}
@@ -86,7 +86,9 @@ def test_the_cli_exit_codes(model, tmp_path):
     old = _old_folder(model, tmp_path / "old-c")
     out = tmp_path / "upgraded-c"
     assert_user_error(run_cli("upgrade", old, "-o", out), "--trust-remote-code", out=out)
-    assert_user_error(run_cli("upgrade", tmp_path / "no-such-folder", "--trust-remote-code"), "not an AttnRes model folder")
+    assert_user_error(
+        run_cli("upgrade", tmp_path / "no-such-folder", "--trust-remote-code"), "not an AttnRes model folder"
+    )
 
     done = run_cli("upgrade", old, "-o", out, "--trust-remote-code")
     assert done.exit_code == 0, done.output

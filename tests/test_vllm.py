@@ -26,7 +26,12 @@ pytest.importorskip("vllm", reason="vLLM is not installed here: `make test-vllm`
 
 import vllm_helpers  # noqa: E402
 from vllm_helpers import (  # noqa: E402
-    CHAT_TEMPLATE, ENGINE, converted_folder, generate_tokens, prompts, up_to_end,
+    CHAT_TEMPLATE,
+    ENGINE,
+    converted_folder,
+    generate_tokens,
+    prompts,
+    up_to_end,
 )
 
 HELPERS = Path(__file__).with_name("vllm_helpers.py")
@@ -36,8 +41,21 @@ NEW_TOKENS = 16
 # Conv1D projections and DeepSeek-V3's latent attention (values narrower than keys, its cache one key and value per
 # head). The hybrid stacks (Mamba / linear-attention layers) are refused, see HYBRIDS. benchmarks/vllm_sweep.py
 # runs every other converting type the same way (docs/serving.md's table).
-SERVED = ["llama", "qwen3", "mistral", "gemma3_text", "phi3", "gpt_neox_parallel", "qwen3_moe", "mixtral",
-          "gemma2", "granite", "cohere", "gpt2", "deepseek_v3"]
+SERVED = [
+    "llama",
+    "qwen3",
+    "mistral",
+    "gemma3_text",
+    "phi3",
+    "gpt_neox_parallel",
+    "qwen3_moe",
+    "mixtral",
+    "gemma2",
+    "granite",
+    "cohere",
+    "gpt2",
+    "deepseek_v3",
+]
 HYBRIDS = ["jamba", "falcon_h1", "qwen3_next"]
 
 
@@ -109,8 +127,10 @@ def test_a_folder_whose_code_predates_the_plan_is_refused_naming_the_release(tmp
     result = run_engine(folder, prompts()[:1], tmp_path)
     assert result.returncode != 0
     log = result.stdout + result.stderr
-    assert ("vLLM cannot serve this AttnRes model (base family 'llama'): its modeling code predates the plan vLLM "
-            "serving reads") in log, log[-3000:]
+    assert (
+        "vLLM cannot serve this AttnRes model (base family 'llama'): its modeling code predates the plan vLLM "
+        "serving reads"
+    ) in log, log[-3000:]
     assert f"re-save it with attnres >= {release()}'s code (`attnres upgrade FOLDER --trust-remote-code`" in log
 
 
@@ -137,20 +157,49 @@ def server(tmp_path):
     """`vllm serve <converted folder> --trust-remote-code` on a free loopback port; stopped afterwards."""
     folder = converted_folder("llama", tmp_path / "llama")
     port = _free_port()
-    flags = ["--dtype", ENGINE["dtype"], "--enforce-eager", "--max-model-len", str(ENGINE["max_model_len"]),
-             "--max-num-seqs", str(ENGINE["max_num_seqs"]), "--max-num-batched-tokens", str(ENGINE["max_num_batched_tokens"]),
-             "--gpu-memory-utilization", str(ENGINE["gpu_memory_utilization"]),
-             "--kv-cache-memory-bytes", str(ENGINE["kv_cache_memory_bytes"])]
+    flags = [
+        "--dtype",
+        ENGINE["dtype"],
+        "--enforce-eager",
+        "--max-model-len",
+        str(ENGINE["max_model_len"]),
+        "--max-num-seqs",
+        str(ENGINE["max_num_seqs"]),
+        "--max-num-batched-tokens",
+        str(ENGINE["max_num_batched_tokens"]),
+        "--gpu-memory-utilization",
+        str(ENGINE["gpu_memory_utilization"]),
+        "--kv-cache-memory-bytes",
+        str(ENGINE["kv_cache_memory_bytes"]),
+    ]
     log = (tmp_path / "server.log").open("w")
-    process = subprocess.Popen([sys.executable, str(HELPERS), "cli", "serve", str(folder), "--trust-remote-code", "--host", "127.0.0.1",
-                                "--port", str(port), *flags], stdout=log, stderr=subprocess.STDOUT, env=engine_env(),
-                               start_new_session=True)
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            str(HELPERS),
+            "cli",
+            "serve",
+            str(folder),
+            "--trust-remote-code",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            *flags,
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=engine_env(),
+        start_new_session=True,
+    )
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 400
         while True:
             assert process.poll() is None, "vllm serve exited:\n" + (tmp_path / "server.log").read_text()[-4000:]
-            assert time.monotonic() < deadline, "vllm serve not up in 400 s:\n" + (tmp_path / "server.log").read_text()[-4000:]
+            assert time.monotonic() < deadline, (
+                "vllm serve not up in 400 s:\n" + (tmp_path / "server.log").read_text()[-4000:]
+            )
             try:
                 with urllib.request.urlopen(f"{base}/health", timeout=5) as response:
                     if response.status == 200:
@@ -174,27 +223,38 @@ def test_openai_server_answers_as_generate(server):
     folder, base, process = server
     tokenizer = AutoTokenizer.from_pretrained(folder)
     texts = ["Hello", "The quick brown fox jumps", "To be, or not to be, that is the question:"]
-    chats = [[{"role": "user", "content": "Hi!"}],
-             [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is a residual?"}]]
+    chats = [
+        [{"role": "user", "content": "Hi!"}],
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is a residual?"}],
+    ]
     common = dict(model=str(folder), max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, return_token_ids=True)
     with concurrent.futures.ThreadPoolExecutor(len(texts) + len(chats)) as pool:
         completions = [pool.submit(_post, f"{base}/v1/completions", dict(common, prompt=text)) for text in texts]
-        chat_answers = [pool.submit(_post, f"{base}/v1/chat/completions", dict(common, messages=chat)) for chat in chats]
+        chat_answers = [
+            pool.submit(_post, f"{base}/v1/chat/completions", dict(common, messages=chat)) for chat in chats
+        ]
         completions = [future.result() for future in completions]
         chat_answers = [future.result() for future in chat_answers]
     prompt_ids = [tokenizer(text).input_ids for text in texts]
-    prompt_ids += [tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=False) for chat in chats]
+    prompt_ids += [
+        tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=False)
+        for chat in chats
+    ]
     assert tokenizer.chat_template == CHAT_TEMPLATE
     answers = completions + chat_answers
     assert [status for status, _ in answers] == [200] * len(answers), answers
-    assert [body["choices"][0]["prompt_token_ids"] if "prompt_token_ids" in body["choices"][0] else body["prompt_token_ids"]
-            for _, body in answers] == prompt_ids
+    assert [
+        body["choices"][0]["prompt_token_ids"] if "prompt_token_ids" in body["choices"][0] else body["prompt_token_ids"]
+        for _, body in answers
+    ] == prompt_ids
     served = [body["choices"][0]["token_ids"] for _, body in answers]
     assert [up_to_end(tokens) for tokens in served] == generate_tokens(folder, prompt_ids, NEW_TOKENS)
     # The text is the tokens decoded, as a chat message for the chat endpoint (vLLM's incremental detokenizer puts
     # the character tokenizer's joining space before the first token too).
     assert completions[0][1]["choices"][0]["text"].strip() == tokenizer.decode(served[0], skip_special_tokens=True)
-    assert chat_answers[0][1]["choices"][0]["message"]["content"].strip() == tokenizer.decode(served[len(texts)], skip_special_tokens=True)
+    assert chat_answers[0][1]["choices"][0]["message"]["content"].strip() == tokenizer.decode(
+        served[len(texts)], skip_special_tokens=True
+    )
 
     # A prompt longer than the model's context gets vLLM's error; the server stays up and serves the next request.
     status, body = _post(f"{base}/v1/completions", dict(common, prompt="x" * 300))

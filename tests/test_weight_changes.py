@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import randomize_queries, tiny_model, token_ids
 
 from attnres_convert.conversion.surgery import convert_model
-from tiny_models import randomize_queries, tiny_model, token_ids
 
 GENERATE = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0)
 
@@ -80,10 +80,22 @@ def _peft_merge_and_unload(model):
     `modules_to_save`: the wrapped copies are changed (as training would), then merged into the base model."""
     from peft import LoraConfig, get_peft_model
 
-    saved = ["self_attention_res_proj", "mlp_res_proj", "self_attention_res_norm", "mlp_res_norm",
-             "output_attn_res_proj", "output_attn_res_norm"]
-    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], modules_to_save=saved,
-                        task_type="CAUSAL_LM", init_lora_weights=False)
+    saved = [
+        "self_attention_res_proj",
+        "mlp_res_proj",
+        "self_attention_res_norm",
+        "mlp_res_norm",
+        "output_attn_res_proj",
+        "output_attn_res_norm",
+    ]
+    config = LoraConfig(
+        r=4,
+        lora_alpha=8,
+        target_modules=["q_proj", "v_proj"],
+        modules_to_save=saved,
+        task_type="CAUSAL_LM",
+        init_lora_weights=False,
+    )
     peft_model = get_peft_model(model, config).eval()
     ids = token_ids(2, 7, seed=5)
     with torch.no_grad():
@@ -121,9 +133,14 @@ def _to_float64(model):
 
 
 WAYS = {
-    "data_copy": _data_copy, "data_assign": _data_assign, "load_state_dict": _load_state_dict,
-    "optimizer_step": _optimizer_step, "peft_merge_and_unload": _peft_merge_and_unload, "ema_swap": _ema_swap,
-    "to_bfloat16": _to_bfloat16, "to_float64": _to_float64,
+    "data_copy": _data_copy,
+    "data_assign": _data_assign,
+    "load_state_dict": _load_state_dict,
+    "optimizer_step": _optimizer_step,
+    "peft_merge_and_unload": _peft_merge_and_unload,
+    "ema_swap": _ema_swap,
+    "to_bfloat16": _to_bfloat16,
+    "to_float64": _to_float64,
 }
 
 

@@ -5,13 +5,13 @@ again), and no family's rules may rename them."""
 
 import torch
 from safetensors import safe_open
+from test_save_load import run_isolated
+from tiny_models import randomize_queries, tiny_model, token_ids
 from transformers.conversion_mapping import _build_checkpoint_conversion_mapping
 
 from attnres_convert import load_converted, save_converted
 from attnres_convert.conversion.surgery import convert_model
 from attnres_convert.modeling.modeling_attnres import guarded
-from test_save_load import run_isolated
-from tiny_models import randomize_queries, tiny_model, token_ids
 
 
 def _trained_mixtral():
@@ -73,11 +73,21 @@ def test_mixtral_attnres_tensors_survive_saving(tmp_path, monkeypatch):
 
 ATTNRES_KEYS = [
     f"{prefix}{layer}.{name}_res_{kind}.weight"
-    for prefix in ("model.layers.", "transformer.h.", "gpt_neox.layers.", "model.decoder.layers.", "model.language_model.layers.")
+    for prefix in (
+        "model.layers.",
+        "transformer.h.",
+        "gpt_neox.layers.",
+        "model.decoder.layers.",
+        "model.language_model.layers.",
+    )
     for layer in (0, 11)
     for name in ("self_attention", "mlp", "mlp_2", "self_attention_2")
     for kind in ("proj", "norm")
-] + [f"{base}.output_attn_res_{kind}.weight" for base in ("model", "transformer", "gpt_neox", "model.decoder") for kind in ("proj", "norm")]
+] + [
+    f"{base}.output_attn_res_{kind}.weight"
+    for base in ("model", "transformer", "gpt_neox", "model.decoder")
+    for kind in ("proj", "norm")
+]
 
 
 def _own_name(key: str) -> str:
@@ -90,8 +100,10 @@ def test_no_family_rule_renames_an_attnres_tensor():
     Mixtral's reversed rule does rename it, so this test sees the defect it guards against."""
     mapping = _build_checkpoint_conversion_mapping()
     mixtral_reverse = [rule.reverse_transform() for rule in mapping["mixtral"]]
-    assert any(rule.rename_source_key("model.layers.0.mlp_res_proj.weight")[0] != "model.layers.0.mlp_res_proj.weight"
-               for rule in mixtral_reverse)
+    assert any(
+        rule.rename_source_key("model.layers.0.mlp_res_proj.weight")[0] != "model.layers.0.mlp_res_proj.weight"
+        for rule in mixtral_reverse
+    )
     checked = 0
     for model_type, rules in mapping.items():
         for rule in rules or ():

@@ -18,22 +18,41 @@ import zipfile
 from pathlib import Path
 
 import pytest
-
 from finetune_helpers import tiny_model_folder, tiny_recipe, write_recipe
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slow  # builds a wheel and runs its command in fresh processes
 NOT_PACKAGED = shutil.ignore_patterns(
-    ".git", ".venv*", ".ci", "tests", "benchmarks", "docs", "outputs", "runs", "build", "dist", "*.egg-info",
-    "__pycache__", ".pytest_cache", ".cache",
+    ".git",
+    ".venv*",
+    ".ci",
+    "tests",
+    "benchmarks",
+    "docs",
+    "outputs",
+    "runs",
+    "build",
+    "dist",
+    "*.egg-info",
+    "__pycache__",
+    ".pytest_cache",
+    ".cache",
 )
 
 
 def run(*args, cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "ATTNRES_RECIPES")}
-    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", COLUMNS="200", HF_HUB_OFFLINE="1")
+    env.update(
+        OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", COLUMNS="200", HF_HUB_OFFLINE="1"
+    )
     return subprocess.run(
-        [str(a) for a in args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL
+        [str(a) for a in args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
     )
 
 
@@ -42,7 +61,19 @@ def installed(tmp_path_factory) -> dict:
     work = tmp_path_factory.mktemp("wheel")
     source = work / "source"
     shutil.copytree(ROOT, source, symlinks=True, ignore=NOT_PACKAGED)
-    built = run(sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", source, "-w", work / "dist", cwd=work)
+    built = run(
+        sys.executable,
+        "-m",
+        "pip",
+        "wheel",
+        "--no-deps",
+        "--no-build-isolation",
+        "-q",
+        source,
+        "-w",
+        work / "dist",
+        cwd=work,
+    )
     assert built.returncode == 0, built.stdout + built.stderr
     [wheel] = (work / "dist").glob("attnres-*.whl")
 
@@ -50,7 +81,9 @@ def installed(tmp_path_factory) -> dict:
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", env], check=True, timeout=120)
     python = env / "bin" / "python"
     site = Path(run(python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))", cwd=work).stdout.strip())
-    installed = run(sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--target", site, wheel, cwd=work)
+    installed = run(
+        sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--target", site, wheel, cwd=work
+    )
     assert installed.returncode == 0, installed.stdout + installed.stderr
     (site / "shared-environment.pth").write_text(sysconfig.get_path("purelib") + "\n")
     cwd = work / "elsewhere"
@@ -74,15 +107,32 @@ def test_the_wheel_holds_the_package_the_recipes_and_no_top_level_cli(installed)
     assert "[vllm.general_plugins]\nattnres = attnres_convert.serving.vllm_plugin:register" in entry_points
     assert "attnres_convert/serving/vllm_model.py" in names
     shipped = sorted(p.name for p in (ROOT / "recipes").glob("*.yaml"))
-    assert sorted(Path(n).name for n in names if n.startswith("attnres_convert/recipes/") and n.endswith(".yaml")
-                  and "/accelerate/" not in n) == shipped
+    assert (
+        sorted(
+            Path(n).name
+            for n in names
+            if n.startswith("attnres_convert/recipes/") and n.endswith(".yaml") and "/accelerate/" not in n
+        )
+        == shipped
+    )
     assert "attnres_convert/cli.py" in names and not any(n == "cli.py" for n in names)
     # The code a converted folder ships (two files), and the kernels that stay in the package: the C++ source
     # is package data, read beside kernels/cpu.py where ATTNRES_KERNEL=cpu builds it (no folder carries it).
-    for name in ("modeling/modeling_attnres.py", "modeling/configuration_attnres.py", "architectures.py",
-                 "transformers_compat.py", "block_sizes.py", "depth_controls.py", "io/base_code.py",
-                 "kernels/__init__.py", "kernels/cpu.py", "kernels/depth_kernels_cpu.cpp", "kernels/step.py",
-                 "kernels/triton.py", "kernels/controls.py"):
+    for name in (
+        "modeling/modeling_attnres.py",
+        "modeling/configuration_attnres.py",
+        "architectures.py",
+        "transformers_compat.py",
+        "block_sizes.py",
+        "depth_controls.py",
+        "io/base_code.py",
+        "kernels/__init__.py",
+        "kernels/cpu.py",
+        "kernels/depth_kernels_cpu.cpp",
+        "kernels/step.py",
+        "kernels/triton.py",
+        "kernels/controls.py",
+    ):
         assert f"attnres_convert/{name}" in names, name
 
 

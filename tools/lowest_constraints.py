@@ -6,8 +6,9 @@ A dependency without a lower bound is left to the resolver. Run from the reposit
 
 import re
 import sys
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 # torch is pinned by the Makefile's TORCH_SPEC (a local CPU wheel), whatever the range says.

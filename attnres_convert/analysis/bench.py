@@ -28,9 +28,9 @@ from pathlib import Path
 
 import torch
 
-from ..errors import AttnResError, first_line
 from ..architectures import UnsupportedModelError, vocab_size_of
 from ..conversion.surgery import BlockSizeError
+from ..errors import AttnResError, first_line
 from ..io.sources import DTYPES, ModelSource, load_model, load_tokenizer, resolve_source
 from . import step_memory
 from .bench_settings import DEVICES, KERNELS, MEASURES, BenchError, BenchSettings, check_values, runs_total  # noqa: F401
@@ -59,7 +59,9 @@ def check_settings(settings: BenchSettings) -> None:
     check_values(settings)
     if settings.device == "cuda" and not torch.cuda.is_available():
         why = "this torch was built without CUDA" if torch.version.cuda is None else "no CUDA GPU is visible"
-        raise BenchError(f"--device cuda: {why} (torch {torch.__version__}). Run on a machine with a GPU, or use --device cpu.")
+        raise BenchError(
+            f"--device cuda: {why} (torch {torch.__version__}). Run on a machine with a GPU, or use --device cpu."
+        )
     dtype = settings.resolved_dtype
     _check_dtype_runs(settings.device, dtype)
     if settings.kernels == "triton":
@@ -71,21 +73,29 @@ def check_settings(settings: BenchSettings) -> None:
 def _check_dtype_runs(device: str, dtype: str) -> None:
     """A matmul and its backward in DTYPE on DEVICE: what a forward and a training step need."""
     if device == "cuda" and dtype == "bfloat16" and not torch.cuda.is_bf16_supported():
-        raise BenchError(f"--dtype bfloat16: {torch.cuda.get_device_name()} has no bfloat16. Use --dtype float16 or float32.")
+        raise BenchError(
+            f"--dtype bfloat16: {torch.cuda.get_device_name()} has no bfloat16. Use --dtype float16 or float32."
+        )
     try:
         a = torch.ones(4, 4, dtype=DTYPES[dtype], device=device, requires_grad=True)
         (a @ a).softmax(-1).sum().backward()
     except (RuntimeError, TypeError) as error:
-        raise BenchError(f"--dtype {dtype} does not run on {device} here ({first_line(error)}). Use --dtype float32.") from error
+        raise BenchError(
+            f"--dtype {dtype} does not run on {device} here ({first_line(error)}). Use --dtype float32."
+        ) from error
 
 
 def _check_triton(device: str) -> None:
     if device != "cuda":
-        raise BenchError("--kernels triton runs the Triton kernels on CUDA tensors: use --device cuda, or --kernels eager or cpu on CPU.")
+        raise BenchError(
+            "--kernels triton runs the Triton kernels on CUDA tensors: use --device cuda, or --kernels eager or cpu on CPU."
+        )
     try:
         import triton  # noqa: F401
     except ImportError as error:
-        raise BenchError(f"--kernels triton: Triton cannot be imported ({first_line(error)}). pip install triton, or use --kernels eager.") from error
+        raise BenchError(
+            f"--kernels triton: Triton cannot be imported ({first_line(error)}). pip install triton, or use --kernels eager."
+        ) from error
 
 
 def _check_cpu_kernels(device: str, dtype: str) -> None:
@@ -172,6 +182,7 @@ def load_for_bench(folder: Path, settings: BenchSettings, remote_code: bool):
     is the one the folder ships (what trust_remote_code=True loads in a fresh process), even where this process
     has registered the package's own AttnRes classes, which transformers would otherwise prefer."""
     from transformers import AutoConfig, AutoModelForCausalLM
+
     from ..transformers_compat import get_class_from_dynamic_module
 
     dtype = DTYPES[settings.resolved_dtype]
@@ -190,7 +201,9 @@ def run_bench(
     model: str | os.PathLike | None,
     settings: BenchSettings | None = None,
     *,
-    stage: Callable[[str], contextlib.AbstractContextManager] = contextlib.nullcontext,  # no display: a stage is a no-op block
+    stage: Callable[
+        [str], contextlib.AbstractContextManager
+    ] = contextlib.nullcontext,  # no display: a stage is a no-op block
     on_run: Callable[[str], None] = lambda name: None,
     command: str | None = None,
 ) -> BenchResult:
@@ -217,7 +230,11 @@ def run_bench(
                 # The temporary converted folder needs no tokenizer: convert's advice about one is not for this.
                 warnings.filterwarnings("ignore", message=".*has no tokenizer")
                 converted = convert(
-                    str(original_folder), work / "converted", verify=False, block_size=settings.block_size, full=settings.full
+                    str(original_folder),
+                    work / "converted",
+                    verify=False,
+                    block_size=settings.block_size,
+                    full=settings.full,
                 )
             with stage("Loading both models"):
                 original = load_for_bench(original_folder, settings, remote_code=False)
@@ -228,7 +245,9 @@ def run_bench(
                 with stage("peak memory of a training step (a process per model)"):
                     memory = _memory_row(original_folder, work / "converted", settings)
                 if memory is None:
-                    notes.append("peak memory: this system has no /proc/self/clear_refs to reset the peak resident size")
+                    notes.append(
+                        "peak memory: this system has no /proc/self/clear_refs to reset the peak resident size"
+                    )
                 else:
                     rows.append(memory)
     finally:
@@ -239,11 +258,19 @@ def run_bench(
         if (why := ratio_noise(row, machine)) is not None:
             row["noise"] = why
     summary = converted.summary
-    settings_dict = asdict(settings) | {"dtype": settings.resolved_dtype, "kernels": settings.kernels or os.environ.get("ATTNRES_KERNEL", "auto")}
+    settings_dict = asdict(settings) | {
+        "dtype": settings.resolved_dtype,
+        "kernels": settings.kernels or os.environ.get("ATTNRES_KERNEL", "auto"),
+    }
     settings_dict["measure"] = list(settings.measure)
-    conversion = {"block_size": summary.block_size, "num_blocks": summary.num_blocks, "num_sublayers": summary.num_sublayers,
-                  "params_added": summary.params_added, "model_type": summary.model_type,
-                  "converted_class": f"{type(attnres).__module__}.{type(attnres).__name__}"}
+    conversion = {
+        "block_size": summary.block_size,
+        "num_blocks": summary.num_blocks,
+        "num_sublayers": summary.num_sublayers,
+        "params_added": summary.params_added,
+        "model_type": summary.model_type,
+        "converted_class": f"{type(attnres).__module__}.{type(attnres).__name__}",
+    }
     return BenchResult(source.name, settings_dict, machine, conversion, rows, command, notes)
 
 
@@ -271,10 +298,17 @@ def _measure(original, converted, settings: BenchSettings, stage, on_run) -> tup
             def run():
                 with torch.no_grad():
                     model(tokens, use_cache=False)
+
             return run
 
-        rows.append({"name": "prefill", "label": f"prefill {settings.batch} x {settings.seq_len} tokens", "unit": "s",
-                     **timed("prefill", prefill)})
+        rows.append(
+            {
+                "name": "prefill",
+                "label": f"prefill {settings.batch} x {settings.seq_len} tokens",
+                "unit": "s",
+                **timed("prefill", prefill),
+            }
+        )
     if "decode" in settings.measure:
         new = settings.decode_tokens
         pad = original.generation_config.pad_token_id
@@ -295,13 +329,20 @@ def _measure(original, converted, settings: BenchSettings, stage, on_run) -> tup
             def run():
                 model.zero_grad(set_to_none=True)
                 model(tokens, labels=tokens).loss.backward()
+
             return run
 
         for model in models.values():
             model.train()
         try:
-            rows.append({"name": "train_step", "label": f"train step {settings.batch} x {settings.seq_len} (fwd + bwd)",
-                         "unit": "s", **timed("train step", step)})
+            rows.append(
+                {
+                    "name": "train_step",
+                    "label": f"train step {settings.batch} x {settings.seq_len} (fwd + bwd)",
+                    "unit": "s",
+                    **timed("train step", step),
+                }
+            )
         finally:
             for model in models.values():
                 model.zero_grad(set_to_none=True)
@@ -312,10 +353,21 @@ def _measure(original, converted, settings: BenchSettings, stage, on_run) -> tup
 def _memory_row(original_folder: Path, converted_folder: Path, settings: BenchSettings) -> dict | None:
     if settings.device == "cpu" and not step_memory.cpu_peak_supported():
         return None
-    common = dict(device=settings.device, dtype=settings.resolved_dtype, batch=settings.batch, seq_len=settings.seq_len,
-                  threads=settings.threads)
+    common = dict(
+        device=settings.device,
+        dtype=settings.resolved_dtype,
+        batch=settings.batch,
+        seq_len=settings.seq_len,
+        threads=settings.threads,
+    )
     original = step_memory.measure_in_child(original_folder, kernels=None, remote_code=False, **common)
     converted = step_memory.measure_in_child(converted_folder, kernels=settings.kernels, remote_code=True, **common)
     mib = 2**20
-    return {"name": "train_step_peak_memory", "label": f"train step peak memory {settings.batch} x {settings.seq_len}",
-            "unit": "MiB", "original": original / mib, "converted": converted / mib, "ratio": converted / original}
+    return {
+        "name": "train_step_peak_memory",
+        "label": f"train step peak memory {settings.batch} x {settings.seq_len}",
+        "unit": "MiB",
+        "original": original / mib,
+        "converted": converted / mib,
+        "ratio": converted / original,
+    }

@@ -47,7 +47,8 @@ def noise_notes(result: dict) -> list[str]:
     return [
         f"{row['label']}: the ratio is noise, not a result: {row['noise']}. Run again with more --rounds on an idle "
         "machine (or with --threads 1 where other work holds cores)."
-        for row in result["rows"] if row.get("noise")
+        for row in result["rows"]
+        if row.get("noise")
     ]
 
 
@@ -68,8 +69,7 @@ def machine_line(result: dict) -> str:
     where = m.get("gpu") or f"{m['processor']}, {m['cpu_count']} cores"
     load = f"; load average {m['load_average_start'][0]:.1f} at the start" if m.get("load_average_start") else ""
     threads = f"{m['torch_threads']} torch thread" + ("s" if m["torch_threads"] != 1 else "")
-    return (f"{where}, {threads}; torch {m['torch']}, transformers {m['transformers']}; "
-            f"{m['date']}{load}")
+    return f"{where}, {threads}; torch {m['torch']}, transformers {m['transformers']}; {m['date']}{load}"
 
 
 def markdown(result: dict, json_path: str | None = None) -> str:
@@ -90,8 +90,9 @@ def markdown(result: dict, json_path: str | None = None) -> str:
     ]
     for row in result["rows"]:
         ratio, paired = ratio_texts(row)
-        lines.append(f"| {row['label']} | {value_text(row, 'original')} | {value_text(row, 'converted')} | "
-                     f"{ratio} | {paired} |")
+        lines.append(
+            f"| {row['label']} | {value_text(row, 'original')} | {value_text(row, 'converted')} | {ratio} | {paired} |"
+        )
     lines += [f"\n{note}" for note in result.get("notes", []) + noise_notes(result)]
     return "\n".join(lines) + "\n"
 
@@ -124,4 +125,6 @@ BENCH_BLOCK = re.compile(r"(<!-- bench: (?P<path>[^ ]+) -->\n)(?P<body>.*?)(<!--
 
 def fill_bench_blocks(text: str, root: Path) -> str:
     """TEXT with every bench block's table made again from its results file (a path relative to ROOT)."""
-    return BENCH_BLOCK.sub(lambda m: m.group(1) + markdown(read_json(root / m.group("path")), m.group("path")) + m.group(4), text)
+    return BENCH_BLOCK.sub(
+        lambda m: m.group(1) + markdown(read_json(root / m.group("path")), m.group("path")) + m.group(4), text
+    )

@@ -69,7 +69,9 @@ def check_values(settings: BenchSettings) -> None:
             f"itself. Use --kernels eager with --compile, or drop --compile."
         )
     if settings.kernels == "triton" and settings.device != "cuda":
-        raise BenchError("--kernels triton runs the Triton kernels on CUDA tensors: use --device cuda, or --kernels eager or cpu on CPU.")
+        raise BenchError(
+            "--kernels triton runs the Triton kernels on CUDA tensors: use --device cuda, or --kernels eager or cpu on CPU."
+        )
     if settings.kernels == "cpu" and (settings.device != "cpu" or settings.resolved_dtype != "float32"):
         raise BenchError(
             f"--kernels cpu runs the C++ kernels on float32 CPU tensors (asked: {settings.resolved_dtype} on "
@@ -108,8 +110,11 @@ def _round_seconds(settings: BenchSettings, threads: int) -> float:
     and training only) by the threads; decoding one token at a time gains little from threads."""
     tokens = settings.batch * settings.seq_len / 512
     speedup = threads / PACE_THREADS
-    per_run = {"prefill": PACE_S["prefill"] * tokens / speedup, "decode": PACE_S["decode"] * settings.decode_tokens / 64,
-               "train": PACE_S["train"] * tokens / speedup}
+    per_run = {
+        "prefill": PACE_S["prefill"] * tokens / speedup,
+        "decode": PACE_S["decode"] * settings.decode_tokens / 64,
+        "train": PACE_S["train"] * tokens / speedup,
+    }
     return 2 * sum(per_run[m] for m in settings.measure if m in per_run)
 
 
@@ -148,11 +153,15 @@ def estimate(settings: BenchSettings, embedded: bool, cores: int, load: float | 
         total = SETUP_S + (settings.rounds + 1) * round_s + (MEMORY_S if "memory" in settings.measure else 0.0)
         text = f"Estimate on an idle machine: about {_duration(total)} with {threads} thread(s), {rounds}."
     else:
-        text = (f"{settings.rounds + 1} rounds (one a warm-up): one of the embedded SmolLM2-135M would take about "
-                f"{_duration(round_s)} with {threads} thread(s) on an idle machine; a bigger model's take longer.")
+        text = (
+            f"{settings.rounds + 1} rounds (one a warm-up): one of the embedded SmolLM2-135M would take about "
+            f"{_duration(round_s)} with {threads} thread(s) on an idle machine; a bigger model's take longer."
+        )
     if load is not None and load > cores:
-        text += (f" This machine is busy (load average {load:.1f} on {cores} cores): it can take many times longer "
-                 f"({BUSY_TOTAL_MIN} min for --rounds 1 on a 2-core machine at load 3 to 7).")
+        text += (
+            f" This machine is busy (load average {load:.1f} on {cores} cores): it can take many times longer "
+            f"({BUSY_TOTAL_MIN} min for --rounds 1 on a 2-core machine at load 3 to 7)."
+        )
     if settings.rounds > 1 or "memory" in settings.measure:
         text += " --quick: a rough look sooner."
     return text

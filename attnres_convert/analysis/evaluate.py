@@ -51,7 +51,9 @@ def heldout_loss(model, sequences: Sequences, batch_size: int = 1) -> tuple[floa
     device = next(model.parameters()).device
     try:
         for start in range(0, len(sequences), batch_size):
-            loss, predictions = token_loss(model, sequences.batch(range(start, min(start + batch_size, len(sequences)))), device)
+            loss, predictions = token_loss(
+                model, sequences.batch(range(start, min(start + batch_size, len(sequences)))), device
+            )
             total += loss.item()
             count += predictions
     finally:
@@ -82,7 +84,9 @@ def data_files(data: list[str]) -> list:
 def evaluation_sequences(tokenizer, data: list[str], seq_len: int, max_tokens: int | None = None) -> Sequences:
     """DATA tokenised and packed as fine-tuning packs held-out text: EOS between documents, full seq_len
     sequences (the incomplete tail is dropped), at most max_tokens tokens read."""
-    documents = tokenize(tokenizer, file_documents(data_files(data), "text", "--data"), add_eos=True, budget=TokenBudget(max_tokens))
+    documents = tokenize(
+        tokenizer, file_documents(data_files(data), "text", "--data"), add_eos=True, budget=TokenBudget(max_tokens)
+    )
     if max_tokens is not None:  # the budget stops between documents; one play alone can be 50k tokens
         documents = _first_tokens(documents, max_tokens)
     sequences = pack(documents, seq_len, pad_token_id(tokenizer))

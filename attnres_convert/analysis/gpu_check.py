@@ -68,25 +68,65 @@ REPORT_RESERVE_S = 10
 # The two shapes (Llama architecture, random weights): SmolLM2-135M's config and Llama-3.2-1B's.
 SHAPES = {
     "smollm2-135m": dict(
-        hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
-        vocab_size=49152, max_position_embeddings=8192, rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True,
-        bos_token_id=1, eos_token_id=2,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        vocab_size=49152,
+        max_position_embeddings=8192,
+        rope_theta=100000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
     ),
     "llama-3.2-1b": dict(
-        hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
-        head_dim=64, vocab_size=128256, max_position_embeddings=131072, rope_theta=500000.0, rms_norm_eps=1e-5,
-        tie_word_embeddings=True, bos_token_id=128000, eos_token_id=128001,
-        rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                          original_max_position_embeddings=8192),
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=64,
+        vocab_size=128256,
+        max_position_embeddings=131072,
+        rope_theta=500000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        bos_token_id=128000,
+        eos_token_id=128001,
+        rope_scaling=dict(
+            rope_type="llama3",
+            factor=32.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=8192,
+        ),
     ),
 }
 # --quick: the same two kinds of shape (GQA, tied embeddings, llama3 rope), small enough for two CPU cores.
 QUICK_SHAPES = {
-    "smollm2-135m": dict(SHAPES["smollm2-135m"], hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=2, vocab_size=512),
-    "llama-3.2-1b": dict(SHAPES["llama-3.2-1b"], hidden_size=64, intermediate_size=256, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=1024,
-                         bos_token_id=1, eos_token_id=2),
+    "smollm2-135m": dict(
+        SHAPES["smollm2-135m"],
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=512,
+    ),
+    "llama-3.2-1b": dict(
+        SHAPES["llama-3.2-1b"],
+        hidden_size=64,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=1024,
+        bos_token_id=1,
+        eos_token_id=2,
+    ),
 }
 
 
@@ -97,10 +137,16 @@ class Plan:
     exact_tokens: int = 128
     exact_new_tokens: int = 32
     bench: dict = field(default_factory=lambda: dict(batch=1, seq_len=512, decode_tokens=32, rounds=3))
-    ab_overrides: list[str] = field(default_factory=lambda: [
-        "train.steps=150", "eval.every=50", "eval.max_sequences=64", "train.micro_batch=16", "data.seq_len=256",
-        "train.mixed_precision=bf16",
-    ])
+    ab_overrides: list[str] = field(
+        default_factory=lambda: [
+            "train.steps=150",
+            "eval.every=50",
+            "eval.max_sequences=64",
+            "train.micro_batch=16",
+            "data.seq_len=256",
+            "train.mixed_precision=bf16",
+        ]
+    )
 
 
 QUICK_PLAN = Plan(
@@ -108,8 +154,16 @@ QUICK_PLAN = Plan(
     exact_new_tokens=8,
     bench=dict(batch=1, seq_len=32, decode_tokens=4, rounds=1),
     ab_overrides=[
-        "model.layers=4", "model.hidden=64", "model.heads=2", "model.kv_heads=2", "model.num_blocks=2",
-        "train.steps=6", "eval.every=3", "eval.max_sequences=4", "train.micro_batch=2", "data.seq_len=32",
+        "model.layers=4",
+        "model.hidden=64",
+        "model.heads=2",
+        "model.kv_heads=2",
+        "model.num_blocks=2",
+        "train.steps=6",
+        "eval.every=3",
+        "eval.max_sequences=4",
+        "train.micro_batch=2",
+        "data.seq_len=32",
         "train.warmup_steps=1",
     ],
 )
@@ -165,8 +219,15 @@ class Check:
         self.log.flush()
         # A session of its own: at the timeout the whole group goes (bench's memory children, torch.compile's
         # workers), so nothing of a stage keeps the GPU or the CPUs busy during the next one.
-        with subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              start_new_session=True) as process:
+        with subprocess.Popen(
+            cmd,
+            cwd=ROOT,
+            env=full_env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        ) as process:
             try:
                 stdout, stderr = process.communicate(timeout=max(1.0, timeout))
             except subprocess.TimeoutExpired:
@@ -191,15 +252,30 @@ def environment(check: Check, limit: float) -> dict:
         **machine_info("cpu"),  # the GPU's own fields below, with the check's
         "device": check.device,
         "quick": check.quick,
-        "packages": {name: _version(name) for name in (
-            "torch", "transformers", "triton", "accelerate", "peft", "typer", "rich", "pydantic", "pytest",
-            "datasets", "gguf", "matplotlib",
-        )},
+        "packages": {
+            name: _version(name)
+            for name in (
+                "torch",
+                "transformers",
+                "triton",
+                "accelerate",
+                "peft",
+                "typer",
+                "rich",
+                "pydantic",
+                "pytest",
+                "datasets",
+                "gguf",
+                "matplotlib",
+            )
+        },
         "torch_cuda": torch.version.cuda,
     }
     if check.cuda:
         if not torch.cuda.is_available():
-            raise RuntimeError(f"--device cuda: no CUDA GPU is visible to torch {torch.__version__} (torch.version.cuda={torch.version.cuda})")
+            raise RuntimeError(
+                f"--device cuda: no CUDA GPU is visible to torch {torch.__version__} (torch.version.cuda={torch.version.cuda})"
+            )
         props = torch.cuda.get_device_properties(0)
         info.update(
             gpu=torch.cuda.get_device_name(0),
@@ -248,9 +324,13 @@ def models(check: Check, limit: float) -> dict:
         converted = convert(str(folder), check.work / f"{name}-attnres", verify=False)
         check.converted[name] = check.work / f"{name}-attnres"
         built[name] = {
-            "parameters": params, "layers": config.num_hidden_layers, "hidden": config.hidden_size,
-            "saved_dtype": str(dtype).removeprefix("torch."), "block_size": converted.summary.block_size,
-            "num_blocks": converted.summary.num_blocks, "params_added": converted.summary.params_added,
+            "parameters": params,
+            "layers": config.num_hidden_layers,
+            "hidden": config.hidden_size,
+            "saved_dtype": str(dtype).removeprefix("torch."),
+            "block_size": converted.summary.block_size,
+            "num_blocks": converted.summary.num_blocks,
+            "params_added": converted.summary.params_added,
             "seconds": round(time.monotonic() - started, 1),
         }
     return built
@@ -318,9 +398,29 @@ def bench(kernels: str, compile_: bool = False, dtype: str | None = None) -> Cal
                 continue
             out = check.out / "bench" / f"{name}-{kernels}{'-compile' if compile_ else ''}-{dtype_}.json"
             out.parent.mkdir(parents=True, exist_ok=True)
-            cmd = [sys.executable, "-m", "attnres_convert", "bench", str(check.folders[name]), "--device", check.device,
-                   "--dtype", dtype_, "--kernels", kernels, "--batch", str(plan["batch"]), "--seq-len", str(plan["seq_len"]),
-                   "--decode-tokens", str(plan["decode_tokens"]), "--rounds", str(plan["rounds"]), "--json", str(out)]
+            cmd = [
+                sys.executable,
+                "-m",
+                "attnres_convert",
+                "bench",
+                str(check.folders[name]),
+                "--device",
+                check.device,
+                "--dtype",
+                dtype_,
+                "--kernels",
+                kernels,
+                "--batch",
+                str(plan["batch"]),
+                "--seq-len",
+                str(plan["seq_len"]),
+                "--decode-tokens",
+                str(plan["decode_tokens"]),
+                "--rounds",
+                str(plan["rounds"]),
+                "--json",
+                str(out),
+            ]
             if compile_:
                 # Memory is measured without torch.compile (a fresh process per model): the eager rows have it.
                 # Decoding recompiles as the cache grows: prefill and the training step say what compile gives.
@@ -337,8 +437,12 @@ def bench(kernels: str, compile_: bool = False, dtype: str | None = None) -> Cal
                 failures.append(f"{name}: exit {done.returncode}")
                 continue
             data = json.loads(out.read_text())
-            runs[name] = {"status": "ok", "json": str(out.relative_to(check.out)), "settings": data["settings"],
-                          "rows": [_bench_row(row) for row in data["rows"]]}
+            runs[name] = {
+                "status": "ok",
+                "json": str(out.relative_to(check.out)),
+                "settings": data["settings"],
+                "rows": [_bench_row(row) for row in data["rows"]],
+            }
         result = {"kernels": kernels, "compile": compile_, "dtype": dtype_, "runs": runs, "not_reached": not_reached}
         if failures:
             raise StageFailure("; ".join(failures), result)
@@ -376,13 +480,29 @@ def ab(check: Check, limit: float) -> dict:
     text = [str(p) for p in sorted(ROOT.glob("docs/*.md")) + [ROOT / "README.md"]]
     out = check.out / "ab"
     overrides = [
-        f"model.source={check.folders['smollm2-135m']}", f"data.train.files={json.dumps(text)}",
-        "data.eval.files=null", "data.eval.fraction=0.1", f"output.dir={check.work / 'ab-run'}", *check.plan.ab_overrides,
+        f"model.source={check.folders['smollm2-135m']}",
+        f"data.train.files={json.dumps(text)}",
+        "data.eval.files=null",
+        "data.eval.fraction=0.1",
+        f"output.dir={check.work / 'ab-run'}",
+        *check.plan.ab_overrides,
     ]
     if not check.cuda:
         overrides = [o for o in overrides if not o.startswith("train.mixed_precision")]
-    cmd = [sys.executable, "-m", "attnres_convert", "ab", "ab-scratch-cpu", *overrides, "--from-scratch",
-           "--output", str(out), "--workdir", str(check.work / "ab-arms"), "--overwrite"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "attnres_convert",
+        "ab",
+        "ab-scratch-cpu",
+        *overrides,
+        "--from-scratch",
+        "--output",
+        str(out),
+        "--workdir",
+        str(check.work / "ab-arms"),
+        "--overwrite",
+    ]
     try:
         done = check.child(cmd, limit, env=env)
     except subprocess.TimeoutExpired:
@@ -390,10 +510,24 @@ def ab(check: Check, limit: float) -> dict:
     if done.returncode != 0:
         raise StageFailure(f"attnres ab exited {done.returncode}: {_tail(done.stderr)}", {"overrides": overrides})
     report = json.loads((out / "ab.json").read_text())
-    keep = ("name", "converted", "eval", "eval_loss_final", "delta_final", "tokens", "tokens_per_s", "trainable_parameters")
+    keep = (
+        "name",
+        "converted",
+        "eval",
+        "eval_loss_final",
+        "delta_final",
+        "tokens",
+        "tokens_per_s",
+        "trainable_parameters",
+    )
     arms = [{k: arm[k] for k in keep if k in arm} for arm in report["arms"]]
-    return {"steps": report["steps"], "overrides": overrides, "arms": arms, "report": str((out / "ab.md").relative_to(check.out)),
-            "pydantic": env.get("PYTHONPATH") and "from gpu-check-wheels" or "installed"}
+    return {
+        "steps": report["steps"],
+        "overrides": overrides,
+        "arms": arms,
+        "report": str((out / "ab.md").relative_to(check.out)),
+        "pydantic": env.get("PYTHONPATH") and "from gpu-check-wheels" or "installed",
+    }
 
 
 def _pydantic_path(check: Check) -> dict:
@@ -444,22 +578,43 @@ STAGES = [
     Stage("bench-triton", 150, bench("triton"), cuda_only="the Triton kernels run on CUDA tensors"),
     Stage("cuda-tests", 60, cuda_tests),
     Stage("ab", 60, ab),
-    Stage("bench-compile", 100, bench("eager", compile_=True),
-          cuda_only="torch.compile on a CPU builds C++ for minutes; the GPU path is what this measures"),
+    Stage(
+        "bench-compile",
+        100,
+        bench("eager", compile_=True),
+        cuda_only="torch.compile on a CPU builds C++ for minutes; the GPU path is what this measures",
+    ),
     Stage("bench-eager-fp32", 60, bench("eager", dtype="float32"), cuda_only="the CPU bench already runs fp32"),
 ]
 # --quick on a CPU: tiny shapes, but two loaded cores import torch slowly in every child process.
-QUICK_BUDGETS = {"environment": 30, "models": 60, "exactness": 60, "bench-eager": 150, "cuda-tests": 90, "ab": 200,
-                 "depth-mix-kernels": 60}
+QUICK_BUDGETS = {
+    "environment": 30,
+    "models": 60,
+    "exactness": 60,
+    "bench-eager": 150,
+    "cuda-tests": 90,
+    "ab": 200,
+    "depth-mix-kernels": 60,
+}
 
 
-def run_check(device: str = "cuda", quick: bool = False, out: Path = Path("gpu-check"), deadline_s: float | None = None,
-              stages: list[str] | None = None, say: Callable[[str], None] = print) -> dict:
+def run_check(
+    device: str = "cuda",
+    quick: bool = False,
+    out: Path = Path("gpu-check"),
+    deadline_s: float | None = None,
+    stages: list[str] | None = None,
+    say: Callable[[str], None] = print,
+) -> dict:
     """Every stage (or those named in STAGES) in order, each within its budget and the deadline; writes
     OUT/gpu-check.json and OUT/gpu-check.md and returns the report."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    deadline = deadline_s if deadline_s is not None else (sum(QUICK_BUDGETS.values()) if quick and device == "cpu" else DEADLINE_S)
+    deadline = (
+        deadline_s
+        if deadline_s is not None
+        else (sum(QUICK_BUDGETS.values()) if quick and device == "cpu" else DEADLINE_S)
+    )
     with tempfile.TemporaryDirectory(prefix="attnres-gpu-check-") as tmp:
         check = Check(device, quick, out, deadline, Path(tmp))
         results: list[StageResult] = []
@@ -473,7 +628,9 @@ def run_check(device: str = "cuda", quick: bool = False, out: Path = Path("gpu-c
     report = {
         "check": "attnres gpu-check",
         "command": " ".join([Path(sys.executable).name, "-m", "attnres_convert.analysis.gpu_check", *sys.argv[1:]]),
-        "device": device, "quick": quick, "deadline_s": deadline,
+        "device": device,
+        "quick": quick,
+        "deadline_s": deadline,
         "seconds": round(time.monotonic() - check.started, 1),
         "environment": next((r.result for r in results if r.name == "environment"), {}),
         "stages": [asdict(r) for r in results],
@@ -488,15 +645,23 @@ def _run_stage(check: Check, stage: Stage, say: Callable[[str], None]) -> StageR
     if stage.cuda_only and not check.cuda:
         say(f"- {stage.name}: skipped ({stage.cuda_only})")
         return StageResult(stage.name, "skipped", budget_s=budget, error=f"CUDA only: {stage.cuda_only}")
-    needs = {"exactness": "models", "bench-eager": "models", "bench-triton": "models", "bench-compile": "models",
-             "bench-eager-fp32": "models", "ab": "models"}.get(stage.name)
+    needs = {
+        "exactness": "models",
+        "bench-eager": "models",
+        "bench-triton": "models",
+        "bench-compile": "models",
+        "bench-eager-fp32": "models",
+        "ab": "models",
+    }.get(stage.name)
     if needs == "models" and not check.converted:
         say(f"- {stage.name}: skipped (no models)")
         return StageResult(stage.name, "skipped", budget_s=budget, error="the models stage built no models")
     limit = min(budget, check.left())
     if limit < min(5.0, budget):
         say(f"- {stage.name}: not reached ({check.left():.0f} s left before the deadline)")
-        return StageResult(stage.name, "not reached", budget_s=budget, error=f"{max(0.0, check.left()):.0f} s left before the deadline")
+        return StageResult(
+            stage.name, "not reached", budget_s=budget, error=f"{max(0.0, check.left()):.0f} s left before the deadline"
+        )
     say(f"- {stage.name} (budget {budget:.0f} s) ...")
     started = time.monotonic()
     try:
@@ -546,10 +711,13 @@ def markdown(report: dict) -> str:
     env = report["environment"]
     packages = env.get("packages", {})
     lines = [
-        f"# attnres gpu-check: {env.get('gpu', report['device'])}", "",
+        f"# attnres gpu-check: {env.get('gpu', report['device'])}",
+        "",
         f"`{report['command']}`: {report['seconds']:.0f} s of a {report['deadline_s']:.0f} s deadline"
-        f"{' (--quick: tiny shapes)' if report['quick'] else ''}, {env.get('date', '')}.", "",
-        "| environment | |", "| --- | --- |",
+        f"{' (--quick: tiny shapes)' if report['quick'] else ''}, {env.get('date', '')}.",
+        "",
+        "| environment | |",
+        "| --- | --- |",
     ]
     for key in ("gpu", "capability", "gpu_memory_gib", "torch_cuda", "python", "cpu_count"):
         if env.get(key) is not None:
@@ -558,20 +726,28 @@ def markdown(report: dict) -> str:
     lines += ["", "| stage | status | seconds (budget) | note |", "| --- | --- | --- | --- |"]
     for stage in report["stages"]:
         note = (stage["error"] or "").replace("|", "/")[:400]
-        lines.append(f"| {stage['name']} | {stage['status']} | {stage['seconds']:.0f} ({stage['budget_s']:.0f}) | {note} |")
+        lines.append(
+            f"| {stage['name']} | {stage['status']} | {stage['seconds']:.0f} ({stage['budget_s']:.0f}) | {note} |"
+        )
     stages = {s["name"]: s for s in report["stages"]}
     rows = stages.get("exactness", {}).get("result", {}).get("rows", [])
     if rows:
-        lines += ["", "## Exactness (converted against the original, on the device)", "",
-                  "| model | dtype | depth mix | max abs logit diff | KL | top-1 | greedy | result |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+        lines += [
+            "",
+            "## Exactness (converted against the original, on the device)",
+            "",
+            "| model | dtype | depth mix | max abs logit diff | KL | top-1 | greedy | result |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        ]
         for r in rows:
             if "error" in r:
                 lines.append(f"| {r['model']} | {r['dtype']} | {r['kernels']} | | | | | error: {r['error']} |")
                 continue
             greedy = "identical" if r["greedy_identical"] else f"differs at {r['first_divergence']}"
-            lines.append(f"| {r['model']} | {r['dtype']} | {r['kernels']} | {r['max_abs_logit_diff']:.2e} | {r['kl']:.2e} | "
-                         f"{r['top1_agreement']:.2%} | {greedy} ({r['new_tokens']}) | {'pass' if r['passed'] else 'FAIL'} |")
+            lines.append(
+                f"| {r['model']} | {r['dtype']} | {r['kernels']} | {r['max_abs_logit_diff']:.2e} | {r['kl']:.2e} | "
+                f"{r['top1_agreement']:.2%} | {greedy} ({r['new_tokens']}) | {'pass' if r['passed'] else 'FAIL'} |"
+            )
     bench_rows = []
     for stage in report["stages"]:
         if not stage["name"].startswith("bench"):
@@ -580,19 +756,31 @@ def markdown(report: dict) -> str:
         for name, run in res.get("runs", {}).items():
             mix = f"{res['kernels']}{' + compile' if res['compile'] else ''}"
             for row in run.get("rows", []):
-                bench_rows.append(f"| {name} | {res['dtype']} | {mix} | {row['label']} | {_num(row['original'])} | "
-                                  f"{_num(row['converted'])} {row['unit']} | {row['ratio']:.3f} |")
+                bench_rows.append(
+                    f"| {name} | {res['dtype']} | {mix} | {row['label']} | {_num(row['original'])} | "
+                    f"{_num(row['converted'])} {row['unit']} | {row['ratio']:.3f} |"
+                )
             if run.get("status") != "ok":
                 bench_rows.append(f"| {name} | {res['dtype']} | {mix} | {run['status']} | | | |")
     if bench_rows:
-        lines += ["", "## attnres bench (ratio: converted / original, > 1 slower or bigger)", "",
-                  "| model | dtype | depth mix | measure | original | converted | ratio |", "| --- | --- | --- | --- | --- | --- | --- |",
-                  *bench_rows]
+        lines += [
+            "",
+            "## attnres bench (ratio: converted / original, > 1 slower or bigger)",
+            "",
+            "| model | dtype | depth mix | measure | original | converted | ratio |",
+            "| --- | --- | --- | --- | --- | --- | --- |",
+            *bench_rows,
+        ]
     lines += mix_markdown(stages.get("depth-mix-kernels", {}).get("result", {}))
     arms = stages.get("ab", {}).get("result", {}).get("arms", [])
     if arms:
-        lines += ["", f"## From-scratch A/B ({stages['ab']['result']['steps']} steps)", "",
-                  "| arm | final held-out loss | delta to baseline |", "| --- | --- | --- |"]
+        lines += [
+            "",
+            f"## From-scratch A/B ({stages['ab']['result']['steps']} steps)",
+            "",
+            "| arm | final held-out loss | delta to baseline |",
+            "| --- | --- | --- |",
+        ]
         for arm in arms:
             delta = arm.get("delta_final")
             mean = delta.get("mean") if isinstance(delta, dict) else delta
@@ -616,18 +804,26 @@ def results_name(report: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="gpu_check", description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    parser.add_argument("--quick", action="store_true", help="Tiny shapes and few steps: the plumbing, in a few minutes on a CPU.")
+    parser.add_argument(
+        "--quick", action="store_true", help="Tiny shapes and few steps: the plumbing, in a few minutes on a CPU."
+    )
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("GPU_CHECK_OUT") or "gpu-check"))
-    parser.add_argument("--deadline", type=float, default=None, help=f"Seconds for every stage together (default {DEADLINE_S}).")
+    parser.add_argument(
+        "--deadline", type=float, default=None, help=f"Seconds for every stage together (default {DEADLINE_S})."
+    )
     parser.add_argument("--stages", default=None, help="Comma-separated stage names to run (default: all).")
-    parser.add_argument("--results", type=Path, default=None, help="Also copy both reports into this folder (benchmarks/results).")
+    parser.add_argument(
+        "--results", type=Path, default=None, help="Also copy both reports into this folder (benchmarks/results)."
+    )
     args = parser.parse_args(argv)
     names = [s.name for s in STAGES]
     chosen = None if args.stages is None else [s.strip() for s in args.stages.split(",") if s.strip()]
     if chosen is not None and (unknown := [s for s in chosen if s not in names]):
         parser.error(f"--stages: unknown {', '.join(unknown)}; choose from {', '.join(names)}")
     print(f"attnres gpu-check on {args.device}{' (quick)' if args.quick else ''}: reports in {args.out}/", flush=True)
-    report = run_check(args.device, args.quick, args.out, args.deadline, chosen, say=lambda line: print(line, flush=True))
+    report = run_check(
+        args.device, args.quick, args.out, args.deadline, chosen, say=lambda line: print(line, flush=True)
+    )
     if args.results is not None:
         args.results.mkdir(parents=True, exist_ok=True)
         name = results_name(report)
@@ -635,8 +831,14 @@ def main(argv: list[str] | None = None) -> int:
         shutil.copy(args.out / REPORT_MD, args.results / f"{name}.md")
         print(f"copied to {args.results / name}.json and .md")
     statuses = [s["status"] for s in report["stages"]]
-    print(f"wrote {args.out / REPORT_JSON} and {args.out / REPORT_MD}: "
-          + ", ".join(f"{statuses.count(s)} {s}" for s in ("ok", "partial", "failed", "skipped", "not reached") if statuses.count(s)))
+    print(
+        f"wrote {args.out / REPORT_JSON} and {args.out / REPORT_MD}: "
+        + ", ".join(
+            f"{statuses.count(s)} {s}"
+            for s in ("ok", "partial", "failed", "skipped", "not reached")
+            if statuses.count(s)
+        )
+    )
     return 1 if "failed" in statuses else 0
 
 

@@ -17,7 +17,6 @@ from pathlib import Path
 
 from ..errors import first_line
 
-
 # The shapes: hidden sizes of SmolLM2-135M and Llama-3.2-1B, 4096 tokens (4 x 1024), a reader with 3 sources (embedding,
 # one completed block, the partial sum) and with 9 (seven completed blocks). --quick: the plumbing on tiny shapes.
 MIX_HIDDEN = {"smollm2-135m": 576, "llama-3.2-1b": 2048}
@@ -39,8 +38,10 @@ def _fla_importable(check, wheels: Path) -> str | None:
     if importlib.util.find_spec("fla") is None or importlib.util.find_spec("einops") is None:
         found = [w for w in sorted(wheels.glob("*.whl")) if w.name.startswith(("fla_core-", "einops-"))]
         if len({w.name.split("-")[0] for w in found}) < 2:
-            return (f"fla-core is not installed and {wheels} holds no fla-core and einops wheels: run `make gpu-check-wheels` "
-                    "where the package registry is reachable and copy gpu-check-wheels/ with the checkout")
+            return (
+                f"fla-core is not installed and {wheels} holds no fla-core and einops wheels: run `make gpu-check-wheels` "
+                "where the package registry is reachable and copy gpu-check-wheels/ with the checkout"
+            )
         target = check.work / "fla-wheels"
         for wheel in found:
             with zipfile.ZipFile(wheel) as archive:
@@ -82,7 +83,14 @@ def _mix_case(torch, device: str, dtype, d: int, n: int, tokens: tuple[int, int]
     scores = (keys @ (q * key_norm.double())) * torch.rsqrt(keys.square().mean(-1) + 1e-5)
     reference = n * (torch.softmax(scores, dim=0)[..., None] * keys).sum(0)
     (dq,) = torch.autograd.grad(reference, q, grad.double())
-    return {"outputs": outputs, "query": query, "key_norm": key_norm, "grad": grad, "reference": reference.detach(), "dq": dq}
+    return {
+        "outputs": outputs,
+        "query": query,
+        "key_norm": key_norm,
+        "grad": grad,
+        "reference": reference.detach(),
+        "dq": dq,
+    }
 
 
 def _mix_state(path: str, case: dict, kernels):
@@ -118,8 +126,11 @@ def depth_mix_kernels(check, limit: float, wheels: Path) -> dict:
 
     started = time.monotonic()
     quick = check.quick and not check.cuda
-    hidden, tokens, rounds = (QUICK_MIX["hidden"], QUICK_MIX["tokens"], QUICK_MIX["rounds"]) if quick else (
-        MIX_HIDDEN, MIX_TOKENS, MIX_ROUNDS)
+    hidden, tokens, rounds = (
+        (QUICK_MIX["hidden"], QUICK_MIX["tokens"], QUICK_MIX["rounds"])
+        if quick
+        else (MIX_HIDDEN, MIX_TOKENS, MIX_ROUNDS)
+    )
     skipped: dict[str, str] = {}
     kernels = None
     if check.cuda:
@@ -158,7 +169,13 @@ def depth_mix_kernels(check, limit: float, wheels: Path) -> dict:
             continue
         case = _mix_case(torch, check.device, dtype, hidden[model], n, tokens, seed=n)
         built = {path: _mix_state(path, case, kernels) for path in paths}
-        row = {"model": model, "hidden": hidden[model], "dtype": str(dtype).removeprefix("torch."), "sources": n, "paths": {}}
+        row = {
+            "model": model,
+            "hidden": hidden[model],
+            "dtype": str(dtype).removeprefix("torch."),
+            "sources": n,
+            "paths": {},
+        }
 
         def forward(path, built=built):
             state, query, key_norm, _ = built[path]
@@ -177,7 +194,8 @@ def depth_mix_kernels(check, limit: float, wheels: Path) -> dict:
                 "first_call_s": round(time.perf_counter() - begin, 3),
                 "mix_error": (mixed.double() - case["reference"]).abs().max().item(),
                 "dq_error": (grads[0].double().reshape(-1) - case["dq"]).abs().max().item(),
-                "reference_max": case["reference"].abs().max().item(), "dq_max": case["dq"].abs().max().item(),
+                "reference_max": case["reference"].abs().max().item(),
+                "dq_max": case["dq"].abs().max().item(),
             }
         times = {path: {"forward": [], "forward_backward": []} for path in paths}
         for _ in range(rounds):  # interleaved: a clock or thermal drift reaches every path alike
@@ -197,23 +215,32 @@ def depth_mix_kernels(check, limit: float, wheels: Path) -> dict:
 
 def mix_markdown(mix: dict) -> list[str]:
     """The stage's table for gpu-check.md (nothing where it measured nothing)."""
+
     def _num(value) -> str:
         return f"{value:.4g}"
 
     lines: list[str] = []
     if mix.get("rows"):
-        lines += ["", f"## Depth mix alone (one reader, count scaling, {mix['tokens']} tokens, median of {mix['rounds']})", "",
-                  "| model | dtype | sources | path | forward ms | forward + backward ms | max abs error (mix) | (of max) "
-                  "| max abs error (query grad) | (of max) | first call s |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        lines += [
+            "",
+            f"## Depth mix alone (one reader, count scaling, {mix['tokens']} tokens, median of {mix['rounds']})",
+            "",
+            "| model | dtype | sources | path | forward ms | forward + backward ms | max abs error (mix) | (of max) "
+            "| max abs error (query grad) | (of max) | first call s |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        ]
         for row in mix["rows"]:
             for path, r in row["paths"].items():
-                lines.append(f"| {row['model']} | {row['dtype']} | {row['sources']} | {path} | {_num(r['forward_ms'])} | "
-                             f"{_num(r['forward_backward_ms'])} | {r['mix_error']:.2e} | {_num(r['reference_max'])} | "
-                             f"{r['dq_error']:.2e} | {_num(r['dq_max'])} | {_num(r['first_call_s'])} |")
+                lines.append(
+                    f"| {row['model']} | {row['dtype']} | {row['sources']} | {path} | {_num(r['forward_ms'])} | "
+                    f"{_num(r['forward_backward_ms'])} | {r['mix_error']:.2e} | {_num(r['reference_max'])} | "
+                    f"{r['dq_error']:.2e} | {_num(r['dq_max'])} | {_num(r['first_call_s'])} |"
+                )
         for path, why in mix.get("skipped", {}).items():
             lines.append(f"\n{path}: not run ({why})")
         if mix.get("fla_autotune"):
-            lines.append(f"\nfla-core {mix.get('fla_version')}, autotuned over: "
-                         + ", ".join(f"{k} {v}" for k, v in mix["fla_autotune"].items()))
+            lines.append(
+                f"\nfla-core {mix.get('fla_version')}, autotuned over: "
+                + ", ".join(f"{k} {v}" for k, v in mix["fla_autotune"].items())
+            )
     return lines

@@ -105,7 +105,9 @@ def queries_are_zero(model: AttnResForCausalLM) -> bool:
 def _query_tensors(model: AttnResForCausalLM) -> list[torch.Tensor]:
     """Every tensor that must be zero for the queries to be zero (with query_rank, the projections' B too)."""
     # w, and with rank > 0 the zero-initialised B of the input-dependent part
-    return [t for m in model.modules() if isinstance(m, AttnResQuery) for t in ([m.weight, m.up] if m.rank else [m.weight])]
+    return [
+        t for m in model.modules() if isinstance(m, AttnResQuery) for t in ([m.weight, m.up] if m.rank else [m.weight])
+    ]
 
 
 @contextlib.contextmanager
@@ -204,7 +206,7 @@ def sublayer_profile(model: AttnResForCausalLM, input_ids: torch.Tensor) -> Subl
                     seen_last.add(id(last))
                     hooks.append(last.register_forward_hook(adding))
                 for name in (branch.norm, branch.module, *steps, *sublayer.post, *(side for side, _ in sublayer.side)):
-                    for p in (module_at(layer, name).parameters() if name else ()):
+                    for p in module_at(layer, name).parameters() if name else ():
                         params[id(p)] = p
             param_groups.append(list(params.values()))
     was_training = model.training
@@ -216,7 +218,8 @@ def sublayer_profile(model: AttnResForCausalLM, input_ids: torch.Tensor) -> Subl
             loss = model(input_ids=ids, labels=ids).loss
             loss.backward()
         grads = [
-            sum(float(p.grad.float().pow(2).sum()) for p in group if p.grad is not None) ** 0.5 for group in param_groups
+            sum(float(p.grad.float().pow(2).sum()) for p in group if p.grad is not None) ** 0.5
+            for group in param_groups
         ]
     finally:
         for hook in hooks:
@@ -230,7 +233,9 @@ def sublayer_profile(model: AttnResForCausalLM, input_ids: torch.Tensor) -> Subl
 # --- all of it -------------------------------------------------------------------------------------
 
 
-def inspect_model(model: AttnResForCausalLM, input_ids: torch.Tensor, name: str = "model", profiles: bool = True) -> Inspection:
+def inspect_model(
+    model: AttnResForCausalLM, input_ids: torch.Tensor, name: str = "model", profiles: bool = True
+) -> Inspection:
     """Summary, depth weights and (when `profiles`) original-vs-converted magnitude and gradient profiles."""
     zero = queries_are_zero(model)
     inspection = Inspection(name, summarize(model), sublayer_kinds(model), zero, depth_weights(model, input_ids))
@@ -318,7 +323,11 @@ def inspect_source(
             title = f"{loaded.name}: per-sublayer magnitudes and gradients, original vs Block AttnRes"
             result.plots.append(
                 magnitude_profiles(
-                    inspection.original, inspection.converted, inspection.kinds, profile_path, title,
+                    inspection.original,
+                    inspection.converted,
+                    inspection.kinds,
+                    profile_path,
+                    title,
                     identical=inspection.queries_zero,
                 )
             )

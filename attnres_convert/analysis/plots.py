@@ -81,9 +81,15 @@ def depth_heatmaps(depth, path: str | os.PathLike, title: str = "", relative: bo
     from matplotlib.colors import Normalize, TwoSlopeNorm
 
     kinds = np.array(depth.kinds)
-    groups = [(kind, label) for kind, label in (("attention", "pre-attention"), ("mlp", "pre-MLP"),
-                                                  ("attention+mlp", "pre-block (parallel attention + MLP)"))
-              if (kinds == kind).any()]
+    groups = [
+        (kind, label)
+        for kind, label in (
+            ("attention", "pre-attention"),
+            ("mlp", "pre-MLP"),
+            ("attention+mlp", "pre-block (parallel attention + MLP)"),
+        )
+        if (kinds == kind).any()
+    ]
     if relative:
         ratios = (depth.matrix * (~np.isnan(depth.matrix)).sum(1, keepdims=True))[~np.isnan(depth.matrix)]
         spread = max(0.05, float(np.abs(ratios - 1.0).max()) if ratios.size else 0.05)
@@ -103,15 +109,18 @@ def depth_heatmaps(depth, path: str | os.PathLike, title: str = "", relative: bo
         if index == 0:
             axis.set_ylabel("decoder layer", fontsize=8)
     output_axis = figure.add_subplot(grid[1, :])
-    _heatmap(output_axis, depth.matrix[kinds == "output"], ["output"], depth.columns, "output aggregation", relative, scale)
+    _heatmap(
+        output_axis, depth.matrix[kinds == "output"], ["output"], depth.columns, "output aggregation", relative, scale
+    )
     label = "weight / uniform weight (n x alpha)" if relative else "mean softmax weight alpha"
     figure.colorbar(image, ax=figure.axes, shrink=0.6, label=label)
     figure.suptitle(title or "Depth-attention weights", fontsize=10)
     return _save(figure, path)
 
 
-def magnitude_profiles(original, converted, kinds: Sequence[str], path: str | os.PathLike, title: str = "",
-                       identical: bool = False) -> Path:
+def magnitude_profiles(
+    original, converted, kinds: Sequence[str], path: str | os.PathLike, title: str = "", identical: bool = False
+) -> Path:
     """Four panels over sublayers 1..L, original (residual sum) against converted (AttnRes): the stream
     each sublayer reads, what it adds, its share of the stream (PreNorm dilution) and its gradient."""
     x = np.arange(1, len(kinds) + 1)
@@ -125,9 +134,17 @@ def magnitude_profiles(original, converted, kinds: Sequence[str], path: str | os
     axes = figure.subplots(2, 2, sharex=True)
     for axis, (attr, label, log) in zip(axes.flat, panels):
         if not identical:
-            axis.plot(x, getattr(original, attr), color=ORIGINAL_COLOR, lw=1.4, label="residual sum (pseudo-queries zeroed)")
-        axis.plot(x, getattr(converted, attr), color=CONVERTED_COLOR, lw=1.2, ls="--" if identical else "-",
-                  label="AttnRes = residual sum (pseudo-queries at zero)" if identical else "Block AttnRes (learned)")
+            axis.plot(
+                x, getattr(original, attr), color=ORIGINAL_COLOR, lw=1.4, label="residual sum (pseudo-queries zeroed)"
+            )
+        axis.plot(
+            x,
+            getattr(converted, attr),
+            color=CONVERTED_COLOR,
+            lw=1.2,
+            ls="--" if identical else "-",
+            label="AttnRes = residual sum (pseudo-queries at zero)" if identical else "Block AttnRes (learned)",
+        )
         if log:
             axis.set_yscale("log")
         axis.set_title(label, fontsize=9)
@@ -149,19 +166,27 @@ def _mark_mlp(axis, kinds: Sequence[str]) -> None:
                 axis.axvline(index, color="#1f77b4", alpha=0.06, lw=2)
 
 
-def loss_curve_plot(history: Sequence[Mapping], path: str | os.PathLike, title: str = "Training",
-                    keys: Sequence[str] = ("loss", "eval_loss")) -> Path:
+def loss_curve_plot(
+    history: Sequence[Mapping],
+    path: str | os.PathLike,
+    title: str = "Training",
+    keys: Sequence[str] = ("loss", "eval_loss"),
+) -> Path:
     """Loss against step for each of `keys` present in history ([{"step": .., "loss": .., "eval_loss": ..}]);
     points without a key are skipped, so sparse held-out evaluations draw as their own line."""
     figure = _figure(6.0, 3.6)
     axis = figure.add_subplot()
-    styles = {"loss": dict(color="#1f77b4", lw=1.0, alpha=0.9), "eval_loss": dict(color="#d62728", lw=1.6, marker="o", ms=3)}
+    styles = {
+        "loss": dict(color="#1f77b4", lw=1.0, alpha=0.9),
+        "eval_loss": dict(color="#d62728", lw=1.6, marker="o", ms=3),
+    }
     for key in keys:
         points = [(p["step"], p[key]) for p in history if p.get(key) is not None and "step" in p]
         if points:
             steps, values = zip(*points)
-            axis.plot(steps, values, label={"loss": "training", "eval_loss": "held-out"}.get(key, key),
-                      **styles.get(key, {}))
+            axis.plot(
+                steps, values, label={"loss": "training", "eval_loss": "held-out"}.get(key, key), **styles.get(key, {})
+            )
     axis.set_xlabel("optimizer step", fontsize=8)
     axis.set_ylabel("loss (nats / token)", fontsize=8)
     axis.tick_params(labelsize=7)
@@ -225,16 +250,34 @@ def retrofit_plot(report: Mapping, path: str | os.PathLike) -> Path:
         high = [lead["max"] - lead["mean"] for lead in leads]
         axis.errorbar(xs, means, yerr=[low, high], marker="o", ms=4, capsize=3, lw=1.6, **style)
 
-    errorbar(by_n, [p["after"] for p in points], [p["lead_final"] for p in points], color=CONVERTED_COLOR,
-             label=f"retrofit, after {report['continued_steps']} continued steps")
+    errorbar(
+        by_n,
+        [p["after"] for p in points],
+        [p["lead_final"] for p in points],
+        color=CONVERTED_COLOR,
+        label=f"retrofit, after {report['continued_steps']} continued steps",
+    )
     if report.get("from_scratch_arms"):
-        errorbar(by_n, [p["after"] for p in points], [p["scratch"]["lead"] for p in points], color="black", ls="--",
-                 label="from scratch, same tokens (N + continued)")
+        errorbar(
+            by_n,
+            [p["after"] for p in points],
+            [p["scratch"]["lead"] for p in points],
+            color="black",
+            ls="--",
+            label="from scratch, same tokens (N + continued)",
+        )
     colors = matplotlib.colormaps["viridis"]
     for index, point in enumerate(points):
         steps = [step for step, _ in point["lead_curve"]]
-        by_step.plot(steps, [lead["mean"] for _, lead in point["lead_curve"]], marker="o", ms=3, lw=1.4,
-                     color=colors(index / max(1, len(points) - 1) * 0.85), label=f"after {point['after']} steps")
+        by_step.plot(
+            steps,
+            [lead["mean"] for _, lead in point["lead_curve"]],
+            marker="o",
+            ms=3,
+            lw=1.4,
+            color=colors(index / max(1, len(points) - 1) * 0.85),
+            label=f"after {point['after']} steps",
+        )
     seeds = len(report.get("seeds", [])) or 1
     by_n.set_title(f"Lead at the end vs pretraining steps N ({seeds} seed{'s' if seeds > 1 else ''})", fontsize=10)
     by_step.set_title("Retrofit lead during the continued steps (mean)", fontsize=10)

@@ -32,8 +32,16 @@ def cpu_peak_supported() -> bool:
 
 
 def measure_in_child(
-    folder: Path, *, device: str, dtype: str, batch: int, seq_len: int, kernels: str | None,
-    remote_code: bool, threads: int | None, checkpointing: bool = False,
+    folder: Path,
+    *,
+    device: str,
+    dtype: str,
+    batch: int,
+    seq_len: int,
+    kernels: str | None,
+    remote_code: bool,
+    threads: int | None,
+    checkpointing: bool = False,
 ) -> int:
     """Bytes a training step of FOLDER's model adds at its peak, measured in a fresh process."""
     package_root = str(Path(__file__).resolve().parents[2])
@@ -41,8 +49,20 @@ def measure_in_child(
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH", "")) if p)
     if kernels is not None:
         env["ATTNRES_KERNEL"] = kernels
-    cmd = [sys.executable, "-m", "attnres_convert.analysis.step_memory", str(folder), "--device", device,
-           "--dtype", dtype, "--batch", str(batch), "--seq-len", str(seq_len)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "attnres_convert.analysis.step_memory",
+        str(folder),
+        "--device",
+        device,
+        "--dtype",
+        dtype,
+        "--batch",
+        str(batch),
+        "--seq-len",
+        str(seq_len),
+    ]
     cmd += ["--remote-code"] if remote_code else []
     cmd += ["--checkpointing"] if checkpointing else []
     cmd += ["--threads", str(threads)] if threads else []

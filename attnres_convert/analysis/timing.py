@@ -118,12 +118,16 @@ def ratio_noise(row: dict, machine: dict) -> str | None:
     if len(ratios) >= 3:
         low, high = min(ratios), max(ratios)
         if high / low > RATIO_SPREAD_LIMIT:
-            return (f"its {len(ratios)} rounds gave ratios from {low:.2f} to {high:.2f} (the machine's speed changed "
-                    "between runs)")
+            return (
+                f"its {len(ratios)} rounds gave ratios from {low:.2f} to {high:.2f} (the machine's speed changed "
+                "between runs)"
+            )
     loads = [m[0] for m in (machine.get("load_average_start"), machine.get("load_average_end")) if m]
     cores, threads = machine.get("cpu_count") or 1, machine.get("torch_threads") or 1
     if ratios and len(ratios) < 3 and not machine.get("gpu") and loads and max(loads) > cores - threads + 0.5:
         rounds = "one timed round" if len(ratios) == 1 else f"{len(ratios)} timed rounds"
-        return (f"{rounds} on a busy machine (load average {max(loads):.1f} on {cores} cores, {threads} torch "
-                f"thread{'s' if threads != 1 else ''}): other work's share of the cores, not the models, can set it")
+        return (
+            f"{rounds} on a busy machine (load average {max(loads):.1f} on {cores} cores, {threads} torch "
+            f"thread{'s' if threads != 1 else ''}): other work's share of the cores, not the models, can set it"
+        )
     return None

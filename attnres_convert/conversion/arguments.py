@@ -11,7 +11,9 @@ from ..io.paths import ModelSource, check_output, resolve_source
 from .options import ConvertOptions, parse_size
 
 
-def check_arguments(source: str | os.PathLike | None, out: str | os.PathLike | None, options: ConvertOptions) -> ModelSource:
+def check_arguments(
+    source: str | os.PathLike | None, out: str | os.PathLike | None, options: ConvertOptions
+) -> ModelSource:
     """What `convert` checks before reading anything (the source path, the sizes, the output folder), with the
     standard library only: a wrong path is answered before torch and transformers are imported."""
     model_source = resolve_source(None if source is None else os.fspath(source))
@@ -19,8 +21,13 @@ def check_arguments(source: str | os.PathLike | None, out: str | os.PathLike | N
     if options.max_memory is not None:
         parse_size(options.max_memory, "--max-memory")
     if out is not None:
-        if model_source.kind == "folder" and Path(os.path.abspath(Path(out).expanduser())).resolve() == Path(model_source.location).resolve():
+        if (
+            model_source.kind == "folder"
+            and Path(os.path.abspath(Path(out).expanduser())).resolve() == Path(model_source.location).resolve()
+        ):
             # Writing the output over the input folder would replace the model being read.
-            raise OutputError(f"output {out} is the input model folder {model_source.name}. Choose another output path.")
+            raise OutputError(
+                f"output {out} is the input model folder {model_source.name}. Choose another output path."
+            )
         check_output(out, options.overwrite)
     return model_source

@@ -17,17 +17,17 @@ from pathlib import Path
 
 import torch
 
-from ..io.card import conversion_card
 from ..architectures import UnsupportedModelError, vocab_size_of
 from ..errors import VerificationError, first_line
-from ..modeling.modeling_attnres import AttnResForCausalLM
-from .memory_budget import plan_verification, verify_saved
-from .arguments import check_arguments
-from .options import ConvertOptions, options_doc, parse_size
+from ..io.card import conversion_card
 from ..io.saving import atomic_folder, save_converted
 from ..io.sources import ModelSource, load_config, load_model, load_tokenizer, processor_files
-from .streaming import BackgroundPlan, NotStreamable, largest_layer_bytes, stream_input, write_streamed
+from ..modeling.modeling_attnres import AttnResForCausalLM
+from .arguments import check_arguments
 from .discovery import check_input_embeddings
+from .memory_budget import plan_verification, verify_saved
+from .options import ConvertOptions, options_doc, parse_size
+from .streaming import BackgroundPlan, NotStreamable, largest_layer_bytes, stream_input, write_streamed
 from .surgery import ConversionSummary, convert_model, resolve_block_size, structure_of, summarize
 from .verify import VerificationReport, capture_reference, compare, fit_to_model, sample_input_ids
 
@@ -42,6 +42,8 @@ def refusal(name: str, error: BaseException, action: str = "convert") -> str:
     if not reason.endswith((".", "!", "?")):
         reason += "."
     return f"cannot {action} {name}: {reason} {SEE_COVERAGE}"
+
+
 # progress(description, total bytes) -> a context whose value is advance(bytes done)
 Progress = Callable[[str, int], contextlib.AbstractContextManager[Callable[[int], None]]]
 
@@ -103,7 +105,9 @@ def convert(
             with stage("Reading the tensor list"):
                 streamed = stream_input(model_source, config, opts.dtype, opts.trust_remote_code)
             if streamed is not None:
-                return _convert_streamed(*streamed, config, model_source, out, opts, shard_bytes, stage, progress, conversion)
+                return _convert_streamed(
+                    *streamed, config, model_source, out, opts, shard_bytes, stage, progress, conversion
+                )
         except NotStreamable as why:
             warnings.warn(f"{model_source.name} is converted in memory, not streamed: {why}", stacklevel=2)
     with stage("Loading model"):
@@ -127,7 +131,9 @@ def convert(
                 ) from error
     with stage("Converting"):  # finds and proves the layer structure, then converts
         try:
-            model = convert_model(base, block_size=block_size, num_blocks=num_blocks, full=full, query_rank=opts.query_rank)
+            model = convert_model(
+                base, block_size=block_size, num_blocks=num_blocks, full=full, query_rank=opts.query_rank
+            )
         except UnsupportedModelError as error:
             raise UnsupportedModelError(refusal(model_source.name, error)) from error
         except (RuntimeError, ValueError, TypeError, IndexError, AttributeError, KeyError, AssertionError) as error:
@@ -154,7 +160,9 @@ def convert(
     if out is not None:
         with stage("Saving"):
             extra = _extra_files(model, summary, report, model_source)
-            output = save_converted(model, out, tokenizer, overwrite=opts.overwrite, extra=extra, max_shard_size=shard_bytes)
+            output = save_converted(
+                model, out, tokenizer, overwrite=opts.overwrite, extra=extra, max_shard_size=shard_bytes
+            )
     return ConvertResult(
         model_source.name, output, summary, report, model if keep_model else None, tokenizer if keep_model else None
     )
@@ -163,12 +171,15 @@ def convert(
 def _check_verified(report: VerificationReport) -> None:
     if not report.passed:
         raise VerificationError(
-            "the converted model does not reproduce the original: " + "; ".join(report.failures())
+            "the converted model does not reproduce the original: "
+            + "; ".join(report.failures())
             + ". Nothing was saved. Try --dtype float32, and report the model if it persists."
         )
 
 
-def _extra_files(model, summary: ConversionSummary, report: VerificationReport | None, source: ModelSource) -> dict[str, str]:
+def _extra_files(
+    model, summary: ConversionSummary, report: VerificationReport | None, source: ModelSource
+) -> dict[str, str]:
     """The model card and the conversion record saved beside the weights, and the source's processor files
     unchanged (written after the tokenizer, so the original's chat template wins)."""
     record = {
@@ -203,11 +214,20 @@ def _convert_streamed(
     budget = None
     if opts.verify:  # refused before any work; the AttnRes tensors are a few vectors per layer, left out here
         budget = plan_verification(
-            sum(t.nbytes for t in base), largest_layer_bytes(base), opts.max_memory, opts.verify_tokens, opts.verify_new_tokens
+            sum(t.nbytes for t in base),
+            largest_layer_bytes(base),
+            opts.max_memory,
+            opts.verify_tokens,
+            opts.verify_new_tokens,
         )
     planning = BackgroundPlan(
         lambda: load_tokenizer(model_source, opts.trust_remote_code, warn_missing=True),
-        folder, config, opts.dtype, opts.trust_remote_code, base=base, **conversion,
+        folder,
+        config,
+        opts.dtype,
+        opts.trust_remote_code,
+        base=base,
+        **conversion,
     )
     result: dict = {}
 
@@ -227,7 +247,9 @@ def _convert_streamed(
         report = None
         if budget is not None:
             with stage("Verifying against the original"):
-                report = verify_saved(model_source, tmp, budget, opts.dtype, tokenizer, opts.verify_text, opts.trust_remote_code)
+                report = verify_saved(
+                    model_source, tmp, budget, opts.dtype, tokenizer, opts.verify_text, opts.trust_remote_code
+                )
             _check_verified(report)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
@@ -239,7 +261,10 @@ def _convert_streamed(
     with stage("Writing to a temporary folder"):
         output = atomic_folder(Path(out), write, opts.overwrite)
     return ConvertResult(
-        model_source.name, output, result["summary"], result["report"],
+        model_source.name,
+        output,
+        result["summary"],
+        result["report"],
         verification_budget=budget.describe() if budget else None,
         budget_mattered=bool(budget and (budget.streamed or not budget.chosen)),
     )

@@ -54,15 +54,40 @@ VARIANTS: tuple[tuple[str, str, dict], ...] = (
     ("cohere", "qk-norm", {"use_qk_norm": True}),
     ("opt", "post-norm (do_layer_norm_before=False)", {"do_layer_norm_before": False}),
     ("gemma2", "no soft caps", {"final_logit_softcapping": None, "attn_logit_softcapping": None}),
-    ("granite", "residual and embedding multipliers", {"residual_multiplier": 0.22, "embedding_multiplier": 12.0, "logits_scaling": 8.0}),
-    ("deepseek_v3", "dense first layer, then MoE with a shared expert", {"first_k_dense_replace": 1, "n_shared_experts": 1}),
-    ("lfm2", "short-convolution and attention layers", {"layer_types": ["conv", "full_attention"], "full_attn_idxs": [1]}),
+    (
+        "granite",
+        "residual and embedding multipliers",
+        {"residual_multiplier": 0.22, "embedding_multiplier": 12.0, "logits_scaling": 8.0},
+    ),
+    (
+        "deepseek_v3",
+        "dense first layer, then MoE with a shared expert",
+        {"first_k_dense_replace": 1, "n_shared_experts": 1},
+    ),
+    (
+        "lfm2",
+        "short-convolution and attention layers",
+        {"layer_types": ["conv", "full_attention"], "full_attn_idxs": [1]},
+    ),
     ("qwen3_next", "dense MLPs", {"mlp_only_layers": [0, 1]}),
     ("jamba", "MoE in every layer", {"expert_layer_period": 1, "expert_layer_offset": 0}),
     ("gemma4_text", "no per-layer inputs", {"hidden_size_per_layer_input": 0}),
-    ("gemma4_text", "MoE block", {"hidden_size_per_layer_input": 0, "enable_moe_block": True, "num_experts": 4,
-                                  "top_k_experts": 2, "moe_intermediate_size": 32}),
-    ("nemotron_h", "Mamba-2 and attention layers", {"num_hidden_layers": 2, "layers_block_type": ["linear_attention", "full_attention"]}),
+    (
+        "gemma4_text",
+        "MoE block",
+        {
+            "hidden_size_per_layer_input": 0,
+            "enable_moe_block": True,
+            "num_experts": 4,
+            "top_k_experts": 2,
+            "moe_intermediate_size": 32,
+        },
+    ),
+    (
+        "nemotron_h",
+        "Mamba-2 and attention layers",
+        {"num_hidden_layers": 2, "layers_block_type": ["linear_attention", "full_attention"]},
+    ),
 )
 
 
@@ -151,10 +176,16 @@ def random_model(config):
 
 def _greedy(model, ids: torch.Tensor, use_cache: bool) -> list[int]:
     out = model.generate(
-        ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-        do_sample=False, num_beams=1, use_cache=use_cache, pad_token_id=0,
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=NEW_TOKENS,
+        min_new_tokens=NEW_TOKENS,
+        do_sample=False,
+        num_beams=1,
+        use_cache=use_cache,
+        pad_token_id=0,
     )
-    return out[0, ids.shape[1]:].tolist()
+    return out[0, ids.shape[1] :].tolist()
 
 
 def _left_padded(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -188,8 +219,11 @@ def _structure_text(model) -> str:
     text = kinds[0] if len(kinds) == 1 else "; ".join(f"layers {_ranges(plan, i)}: {k}" for i, k in enumerate(kinds))
     if plan.stream_start:
         text = f"stream starts as layer 0's {plan.stream_start}(embeddings); {text}"
-    extras = [f"{key}={value:g}" for key in ("logit_scale", "logit_divisor", "logit_softcap")
-              if (value := getattr(plan, key)) is not None]
+    extras = [
+        f"{key}={value:g}"
+        for key in ("logit_scale", "logit_divisor", "logit_softcap")
+        if (value := getattr(plan, key)) is not None
+    ]
     return text + (f" ({', '.join(extras)})" if extras else "")
 
 
@@ -222,7 +256,9 @@ def check_model_type(model_type: str, variant: str = "", overrides: dict | None 
         name = type(model).__name__
         try:
             generator = torch.Generator().manual_seed(1)
-            ids = torch.randint(3, int(model.config.get_text_config().vocab_size), (1, PROMPT_TOKENS), generator=generator)
+            ids = torch.randint(
+                3, int(model.config.get_text_config().vocab_size), (1, PROMPT_TOKENS), generator=generator
+            )
             with torch.no_grad():
                 reference = model(ids).logits.float()
                 if not torch.isfinite(reference).all():
@@ -259,19 +295,23 @@ def check_model_type(model_type: str, variant: str = "", overrides: dict | None 
             try:
                 padded_delta = (_padded_logits(converted, padded, strict=True) - padded_reference).abs().max().item()
             except Exception as error:  # noqa: BLE001
-                return row("refused", "the converted model does not run on a left-padded batch: " + short_error(error), name)
+                return row(
+                    "refused", "the converted model does not run on a left-padded batch: " + short_error(error), name
+                )
             if not padded_delta <= LOGIT_TOLERANCE:
-                return row("refused", f"whole-model check, left-padded batch: max |delta logit| {padded_delta:.1e}", name)
-        inconsistent = "" if expected_uncached == expected else (
-            "; the original's greedy tokens without a cache differ from its cached ones, and both are reproduced"
+                return row(
+                    "refused", f"whole-model check, left-padded batch: max |delta logit| {padded_delta:.1e}", name
+                )
+        inconsistent = (
+            ""
+            if expected_uncached == expected
+            else ("; the original's greedy tokens without a cache differ from its cached ones, and both are reproduced")
         )
         return row("converted", _structure_text(converted) + inconsistent, name)
 
 
 def walk(
-    model_types: Iterable[str] | None = None,
-    variants: bool = True,
-    progress: Callable[[str], None] | None = None,
+    model_types: Iterable[str] | None = None, variants: bool = True, progress: Callable[[str], None] | None = None
 ) -> CoverageReport:
     """Check every causal-LM model type (or the given ones) and, with `variants`, the VARIANTS rows."""
     import transformers
@@ -295,7 +335,10 @@ def walk(
 
 # --- the table in docs/architectures.md ------------------------------------------------------------
 
-BEGIN, END = "<!-- coverage table: generated by `attnres architectures --write docs/architectures.md` -->", "<!-- end of coverage table -->"
+BEGIN, END = (
+    "<!-- coverage table: generated by `attnres architectures --write docs/architectures.md` -->",
+    "<!-- end of coverage table -->",
+)
 
 
 def _cell(text: str) -> str:

@@ -21,16 +21,48 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..architectures import OUTPUT, RAW_STREAM, TIMES, Branch, ModelPlan, Sublayer, UnsupportedModelError, Where, config_refusal, family_for, is_norm, locate, module_at, norm_eps, reads_raw_stream
+from ..architectures import (
+    OUTPUT,
+    RAW_STREAM,
+    TIMES,
+    Branch,
+    ModelPlan,
+    Sublayer,
+    UnsupportedModelError,
+    Where,
+    config_refusal,
+    family_for,
+    is_norm,
+    locate,
+    module_at,
+    norm_eps,
+    reads_raw_stream,
+)
 from ..errors import first_line
 from . import stream_settings
 from .proof import LayerFailure, StructureError, prove, relative_difference
 from .trace import (
-    LayerCall, ModelTrace, call_model, evaluating, first_tensor, logits_of, probe_hidden, probe_ids, run_probes, trace_layer,
+    LayerCall,
+    ModelTrace,
+    call_model,
+    evaluating,
+    first_tensor,
+    logits_of,
+    probe_hidden,
+    probe_ids,
+    run_probes,
+    trace_layer,
     trace_model,
 )
 
-CONFIG_EPS_KEYS = ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_epsilon", "norm_eps", "rms_norm_epsilon")
+CONFIG_EPS_KEYS = (
+    "rms_norm_eps",
+    "layer_norm_eps",
+    "layer_norm_epsilon",
+    "norm_epsilon",
+    "norm_eps",
+    "rms_norm_epsilon",
+)
 
 
 # --- one layer's sublayers from its children's data flow -------------------------------------------
@@ -53,7 +85,6 @@ class _Branch:
     module_call: int = -1  # index of the module's call
     returns: list = field(default_factory=list)  # (layer output position, module output index), see Branch.returns
     flat: bool = False  # the norm reads the stream flattened to [tokens, width] (Branch.flat)
-
 
 
 def _output_bias(entry, y: torch.Tensor, delta: torch.Tensor) -> int:
@@ -112,8 +143,13 @@ def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
 
 def _same_reshaped(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
     """A is B in another shape (the stream flattened to [tokens, width], or an output given the stream's shape)."""
-    return (a is not None and b is not None and a.shape != b.shape and a.numel() == b.numel()
-            and torch.equal(a.reshape(b.shape), b))
+    return (
+        a is not None
+        and b is not None
+        and a.shape != b.shape
+        and a.numel() == b.numel()
+        and torch.equal(a.reshape(b.shape), b)
+    )
 
 
 def _side_modules(calls: list) -> set[str]:
@@ -190,8 +226,11 @@ def _product_with_argument(x: torch.Tensor, produced: list, values: list, argume
     """(index into VALUES, argument name) where X is a value a child returned times one of the layer's tensor
     arguments (Gemma 4: its per-layer-input gate's activation times the layer's `per_layer_input`), the latest
     such value first; None where X is no such product."""
-    tensors = {name: value for name, value in arguments.items()
-               if isinstance(value, torch.Tensor) and value.is_floating_point()}
+    tensors = {
+        name: value
+        for name, value in arguments.items()
+        if isinstance(value, torch.Tensor) and value.is_floating_point()
+    }
     for index in range(len(values) - 1, -1, -1):
         if produced[index][0] != "call":
             continue
@@ -231,8 +270,14 @@ def _source(entry, streams, produced, values, refs, branches, calls, group_tails
                 source, flat = produced[kind_index], entry.x.dim() == 2
                 break
     if source is None and entry.x is not None:
-        stream_index = next((s for s in range(len(streams) - 1, -1, -1)
-                             if s not in group_tails and _branch_sum(entry.x, [b for b in branches if b.stream == s], calls)), None)
+        stream_index = next(
+            (
+                s
+                for s in range(len(streams) - 1, -1, -1)
+                if s not in group_tails and _branch_sum(entry.x, [b for b in branches if b.stream == s], calls)
+            ),
+            None,
+        )
         if stream_index is not None:
             source = ("sum", stream_index)
     times = None
@@ -287,21 +332,44 @@ def _fit_sublayers(layer, config, h0, streams, branches, calls, group_tails, gro
             denominator = (y * y).sum().item()
             if denominator > 0 and len(group) == 1 and stream not in group_tails:
                 scales[0] = _snap((delta * y).sum().item() / denominator, config, max(limit, 1e-4))
-            elif denominator > 0 and _snap((delta * y).sum().item() / denominator, config, max(limit, 1e-4)) is not None:
-                raise UnsupportedModelError(f"the sum of the branches reading residual stream {stream} is scaled before it "
-                                            "joins the stream")
+            elif (
+                denominator > 0 and _snap((delta * y).sum().item() / denominator, config, max(limit, 1e-4)) is not None
+            ):
+                raise UnsupportedModelError(
+                    f"the sum of the branches reading residual stream {stream} is scaled before it joins the stream"
+                )
         # "self_attention" where a branch takes the layer's arguments (not only a side module's outputs), else "mlp"
-        takes_layer = any(b.attention and not (b.arguments and all(source.startswith(OUTPUT) for _, source in b.arguments))
-                          for b in group)
+        takes_layer = any(
+            b.attention and not (b.arguments and all(source.startswith(OUTPUT) for _, source in b.arguments))
+            for b in group
+        )
         name = "self_attention" if takes_layer else "mlp"
         if name in used:
             name = f"{name}_{stream + 1}"
         used.add(name)
-        sublayers.append(Sublayer(name, tuple(
-            Branch(b.norm, b.module, tuple(b.post), b.attention, scale, b.arguments, b.constants, tuple(b.post_arguments),
-                   b.output_bias, tuple(b.returns), b.flat)
-            for b, scale in zip(group, scales)
-        ), tuple(group_posts.get(stream, ())), tuple((name_, flat_) for s_, name_, flat_ in sides if s_ == stream)))
+        sublayers.append(
+            Sublayer(
+                name,
+                tuple(
+                    Branch(
+                        b.norm,
+                        b.module,
+                        tuple(b.post),
+                        b.attention,
+                        scale,
+                        b.arguments,
+                        b.constants,
+                        tuple(b.post_arguments),
+                        b.output_bias,
+                        tuple(b.returns),
+                        b.flat,
+                    )
+                    for b, scale in zip(group, scales)
+                ),
+                tuple(group_posts.get(stream, ())),
+                tuple((name_, flat_) for s_, name_, flat_ in sides if s_ == stream),
+            )
+        )
     if not sublayers:
         raise UnsupportedModelError("the decoder layer adds nothing to the residual stream")
     return sublayers, layer_scalar
@@ -338,10 +406,14 @@ def discover_layer(
     group_tails: dict[int, int] = {}  # stream -> the call whose output is that sum's current value
     for index, entry in enumerate(calls):
         module = module_at(layer, entry.name)
-        (kind, ref), flat, times = _source(entry, streams, produced, values, refs, branches, calls, group_tails, arguments)
+        (kind, ref), flat, times = _source(
+            entry, streams, produced, values, refs, branches, calls, group_tails, arguments
+        )
         if entry.name in side_names:  # its outputs are a module's arguments, not a value of the flow
             if kind != "stream":
-                raise UnsupportedModelError(f"`{entry.name}` gives another module its arguments but does not read the stream")
+                raise UnsupportedModelError(
+                    f"`{entry.name}` gives another module its arguments but does not read the stream"
+                )
             sides.append((ref, entry.name, flat))
             continue
         if kind == "sum" or (kind == "call" and any(tail == ref for tail in group_tails.values())):
@@ -357,10 +429,24 @@ def discover_layer(
                 if "." in entry.name:  # a block looked into (it holds norms) whose norm does not read the stream first
                     raise _post_norm_refusal(layer, entry.name.split(".")[0])
                 if entry.residual is not None:
-                    raise UnsupportedModelError(f"`{entry.name}` reads the raw residual stream and takes it a second time")
+                    raise UnsupportedModelError(
+                        f"`{entry.name}` reads the raw residual stream and takes it a second time"
+                    )
                 raw_readers.append(entry.name)
-                branches.append(_Branch(ref, RAW_STREAM, entry.name, [], entry.extra, index, -1, entry.arguments,
-                                        entry.constants, module_call=index))
+                branches.append(
+                    _Branch(
+                        ref,
+                        RAW_STREAM,
+                        entry.name,
+                        [],
+                        entry.extra,
+                        index,
+                        -1,
+                        entry.arguments,
+                        entry.constants,
+                        module_call=index,
+                    )
+                )
             else:
                 branches.append(_Branch(ref, entry.name, tail=index, norm_call=index, flat=flat))
         else:
@@ -387,8 +473,20 @@ def discover_layer(
                 if entry.extra:
                     owner.post_arguments.append((entry.name, entry.arguments, entry.constants))
             elif norm_owner is not None:  # a second module fed by one norm (GPT-J, Phi: parallel branches)
-                branches.append(_Branch(norm_owner.stream, norm_owner.norm, entry.name, [], entry.extra, index, ref,
-                                        entry.arguments, entry.constants, module_call=index))
+                branches.append(
+                    _Branch(
+                        norm_owner.stream,
+                        norm_owner.norm,
+                        entry.name,
+                        [],
+                        entry.extra,
+                        index,
+                        ref,
+                        entry.arguments,
+                        entry.constants,
+                        module_call=index,
+                    )
+                )
             else:
                 raise UnsupportedModelError(f"cannot place `{entry.name}` in the layer's data flow")
         if entry.y is not None and entry.residual is not None and kind != "stream":
@@ -415,7 +513,9 @@ def discover_layer(
     if not _same(out, streams[-1]):
         streams.append(out)
     _returns(calls, output, branches)
-    sublayers, layer_scalar = _fit_sublayers(layer, config, h0, streams, branches, calls, group_tails, group_posts, sides)
+    sublayers, layer_scalar = _fit_sublayers(
+        layer, config, h0, streams, branches, calls, group_tails, group_posts, sides
+    )
     return LayerStructure(tuple(sublayers), stream_start, layer_scalar)
 
 
@@ -504,7 +604,11 @@ def check_input_embeddings(model: nn.Module) -> None:
     its own code that defines it nowhere): the probes and the converted model find the embedding through it."""
     try:
         embeddings = model.get_input_embeddings()
-        problem = None if isinstance(getattr(embeddings, "weight", None), torch.Tensor) else f"returns {type(embeddings).__name__}"
+        problem = (
+            None
+            if isinstance(getattr(embeddings, "weight", None), torch.Tensor)
+            else f"returns {type(embeddings).__name__}"
+        )
     except (AttributeError, NotImplementedError) as error:
         problem = f"fails ({first_line(error, with_type=True)})"
     if problem is not None:
@@ -596,4 +700,3 @@ def _candidates(model: nn.Module, where: Where, trace: ModelTrace, head: dict, f
         yield discovered_plan(model, where, trace, head)
     except UnsupportedModelError as error:
         failures.append(str(error))
-

@@ -114,7 +114,9 @@ def plan_verification(
     return VerifyBudget(budget, chosen, resident, min(tokens, STREAMED_TOKENS), min(new_tokens, STREAMED_NEW_TOKENS))
 
 
-def verify_saved(source, folder, budget: VerifyBudget, dtype: str, tokenizer, text: str, trust_remote_code: bool = False):
+def verify_saved(
+    source, folder, budget: VerifyBudget, dtype: str, tokenizer, text: str, trust_remote_code: bool = False
+):
     """Check the converted FOLDER against the original SOURCE, one model in memory at a time, each loaded
     within BUDGET (streamed from its files when it does not fit). Returns a VerificationReport."""
     import gc
@@ -122,9 +124,9 @@ def verify_saved(source, folder, budget: VerifyBudget, dtype: str, tokenizer, te
     import tempfile
     from pathlib import Path
 
-    from ..modeling.modeling_attnres import AttnResForCausalLM
-    from ..io.sources import DTYPES, load_model
     from ..architectures import vocab_size_of
+    from ..io.sources import DTYPES, load_model
+    from ..modeling.modeling_attnres import AttnResForCausalLM
     from .verify import capture_reference, compare, fit_to_context, sample_input_ids
 
     offload = Path(tempfile.mkdtemp(prefix=".attnres-offload-", dir=Path(folder).parent))
@@ -160,13 +162,15 @@ def _dequantised_original(folder, dtype: str, load_kwargs: dict):
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging
 
-    from ..modeling.configuration_attnres import AttnResConfig
     from ..io.sources import DTYPES
+    from ..modeling.configuration_attnres import AttnResConfig
 
     base_config = AttnResConfig.from_pretrained(folder).text_config
     verbosity = logging.get_verbosity()
     logging.set_verbosity_error()  # its load report would list every AttnRes tensor as unexpected
     try:
-        return AutoModelForCausalLM.from_pretrained(folder, config=base_config, dtype=DTYPES[dtype], **load_kwargs).eval()
+        return AutoModelForCausalLM.from_pretrained(
+            folder, config=base_config, dtype=DTYPES[dtype], **load_kwargs
+        ).eval()
     finally:
         logging.set_verbosity(verbosity)

@@ -18,19 +18,25 @@ import typing
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
-from huggingface_hub.serialization._base import parse_size_to_int
+from huggingface_hub.serialization._base import parse_size_to_int  # noqa: PLC2701 - its one size parser
 
 from ..errors import AttnResError
-from ..io.samples import SAMPLE_TEXT
 from ..io.hub_access import DEFAULT_MAX_SHARD_SIZE
-
+from ..io.samples import SAMPLE_TEXT
 
 DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
 # The names people type for the same dtypes (PyTorch's, Accelerate's, llama.cpp's); matched case-insensitively.
 DTYPE_ALIASES = {
-    "fp32": "float32", "f32": "float32", "float": "float32", "torch.float32": "float32",
-    "bf16": "bfloat16", "torch.bfloat16": "bfloat16",
-    "fp16": "float16", "f16": "float16", "half": "float16", "torch.float16": "float16",
+    "fp32": "float32",
+    "f32": "float32",
+    "float": "float32",
+    "torch.float32": "float32",
+    "bf16": "bfloat16",
+    "torch.bfloat16": "bfloat16",
+    "fp16": "float16",
+    "f16": "float16",
+    "half": "float16",
+    "torch.float16": "float16",
 }
 # A dtype field (convert's --dtype, a recipe's model.dtype, which also takes the aliases: finetune.recipe).
 DTypeName = Literal["auto", "float32", "bfloat16", "float16"]
@@ -68,7 +74,9 @@ class OptionField:
 
 
 def _option(default, description: str, *, ge: int | None = None, cli: bool = True, aliases: bool = False):
-    return dataclasses.field(default=default, metadata={"description": description, "ge": ge, "cli": cli, "aliases": aliases})
+    return dataclasses.field(
+        default=default, metadata={"description": description, "ge": ge, "cli": cli, "aliases": aliases}
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -118,7 +126,9 @@ class ConvertOptions:
             if name in ("max_shard_size", "max_memory") and isinstance(value, int) and not isinstance(value, bool):
                 # The library also takes a number of bytes; the flag is text ("5GB"), parsed where it is used.
                 object.__setattr__(self, name, value := str(value))
-            if name == "dtype":  # an alias (bf16, fp32, ...) becomes the canonical name; anything else is said in our words
+            if (
+                name == "dtype"
+            ):  # an alias (bf16, fp32, ...) becomes the canonical name; anything else is said in our words
                 try:
                     object.__setattr__(self, name, value := canonical_dtype(value, name))
                 except AttnResError as error:
@@ -132,7 +142,9 @@ class ConvertOptions:
             if problem:
                 problems.append(problem)
         if not problems:
-            chosen = [n for n in ("block_size", "num_blocks") if getattr(self, n) is not None] + (["full"] if self.full else [])
+            chosen = [n for n in ("block_size", "num_blocks") if getattr(self, n) is not None] + (
+                ["full"] if self.full else []
+            )
             if len(chosen) > 1:
                 problems.append(f"give only one of block_size, num_blocks, full (got {', '.join(chosen)})")
         if problems:
@@ -170,8 +182,7 @@ def _type_problem(annotation, value) -> str | None:
 
 _HINTS = typing.get_type_hints(ConvertOptions)
 ConvertOptions.model_fields = {
-    f.name: OptionField(_HINTS[f.name], f.default, **f.metadata)
-    for f in dataclasses.fields(ConvertOptions)
+    f.name: OptionField(_HINTS[f.name], f.default, **f.metadata) for f in dataclasses.fields(ConvertOptions)
 }
 
 
@@ -181,7 +192,9 @@ def parse_size(value: int | str, what: str) -> int:
         text = str(value).strip().upper()
         size = value if isinstance(value, int) else int(text) if text.isdigit() else parse_size_to_int(text)
     except ValueError as error:
-        raise AttnResError(f"{what} {value!r} is not a size: give a number of bytes or a value like 5GB or 500MB") from error
+        raise AttnResError(
+            f"{what} {value!r} is not a size: give a number of bytes or a value like 5GB or 500MB"
+        ) from error
     if size <= 0:
         raise AttnResError(f"{what} {value!r} must be positive")
     return size

@@ -16,13 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..architectures import (
-    ModelPlan,
-    Sublayer,
-    UnsupportedModelError,
-    describe,
-    module_at,
-)
+from ..architectures import ModelPlan, Sublayer, UnsupportedModelError, describe, module_at
 from ..errors import first_line
 from ..modeling.modeling_attnres import depth_mix, run_sublayer, start_state
 from .trace import (
@@ -81,7 +75,12 @@ class LayerFailure:
 
 @torch.no_grad()
 def prove_layer(
-    layer: nn.Module, index: int, sublayers: tuple[Sublayer, ...], call: LayerCall, eps: float, stream_start: str | None = None,
+    layer: nn.Module,
+    index: int,
+    sublayers: tuple[Sublayer, ...],
+    call: LayerCall,
+    eps: float,
+    stream_start: str | None = None,
     scalar: float = 1.0,
 ) -> LayerFailure | None:
     """Run the layer's own forward and the rewritten sublayers on the same random hidden states and real
@@ -103,7 +102,9 @@ def prove_layer(
         try:
             h = h + run_sublayer(layer, sublayer, h, call_kwargs)
         except Exception as error:  # noqa: BLE001 - a candidate that cannot even run is a failed candidate
-            return LayerFailure(index, sub_index + 1, f"the rewritten {describe(sublayer)} raised {first_line(error, with_type=True)}")
+            return LayerFailure(
+                index, sub_index + 1, f"the rewritten {describe(sublayer)} raised {first_line(error, with_type=True)}"
+            )
         # The original's stream where the next sublayer reads it, else (last sublayer) the layer's output.
         last = sub_index + 1 == len(sublayers)
         reference = want if last else inputs.get(sub_index + 1)
@@ -127,13 +128,23 @@ def prove_layer(
     mixed = depth_mix(state.close(eps), query, key_norm, eps, "count") * scalar
     difference, relative = relative_difference(mixed, want)
     if not relative <= limit:
-        return LayerFailure(index, len(sublayers), "depth mix with zero queries: " + describe(sublayers[-1]),
-                            difference, relative, limit)
+        return LayerFailure(
+            index,
+            len(sublayers),
+            "depth mix with zero queries: " + describe(sublayers[-1]),
+            difference,
+            relative,
+            limit,
+        )
     for position, value in returned.items():
         expected = output[position] if isinstance(output, tuple) and position < len(output) else None
         if not _same_values(value, expected, limit):
-            return LayerFailure(index, len(sublayers), f"the value the layer returns at position {position} (a state it "
-                                "hands the base model) differs from the original's")
+            return LayerFailure(
+                index,
+                len(sublayers),
+                f"the value the layer returns at position {position} (a state it "
+                "hands the base model) differs from the original's",
+            )
     return None
 
 
@@ -142,11 +153,17 @@ def _same_values(got, want, limit: float) -> bool:
     if isinstance(want, torch.Tensor):
         return isinstance(got, torch.Tensor) and got.shape == want.shape and relative_difference(got, want)[1] <= limit
     if isinstance(want, (list, tuple)):
-        return isinstance(got, (list, tuple)) and len(got) == len(want) and all(
-            _same_values(g, w, limit) for g, w in zip(got, want))
+        return (
+            isinstance(got, (list, tuple))
+            and len(got) == len(want)
+            and all(_same_values(g, w, limit) for g, w in zip(got, want))
+        )
     if isinstance(want, dict):
-        return isinstance(got, dict) and got.keys() == want.keys() and all(
-            _same_values(got[k], want[k], limit) for k in want)
+        return (
+            isinstance(got, dict)
+            and got.keys() == want.keys()
+            and all(_same_values(got[k], want[k], limit) for k in want)
+        )
     return got is want or got == want
 
 
@@ -157,6 +174,7 @@ def _run_recording_inputs(layer, sublayers, h0, args, kwargs) -> tuple[torch.Ten
     inputs: dict[int, torch.Tensor] = {}
     hooks = []
     for position, sublayer in enumerate(sublayers[1:], start=1):
+
         def hook(module, hook_args, position=position):
             if position not in inputs and hook_args and isinstance(hook_args[0], torch.Tensor):
                 inputs[position] = hook_args[0].detach().clone()
@@ -176,8 +194,9 @@ def prove(model: nn.Module, plan: ModelPlan, trace: ModelTrace) -> LayerFailure 
     layers = module_at(module_at(model, plan.base_model), plan.layers)
     for index, (layer, call) in enumerate(zip(layers, trace.calls)):
         scalar = plan.layer_scalars[index] if plan.layer_scalars else 1.0
-        failure = prove_layer(layer, index, plan.sublayers(index), call, plan.eps, plan.stream_start if index == 0 else None,
-                              scalar)
+        failure = prove_layer(
+            layer, index, plan.sublayers(index), call, plan.eps, plan.stream_start if index == 0 else None, scalar
+        )
         if failure is not None:
             return failure
     return None

@@ -20,10 +20,7 @@ from __future__ import annotations
 from torch import nn
 
 # model type -> (config attribute, the value the converted model runs with)
-SETTINGS: dict[str, tuple[str, int]] = {
-    "rwkv": ("rescale_every", 0),
-    "xlstm": ("max_inference_chunksize", 2**31 - 1),
-}
+SETTINGS: dict[str, tuple[str, int]] = {"rwkv": ("rescale_every", 0), "xlstm": ("max_inference_chunksize", 2**31 - 1)}
 
 
 def settle(model: nn.Module) -> None:

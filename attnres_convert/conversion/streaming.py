@@ -20,14 +20,22 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedConfig
 
-from ..errors import OutputError
-from ..modeling import SHIPPED_CODE
-from ..transformers_compat import custom_object_save
 from ..architectures import ModelPlan, family_for
-from ..modeling.modeling_attnres import AttnResForCausalLM, AttnResKeyNorm, AttnResQuery
-from ..io.shards import DTYPES, NotStreamable, OutputTensor, checkpoint_files, checkpoint_tensors, plan_shards, write_sharded
+from ..errors import OutputError
+from ..io.shards import (
+    DTYPES,
+    NotStreamable,
+    OutputTensor,
+    checkpoint_files,
+    checkpoint_tensors,
+    plan_shards,
+    write_sharded,
+)
 from ..io.sources import DTYPES as DTYPE_CHOICES
 from ..io.sources import ModelSource
+from ..modeling import SHIPPED_CODE
+from ..modeling.modeling_attnres import AttnResForCausalLM, AttnResKeyNorm, AttnResQuery
+from ..transformers_compat import custom_object_save
 from .discovery import find_plan
 from .surgery import convert_model
 
@@ -62,13 +70,17 @@ def largest_layer_bytes(tensors: list[OutputTensor]) -> int:
     return max(sizes.values(), default=0)
 
 
-def stream_input(source: ModelSource, config: PreTrainedConfig, dtype: str, trust_remote_code: bool) -> tuple[Path, list[OutputTensor]] | None:
+def stream_input(
+    source: ModelSource, config: PreTrainedConfig, dtype: str, trust_remote_code: bool
+) -> tuple[Path, list[OutputTensor]] | None:
     """The folder of a streamable SOURCE and its tensors as the converted folder writes them (safetensors:
     copied; GGUF: dequantised one by one); None for a pickle checkpoint. NotStreamable says why a GGUF is not."""
     if source.gguf_file:
         from ..io.gguf_stream import gguf_base_tensors
 
-        return Path(source.location), gguf_base_tensors(Path(source.location) / source.gguf_file, config, dtype, trust_remote_code)
+        return Path(source.location), gguf_base_tensors(
+            Path(source.location) / source.gguf_file, config, dtype, trust_remote_code
+        )
     folder = source_folder(source)
     return None if folder is None else (folder, base_tensors(folder, dtype))
 
@@ -93,7 +105,8 @@ def _hub_snapshot(source: ModelSource) -> Path:
     try:
         return Path(
             snapshot_download(
-                source.location, allow_patterns=["*.safetensors", "*.safetensors.index.json", "*.json", "*.model", "*.txt"]
+                source.location,
+                allow_patterns=["*.safetensors", "*.safetensors.index.json", "*.json", "*.model", "*.txt"],
             )
         )
     except Exception as error:  # noqa: BLE001 - reported with the source and a fix
@@ -103,9 +116,18 @@ def _hub_snapshot(source: ModelSource) -> Path:
 # A miniature of the model for proving its structure: same architecture code and layer types, tiny widths.
 # Only keys the config has are changed.
 _MINIATURE = {
-    "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-    "vocab_size": 128, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, "num_experts": 4,
-    "num_local_experts": 4, "num_experts_per_tok": 2, "n_inner": 128,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "vocab_size": 128,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 32,
+    "num_experts": 4,
+    "num_local_experts": 4,
+    "num_experts_per_tok": 2,
+    "n_inner": 128,
 }
 MINIATURE_MIN_LAYERS = 2  # a repeated layer kind is proven on two layers: the first layer is not the general case
 
@@ -121,7 +143,11 @@ def _narrow(config: PreTrainedConfig) -> PreTrainedConfig:
 def _per_layer_settings(config: PreTrainedConfig) -> dict[str, list]:
     """Config entries that hold one value per decoder layer (layer_types, no_rope_layers...)."""
     count = config.num_hidden_layers
-    return {key: value for key, value in vars(config).items() if isinstance(value, (list, tuple)) and len(value) == count and count > 1}
+    return {
+        key: value
+        for key, value in vars(config).items()
+        if isinstance(value, (list, tuple)) and len(value) == count and count > 1
+    }
 
 
 _PLAIN = (bool, int, float, str, type(None))
@@ -134,10 +160,14 @@ def _layer_signature(layer: torch.nn.Module) -> tuple:
     parts = []
     for name, module in layer.named_modules():
         settings = sorted(
-            (key, value) for key, value in vars(module).items()
+            (key, value)
+            for key, value in vars(module).items()
             if not key.startswith("_") and key != "training" and "idx" not in key and isinstance(value, _PLAIN)
         )
-        tensors = [(key, tuple(t.shape)) for key, t in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]]
+        tensors = [
+            (key, tuple(t.shape))
+            for key, t in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
+        ]
         parts.append((name, type(module).__name__, tuple(settings), tuple(tensors)))
     return tuple(parts)
 
@@ -150,7 +180,11 @@ def _miniature(config: PreTrainedConfig, trust_remote_code: bool = False) -> Pre
     per_layer = _per_layer_settings(small)
     with torch.device("meta"):
         full = AutoModelForCausalLM.from_config(small, trust_remote_code=trust_remote_code)
-    layers = next(module for _, module in full.named_modules() if isinstance(module, torch.nn.ModuleList) and len(module) == small.num_hidden_layers)
+    layers = next(
+        module
+        for _, module in full.named_modules()
+        if isinstance(module, torch.nn.ModuleList) and len(module) == small.num_hidden_layers
+    )
     first_of_kind: dict[tuple, int] = {}
     for index, layer in enumerate(layers):
         kind = (_layer_signature(layer), tuple(repr(values[index]) for values in per_layer.values()))
@@ -168,7 +202,9 @@ def proven_plan(config: PreTrainedConfig, trust_remote_code: bool = False) -> Mo
     weights. Else the reason to convert in memory, where the structure is proven on the real weights."""
     family = family_for(config)
     try:
-        miniature = AutoModelForCausalLM.from_config(_miniature(config, trust_remote_code), trust_remote_code=trust_remote_code, dtype=torch.float32)
+        miniature = AutoModelForCausalLM.from_config(
+            _miniature(config, trust_remote_code), trust_remote_code=trust_remote_code, dtype=torch.float32
+        )
         proven, _ = find_plan(miniature)
         expected = dataclasses.replace(family.plan(miniature.config, miniature), tuple_output=proven.tuple_output)
     except Exception as error:  # noqa: BLE001 - the in-memory path proves the structure on the model itself
@@ -179,7 +215,9 @@ def proven_plan(config: PreTrainedConfig, trust_remote_code: bool = False) -> Mo
     return dataclasses.replace(expected, layer_kinds=(0,) * int(config.num_hidden_layers))
 
 
-def _skeleton(config: PreTrainedConfig, plan: ModelPlan, dtype: torch.dtype, trust_remote_code: bool, **conversion) -> AttnResForCausalLM:
+def _skeleton(
+    config: PreTrainedConfig, plan: ModelPlan, dtype: torch.dtype, trust_remote_code: bool, **conversion
+) -> AttnResForCausalLM:
     """The converted model with every tensor on the meta device: structure, names, shapes, no memory."""
     with torch.device("meta"):
         base = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
@@ -256,11 +294,12 @@ def plan_stream(
         return f"the checkpoint does not hold exactly the model's tensors ({what}, e.g. {(extra or missing)[0]})"
     for name, tensor in by_name.items():
         if name in expected and expected[name] != tensor.shape:
-            return f"tensor {name} has shape {list(tensor.shape)} in the checkpoint, {list(expected[name])} in the model"
+            return (
+                f"tensor {name} has shape {list(tensor.shape)} in the checkpoint, {list(expected[name])} in the model"
+            )
     skeleton.config.dtype = out_dtype
     skeleton.config.text_config.dtype = out_dtype
     return StreamPlan(skeleton, base, added, folder)
-
 
 
 class BackgroundPlan:

@@ -21,10 +21,10 @@ from ..architectures import (
     plan_to_dict,
 )
 from ..block_sizes import default_block_size
+from ..io.base_code import BASE_CODE, base_code_files, is_own_code
 from ..io.saving import register_auto_classes
 from ..modeling import SHIPPED_CODE
 from ..modeling.configuration_attnres import AttnResConfig
-from ..io.base_code import BASE_CODE, base_code_files, is_own_code
 from ..modeling.modeling_attnres import (
     AttnResForCausalLM,
     AttnResKeyNorm,
@@ -169,7 +169,11 @@ def convert_model(
     attn_implementation, dtype = config._attn_implementation, config.dtype
     experts_implementation = getattr(config, "_experts_implementation", None)
     attn_config = AttnResConfig(
-        text_config=config, block_size=size, source_scaling=source_scaling, structure=plan_to_dict(plan), query_rank=query_rank,
+        text_config=config,
+        block_size=size,
+        source_scaling=source_scaling,
+        structure=plan_to_dict(plan),
+        query_rank=query_rank,
         stream_width=_stream_width(base_model, plan, trace),
     )
     if runs_outer_forward(base_model, plan, trace):
@@ -263,7 +267,9 @@ def summarize(model: AttnResForCausalLM) -> ConversionSummary:
     config = model.config
     structure = Structure.of_plan(config.text_config.model_type, model._attnres_plan)
     total = structure.num_sublayers
-    added = sum(p.numel() for m in model.modules() if isinstance(m, (AttnResQuery, AttnResKeyNorm)) for p in m.parameters())
+    added = sum(
+        p.numel() for m in model.modules() if isinstance(m, (AttnResQuery, AttnResKeyNorm)) for p in m.parameters()
+    )
     return ConversionSummary(
         model_type=structure.model_type,
         num_layers=structure.num_layers,
@@ -276,5 +282,3 @@ def summarize(model: AttnResForCausalLM) -> ConversionSummary:
         params_total=sum(p.numel() for p in model.parameters()),
         query_rank=config.query_rank,
     )
-
-

@@ -18,25 +18,72 @@ LAYERS = 2
 
 # Overrides applied where the default config has the attribute (through its attribute_map too).
 SHRINK = dict(
-    hidden_size=64, num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-    intermediate_size=128, vocab_size=256, max_position_embeddings=256, num_experts=4, num_local_experts=4,
-    n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
-    shared_expert_intermediate_size=32, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=16,
-    qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16, n_group=1, topk_group=1, rotary_dim=16,
-    pad_token_id=0, bos_token_id=1, eos_token_id=2, sliding_window=4, vocab_size_per_layer_input=256,
+    hidden_size=64,
+    num_hidden_layers=LAYERS,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    intermediate_size=128,
+    vocab_size=256,
+    max_position_embeddings=256,
+    num_experts=4,
+    num_local_experts=4,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    n_shared_experts=1,
+    shared_expert_intermediate_size=32,
+    first_k_dense_replace=1,
+    kv_lora_rank=16,
+    q_lora_rank=16,
+    qk_rope_head_dim=16,
+    qk_nope_head_dim=16,
+    v_head_dim=16,
+    n_group=1,
+    topk_group=1,
+    rotary_dim=16,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+    sliding_window=4,
+    vocab_size_per_layer_input=256,
     hidden_size_per_layer_input=16,
     # state-space mixers (Mamba-2 style: heads x head size = expand x hidden)
-    mamba_n_heads=8, mamba_d_head=16, mamba_num_heads=8, mamba_head_dim=16, mamba_d_state=16, ssm_state_size=16,
-    mamba_chunk_size=8, mamba_dt_rank=8, mamba_d_ssm=128, moe_shared_expert_intermediate_size=32,
+    mamba_n_heads=8,
+    mamba_d_head=16,
+    mamba_num_heads=8,
+    mamba_head_dim=16,
+    mamba_d_state=16,
+    ssm_state_size=16,
+    mamba_chunk_size=8,
+    mamba_dt_rank=8,
+    mamba_d_ssm=128,
+    moe_shared_expert_intermediate_size=32,
 )
 # Sizes shrunk only where the default sets them: None or 0 there switches the feature off.
 ONLY_WHERE_SET = ("sliding_window", "hidden_size_per_layer_input")
 # Attributes of a sub-config that are not a language model's (vision and audio towers): shrunk there only.
 TOWER_SHRINK = dict(
-    image_size=32, patch_size=8, num_channels=3, depth=2, num_layers=2, embed_dim=64, num_heads=4,
-    out_hidden_size=64, projection_dim=64, vision_output_dim=64, num_global_layers=1, num_blocks=2,
-    nemo_conv_channels=64, depthwise_separable_out_channel=64, ext_pw_out_channel=64, adapter_in_dim=64,
-    adapter_input_size=64, adapter_out_dim=64, hidden_size_global=64, downsample_hidden_size=32,
+    image_size=32,
+    patch_size=8,
+    num_channels=3,
+    depth=2,
+    num_layers=2,
+    embed_dim=64,
+    num_heads=4,
+    out_hidden_size=64,
+    projection_dim=64,
+    vision_output_dim=64,
+    num_global_layers=1,
+    num_blocks=2,
+    nemo_conv_channels=64,
+    depthwise_separable_out_channel=64,
+    ext_pw_out_channel=64,
+    adapter_in_dim=64,
+    adapter_input_size=64,
+    adapter_out_dim=64,
+    hidden_size_global=64,
+    downsample_hidden_size=32,
 )
 # Per-layer list attributes whose entries name a layer's kind: the layers to keep are chosen from these.
 KIND_LISTS = ("layer_types", "layers_block_type", "mlp_layer_types", "layers_type", "block_types")
@@ -44,50 +91,109 @@ KIND_LISTS = ("layer_types", "layers_block_type", "mlp_layer_types", "layers_typ
 # What the generic shrink cannot guess, by model type (of the config or of a sub-config).
 TYPE_OVERRIDES: dict[str, dict] = {
     "gpt_neo": {"attention_types": [[["global", "local"], 1]]},
-    "cohere_compass_text": {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 10000.0},
-                                                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}},
-    "dbrx": {"d_model": 64, "n_heads": 4, "n_layers": 2, "max_seq_len": 256,
-             "attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
-             "ffn_config": {"hidden_size": 64, "ffn_hidden_size": 128, "moe_num_experts": 4, "moe_top_k": 2}},
+    "cohere_compass_text": {
+        "rope_parameters": {
+            "full_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        }
+    },
+    "dbrx": {
+        "d_model": 64,
+        "n_heads": 4,
+        "n_layers": 2,
+        "max_seq_len": 256,
+        "attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
+        "ffn_config": {"hidden_size": 64, "ffn_hidden_size": 128, "moe_num_experts": 4, "moe_top_k": 2},
+    },
     "dory": {"n_input_layers": 1, "n_recurrent_layers": 0, "n_output_layers": 1, "n_recurrent_loops": 1},
     # sliding layers: head_dim = qk_nope_head_dim (32, their per-layer override) + qk_rope_head_dim (16)
     "dots3_note_text": {"head_dim": 48, "index_head_dim": 16, "index_n_heads": 2, "index_topk": 4},
     "gemma3": {"mm_tokens_per_image": 4},  # 4 x 4 patches of the tiny tower pooled to 2 x 2 image tokens
     "gemma3n_text": {"num_kv_shared_layers": 0},
-    "gemma4_assistant": {"text_config": {"hidden_size_per_layer_input": 0, "vocab_size_per_layer_input": 0,
-                                         "num_kv_shared_layers": LAYERS}},
-    "gemma4_unified_assistant": {"text_config": {"hidden_size_per_layer_input": 0, "vocab_size_per_layer_input": 0,
-                                                 "num_kv_shared_layers": LAYERS}},
-    "blt": {"encoder_hash_byte_group_vocab": 64, "encoder_hash_byte_group_size": [3, 4],
-            "local_attention_window_len": 8, "num_hidden_layers": LAYERS},
+    "gemma4_assistant": {
+        "text_config": {
+            "hidden_size_per_layer_input": 0,
+            "vocab_size_per_layer_input": 0,
+            "num_kv_shared_layers": LAYERS,
+        }
+    },
+    "gemma4_unified_assistant": {
+        "text_config": {
+            "hidden_size_per_layer_input": 0,
+            "vocab_size_per_layer_input": 0,
+            "num_kv_shared_layers": LAYERS,
+        }
+    },
+    "blt": {
+        "encoder_hash_byte_group_vocab": 64,
+        "encoder_hash_byte_group_size": [3, 4],
+        "local_attention_window_len": 8,
+        "num_hidden_layers": LAYERS,
+    },
     "lfm2_moe": {"layer_types": ["conv", "full_attention"]},
-    "inkling2_text": {"unpadded_vocab_size": 256, "swa_num_attention_heads": 4, "swa_num_key_value_heads": 2,
-                      "swa_head_dim": 16, "sliding_window_size": 4, "d_rel": 4, "rel_extent": 8},
-    "inkling2_loop_text": {"unpadded_vocab_size": 256, "swa_num_attention_heads": 4, "swa_num_key_value_heads": 2,
-                           "swa_head_dim": 16, "sliding_window_size": 4, "d_rel": 4, "rel_extent": 8},
-    "longcat_flash": {"num_layers": 2, "ffn_hidden_size": 128, "expert_ffn_hidden_size": 32, "moe_topk": 2,
-                      "zero_expert_num": 2},
+    "inkling2_text": {
+        "unpadded_vocab_size": 256,
+        "swa_num_attention_heads": 4,
+        "swa_num_key_value_heads": 2,
+        "swa_head_dim": 16,
+        "sliding_window_size": 4,
+        "d_rel": 4,
+        "rel_extent": 8,
+    },
+    "inkling2_loop_text": {
+        "unpadded_vocab_size": 256,
+        "swa_num_attention_heads": 4,
+        "swa_num_key_value_heads": 2,
+        "swa_head_dim": 16,
+        "sliding_window_size": 4,
+        "d_rel": 4,
+        "rel_extent": 8,
+    },
+    "longcat_flash": {
+        "num_layers": 2,
+        "ffn_hidden_size": 128,
+        "expert_ffn_hidden_size": 32,
+        "moe_topk": 2,
+        "zero_expert_num": 2,
+    },
     "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2, "expert_layer_offset": 1},
     "bamba": {"attn_layer_indices": [1]},
     "granitemoehybrid": {"layer_types": ["linear_attention", "full_attention"]},  # the default has no attention layer
-    "nemotron_h": {"chunk_size": 8, "num_hidden_layers": 4,  # one layer of each kind: Mamba-2, MoE, attention, MLP
-                   "layers_block_type": ["linear_attention", "moe", "full_attention", "mlp"]},
+    "nemotron_h": {
+        "chunk_size": 8,
+        "num_hidden_layers": 4,  # one layer of each kind: Mamba-2, MoE, attention, MLP
+        "layers_block_type": ["linear_attention", "moe", "full_attention", "mlp"],
+    },
     "recurrent_gemma": {"block_types": ["recurrent", "attention"], "lru_width": 64, "attention_window_size": 4},
     "xlstm": {"num_blocks": LAYERS, "num_heads": 4, "qk_dim_factor": 1.0},  # its cache assumes qk = v head size
     "mamba2": {"num_heads": 8, "head_dim": 16, "n_groups": 1, "state_size": 16, "chunk_size": 8},
-    "qwen4_exp_text": {"indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": 16, "indexer_budget": 8,
-                       "indexer_compress_ratio": 4, "hc_lowrank": 8, "ple_embed_dim": 16, "ngram_vocab_size_base": 256,
-                       "split_ngram_parts": 2, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
-                       "linear_num_key_heads": 2, "linear_num_value_heads": 4},
+    "qwen4_exp_text": {
+        "indexer_n_heads": 2,
+        "indexer_kv_heads": 1,
+        "indexer_head_dim": 16,
+        "indexer_budget": 8,
+        "indexer_compress_ratio": 4,
+        "hc_lowrank": 8,
+        "ple_embed_dim": 16,
+        "ngram_vocab_size_base": 256,
+        "split_ngram_parts": 2,
+        "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+    },
     "reformer": {"is_decoder": True, "axial_pos_embds_dim": [32, 32], "axial_pos_shape": [16, 16]},
     "xlnet": {"d_model": 64, "n_layer": 2, "n_head": 4, "d_head": 16, "d_inner": 128, "mem_len": 8},
-    "zamba": {"num_hidden_layers": 3, "layers_block_type": ["linear_attention", "hybrid", "hybrid"]},  # a shared block tied
+    "zamba": {
+        "num_hidden_layers": 3,
+        "layers_block_type": ["linear_attention", "hybrid", "hybrid"],
+    },  # a shared block tied
     "zaya": {"num_experts_per_tok": 1},
 }
 
 # Default configs of the installed transformers that fail their own validators, and what makes them pass.
 DEFAULT_FIXES: dict[str, dict] = {
-    "gemma4_assistant": {"text_config": {"hidden_size_per_layer_input": 0, "vocab_size_per_layer_input": 0}},
+    "gemma4_assistant": {"text_config": {"hidden_size_per_layer_input": 0, "vocab_size_per_layer_input": 0}}
 }
 
 
@@ -135,7 +241,8 @@ def _settings(config) -> dict:
     generic = PreTrainedConfig().to_dict()
     declared = {field.name for field in dataclasses.fields(config)} if dataclasses.is_dataclass(config) else set()
     return {
-        key: value for key, value in config.to_dict().items()
+        key: value
+        for key, value in config.to_dict().items()
         if key in declared or key == "model_type" or key not in generic or value != generic[key]
     }
 
@@ -210,7 +317,9 @@ def _layer_key(per_layer: dict, index: int):
 
 def _attributes(config) -> dict:
     """The config's own attributes (not its sub-configs), without the per-layer access check."""
-    return {key: _peek(config, key) for key in config.to_dict() if key not in (getattr(config, "sub_configs", {}) or {})}
+    return {
+        key: _peek(config, key) for key in config.to_dict() if key not in (getattr(config, "sub_configs", {}) or {})
+    }
 
 
 def _peek(config, key: str, default=None):

@@ -213,8 +213,13 @@ def trace_model(model: nn.Module, where: Where) -> ModelTrace:
     name = readers[0] if readers else None
     final_norm = name if name is not None and is_norm(module_at(base, name)) else None
     return ModelTrace(
-        calls, final_norm, name, logits_of(output).float(), (last_hidden or head_input)[0],
-        tuple_output[0] if tuple_output else 0, one_more_token_logits(model, output),
+        calls,
+        final_norm,
+        name,
+        logits_of(output).float(),
+        (last_hidden or head_input)[0],
+        tuple_output[0] if tuple_output else 0,
+        one_more_token_logits(model, output),
         base_output=not base_outputs or base_outputs[0],  # OPT's causal LM calls a submodule of its base model
     )
 
@@ -275,11 +280,21 @@ def trace_layer(
 
     def pre(name):
         def hook(module, args, kwargs):
-            x = args[0] if args else kwargs.get("hidden_states", next((v for v in kwargs.values() if isinstance(v, torch.Tensor)), None))
+            x = (
+                args[0]
+                if args
+                else kwargs.get(
+                    "hidden_states", next((v for v in kwargs.values() if isinstance(v, torch.Tensor)), None)
+                )
+            )
             extra = len(args) > 1 or any(k != "hidden_states" for k in kwargs)
             copy_ = x.detach().clone() if isinstance(x, torch.Tensor) else None
-            earlier = {id(v): (entry.name, i) for entry in calls for i, v in enumerate(entry.output_refs)
-                       if i and isinstance(v, torch.Tensor)}
+            earlier = {
+                id(v): (entry.name, i)
+                for entry in calls
+                for i, v in enumerate(entry.output_refs)
+                if i and isinstance(v, torch.Tensor)
+            }
             mapped = argument_map(name, module, args, kwargs, layer_kwargs, earlier) if extra else None
             arguments, constants, residual = mapped or (None, (), None)
             calls.append(ChildCall(name, copy_, x, extra, arguments=arguments, constants=constants, residual=residual))
@@ -318,7 +333,9 @@ def trace_layer(
 _LITERALS = (bool, int, float, str)
 
 
-def argument_map(child: str, module: nn.Module, args: tuple, kwargs: dict, layer_kwargs: dict, earlier: dict | None = None):
+def argument_map(
+    child: str, module: nn.Module, args: tuple, kwargs: dict, layer_kwargs: dict, earlier: dict | None = None
+):
     """How MODULE (the layer's child CHILD) took the decoder layer's arguments (LAYER_KWARGS) besides the hidden states: None where it took
     them under their own names (the layer's keywords are passed on as they are), else (pairs, constants): for
     each argument, the layer's keyword of the very same object, or a literal value (None, a flag) to pass as is.
@@ -329,9 +346,13 @@ def argument_map(child: str, module: nn.Module, args: tuple, kwargs: dict, layer
         if len(names) < len(args) - 1:
             return None
         received.update(zip(names, args[1:]))
-    if len(args) <= 1 and _takes_all(module, layer_kwargs) and all(
-        k in layer_kwargs and layer_kwargs[k] is v and not (v is None and f"{child}_{k}" in layer_kwargs)
-        for k, v in received.items()
+    if (
+        len(args) <= 1
+        and _takes_all(module, layer_kwargs)
+        and all(
+            k in layer_kwargs and layer_kwargs[k] is v and not (v is None and f"{child}_{k}" in layer_kwargs)
+            for k, v in received.items()
+        )
     ):
         return None
     pairs, constants, residual = [], [], None
@@ -349,7 +370,12 @@ def argument_map(child: str, module: nn.Module, args: tuple, kwargs: dict, layer
             pairs.append((name, INPUT))
         elif earlier and id(value) in earlier:  # what an earlier child returned (Gemma 4's router, for its experts)
             pairs.append((name, output_of(*earlier[id(value)])))
-        elif residual is None and isinstance(value, torch.Tensor) and isinstance(x, torch.Tensor) and value.shape == x.shape:
+        elif (
+            residual is None
+            and isinstance(value, torch.Tensor)
+            and isinstance(x, torch.Tensor)
+            and value.shape == x.shape
+        ):
             pairs.append((name, RESIDUAL))
             residual = value
         else:

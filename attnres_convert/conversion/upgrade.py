@@ -51,13 +51,18 @@ def _own_code_model(folder: Path):
     try:
         reference = json.loads((folder / "config.json").read_text())["auto_map"]["AutoModelForCausalLM"]
     except (KeyError, TypeError, ValueError) as error:
-        raise SourceError(f"{folder}'s config.json names no code of its own (auto_map): there is nothing to upgrade "
-                          "against.") from error
+        raise SourceError(
+            f"{folder}'s config.json names no code of its own (auto_map): there is nothing to upgrade against."
+        ) from error
     return get_class_from_dynamic_module(reference, str(folder)).from_pretrained(folder, dtype=torch.float32)
 
 
-def upgrade_folder(folder: str | os.PathLike, output: str | os.PathLike | None = None, overwrite: bool = False,
-                   trust_remote_code: bool = False) -> UpgradeResult:
+def upgrade_folder(
+    folder: str | os.PathLike,
+    output: str | os.PathLike | None = None,
+    overwrite: bool = False,
+    trust_remote_code: bool = False,
+) -> UpgradeResult:
     """Write FOLDER again with this release's code, to OUTPUT (FOLDER itself where None, replaced atomically).
     The check runs FOLDER's own code once (`trust_remote_code`: the caller's consent, as for any model code)."""
 

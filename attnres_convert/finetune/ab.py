@@ -67,18 +67,26 @@ def parse_after(text: str) -> list[int]:
     values = []
     for item in text.replace(",", " ").split():
         if not item.isdigit() or int(item) < 1:
-            raise RecipeError(f"{RETROFIT_OPTION}: {item!r} is not a positive whole number of pretraining steps (e.g. {RETROFIT_OPTION} 100,200)")
+            raise RecipeError(
+                f"{RETROFIT_OPTION}: {item!r} is not a positive whole number of pretraining steps (e.g. {RETROFIT_OPTION} 100,200)"
+            )
         values.append(int(item))
     if not values:
-        raise RecipeError(f"{RETROFIT_OPTION}: give at least one number of pretraining steps (e.g. {RETROFIT_OPTION} 100,200)")
+        raise RecipeError(
+            f"{RETROFIT_OPTION}: give at least one number of pretraining steps (e.g. {RETROFIT_OPTION} 100,200)"
+        )
     return sorted(set(values))
 
 
 def retrofit_steps(text: str, *, sweep=None, no_plain: bool = False, throughput: int = 0) -> list[int]:
     """`--retrofit-after TEXT` with the other `attnres ab` options: its N, or the options it cannot take refused."""
-    given = [name for name, value in (("--sweep", sweep), ("--no-plain", no_plain), ("--throughput", throughput)) if value]
+    given = [
+        name for name, value in (("--sweep", sweep), ("--no-plain", no_plain), ("--throughput", throughput)) if value
+    ]
     if given:
-        raise RecipeError(f"{', '.join(given)}: not available with {RETROFIT_OPTION} (its arms are the baseline and the recipe's AttnRes)")
+        raise RecipeError(
+            f"{', '.join(given)}: not available with {RETROFIT_OPTION} (its arms are the baseline and the recipe's AttnRes)"
+        )
     return parse_after(text)
 
 
@@ -118,7 +126,9 @@ def read_run(folder: Path, seed: int) -> RunSummary:
         attnres_parameters=final["attnres_parameters"],
         converted=final["converted"],
         grad_norm=[(r["step"], r["grad_norm"]) for r in trains if r.get("grad_norm") is not None],
-        attnres_grad_norm=[(r["step"], r["attnres_grad_norm"]) for r in trains if r.get("attnres_grad_norm") is not None],
+        attnres_grad_norm=[
+            (r["step"], r["attnres_grad_norm"]) for r in trains if r.get("attnres_grad_norm") is not None
+        ],
         eval_stderr_final=evals[-1].get("loss_se") if evals else None,
     )
 
@@ -164,7 +174,9 @@ def arm_report(arm: Arm, runs: list[RunSummary], baseline: list[RunSummary] | No
         base = {r.seed: r for r in baseline}
         entry["delta_final"] = paired([r.eval_loss_final - base[r.seed].eval_loss_final for r in runs])
         steps = [s for s, _ in entry["eval"] if all(s in dict(base[r.seed].eval) for r in runs)]
-        entry["delta_curve"] = [(s, paired([dict(r.eval)[s] - dict(base[r.seed].eval)[s] for r in runs])) for s in steps]
+        entry["delta_curve"] = [
+            (s, paired([dict(r.eval)[s] - dict(base[r.seed].eval)[s] for r in runs])) for s in steps
+        ]
     return entry
 
 
@@ -182,14 +194,24 @@ def tokens_to_reach(curve: list[tuple[int, float]], target: float, tokens_per_st
     return None
 
 
-def compute_equivalent(baseline_curve: list[tuple[int, float]], arm_final: float, tokens: int, steps: int,
-                       arm_curve: list[tuple[int, float]] | None = None) -> dict:
+def compute_equivalent(
+    baseline_curve: list[tuple[int, float]],
+    arm_final: float,
+    tokens: int,
+    steps: int,
+    arm_curve: list[tuple[int, float]] | None = None,
+) -> dict:
     """The paper's headline figure: how many training tokens the baseline needs, on its own held-out curve,
     to reach the arm's final loss, as a multiple of the arm's tokens (None: the baseline never gets there).
     With ARM_CURVE, also the other way round, which has a value when the baseline never gets there: the tokens
     after which the arm reaches the baseline's final loss, and the baseline's tokens as a multiple of them."""
     needed = tokens_to_reach(baseline_curve, arm_final, tokens / steps)
-    figure = {"target_loss": arm_final, "arm_tokens": tokens, "baseline_tokens": needed, "ratio": needed / tokens if needed is not None else None}
+    figure = {
+        "target_loss": arm_final,
+        "arm_tokens": tokens,
+        "baseline_tokens": needed,
+        "ratio": needed / tokens if needed is not None else None,
+    }
     if arm_curve is not None:
         reached = tokens_to_reach(arm_curve, baseline_curve[-1][1], tokens / steps)
         figure["arm_tokens_to_baseline_final"] = reached
@@ -231,7 +253,10 @@ def add_compute_equivalents(entries: list[dict], steps: int) -> None:
     base_runs = {r["seed"]: r for r in base["runs"]}
     for entry in entries[1:]:
         figure = compute_equivalent(base["eval"], entry["eval_loss_final"], entry["tokens"], steps, entry["eval"])
-        per_seed = [compute_equivalent(base_runs[r["seed"]]["eval"], r["eval_loss_final"], r["tokens"], steps, r["eval"]) for r in entry["runs"]]
+        per_seed = [
+            compute_equivalent(base_runs[r["seed"]]["eval"], r["eval_loss_final"], r["tokens"], steps, r["eval"])
+            for r in entry["runs"]
+        ]
         figure["per_seed"] = [f["ratio"] for f in per_seed]
         figure["per_seed_at_baseline_final"] = [f["ratio_at_baseline_final"] for f in per_seed]
         figure["noise"] = within_noise(entry, base)
@@ -294,14 +319,23 @@ def live_table(arms: list[Arm], seeds: list[int], workdir: Path, steps: int, tit
                     reference = base_loss.get(seed, {}).get(evals[-1]["step"])
                     delta = f"{loss - reference:+.4f}" if reference is not None else ""
             state = "[green]done[/]" if done else ("running" if step is not None else "[dim]waiting[/]")
-            table.add_row(arm.name, str(seed), f"{step}/{steps}" if step is not None else "", f"{loss:.4f}" if loss else "", delta, state)
+            table.add_row(
+                arm.name,
+                str(seed),
+                f"{step}/{steps}" if step is not None else "",
+                f"{loss:.4f}" if loss else "",
+                delta,
+                state,
+            )
     return table
 
 
 # --- running --------------------------------------------------------------------------------------
 
 
-def interleaved_throughput(data: dict, common: list[str], arms: list[Arm], steps: int, workdir: Path, seed: int) -> dict[str, float]:
+def interleaved_throughput(
+    data: dict, common: list[str], arms: list[Arm], steps: int, workdir: Path, seed: int
+) -> dict[str, float]:
     """Training tokens/s of every arm, timed in one process on the same batch, one step of each arm in
     turn (alternating the order), median of `steps` after two warm-up rounds: a busy machine slows every arm
     alike, which the runs' own tokens/s (often from different moments, or parallel jobs) do not ensure."""
@@ -451,5 +485,3 @@ def check_scratch_arms(data: dict, common: list[str], arms: list[Arm], seed: int
         except RecipeError as error:
             raise RecipeError(f"arm {arm.name!r}: {error}") from None
         gc.collect()
-
-

@@ -65,7 +65,9 @@ def markdown(report: dict) -> str:
                 )
                 break
     for entry in arms:
-        params = f"{entry['trainable_parameters']:,}" + (f" (AttnRes {entry['attnres_parameters']:,})" if entry["attnres_parameters"] else "")
+        params = f"{entry['trainable_parameters']:,}" + (
+            f" (AttnRes {entry['attnres_parameters']:,})" if entry["attnres_parameters"] else ""
+        )
         speed = f"{entry['tokens_per_s']:,.0f}" if entry["tokens_per_s"] else ""
         if entry.get("tokens_per_s_interleaved"):
             ratio = entry["tokens_per_s_interleaved"] / base["tokens_per_s_interleaved"]
@@ -114,7 +116,7 @@ def compute_equivalent_lines(arms: list[dict]) -> list[str]:
         "",
         "Compute equivalent: the training tokens the baseline needs to reach the arm's final held-out loss, read off "
         "the baseline's own curve (linear between evaluations), as a multiple of the arm's tokens; above 1 the arm "
-        "saves compute. \"not reached\": the baseline never gets there in this run. The other way round: the tokens "
+        'saves compute. "not reached": the baseline never gets there in this run. The other way round: the tokens '
         "after which the arm reaches the baseline's final loss, and the baseline's tokens as a multiple of them. "
         "No figure is given for a difference within the run's noise (one seed, or |Δ| no larger than the seeds' spread "
         "or the evaluation's standard error): more seeds, steps or held-out text can tell.",
@@ -128,7 +130,9 @@ def compute_equivalent_lines(arms: list[dict]) -> list[str]:
 
     for name, figure in figures:
         if figure.get("noise"):  # a figure read off a difference the run cannot tell from noise claims nothing
-            lines.append(f"| {name} | {figure['target_loss']:.4f} | within the noise ({figure['noise']}): no savings claim | | | |")
+            lines.append(
+                f"| {name} | {figure['target_loss']:.4f} | within the noise ({figure['noise']}): no savings claim | | | |"
+            )
             continue
         reached = figure.get("arm_tokens_to_baseline_final")
         other = "not reached" if reached is None else f"{reached:,.0f} tokens: {figure['ratio_at_baseline_final']:.2f}x"
@@ -189,13 +193,16 @@ def console_report(report: dict, output: Path):
                 noise.append(f"{labels[entry['name']]}: {figure['noise']}")
             else:  # the tokens behind the ratio are in ab.md
                 equivalent = "not reached" if figure["ratio"] is None else f"{figure['ratio']:.2f}x"
-        table.add_row(escape(labels[entry["name"]]), f"{entry['eval_loss_final']:.4f}{stderr}", shown, escape(equivalent))
+        table.add_row(
+            escape(labels[entry["name"]]), f"{entry['eval_loss_final']:.4f}{stderr}", shown, escape(equivalent)
+        )
     parts.append(table)
     if noise:
-        parts.append(Text(
-            "Within the noise, so no savings claimed: " + "; ".join(noise) + ". More seeds (--seeds), steps or "
-            "held-out text can tell."
-        ))
+        parts.append(
+            Text(
+                "Within the noise, so no savings claimed: " + "; ".join(noise) + ". More seeds (--seeds), steps or "
+                "held-out text can tell."
+            )
+        )
     parts.append(Text(f"Every table (curves, per-seed figures, gradient norms): {output / AB_MD}"))
     return Group(*parts)
-

@@ -156,7 +156,9 @@ def check_checkpoint_weights(path: Path, model) -> None:
     if found is None:
         if any(Path(path).glob("pytorch_model_fsdp_*")):
             return
-        raise RecipeError(f"--resume: {path} holds no model weights (model.safetensors); it is not a complete checkpoint. {_START_OVER}")
+        raise RecipeError(
+            f"--resume: {path} holds no model weights (model.safetensors); it is not a complete checkpoint. {_START_OVER}"
+        )
     if found.suffix == ".safetensors":
         from safetensors import safe_open
 

@@ -22,8 +22,18 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import DataError, first_line
+from ..io.text import (
+    TOKENIZE_BATCH,
+    Sequences,
+    TokenBudget,
+    chunk,
+    expand_files,
+    file_documents,
+    pack,
+    pad_token_id,
+    tokenize,
+)
 from ..optional import require
-from ..io.text import TOKENIZE_BATCH, Sequences, TokenBudget, chunk, expand_files, file_documents, pack, pad_token_id, tokenize
 from .recipe import Recipe, RecipeError, TextSource
 
 
@@ -62,7 +72,9 @@ def dataset_documents(source: TextSource, where: str) -> Iterator[str]:
         ) from error
     for number, row in enumerate(dataset, start=1):
         if source.text_field not in row:
-            raise RecipeError(f"{where}.text_field: record {number} of {source.dataset} has no field {source.text_field!r} (fields: {', '.join(row)})")
+            raise RecipeError(
+                f"{where}.text_field: record {number} of {source.dataset} has no field {source.text_field!r} (fields: {', '.join(row)})"
+            )
         if row[source.text_field]:
             yield str(row[source.text_field])
 
@@ -138,7 +150,9 @@ def build_corpus(recipe: Recipe, tokenizer, train_tokens_needed: int) -> Corpus:
         if data.eval.dataset:
             documents = _limit(dataset_documents(data.eval, "data.eval"), data.eval.max_documents)
         else:
-            documents = _limit(recipe_file_documents(eval_files, data.eval.text_field, "data.eval"), data.eval.max_documents)
+            documents = _limit(
+                recipe_file_documents(eval_files, data.eval.text_field, "data.eval"), data.eval.max_documents
+            )
         eval_docs = tokenize(tokenizer, documents, data.add_eos, eval_budget)
         source = "data.eval"
 
@@ -188,7 +202,9 @@ class SequenceOrder:
         return (self.offset + position) / self.count
 
 
-def local_micro_batches(order: SequenceOrder, step: int, micro_batch: int, grad_accum: int, rank: int, world: int) -> list[np.ndarray]:
+def local_micro_batches(
+    order: SequenceOrder, step: int, micro_batch: int, grad_accum: int, rank: int, world: int
+) -> list[np.ndarray]:
     """The sequences this process runs at optimizer step `step` (0-based). The global batch is
     world x grad_accum x micro_batch consecutive positions; micro-batch k of rank r is chunk k*world + r,
     so N processes compute exactly the chunks one process would with grad_accum x N."""

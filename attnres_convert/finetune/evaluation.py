@@ -10,7 +10,9 @@ import torch
 from ..io.text import Sequences, token_loss_by_sequence
 
 
-def heldout_loss_across_processes(model, sequences: Sequences, accelerator, batch_size: int) -> tuple[float, int, float | None]:
+def heldout_loss_across_processes(
+    model, sequences: Sequences, accelerator, batch_size: int
+) -> tuple[float, int, float | None]:
     """Held-out loss (mean nats per predicted token), the number of predictions and the loss's standard error,
     each process scoring its share of SEQUENCES. Every process runs the same number of forward passes (a
     process short of data repeats one batch and discards it): DDP buffer syncs and FSDP all-gathers need
@@ -34,10 +36,16 @@ def heldout_loss_across_processes(model, sequences: Sequences, accelerator, batc
             loss, count, sums, counts = token_loss_by_sequence(model, batch, accelerator.device)
             if real:
                 s, c = sums.double(), counts.double()
-                totals += torch.stack([
-                    loss.double(), torch.tensor(float(count), dtype=torch.float64, device=loss.device),
-                    torch.tensor(float(len(chunk)), dtype=torch.float64, device=loss.device), (s * s).sum(), (s * c).sum(), (c * c).sum(),
-                ])
+                totals += torch.stack(
+                    [
+                        loss.double(),
+                        torch.tensor(float(count), dtype=torch.float64, device=loss.device),
+                        torch.tensor(float(len(chunk)), dtype=torch.float64, device=loss.device),
+                        (s * s).sum(),
+                        (s * c).sum(),
+                        (c * c).sum(),
+                    ]
+                )
     totals = accelerator.reduce(totals, "sum")
     model.train(was_training)
     loss_sum, predictions, n, ss, sc, cc = (float(x) for x in totals)

@@ -6,10 +6,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ..io.paths import is_converted_folder, resolve_source, write_problem
-from ..io.paths import max_positions as positions_on_file
 from ..errors import AttnResError
 from ..io.files import expand_files
+from ..io.paths import is_converted_folder, resolve_source, write_problem
+from ..io.paths import max_positions as positions_on_file
 from ..optional import available, missing_message
 from .recipe import Recipe, RecipeError
 
@@ -74,10 +74,14 @@ def check_recipe(recipe: Recipe, resume: bool = False, check_output: bool = True
         eval_files, found = expand_files(recipe.data.eval.files, "data.eval.files")
         problems += found
         if train_files and eval_files and not set(train_files) - set(eval_files):
-            problems.append("data.train.files: every training file is also a held-out file; nothing is left to train on")
+            problems.append(
+                "data.train.files: every training file is also a held-out file; nothing is left to train on"
+            )
     for name, text in (("train", recipe.data.train), ("eval", recipe.data.eval)):
         if text.dataset is not None and not available("datasets"):
-            problems.append(f"data.{name}.dataset: {missing_message('datasets', f'reading the dataset {text.dataset!r}')}")
+            problems.append(
+                f"data.{name}.dataset: {missing_message('datasets', f'reading the dataset {text.dataset!r}')}"
+            )
 
     max_positions = None
     try:

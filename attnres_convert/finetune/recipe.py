@@ -24,11 +24,12 @@ import yaml
 from ..optional import require
 
 require("pydantic", "a fine-tuning recipe (attnres finetune, ab and recipes)")  # the schema below is pydantic's
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator  # noqa: E402
+# The imports below come after pydantic's check on purpose (it names the missing package and how to install it).
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator  # noqa: E402, I001
 
-from ..conversion.options import ConvertOptions, DTypeName, canonical_dtype, parse_size
-from ..io.hub_access import DEFAULT_MAX_SHARD_SIZE
-from ..errors import AttnResError
+from ..conversion.options import ConvertOptions, DTypeName, canonical_dtype, parse_size  # noqa: E402
+from ..errors import AttnResError  # noqa: E402
+from ..io.hub_access import DEFAULT_MAX_SHARD_SIZE  # noqa: E402
 
 DEFAULT_SOURCES = (None, "", "default")
 _PRECISION_ALIASES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "no", "fp32": "no"}
@@ -76,20 +77,28 @@ class ModelSection(_Section):
     full: bool = _convert_option("full")
     query_rank: int = _convert_option("query_rank")
     # Not convert's default (auto): training keeps float32 weights, bf16 compute is train.mixed_precision.
-    dtype: DTypeField = Field("float32", description="Weights dtype; keep float32 and use train.mixed_precision for bf16 compute.")
+    dtype: DTypeField = Field(
+        "float32", description="Weights dtype; keep float32 and use train.mixed_precision for bf16 compute."
+    )
     trust_remote_code: bool = _convert_option("trust_remote_code")
     # Training from scratch (finetune/scratch.py): the source's config, resized, with random weights.
     from_scratch: bool = Field(
-        False, description="Start from a random initialisation of the source's config (seeded by train.seed: the same in every "
-        "A/B arm) instead of its weights; the AttnRes arm is that initialisation converted. Needs train.trainable: full."
+        False,
+        description="Start from a random initialisation of the source's config (seeded by train.seed: the same in every "
+        "A/B arm) instead of its weights; the AttnRes arm is that initialisation converted. Needs train.trainable: full.",
     )
     layers: int | None = Field(None, ge=1, description="from_scratch: decoder layers (default: the source config's).")
-    hidden: int | None = Field(None, ge=8, description="from_scratch: hidden size (the MLP keeps the source's width ratio).")
+    hidden: int | None = Field(
+        None, ge=8, description="from_scratch: hidden size (the MLP keeps the source's width ratio)."
+    )
     heads: int | None = Field(None, ge=1, description="from_scratch: attention heads; hidden must be a multiple of it.")
     kv_heads: int | None = Field(None, ge=1, description="from_scratch: key-value heads, a divisor of heads.")
-    intermediate: int | None = Field(None, ge=1, description="from_scratch: MLP width (default: the source's ratio to hidden).")
+    intermediate: int | None = Field(
+        None, ge=1, description="from_scratch: MLP width (default: the source's ratio to hidden)."
+    )
     tokenizer: Literal["source", "bytes"] = Field(
-        "source", description="from_scratch: the source's tokenizer, or UTF-8 bytes (259 ids: a cheap embedding and head)."
+        "source",
+        description="from_scratch: the source's tokenizer, or UTF-8 bytes (259 ids: a cheap embedding and head).",
     )
 
     @model_validator(mode="after")
@@ -102,11 +111,17 @@ class ModelSection(_Section):
             if self.heads is not None and self.kv_heads is not None and self.heads % self.kv_heads:
                 raise ValueError(f"heads ({self.heads}) must be a multiple of kv_heads ({self.kv_heads})")
             return self
-        given = [f"model.{n}" for n in ("layers", "hidden", "heads", "kv_heads", "intermediate") if getattr(self, n) is not None]
+        given = [
+            f"model.{n}"
+            for n in ("layers", "hidden", "heads", "kv_heads", "intermediate")
+            if getattr(self, n) is not None
+        ]
         if self.tokenizer != "source":
             given.append("model.tokenizer")
         if given:
-            raise ValueError(f"{', '.join(given)} resize a model trained from scratch: set model.from_scratch: true, or drop them")
+            raise ValueError(
+                f"{', '.join(given)} resize a model trained from scratch: set model.from_scratch: true, or drop them"
+            )
         return self
 
     @model_validator(mode="after")
@@ -128,7 +143,9 @@ class ModelSection(_Section):
         source = default if self.is_default else self.source
         if not self.from_scratch:
             return source
-        shape = " ".join(filter(None, (f"{self.layers}-layer" if self.layers else None, f"d={self.hidden}" if self.hidden else None)))
+        shape = " ".join(
+            filter(None, (f"{self.layers}-layer" if self.layers else None, f"d={self.hidden}" if self.hidden else None))
+        )
         tokenizer = ", bytes tokenizer" if self.tokenizer == "bytes" else ""
         return f"random {shape + ' ' if shape else ''}model (config: {source}){tokenizer}"
 
@@ -141,9 +158,13 @@ class TextSource(_Section):
         description="Text (.txt/.md), .jsonl/.json or .parquet files or globs, relative to the working directory; "
         "'shakespeare:GLOB' names plays of the embedded corpus (e.g. 'shakespeare:*', 'shakespeare:hamlet').",
     )
-    dataset: str | None = Field(None, description="A `datasets` name (hub id, or a builder like 'json' with data_files).")
+    dataset: str | None = Field(
+        None, description="A `datasets` name (hub id, or a builder like 'json' with data_files)."
+    )
     name: str | None = Field(None, description="The dataset's configuration name (e.g. 'sample-10BT').")
-    data_files: list[str] | None = Field(None, description="Passed to datasets.load_dataset (for builders like 'json').")
+    data_files: list[str] | None = Field(
+        None, description="Passed to datasets.load_dataset (for builders like 'json')."
+    )
     split: str = Field("train", description="The dataset split to read.")
     text_field: str = Field("text", description="The field holding the text (jsonl, parquet, datasets).")
     streaming: bool = Field(True, description="Stream the dataset instead of downloading it whole.")
@@ -174,14 +195,21 @@ class DataSection(_Section):
         description="Held-out text: exactly one of files, dataset, fraction.",
     )
     seq_len: int = Field(256, ge=8, description="Tokens per training sequence.")
-    packing: bool = Field(True, description="Concatenate documents (EOS between) and cut seq_len blocks; false: one document per sequence, padded.")
+    packing: bool = Field(
+        True,
+        description="Concatenate documents (EOS between) and cut seq_len blocks; false: one document per sequence, padded.",
+    )
     add_eos: bool = Field(True, description="Append the tokenizer's EOS token to every document.")
     max_tokens: int | None = Field(
-        None, ge=1, description="Tokenise at most this many training tokens (default for datasets: what the run consumes)."
+        None,
+        ge=1,
+        description="Tokenise at most this many training tokens (default for datasets: what the run consumes).",
     )
     start_step: int = Field(
-        0, ge=0, description="Read the training stream from where step N of a run with the same data, seed and batch left "
-        "off (continued pretraining on unseen text; `attnres ab --retrofit-after` sets it)."
+        0,
+        ge=0,
+        description="Read the training stream from where step N of a run with the same data, seed and batch left "
+        "off (continued pretraining on unseen text; `attnres ab --retrofit-after` sets it).",
     )
 
     @model_validator(mode="after")
@@ -196,45 +224,63 @@ class TrainSection(_Section):
     """What trains, for how long, and the optimiser (AdamW) and schedule."""
 
     trainable: Literal["attnres", "lora", "full"] = Field(
-        "attnres", description="attnres: only the AttnRes queries and key norms; lora: LoRA adapters + AttnRes; full: everything."
+        "attnres",
+        description="attnres: only the AttnRes queries and key norms; lora: LoRA adapters + AttnRes; full: everything.",
     )
     steps: int = Field(..., ge=1, description="Optimizer steps.")
     micro_batch: int = Field(4, ge=1, description="Sequences per forward pass, per process.")
     grad_accum: int = Field(1, ge=1, description="Micro-batches per optimizer step, per process.")
     lr: float = Field(..., gt=0, description="Peak learning rate of the base (or LoRA) parameters.")
     attnres_lr: float | None = Field(
-        None, gt=0, description="Peak learning rate of the AttnRes parameters (default: lr). With Adam a query step moves the "
-        "scores by about attnres_lr x hidden size: keep it near 1e-4 at d=576 and scale it as 1/d for wider models."
+        None,
+        gt=0,
+        description="Peak learning rate of the AttnRes parameters (default: lr). With Adam a query step moves the "
+        "scores by about attnres_lr x hidden size: keep it near 1e-4 at d=576 and scale it as 1/d for wider models.",
     )
-    weight_decay: float = Field(0.0, ge=0, description="AdamW decay of matrices; never applied to AttnRes params, norms, biases.")
+    weight_decay: float = Field(
+        0.0, ge=0, description="AdamW decay of matrices; never applied to AttnRes params, norms, biases."
+    )
     betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas, each in [0, 1).")
     adam_eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
     schedule: Literal["cosine", "wsd", "constant"] = Field(
         "cosine", description="After warmup: cosine decay to min_lr_ratio, warmup-stable-decay, or constant."
     )
-    warmup_steps: int = Field(0, ge=0, description="Linear warmup steps from 0 to the peak learning rates (fewer than steps).")
-    decay_fraction: float = Field(0.2, gt=0, le=1, description="wsd: the last fraction of steps that decays to min_lr_ratio.")
+    warmup_steps: int = Field(
+        0, ge=0, description="Linear warmup steps from 0 to the peak learning rates (fewer than steps)."
+    )
+    decay_fraction: float = Field(
+        0.2, gt=0, le=1, description="wsd: the last fraction of steps that decays to min_lr_ratio."
+    )
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Final learning rate as a fraction of the peak.")
     max_grad_norm: float | None = Field(
-        1.0, gt=0, description="Clip the gradient norm of the base (or LoRA) parameters; null: no clipping. The AttnRes "
-        "parameters are clipped on their own (attnres_max_grad_norm), so their large early gradients never scale the base update."
+        1.0,
+        gt=0,
+        description="Clip the gradient norm of the base (or LoRA) parameters; null: no clipping. The AttnRes "
+        "parameters are clipped on their own (attnres_max_grad_norm), so their large early gradients never scale the base update.",
     )
     attnres_max_grad_norm: float | None = Field(
-        None, gt=0, description="Clip the gradient norm of the AttnRes parameters, on their own; null: no clipping (Adam "
-        "normalises their step anyway)."
+        None,
+        gt=0,
+        description="Clip the gradient norm of the AttnRes parameters, on their own; null: no clipping (Adam "
+        "normalises their step anyway).",
     )
     kl_weight: float = Field(
-        0.0, ge=0, description="Add kl_weight x KL(starting model || model) per predicted token to the loss: keeps the "
+        0.0,
+        ge=0,
+        description="Add kl_weight x KL(starting model || model) per predicted token to the loss: keeps the "
         "predictions near the original's (for a fresh conversion the starting model is the original, exactly). Costs a "
-        "frozen copy of the model and one more forward pass per micro-batch; metrics.jsonl records `kl`."
+        "frozen copy of the model and one more forward pass per micro-batch; metrics.jsonl records `kl`.",
     )
     depth_gate_steps: int = Field(
-        0, ge=0, description="Let the depth mix in gradually: each sublayer reads stream + g (mix - stream), with g rising "
+        0,
+        ge=0,
+        description="Let the depth mix in gradually: each sublayer reads stream + g (mix - stream), with g rising "
         "linearly from 0 to 1 over this many steps (a scheduled gate, as in reskip's retrofit); 0: off. The saved model is "
-        "plain AttnRes (g = 1). No effect without AttnRes (the A/B baseline)."
+        "plain AttnRes (g = 1). No effect without AttnRes (the A/B baseline).",
     )
     mixed_precision: Literal["no", "bf16", "fp16"] = Field(
-        "no", description="Accelerate's mixed precision for the compute (bfloat16 and float16 are taken as bf16 and fp16)."
+        "no",
+        description="Accelerate's mixed precision for the compute (bfloat16 and float16 are taken as bf16 and fp16).",
     )
     gradient_checkpointing: bool = Field(
         False, description="Recompute activations in the backward pass (non-reentrant) to save memory."
@@ -276,9 +322,12 @@ class LoraSection(_Section):
     alpha: float = Field(32, gt=0, description="LoRA scaling numerator (the update is scaled by alpha / r).")
     dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the LoRA input.")
     target_modules: list[str] | str = Field(
-        "all-linear", description="Module names to adapt (e.g. [q_proj, v_proj]) or 'all-linear' (every Linear but the head)."
+        "all-linear",
+        description="Module names to adapt (e.g. [q_proj, v_proj]) or 'all-linear' (every Linear but the head).",
     )
-    merge: bool = Field(True, description="Merge the adapter into the saved model; false keeps it in OUT/model/adapter.")
+    merge: bool = Field(
+        True, description="Merge the adapter into the saved model; false keeps it in OUT/model/adapter."
+    )
 
     @field_validator("target_modules")
     @classmethod
@@ -294,7 +343,9 @@ class EvalSection(_Section):
     """Held-out loss and perplexity during training."""
 
     every: int = Field(50, ge=0, description="Held-out evaluation every N steps (0: only before and after training).")
-    max_sequences: int | None = Field(64, ge=1, description="Evaluate on at most this many held-out sequences (evenly spaced).")
+    max_sequences: int | None = Field(
+        64, ge=1, description="Evaluate on at most this many held-out sequences (evenly spaced)."
+    )
     batch_size: int | None = Field(None, ge=1, description="Default: train.micro_batch.")
     at_start: bool = Field(True, description="Evaluate before the first step (the converted model = the original).")
 
@@ -302,18 +353,28 @@ class EvalSection(_Section):
 class CheckpointSection(_Section):
     """Resumable checkpoints (trainable weights, optimizer, scheduler, RNG states, data position)."""
 
-    every: int = Field(100, ge=0, description="Save a resumable checkpoint every N steps (0: only on Ctrl-C / SIGTERM).")
+    every: int = Field(
+        100, ge=0, description="Save a resumable checkpoint every N steps (0: only on Ctrl-C / SIGTERM)."
+    )
     keep_last: int = Field(2, ge=1, description="Keep this many of the newest checkpoints.")
 
 
 class RetrofitSection(_Section):
     """`attnres ab --retrofit-after N`: the continued phase after N pretraining steps; a field left null keeps train's."""
 
-    steps: int | None = Field(None, ge=1, description="Continued steps from each pretrained checkpoint (required by --retrofit-after).")
+    steps: int | None = Field(
+        None, ge=1, description="Continued steps from each pretrained checkpoint (required by --retrofit-after)."
+    )
     lr: float | None = Field(None, gt=0, description="Peak learning rate of the continued phase (default: train.lr).")
-    attnres_lr: float | None = Field(None, gt=0, description="Peak learning rate of the AttnRes parameters (default: train.attnres_lr).")
-    warmup_steps: int | None = Field(None, ge=0, description="Warmup of the continued phase (default: train.warmup_steps).")
-    trainable: Literal["lora", "full"] = Field("full", description="What trains in the continued phase (lora: the recipe's lora section).")
+    attnres_lr: float | None = Field(
+        None, gt=0, description="Peak learning rate of the AttnRes parameters (default: train.attnres_lr)."
+    )
+    warmup_steps: int | None = Field(
+        None, ge=0, description="Warmup of the continued phase (default: train.warmup_steps)."
+    )
+    trainable: Literal["lora", "full"] = Field(
+        "full", description="What trains in the continued phase (lora: the recipe's lora section)."
+    )
 
     @model_validator(mode="after")
     def _warmup_fits(self):
@@ -326,12 +387,18 @@ class OutputSection(_Section):
     """The run folder and where the result goes."""
 
     dir: str = Field(..., min_length=1, description="Run folder: recipe, metrics, checkpoints/, model/.")
-    overwrite: bool = Field(False, description="Replace an earlier run folder, kept until the new run has finished (otherwise use --resume).")
+    overwrite: bool = Field(
+        False,
+        description="Replace an earlier run folder, kept until the new run has finished (otherwise use --resume).",
+    )
     save_model: bool = Field(True, description="Write the final model to OUT/model (the A/B benchmark turns it off).")
     max_shard_size: str = Field(
-        DEFAULT_MAX_SHARD_SIZE, description="Largest weight file of OUT/model, e.g. 5GB (the hub refuses files over 50GB)."
+        DEFAULT_MAX_SHARD_SIZE,
+        description="Largest weight file of OUT/model, e.g. 5GB (the hub refuses files over 50GB).",
     )
-    push_to_hub: str | None = Field(None, description="Hub repo id to upload OUT/model to at the end (token: HF_TOKEN or `hf auth login`).")
+    push_to_hub: str | None = Field(
+        None, description="Hub repo id to upload OUT/model to at the end (token: HF_TOKEN or `hf auth login`)."
+    )
     private: bool = Field(False, description="Create the hub repo as private.")
 
     @field_validator("max_shard_size")
@@ -369,9 +436,17 @@ class Recipe(_Section):
             retrofit = [
                 f"{name} ({why})"
                 for name, why, given in (
-                    ("train.trainable", f"{self.train.trainable}; a random model trains every weight: use full", self.train.trainable != "full"),
+                    (
+                        "train.trainable",
+                        f"{self.train.trainable}; a random model trains every weight: use full",
+                        self.train.trainable != "full",
+                    ),
                     ("train.kl_weight", "a KL term to a random model", self.train.kl_weight > 0),
-                    ("train.depth_gate_steps", "a gate that protects pretrained sublayers", self.train.depth_gate_steps > 0),
+                    (
+                        "train.depth_gate_steps",
+                        "a gate that protects pretrained sublayers",
+                        self.train.depth_gate_steps > 0,
+                    ),
                 )
                 if given
             ]

@@ -53,8 +53,13 @@ def _type_name(annotation) -> str:
     return getattr(annotation, "__name__", str(annotation))
 
 
-_BOUNDS = ((annotated_types.Ge, "ge", ">="), (annotated_types.Gt, "gt", ">"), (annotated_types.Le, "le", "<="),
-           (annotated_types.Lt, "lt", "<"), (annotated_types.MinLen, "min_length", "length >="))
+_BOUNDS = (
+    (annotated_types.Ge, "ge", ">="),
+    (annotated_types.Gt, "gt", ">"),
+    (annotated_types.Le, "le", "<="),
+    (annotated_types.Lt, "lt", "<"),
+    (annotated_types.MinLen, "min_length", "length >="),
+)
 
 
 def _constraints(field) -> str:
@@ -74,7 +79,9 @@ def _yaml_value(value) -> str:
     if isinstance(value, tuple):
         value = list(value)
     if isinstance(value, BaseModel):
-        value = {k: v for k, v in value.model_dump(mode="json").items() if v is not None and k in value.model_fields_set}
+        value = {
+            k: v for k, v in value.model_dump(mode="json").items() if v is not None and k in value.model_fields_set
+        }
     return str(value).replace("'", "")
 
 
@@ -123,7 +130,12 @@ def reference() -> str:
     for path, model in _sections(Recipe, ""):
         title = f"`{path}`" if path else "Top level"
         doc = (model.__doc__ or "").strip()
-        parts.append(f"## {title}\n\n" + (f"{doc}\n\n" if doc else "") + "\n".join(_table(model, f"{path}." if path else "")) + "\n")
+        parts.append(
+            f"## {title}\n\n"
+            + (f"{doc}\n\n" if doc else "")
+            + "\n".join(_table(model, f"{path}." if path else ""))
+            + "\n"
+        )
     return "\n".join(parts)
 
 

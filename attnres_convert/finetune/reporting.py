@@ -45,7 +45,9 @@ class Reporter:
             console=self.console,
         )
         with self.progress:
-            self.task = self.progress.add_task("train", total=total, completed=start, resumed_at=start, loss="-", lr="-", speed="-")
+            self.task = self.progress.add_task(
+                "train", total=total, completed=start, resumed_at=start, loss="-", lr="-", speed="-"
+            )
             yield
         self.progress = None
 

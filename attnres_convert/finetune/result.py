@@ -48,7 +48,9 @@ def final_metrics(records, state, counts, start, recipe, final_loss, world) -> d
     }
 
 
-def save_result(accelerator, model, start: StartingModel, recipe: Recipe, out: Path, final: dict, records, corpus) -> Path | None:
+def save_result(
+    accelerator, model, start: StartingModel, recipe: Recipe, out: Path, final: dict, records, corpus
+) -> Path | None:
     """Final metrics, loss curve and (unless output.save_model is false) the model folder."""
     state_dict = None
     if recipe.output.save_model and accelerator.distributed_type.value == "FSDP":
@@ -59,7 +61,9 @@ def save_result(accelerator, model, start: StartingModel, recipe: Recipe, out: P
 
     history = loss_history(records)
     title = f"{'AttnRes' if start.converted else 'Baseline (no AttnRes)'}: {start.source.short_name}"
-    plotted = plot_unless_missing(lambda: loss_curve_plot(history, out / LOSS_CURVE, title=title), f"{LOSS_CURVE} (the loss curve)")
+    plotted = plot_unless_missing(
+        lambda: loss_curve_plot(history, out / LOSS_CURVE, title=title), f"{LOSS_CURVE} (the loss curve)"
+    )
     (out / FINAL_METRICS).write_text(json.dumps(final, indent=2))
     if not recipe.output.save_model:
         return None
@@ -84,7 +88,9 @@ def save_result(accelerator, model, start: StartingModel, recipe: Recipe, out: P
         if start.converted:
             missing = [name for name in SHIPPED_CODE if not (folder / name).is_file()]
             if missing:
-                raise TrainingError(f"internal error: save_pretrained did not copy {missing}; the model folder would not load")
+                raise TrainingError(
+                    f"internal error: save_pretrained did not copy {missing}; the model folder would not load"
+                )
         start.tokenizer.save_pretrained(folder)
         if plotted:
             shutil.copy(out / LOSS_CURVE, folder / LOSS_CURVE)
@@ -99,8 +105,8 @@ def save_result(accelerator, model, start: StartingModel, recipe: Recipe, out: P
 
 def model_card(model, start: StartingModel, recipe: Recipe, final: dict, history, corpus, plotted: bool = True) -> str:
     """README.md of the model folder: where it started, the recipe, the held-out metrics, the loss curve."""
-    from ..io.card import base_identity, baseline_card, card_identity, finetune_card
     from ..conversion.surgery import summarize
+    from ..io.card import base_identity, baseline_card, card_identity, finetune_card
 
     name = start.source.short_name
     if start.source.kind == "folder":

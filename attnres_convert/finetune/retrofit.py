@@ -33,9 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..io.base_code import ship_model_code
-from .ab import (
-    RETROFIT_OPTION as OPTION,
-)
+from .ab import RETROFIT_OPTION as OPTION
 from .ab import (
     Arm,
     add_compute_equivalents,
@@ -138,7 +136,9 @@ def plan_study(recipe, overrides: list[str], after: list[int], seeds: int, scrat
             "runs read the same text (each reads only what it needs otherwise, and the continued runs read on from step N)"
         )
     if base.retrofit.steps is None:
-        raise RecipeError(f"retrofit.steps: required by {OPTION} (the continued steps from each pretrained model), e.g. retrofit.steps=400")
+        raise RecipeError(
+            f"retrofit.steps: required by {OPTION} (the continued steps from each pretrained model), e.g. retrofit.steps=400"
+        )
     past = [n for n in after if n > train.steps]
     if past:
         raise RecipeError(
@@ -196,7 +196,9 @@ class Pretraining(FinetuneRecipe):
         from ..io.saving import atomic_folder
 
         accelerator = self.accelerator
-        state_dict = accelerator.get_state_dict(self.model) if self.distributed == "FSDP" else None  # every process gathers
+        state_dict = (
+            accelerator.get_state_dict(self.model) if self.distributed == "FSDP" else None
+        )  # every process gathers
         path = self.folder / SNAPSHOTS / f"step-{self.state.step}"
         if self.main:
             model = accelerator.unwrap_model(self.model)
@@ -239,7 +241,9 @@ def continued_is_current(recipe: Recipe, snapshot: Path) -> bool:
         return False
 
 
-def _continue_one(data: dict, overrides: list[str], arm: Arm, seed: int, workdir: str, reuse: bool, snapshot: str) -> None:
+def _continue_one(
+    data: dict, overrides: list[str], arm: Arm, seed: int, workdir: str, reuse: bool, snapshot: str
+) -> None:
     """One arm continued from a save (in this process or a worker process)."""
     if reuse and continued_is_current(arm_recipe(data, overrides, arm, seed, Path(workdir)), Path(snapshot)):
         return
@@ -286,8 +290,21 @@ def run_retrofit(
     if from_scratch:
         first += [(run_one, (data, scratch, ATTNRES, seed, str(study.scratch_work), reuse)) for seed in seed_list]
     then = [
-        (_continue_one, (data, study.continued_overrides(seed, n), arm, seed, str(study.after_work(n)), reuse, str(study.snapshot(seed, n))))
-        for seed in seed_list for n in after for arm in ARMS
+        (
+            _continue_one,
+            (
+                data,
+                study.continued_overrides(seed, n),
+                arm,
+                seed,
+                str(study.after_work(n)),
+                reuse,
+                str(study.snapshot(seed, n)),
+            ),
+        )
+        for seed in seed_list
+        for n in after
+        for arm in ARMS
     ]
 
     def tables():
@@ -295,7 +312,10 @@ def run_retrofit(
 
         scratch = ARMS if from_scratch else [BASELINE]
         shown = [live_table(scratch, seed_list, study.scratch_work, steps, f"Pretraining from scratch ({steps} steps)")]
-        shown += [live_table(ARMS, seed_list, study.after_work(n), study.continued, f"Retrofit after {n} steps") for n in after]
+        shown += [
+            live_table(ARMS, seed_list, study.after_work(n), study.continued, f"Retrofit after {n} steps")
+            for n in after
+        ]
         return Group(*shown)
 
     show = console is not None and state.is_main_process
@@ -356,12 +376,24 @@ def study_report(study: Study, command: str, jobs: int) -> tuple[dict, dict[str,
     sub_reports: dict[str, dict] = {}
     scratch_runs = {}
     if study.scratch_arms:
-        scratch_runs = {arm.name: {s: read_run(study.scratch_work / folder_name(arm, s), s) for s in seeds} for arm in ARMS}
-        entries = [arm_report(arm, [scratch_runs[arm.name][s] for s in seeds], [scratch_runs["baseline"][s] for s in seeds]) for arm in ARMS]
+        scratch_runs = {
+            arm.name: {s: read_run(study.scratch_work / folder_name(arm, s), s) for s in seeds} for arm in ARMS
+        }
+        entries = [
+            arm_report(arm, [scratch_runs[arm.name][s] for s in seeds], [scratch_runs["baseline"][s] for s in seeds])
+            for arm in ARMS
+        ]
         add_compute_equivalents(entries, base.train.steps)
         sub_reports["from-scratch"] = {
-            "recipe": f"{study.recipe} (from scratch)", "from_scratch": True, "overrides": study.overrides, "command": command,
-            "steps": base.train.steps, "seeds": seeds, "machine": machine_info, "workdir": str(study.scratch_work), "arms": entries,
+            "recipe": f"{study.recipe} (from scratch)",
+            "from_scratch": True,
+            "overrides": study.overrides,
+            "command": command,
+            "steps": base.train.steps,
+            "seeds": seeds,
+            "machine": machine_info,
+            "workdir": str(study.scratch_work),
+            "arms": entries,
         }
     points = []
     for n in study.after:
@@ -370,9 +402,15 @@ def study_report(study: Study, command: str, jobs: int) -> tuple[dict, dict[str,
         entries = [arm_report(arm, runs[arm.name], runs["baseline"]) for arm in ARMS]
         add_compute_equivalents(entries, study.continued)
         sub_reports[f"after-{n}"] = {
-            "recipe": f"{study.recipe} after {n} pretraining steps", "from_scratch": False,
-            "overrides": study.continued_overrides(seeds[0], n), "command": command, "steps": study.continued, "seeds": seeds,
-            "machine": machine_info, "workdir": str(work), "arms": entries,
+            "recipe": f"{study.recipe} after {n} pretraining steps",
+            "from_scratch": False,
+            "overrides": study.continued_overrides(seeds[0], n),
+            "command": command,
+            "steps": study.continued,
+            "seeds": seeds,
+            "machine": machine_info,
+            "workdir": str(work),
+            "arms": entries,
         }
         base_final = {r.seed: r.eval_loss_final for r in runs["baseline"]}
         arm_final = {r.seed: r.eval_loss_final for r in runs["attnres"]}
@@ -380,7 +418,9 @@ def study_report(study: Study, command: str, jobs: int) -> tuple[dict, dict[str,
         base_curves = {r.seed: dict(r.eval) for r in runs["baseline"]}
         arm_curves = {r.seed: dict(r.eval) for r in runs["attnres"]}
         steps = sorted(set.intersection(*(set(c) for c in [*base_curves.values(), *arm_curves.values()])))
-        eval_se = difference_se([(final_se(work / folder_name(BASELINE, s)), final_se(work / folder_name(ATTNRES, s))) for s in seeds])
+        eval_se = difference_se(
+            [(final_se(work / folder_name(BASELINE, s)), final_se(work / folder_name(ATTNRES, s))) for s in seeds]
+        )
         point = {
             "after": n,
             "pretraining_tokens": n * tokens_per_step,
@@ -389,7 +429,10 @@ def study_report(study: Study, command: str, jobs: int) -> tuple[dict, dict[str,
             "baseline_final": statistics.fmean(base_final.values()),
             "attnres_final": statistics.fmean(arm_final.values()),
             "lead_final": lead,
-            "lead_curve": [(step, _lead({s: base_curves[s][step] for s in seeds}, {s: arm_curves[s][step] for s in seeds}, seeds)) for step in steps],
+            "lead_curve": [
+                (step, _lead({s: base_curves[s][step] for s in seeds}, {s: arm_curves[s][step] for s in seeds}, seeds))
+                for step in steps
+            ],
             "eval_se": eval_se,
             "verdict": savings_claim(lead, eval_se),
             "token_equivalent": entries[1]["compute_equivalent"],
@@ -399,11 +442,22 @@ def study_report(study: Study, command: str, jobs: int) -> tuple[dict, dict[str,
             base_at = {s: dict(scratch_runs["baseline"][s].eval)[at] for s in seeds}
             arm_at = {s: dict(scratch_runs["attnres"][s].eval)[at] for s in seeds}
             scratch_lead = _lead(base_at, arm_at, seeds)
-            scratch_se = difference_se([
-                (se_at(study.scratch_work / folder_name(BASELINE, s), at), se_at(study.scratch_work / folder_name(ATTNRES, s), at)) for s in seeds
-            ])
-            point["scratch"] = {"step": at, "tokens": at * tokens_per_step, "lead": scratch_lead, "eval_se": scratch_se,
-                                "verdict": savings_claim(scratch_lead, scratch_se)}
+            scratch_se = difference_se(
+                [
+                    (
+                        se_at(study.scratch_work / folder_name(BASELINE, s), at),
+                        se_at(study.scratch_work / folder_name(ATTNRES, s), at),
+                    )
+                    for s in seeds
+                ]
+            )
+            point["scratch"] = {
+                "step": at,
+                "tokens": at * tokens_per_step,
+                "lead": scratch_lead,
+                "eval_se": scratch_se,
+                "verdict": savings_claim(scratch_lead, scratch_se),
+            }
         points.append(point)
     report = {
         "recipe": study.recipe,
@@ -445,7 +499,9 @@ def _verdict(verdict: dict) -> str:
 
 def _ratios(figure: dict) -> tuple[str, str]:
     one = "not reached" if figure["ratio"] is None else f"{figure['ratio']:.2f}x"
-    other = "not reached" if figure.get("ratio_at_baseline_final") is None else f"{figure['ratio_at_baseline_final']:.2f}x"
+    other = (
+        "not reached" if figure.get("ratio_at_baseline_final") is None else f"{figure['ratio_at_baseline_final']:.2f}x"
+    )
     return one, other
 
 
@@ -469,7 +525,8 @@ def markdown(report: dict) -> str:
         "mean lead. A lead is a saving only with two seeds or more and a mean beyond both the spread and the SE.",
         "",
         "| N | baseline at N | lead after the continued steps | eval SE | baseline tokens to AttnRes's final loss | "
-        "AttnRes tokens to the baseline's final loss | verdict |" + (" from-scratch lead at N + continued | verdict |" if scratch else ""),
+        "AttnRes tokens to the baseline's final loss | verdict |"
+        + (" from-scratch lead at N + continued | verdict |" if scratch else ""),
         "|---|---|---|---|---|---|---|" + ("---|---|" if scratch else ""),
     ]
     for point in report["after"]:
@@ -485,8 +542,8 @@ def markdown(report: dict) -> str:
         "",
         "Token equivalents (mean curves of the continued runs): the continued tokens the baseline needs to reach "
         "AttnRes's final loss, as a multiple of AttnRes's; and the baseline's continued tokens as a multiple of those "
-        "after which AttnRes reaches the baseline's final loss. \"Not reached\": not within the run. A ratio beside "
-        "\"no savings claim\" is noise, not a saving.",
+        'after which AttnRes reaches the baseline\'s final loss. "Not reached": not within the run. A ratio beside '
+        '"no savings claim" is noise, not a saving.',
         "",
         "Lead during the continued steps (mean over the seeds):",
         "",
@@ -496,5 +553,8 @@ def markdown(report: dict) -> str:
     curves = [dict((step, lead["mean"]) for step, lead in p["lead_curve"]) for p in report["after"]]
     for step in sorted(set().union(*curves)):
         lines.append(f"| {step} | " + " | ".join(f"{c[step]:+.4f}" if step in c else "" for c in curves) + " |")
-    lines += ["", "Each N's A/B report: `after-N/ab.md`" + ("; the from-scratch arms: `from-scratch/ab.md`." if scratch else ".")]
+    lines += [
+        "",
+        "Each N's A/B report: `after-N/ab.md`" + ("; the from-scratch arms: `from-scratch/ab.md`." if scratch else "."),
+    ]
     return "\n".join(lines) + "\n"

@@ -70,7 +70,11 @@ def resume_differences(saved: Recipe, current: Recipe) -> list[str]:
 
     old = dict(flat({k: saved.model_dump(mode="json")[k] for k in RESUME_LOCKED}))
     new = dict(flat({k: current.model_dump(mode="json")[k] for k in RESUME_LOCKED}))
-    return [f"{key}: {old.get(key)!r} -> {new.get(key)!r}" for key in sorted(set(old) | set(new)) if old.get(key) != new.get(key)]
+    return [
+        f"{key}: {old.get(key)!r} -> {new.get(key)!r}"
+        for key in sorted(set(old) | set(new))
+        if old.get(key) != new.get(key)
+    ]
 
 
 def prepare_output(recipe: Recipe, folder: Path) -> None:

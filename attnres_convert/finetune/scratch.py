@@ -38,7 +38,11 @@ def scratch_config(source: ModelSource, spec: ModelSection) -> PretrainedConfig:
     """The source's config with the recipe's sizes (a copy; the cached config is left as it is). A size that
     makes no model is a RecipeError naming the fields."""
     try:
-        base = cached_config(source, False, spec.trust_remote_code) if source.kind != "hub" else load_config(source, spec.trust_remote_code)
+        base = (
+            cached_config(source, False, spec.trust_remote_code)
+            if source.kind != "hub"
+            else load_config(source, spec.trust_remote_code)
+        )
     except AttnResError as error:
         raise RecipeError(f"model.source: {error}") from error
     config = base.__class__.from_dict(base.to_dict())
@@ -58,7 +62,12 @@ def scratch_config(source: ModelSource, spec: ModelSection) -> PretrainedConfig:
                 f"model.hidden: {hidden} is not divisible by the {heads} attention heads (model.heads); "
                 "choose a hidden size that is a multiple of the head count"
             )
-        if spec.hidden is not None and spec.intermediate is None and getattr(base, "intermediate_size", None) and old_hidden:
+        if (
+            spec.hidden is not None
+            and spec.intermediate is None
+            and getattr(base, "intermediate_size", None)
+            and old_hidden
+        ):
             # The MLP keeps the source's width ratio (SmolLM2: 1536 / 576), rounded to a multiple of 8.
             config.intermediate_size = max(8, round(base.intermediate_size * hidden / old_hidden / 8) * 8)
         if getattr(config, "head_dim", None) is not None and (spec.hidden is not None or spec.heads is not None):
@@ -87,7 +96,9 @@ def init_model(config: PretrainedConfig, seed: int) -> PreTrainedModel:
     try:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     except Exception as error:  # noqa: BLE001 - a config that builds no model is the recipe's to fix
-        raise RecipeError(f"model.from_scratch: the {config.model_type} config with these sizes builds no model: {error}") from error
+        raise RecipeError(
+            f"model.from_scratch: the {config.model_type} config with these sizes builds no model: {error}"
+        ) from error
     finally:
         torch.random.set_rng_state(generator_state)
     return model

@@ -7,13 +7,13 @@ from dataclasses import dataclass
 
 from transformers import PreTrainedModel
 
-from ..errors import SourceError
 from ..architectures import UnsupportedModelError
-from .recipe import Recipe, RecipeError
-from .scratch import byte_tokenizer, init_model, scratch_config, use_tokenizer
+from ..conversion.surgery import ConversionSummary, convert_model, resolve_block_size, structure_of, summarize
+from ..errors import SourceError
 from ..io.saving import is_converted_folder, load_converted
 from ..io.sources import DTYPES, ModelSource, cached_config, load_config, load_model, load_tokenizer, resolve_source
-from ..conversion.surgery import ConversionSummary, convert_model, resolve_block_size, structure_of, summarize
+from .recipe import Recipe, RecipeError
+from .scratch import byte_tokenizer, init_model, scratch_config, use_tokenizer
 
 
 @dataclass
@@ -60,7 +60,11 @@ def load_starting_model(recipe: Recipe) -> StartingModel:
     if spec.convert:
         # Refuse an impossible block size before loading any weights.
         try:
-            config = cached_config(source, False, spec.trust_remote_code) if source.kind != "hub" else load_config(source, spec.trust_remote_code)
+            config = (
+                cached_config(source, False, spec.trust_remote_code)
+                if source.kind != "hub"
+                else load_config(source, spec.trust_remote_code)
+            )
             structure = structure_of(config)
             if structure is not None:  # else checked once the loaded model's structure is found
                 resolve_block_size(structure, spec.block_size, spec.num_blocks, spec.full)
@@ -69,7 +73,9 @@ def load_starting_model(recipe: Recipe) -> StartingModel:
     model = load_model(source, spec.dtype, spec.trust_remote_code)
     if not spec.convert:
         return StartingModel(model, tokenizer, source, False, None)
-    model = convert_model(model, block_size=spec.block_size, num_blocks=spec.num_blocks, full=spec.full, query_rank=spec.query_rank)
+    model = convert_model(
+        model, block_size=spec.block_size, num_blocks=spec.num_blocks, full=spec.full, query_rank=spec.query_rank
+    )
     return StartingModel(model, tokenizer, source, True, summarize(model))
 
 
@@ -91,7 +97,9 @@ def _scratch_model(recipe: Recipe, source: ModelSource) -> StartingModel:
     if not spec.convert:
         return StartingModel(model, tokenizer, source, False, None)
     try:
-        model = convert_model(model, block_size=spec.block_size, num_blocks=spec.num_blocks, full=spec.full, query_rank=spec.query_rank)
+        model = convert_model(
+            model, block_size=spec.block_size, num_blocks=spec.num_blocks, full=spec.full, query_rank=spec.query_rank
+        )
     except UnsupportedModelError as error:
         raise RecipeError(
             f"model.source: the {config.model_type} config of {source.name} is not a PreNorm model AttnRes can convert, "

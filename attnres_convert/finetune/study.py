@@ -33,7 +33,13 @@ def folder_name(arm: Arm, seed: int) -> str:
 
 
 def arm_recipe(data: dict, common: list[str], arm: Arm, seed: int, workdir: Path) -> Recipe:
-    overrides = [*common, *arm.overrides, f"train.seed={seed}", f"output.dir={workdir / folder_name(arm, seed)}", *ARM_SETTINGS]
+    overrides = [
+        *common,
+        *arm.overrides,
+        f"train.seed={seed}",
+        f"output.dir={workdir / folder_name(arm, seed)}",
+        *ARM_SETTINGS,
+    ]
     try:
         return parse_recipe(apply_overrides(data, overrides))
     except RecipeError as error:
@@ -48,7 +54,9 @@ def finished(recipe: Recipe) -> bool:
         return False
     try:
         # The description documents the recipe; it does not change what trains.
-        return parse_recipe(read_yaml(saved)).model_dump(exclude={"description"}) == recipe.model_dump(exclude={"description"})
+        return parse_recipe(read_yaml(saved)).model_dump(exclude={"description"}) == recipe.model_dump(
+            exclude={"description"}
+        )
     except RecipeError:
         return False
 
@@ -123,7 +131,9 @@ def check_output(out: Path, overwrite: bool, marker: str = AB_JSON) -> None:
         if not (out / marker).is_file():
             raise RecipeError(f"--output: {out} exists and is not an A/B output (no {marker}); choose another folder")
         if not overwrite:
-            raise RecipeError(f"--output: {out} already holds an A/B; pass --overwrite to replace it, or choose another folder")
+            raise RecipeError(
+                f"--output: {out} already holds an A/B; pass --overwrite to replace it, or choose another folder"
+            )
 
 
 def machine(jobs: int) -> dict:

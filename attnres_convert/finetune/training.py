@@ -26,8 +26,8 @@ from pathlib import Path
 
 import torch
 
-from ..io.text import perplexity, token_loss, token_loss_and_kl
 from ..depth_controls import set_depth_gate
+from ..io.text import perplexity, token_loss, token_loss_and_kl
 from ..io.threads import cpu_threads
 from .accelerator import make_accelerator
 from .checkpoints import (
@@ -76,8 +76,15 @@ class FinetuneRecipe:
     in at the end; `run` removes it if anything fails (after `setup` alone: call `discard`)."""
 
     def __init__(
-        self, recipe: Recipe, *, resume: bool = False, console=None, stop_at_step: int | None = None, token: str | None = None,
-        verbose: bool = False, threads: int | str | None = None,
+        self,
+        recipe: Recipe,
+        *,
+        resume: bool = False,
+        console=None,
+        stop_at_step: int | None = None,
+        token: str | None = None,
+        verbose: bool = False,
+        threads: int | str | None = None,
     ):
         self.recipe, self.resume, self.stop_at_step, self.token = recipe, resume, stop_at_step, token
         # On the CPU: torch threads to train with ("auto": io.threads.cpu_threads; None: as the process has them).
@@ -133,7 +140,9 @@ class FinetuneRecipe:
             check_resume(recipe, out, self.checkpoint_path)
         self.distributed = self.accelerator.distributed_type.value
         if recipe.train.trainable == "lora" and self.distributed == "FSDP":
-            raise RecipeError("train.trainable: lora under FSDP is not supported (merging needs the whole model); use DDP or trainable full/attnres")
+            raise RecipeError(
+                "train.trainable: lora under FSDP is not supported (merging needs the whole model); use DDP or trainable full/attnres"
+            )
         from rich.markup import escape
 
         report = self.report
@@ -141,10 +150,19 @@ class FinetuneRecipe:
             report.say(f"[bold]Resolved recipe[/]\n{escape(recipe.to_yaml())}")
         else:
             report.say(escape(recipe.headline()) + " [dim](--verbose: the whole recipe)[/]")
-        report.say(where_it_trains(self.accelerator.device, self.accelerator.num_processes, self.distributed,
-                                   self.accelerator.mixed_precision) + self._set_threads())
+        report.say(
+            where_it_trains(
+                self.accelerator.device,
+                self.accelerator.num_processes,
+                self.distributed,
+                self.accelerator.mixed_precision,
+            )
+            + self._set_threads()
+        )
         if os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true" and self.distributed != "FSDP":
-            report.say(f"[yellow]note:[/] FSDP was asked for but Accelerate runs {self.distributed} here (FSDP needs GPUs)")
+            report.say(
+                f"[yellow]note:[/] FSDP was asked for but Accelerate runs {self.distributed} here (FSDP needs GPUs)"
+            )
         if self.resume and self.checkpoint_path is None:
             report.say(f"--resume: no checkpoint in {out / 'checkpoints'}; starting from step 0")
         elif not self.resume and not recipe.output.overwrite and nothing_to_resume(out):
@@ -154,7 +172,9 @@ class FinetuneRecipe:
         """Set the torch threads of a CPU run (self.threads) and say how many and why (', N torch threads (...)')."""
         if self.threads is None or self.accelerator.device.type != "cpu":
             return ""
-        threads, why = (self.threads, "as asked") if self.threads != "auto" else cpu_threads(self.accelerator.num_processes)
+        threads, why = (
+            (self.threads, "as asked") if self.threads != "auto" else cpu_threads(self.accelerator.num_processes)
+        )
         self.threads_before = torch.get_num_threads()
         torch.set_num_threads(threads)
         return f", {threads} torch thread{'s' if threads != 1 else ''} ({why})"
@@ -165,7 +185,9 @@ class FinetuneRecipe:
 
         recipe, accelerator = self.recipe, self.accelerator
         set_seed(recipe.train.seed)
-        self.report.say(f"Loading {'the embedded SmolLM2-135M-Instruct' if recipe.model.is_default else recipe.model.source} ...")
+        self.report.say(
+            f"Loading {'the embedded SmolLM2-135M-Instruct' if recipe.model.is_default else recipe.model.source} ..."
+        )
         self.start = start = load_starting_model(recipe)
         model = start.model
         self.reference = None
@@ -181,7 +203,11 @@ class FinetuneRecipe:
         self.report.say(
             f"{'AttnRes' if start.converted else 'original (baseline, not converted)'} model: {self.counts.describe()}"
             + (f"; block size {start.summary.block_size}, {start.summary.num_blocks} blocks" if start.summary else "")
-            + (f", input-dependent queries of rank {start.summary.query_rank}" if start.summary and start.summary.query_rank else "")
+            + (
+                f", input-dependent queries of rank {start.summary.query_rank}"
+                if start.summary and start.summary.query_rank
+                else ""
+            )
         )
         self.world = accelerator.num_processes
         self.global_batch = self.world * recipe.train.grad_accum * recipe.train.micro_batch
@@ -190,7 +216,9 @@ class FinetuneRecipe:
             needed = (recipe.data.start_step + recipe.train.steps) * self.global_batch * recipe.data.seq_len
             self.corpus: Corpus = build_corpus(recipe, start.tokenizer, needed + needed // 100 + recipe.data.seq_len)
         self.report.say(self.corpus.describe)
-        self.order = SequenceOrder(len(self.corpus.train), recipe.train.seed, recipe.data.start_step * self.global_batch)
+        self.order = SequenceOrder(
+            len(self.corpus.train), recipe.train.seed, recipe.data.start_step * self.global_batch
+        )
         optimizer = make_optimizer(model, recipe)
         self.scheduler = make_scheduler(optimizer, recipe)
         new = {id(p) for _, p in attnres_parameters(model)}
@@ -227,7 +255,9 @@ class FinetuneRecipe:
             load_checkpoint(accelerator, self.checkpoint_path, self.model)
             if self.main:
                 self.metrics.truncate_after(self.state.step)
-            self.report.say(f"Resumed from {self.checkpoint_path} (step {self.state.step}, {self.state.tokens:,} tokens seen)")
+            self.report.say(
+                f"Resumed from {self.checkpoint_path} (step {self.state.step}, {self.state.tokens:,} tokens seen)"
+            )
 
     # --- training ---------------------------------------------------------------------------------
 
@@ -243,7 +273,11 @@ class FinetuneRecipe:
                     self.evaluate()
                 if stats.stopping:
                     raise self._interrupted()
-                if recipe.checkpoint.every and state.step % recipe.checkpoint.every == 0 and state.step < recipe.train.steps:
+                if (
+                    recipe.checkpoint.every
+                    and state.step % recipe.checkpoint.every == 0
+                    and state.step < recipe.train.steps
+                ):
                     self.checkpoint()
         self._set_gate()  # past depth_gate_steps: the whole mix, as saved
 
@@ -271,7 +305,12 @@ class FinetuneRecipe:
         began = time.perf_counter()
         self._set_gate()
         micro = local_micro_batches(
-            self.order, state.step, recipe.train.micro_batch, recipe.train.grad_accum, accelerator.process_index, self.world
+            self.order,
+            state.step,
+            recipe.train.micro_batch,
+            recipe.train.grad_accum,
+            accelerator.process_index,
+            self.world,
         )
         batches = [self.corpus.train.batch(indices) for indices in micro]
         local = torch.tensor(
@@ -297,13 +336,17 @@ class FinetuneRecipe:
                 accelerator.backward(objective * self.world / predictions)
             loss_sum += batch_loss.detach().double()
         grad_norm, attnres_grad_norm = self.clip_gradients()
-        stopping = self._stop.requested is not None or (self.stop_at_step is not None and state.step + 1 >= self.stop_at_step)
+        stopping = self._stop.requested is not None or (
+            self.stop_at_step is not None and state.step + 1 >= self.stop_at_step
+        )
         flag = torch.tensor(float(stopping), dtype=torch.float64, device=accelerator.device)
         shared = accelerator.reduce(torch.stack([loss_sum, kl_sum, flag]), "sum")
         loss = float(shared[0]) / predictions
         kl = float(shared[1]) / predictions if self.reference is not None else None
         self._refuse_non_finite(loss, grad_norm, attnres_grad_norm)
-        lrs = {group.get("name", str(i)): group["lr"] for i, group in enumerate(self.optimizer.param_groups)}  # this step's
+        lrs = {
+            group.get("name", str(i)): group["lr"] for i, group in enumerate(self.optimizer.param_groups)
+        }  # this step's
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -321,7 +364,9 @@ class FinetuneRecipe:
         train.max_grad_norm (reported as grad_norm)."""
         train, accelerator = self.recipe.train, self.accelerator
         if self.distributed == "FSDP":
-            norm = accelerator.clip_grad_norm_(self.base_params + self.attnres_params, train.max_grad_norm or float("inf"))
+            norm = accelerator.clip_grad_norm_(
+                self.base_params + self.attnres_params, train.max_grad_norm or float("inf")
+            )
             return float(norm) if norm is not None else float("nan"), None
         accelerator.unscale_gradients()  # fp16: once, before both norms
         base = clip_gradient_norm(self.base_params, train.max_grad_norm)
@@ -330,11 +375,17 @@ class FinetuneRecipe:
 
     def _refuse_non_finite(self, loss: float, grad_norm: float, attnres_grad_norm: float | None) -> None:
         norms = [grad_norm] + ([attnres_grad_norm] if attnres_grad_norm is not None else [])
-        bad_norm = not all(math.isfinite(n) for n in norms) and self.recipe.train.mixed_precision != "fp16"  # fp16 skips inf steps itself
+        bad_norm = (
+            not all(math.isfinite(n) for n in norms) and self.recipe.train.mixed_precision != "fp16"
+        )  # fp16 skips inf steps itself
         if math.isfinite(loss) and not bad_norm:
             return
         self.optimizer.zero_grad(set_to_none=True)
-        what = f"the loss is {loss}" if not math.isfinite(loss) else f"the gradient norm is {grad_norm} (AttnRes: {attnres_grad_norm})"
+        what = (
+            f"the loss is {loss}"
+            if not math.isfinite(loss)
+            else f"the gradient norm is {grad_norm} (AttnRes: {attnres_grad_norm})"
+        )
         fix = (
             "Lower train.lr / train.attnres_lr, set train.max_grad_norm, or use train.mixed_precision=bf16 "
             "instead of fp16, and run again (output.overwrite=true or a new output.dir)"
@@ -346,7 +397,11 @@ class FinetuneRecipe:
         last = latest_checkpoint(self.folder)
         raise NonFiniteLossError(
             f"training stopped at step {self.state.step + 1}: {what} (non-finite). No model was saved; "
-            + (f"the last good checkpoint is {last} (step {int(last.name.split('-')[1])}). " if last else "no checkpoint was written before it. ")
+            + (
+                f"the last good checkpoint is {last} (step {int(last.name.split('-')[1])}). "
+                if last
+                else "no checkpoint was written before it. "
+            )
             + f"{fix}: resuming the same recipe would meet the same step again."
         )
 
@@ -354,9 +409,13 @@ class FinetuneRecipe:
         state, steps = self.state, self.recipe.train.steps
         if state.step % self.recipe.train.log_every == 0 or state.step == steps:
             epoch = self.order.epoch_of(state.position)
-            self.metrics.write(train_record(stats, state.step, state.tokens, epoch, depth_gate=self._gate_at(state.step - 1)))
+            self.metrics.write(
+                train_record(stats, state.step, state.tokens, epoch, depth_gate=self._gate_at(state.step - 1))
+            )
         # The run's training throughput so far (tokens over the time spent in steps): what the summary prints at the end.
-        self.report.step(state.step, stats.loss, stats.lr, state.tokens / state.train_seconds if state.train_seconds else 0.0)
+        self.report.step(
+            state.step, stats.loss, stats.lr, state.tokens / state.train_seconds if state.train_seconds else 0.0
+        )
 
     def _gate_at(self, step: int) -> float | None:
         """train.depth_gate_steps: the depth gate of the step after `step` steps (0 first, 1 from depth_gate_steps
@@ -374,7 +433,16 @@ class FinetuneRecipe:
         self._set_gate()  # the model as it is at this step
         loss, count, se = heldout_loss_across_processes(self.model, self.corpus.eval, self.accelerator, self.eval_batch)
         step = self.state.step
-        self.metrics.write({"kind": "eval", "step": step, "loss": loss, "perplexity": perplexity(loss), "predictions": count, "loss_se": se})
+        self.metrics.write(
+            {
+                "kind": "eval",
+                "step": step,
+                "loss": loss,
+                "perplexity": perplexity(loss),
+                "predictions": count,
+                "loss_se": se,
+            }
+        )
         self.report.print(f"step {step}: held-out loss {loss:.4f}, perplexity {perplexity(loss):.2f}")
         return loss
 
@@ -390,7 +458,9 @@ class FinetuneRecipe:
         final_loss = self.evaluate()
         records = read_metrics(self.folder / METRICS) if self.main else []
         final = final_metrics(records, self.state, self.counts, self.start, self.recipe, final_loss, self.world)
-        model_dir = save_result(self.accelerator, self.model, self.start, self.recipe, self.folder, final, records, self.corpus)
+        model_dir = save_result(
+            self.accelerator, self.model, self.start, self.recipe, self.folder, final, records, self.corpus
+        )
         self.accelerator.wait_for_everyone()
         if self.staged:  # finished and complete: it replaces the earlier run now
             if self.main:
@@ -403,7 +473,9 @@ class FinetuneRecipe:
             from ..hub.push import push_folder
 
             self.report.say(f"Pushing {model_dir} to {self.recipe.output.push_to_hub} ...")
-            pushed = push_folder(model_dir, self.recipe.output.push_to_hub, token=self.token, private=self.recipe.output.private)
+            pushed = push_folder(
+                model_dir, self.recipe.output.push_to_hub, token=self.token, private=self.recipe.output.private
+            )
         return FinetuneResult(self.out, model_dir, final, records, pushed)
 
 

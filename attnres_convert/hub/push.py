@@ -15,8 +15,8 @@ import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..io.hub_access import hub_endpoint, hub_reachable
 from ..errors import AttnResError, first_line, scrub
+from ..io.hub_access import hub_endpoint, hub_reachable
 
 TOKENIZER_VOCABS = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
 # Weight files a new push replaces: stale shards of an earlier push must not survive next to a new index.
@@ -133,11 +133,13 @@ def _config_problems(folder: Path) -> tuple[list[str], str | None]:
     auto_map = config.get("auto_map") or {}
     for auto in ("AutoConfig", "AutoModelForCausalLM"):
         if auto not in auto_map:
-            problems.append(f"config.json has no auto_map entry for {auto}: the model would not load with trust_remote_code")
+            problems.append(
+                f"config.json has no auto_map entry for {auto}: the model would not load with trust_remote_code"
+            )
     # Imported here, not at the top: the modeling code imports torch, and a wrong folder or repo id is
     # answered before that (tests/test_cli_screens.py, argument errors).
-    from ..modeling import SHIPPED_CODE
     from ..io.base_code import BASE_CODE
+    from ..modeling import SHIPPED_CODE
 
     # An auto_map entry is "module.Class", or "repo--module.Class" once it points into a hub repo.
     code = set(SHIPPED_CODE) | {f"{str(ref).split('--')[-1].split('.')[0]}.py" for ref in auto_map.values()}
@@ -161,6 +163,7 @@ def _tokenizer_problems(folder: Path) -> list[str]:
 
 def _card_problems(folder: Path) -> list[str]:
     from ..io.card import read_front_matter  # lazy: the card module imports torch
+
     card = folder / "README.md"
     if not card.is_file():
         return ["README.md (the model card) is missing"]
@@ -186,7 +189,8 @@ def check_push_ready(folder: str | Path) -> list[str]:
         problems += _weights_problems(root, kind == "attnres") + _tokenizer_problems(root) + _card_problems(root)
     if problems:
         raise HubError(
-            f"{folder} is not ready to push, nothing was uploaded:\n  - " + "\n  - ".join(problems)
+            f"{folder} is not ready to push, nothing was uploaded:\n  - "
+            + "\n  - ".join(problems)
             + "\nRe-create the folder with `attnres convert` (or `attnres finetune`)."
         )
     files = [
@@ -238,7 +242,9 @@ _CONNECTION_FAILURES = {"TransportError", "NetworkError", "ConnectError", "Conne
 
 
 def _is_connection_failure(error: Exception) -> bool:
-    return isinstance(error, ConnectionError) or any(cls.__name__ in _CONNECTION_FAILURES for cls in type(error).__mro__)
+    return isinstance(error, ConnectionError) or any(
+        cls.__name__ in _CONNECTION_FAILURES for cls in type(error).__mro__
+    )
 
 
 def _explain(error: Exception, repo_id: str, token: str) -> str:

@@ -14,7 +14,9 @@ import shutil
 from pathlib import Path
 
 BASE_CODE = "base_code.py"  # where a converted folder registers its base model's own code
-CONFIG_IMPORT = "\nfrom .base_code import BASE_CLASSES  # noqa: E402,F401 - registers the base model's own code beside this file\n"
+CONFIG_IMPORT = (
+    "\nfrom .base_code import BASE_CLASSES  # noqa: E402,F401 - registers the base model's own code beside this file\n"
+)
 
 
 def is_own_code(cls: type) -> bool:
@@ -70,8 +72,6 @@ def ship_base_code(config_cls: type, model_cls: type, model_type: str, folder) -
         with configuration.open("a") as file:
             file.write(CONFIG_IMPORT)
     return sorted(files)
-
-
 
 
 def ship_model_code(model, folder) -> list[str]:

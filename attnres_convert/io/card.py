@@ -14,8 +14,8 @@ from pathlib import Path
 
 import yaml
 
-from ..errors import scrub
 from ..block_sizes import source_ranges
+from ..errors import scrub
 
 # Licences of the models that ship offline with this project.
 KNOWN_LICENSES = {"SmolLM2-135M-Instruct.Q4_1.gguf": "apache-2.0"}
@@ -65,16 +65,9 @@ def base_identity(source) -> tuple[str | None, str | None]:
 
 
 def front_matter(
-    base_model: str | None,
-    license_: str | None,
-    tags: Sequence[str] = TAGS,
-    extra: Mapping | None = None,
+    base_model: str | None, license_: str | None, tags: Sequence[str] = TAGS, extra: Mapping | None = None
 ) -> str:
-    meta = {
-        "library_name": "transformers",
-        "pipeline_tag": "text-generation",
-        "tags": list(tags),
-    }
+    meta = {"library_name": "transformers", "pipeline_tag": "text-generation", "tags": list(tags)}
     if base_model:
         meta["base_model"] = base_model
     meta["license"] = license_ or "other"
@@ -150,7 +143,7 @@ def _query_lines(summary) -> list[str]:
         f"- queries: input-dependent, `query_rank` {rank}: a reader's query is `w + B A x / rms(x)` per token, with x "
         f"its input in the original model (the residual stream), A [{rank}, d] (`*_res_proj.down`, random) and B "
         f"[d, {rank}] (`*_res_proj.up`, zero at conversion, so the conversion stays exact). These models run "
-        "the plain PyTorch depth mix: `ATTNRES_KERNEL=triton` and `cpu` are refused.",
+        "the plain PyTorch depth mix: `ATTNRES_KERNEL=triton` and `cpu` are refused."
     ]
 
 
@@ -194,8 +187,11 @@ def _verification_section(report) -> list[str]:
         "",
     ]
     if failure is not None:
-        lines += [f"The original model cannot `generate` (`{failure}`): it was verified on its logits, the greedy tokens "
-                  "coming from one whole forward per token of each model.", ""]
+        lines += [
+            f"The original model cannot `generate` (`{failure}`): it was verified on its logits, the greedy tokens "
+            "coming from one whole forward per token of each model.",
+            "",
+        ]
     return lines
 
 
@@ -384,14 +380,23 @@ def _finetune_front_matter(name, base_model, license_, metrics, finetuned_key, e
     (FINETUNED_KEY, default the last) as the hub's `model-index`."""
     finetuned_key = finetuned_key or (list(metrics)[-1] if metrics else None)
     extra = {"base_model_relation": "finetune"} if base_model else {}
-    if finetuned_key and (index := _model_index(_repo_name(name, base_model, suffix), metrics.get(finetuned_key, {}), eval_data)):
+    if finetuned_key and (
+        index := _model_index(_repo_name(name, base_model, suffix), metrics.get(finetuned_key, {}), eval_data)
+    ):
         extra["model-index"] = index
     return front_matter(base_model, license_, tags, extra)
 
 
 def _training_sections(metrics, eval_data: str, loss_curve: str | None, history, recipe) -> list[str]:
     """Held-out evaluation, training curve and recipe: what every fine-tune card shows."""
-    lines = ["## Held-out evaluation", "", f"On {eval_data} (never seen in training):", "", *_metrics_table(metrics), ""]
+    lines = [
+        "## Held-out evaluation",
+        "",
+        f"On {eval_data} (never seen in training):",
+        "",
+        *_metrics_table(metrics),
+        "",
+    ]
     if loss_curve or history:
         lines += ["## Training curve", ""]
         if loss_curve:
@@ -412,6 +417,7 @@ def _plain(value):
     if isinstance(value, (str, int, float, bool)) or value is None:
         return value
     return str(value)
+
 
 def describe_sources(num_sublayers: int, block_size: int) -> list[str]:
     """Readable source lists, e.g. 'y0, y1:3, y4' (for the CLI and the model card)."""

@@ -17,7 +17,17 @@ from rich.progress import ProgressColumn, Task
 from rich.text import Text
 
 # Libraries whose DeprecationWarning / FutureWarning are about their own internals, not the user's input.
-DRIVEN_LIBRARIES = ("transformers", "torch", "accelerate", "peft", "datasets", "huggingface_hub", "safetensors", "gguf", "tqdm")
+DRIVEN_LIBRARIES = (
+    "transformers",
+    "torch",
+    "accelerate",
+    "peft",
+    "datasets",
+    "huggingface_hub",
+    "safetensors",
+    "gguf",
+    "tqdm",
+)
 
 
 # Where the libraries' bars go while quiet_libraries() is active: the innermost display that takes them

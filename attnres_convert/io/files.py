@@ -39,7 +39,11 @@ def expand_files(patterns: list[str], field: str) -> tuple[list[Path], list[str]
                 problems.append(f"{where}: {_no_play(wanted, plays)}")
         else:
             expanded = os.path.expanduser(pattern)
-            matches = sorted(Path(p) for p in glob.glob(expanded, recursive=True)) if glob.has_magic(expanded) else [Path(expanded)]
+            matches = (
+                sorted(Path(p) for p in glob.glob(expanded, recursive=True))
+                if glob.has_magic(expanded)
+                else [Path(expanded)]
+            )
             matches = [m for m in matches if m.is_file()] if glob.has_magic(expanded) else matches
             if not matches:
                 problems.append(f"{where}: no file matches {pattern!r}")

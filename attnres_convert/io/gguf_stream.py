@@ -101,7 +101,9 @@ def _gguf_to_hf_names(model: torch.nn.Module, processor, architecture: str) -> d
 
     arch = next((key for key, value in MODEL_ARCH_NAMES.items() if value == architecture), None)
     if arch is None:
-        raise NotStreamable(f"the installed gguf package does not name the tensors of GGUF architecture {architecture!r}")
+        raise NotStreamable(
+            f"the installed gguf package does not name the tensors of GGUF architecture {architecture!r}"
+        )
     name_map = get_tensor_name_map(arch, model.config.num_hidden_layers)
 
     def names(module: torch.nn.Module, qual_name: str) -> dict[str, str]:
@@ -125,7 +127,9 @@ def _gguf_to_hf_names(model: torch.nn.Module, processor, architecture: str) -> d
     return names(model, "")
 
 
-def gguf_base_tensors(path: Path, config: PreTrainedConfig, dtype: str = "auto", trust_remote_code: bool = False) -> list[OutputTensor]:
+def gguf_base_tensors(
+    path: Path, config: PreTrainedConfig, dtype: str = "auto", trust_remote_code: bool = False
+) -> list[OutputTensor]:
     """The GGUF's tensors under their transformers names, in file order, each computed when written: float32
     (the in-memory path's dtype for a GGUF) or DTYPE. NotStreamable when transformers would not load the file
     tensor by tensor."""
@@ -134,7 +138,9 @@ def gguf_base_tensors(path: Path, config: PreTrainedConfig, dtype: str = "auto",
     architecture, file_tensors = _file_tensors(path)
     # Before transformers had the weight-conversion pipeline for GGUF (5.17), every architecture it loads goes tensor by tensor.
     if has("is_gguf_arch_supported") and internal("is_gguf_arch_supported")(architecture):
-        raise NotStreamable(f"transformers converts GGUF architecture {architecture!r} with its weight-conversion pipeline")
+        raise NotStreamable(
+            f"transformers converts GGUF architecture {architecture!r} with its weight-conversion pipeline"
+        )
     # transformers hands the processor the config it parsed from the file; the config built from that parse
     # holds the same values (the head counts Llama's q/k permutation needs...).
     processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=config.to_dict())
@@ -149,11 +155,15 @@ def gguf_base_tensors(path: Path, config: PreTrainedConfig, dtype: str = "auto",
             weights = _dequantize(data, qtype)
             _release(data, start)
             diverted: dict = {"tensors": {}}
-            result = processor.process(weights=weights, name=gguf_name, tensor_key_mapping=names, parsed_parameters=diverted)
+            result = processor.process(
+                weights=weights, name=gguf_name, tensor_key_mapping=names, parsed_parameters=diverted
+            )
             if result.name != gguf_name or diverted["tensors"]:
                 raise NotStreamable(f"transformers' GGUF loader rearranges tensor {gguf_name} across tensors")
             # A plain float tensor comes back as a view of the read-only file mapping: copied, as transformers does.
-            return torch.from_numpy(np.require(result.weights, requirements=("C_CONTIGUOUS", "WRITEABLE"))).to(out_dtype)
+            return torch.from_numpy(np.require(result.weights, requirements=("C_CONTIGUOUS", "WRITEABLE"))).to(
+                out_dtype
+            )
 
         return load
 
@@ -163,5 +173,7 @@ def gguf_base_tensors(path: Path, config: PreTrainedConfig, dtype: str = "auto",
             continue  # transformers drops it too (rope_freqs...); a tensor it merges into others leaves its
             # target missing, which the plan's check of the names turns into the in-memory path
         name = names[gguf_name]
-        base.append(OutputTensor(name, DTYPE_NAMES[out_dtype], shapes[name], load=loader(gguf_name, data, qtype, start)))
+        base.append(
+            OutputTensor(name, DTYPE_NAMES[out_dtype], shapes[name], load=loader(gguf_name, data, qtype, start))
+        )
     return base

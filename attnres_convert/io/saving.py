@@ -21,9 +21,9 @@ from pathlib import Path
 
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from ..errors import OutputError, SourceError
 from ..modeling import SHIPPED_CODE
 from ..modeling.configuration_attnres import AttnResConfig
-from ..errors import OutputError, SourceError
 from ..modeling.modeling_attnres import AttnResForCausalLM
 from .base_code import BASE_CODE, ship_model_code
 from .hub_access import DEFAULT_MAX_SHARD_SIZE
@@ -57,7 +57,7 @@ def partial_prefix(out: Path) -> str:
 
 def _stale(entry: Path, prefix: str) -> bool:
     """A leftover of a process of this host that no longer runs."""
-    parts = entry.name[len(prefix):].split("-")
+    parts = entry.name[len(prefix) :].split("-")
     if len(parts) < 3 or parts[0] != _host_tag() or not parts[1].isdigit():
         return False
     pid = int(parts[1])
@@ -84,7 +84,7 @@ def clean_stale_partials(out: str | os.PathLike) -> list[Path]:
         return removed
     for entry in sorted(entries):
         if entry.name.startswith(prefix) and entry.is_dir() and not entry.is_symlink() and _stale(entry, prefix):
-            if entry.name[len(prefix):].split("-")[2] == "old" and not out.exists():
+            if entry.name[len(prefix) :].split("-")[2] == "old" and not out.exists():
                 # Killed between the two renames of the fallback swap: the previous output comes back.
                 os.replace(entry, out)
                 continue
@@ -140,7 +140,9 @@ def atomic_folder(out: Path, write: Callable[[Path], None], overwrite: bool = Fa
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as error:
-        raise OutputError(f"cannot write {out} ({error.strerror or error}). Choose an output path you can write to.") from error
+        raise OutputError(
+            f"cannot write {out} ({error.strerror or error}). Choose an output path you can write to."
+        ) from error
     # The name is chosen before the folder exists, so an interrupt arriving just after the mkdir still
     # knows what to remove.
     tmp = _new_sibling(out)
@@ -268,7 +270,9 @@ def save_converted(
     extra: dict[str, str] | None = None,
     max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
 ) -> Path:
-    return atomic_folder(Path(out), lambda tmp: write_converted(model, tmp, tokenizer, extra, max_shard_size), overwrite)
+    return atomic_folder(
+        Path(out), lambda tmp: write_converted(model, tmp, tokenizer, extra, max_shard_size), overwrite
+    )
 
 
 def load_converted(path: str | os.PathLike, trust_remote_code: bool = False, **kwargs) -> AttnResForCausalLM:

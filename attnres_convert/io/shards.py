@@ -104,7 +104,9 @@ def checkpoint_files(folder: Path) -> list[Path] | None:
         files = list(dict.fromkeys(weight_map.values()))
         missing = [name for name in files if not (folder / name).is_file()]
         if missing:
-            raise SourceError(f"{folder} is incomplete: its index names {', '.join(missing)}, which is missing. Re-download the model.")
+            raise SourceError(
+                f"{folder} is incomplete: its index names {', '.join(missing)}, which is missing. Re-download the model."
+            )
         return [folder / name for name in files]
     single = folder / SAFETENSORS_SINGLE_FILE
     return [single] if single.is_file() else None
@@ -116,7 +118,9 @@ def checkpoint_tensors(files: Iterable[Path]) -> list[StoredTensor]:
     for path in files:
         for tensor in read_header(path):
             if tensor.name in seen:
-                raise SourceError(f"tensor {tensor.name} appears twice in the checkpoint ({path}); re-export the model.")
+                raise SourceError(
+                    f"tensor {tensor.name} appears twice in the checkpoint ({path}); re-export the model."
+                )
             seen.add(tensor.name)
             tensors.append(tensor)
     return tensors
@@ -176,7 +180,11 @@ def _header_bytes(tensors: list[OutputTensor]) -> bytes:
     header: dict = {"__metadata__": {"format": "pt"}}
     offset = 0
     for tensor in tensors:
-        header[tensor.name] = {"dtype": tensor.dtype, "shape": list(tensor.shape), "data_offsets": [offset, offset + tensor.nbytes]}
+        header[tensor.name] = {
+            "dtype": tensor.dtype,
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + tensor.nbytes],
+        }
         offset += tensor.nbytes
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as safetensors writes it
@@ -186,7 +194,7 @@ def _header_bytes(tensors: list[OutputTensor]) -> bytes:
 def _write_all(target: int, data) -> None:
     view = memoryview(data).cast("B")
     while view:
-        view = view[os.write(target, view):]
+        view = view[os.write(target, view) :]
 
 
 def _copy_range(source: int, target: int, start: int, count: int, advance: Callable[[int], None]) -> None:
@@ -213,7 +221,9 @@ def _copy_range(source: int, target: int, start: int, count: int, advance: Calla
             advance(read)
 
 
-def _convert_range(source: int, target: int, tensor: StoredTensor, dtype: torch.dtype, advance: Callable[[int], None]) -> None:
+def _convert_range(
+    source: int, target: int, tensor: StoredTensor, dtype: torch.dtype, advance: Callable[[int], None]
+) -> None:
     """A stored tensor re-dtyped a chunk of elements at a time (dtype conversion is elementwise)."""
     stored = DTYPES[tensor.dtype]
     per_chunk = max(1, min(CHUNK_BYTES // stored.itemsize, tensor.numel))
@@ -377,6 +387,7 @@ def write_sharded(
     total_parameters = sum(tensor.nbytes // DTYPES[tensor.dtype].itemsize for tensor in written)
     write_index(folder, weight_map, total_size, total_parameters)
     return weight_map
+
 
 class NotStreamable(Exception):
     """The checkpoint cannot be streamed (the message says why): convert it in memory instead."""

@@ -62,9 +62,7 @@ def load_config(source: ModelSource, trust_remote_code: bool = False) -> PreTrai
         _check_local_config(source)
     _check_hub(source)
     try:
-        return AutoConfig.from_pretrained(
-            source.location, trust_remote_code=trust_remote_code, **source.load_kwargs()
-        )
+        return AutoConfig.from_pretrained(source.location, trust_remote_code=trust_remote_code, **source.load_kwargs())
     except Exception as error:  # noqa: BLE001 - every failure is reported with its source and a fix
         if _is_remote_code_refusal(error):
             raise _remote_code_error(source) from error
@@ -146,7 +144,9 @@ def _warn_if_pickle_only(source: ModelSource) -> None:
         )
 
 
-def load_model(source: ModelSource, dtype: str = "auto", trust_remote_code: bool = False, **load_kwargs) -> PreTrainedModel:
+def load_model(
+    source: ModelSource, dtype: str = "auto", trust_remote_code: bool = False, **load_kwargs
+) -> PreTrainedModel:
     """The base model; LOAD_KWARGS go to from_pretrained (a device map that keeps it inside a memory budget)."""
     if dtype not in DTYPES:
         raise SourceError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
@@ -157,9 +157,7 @@ def load_model(source: ModelSource, dtype: str = "auto", trust_remote_code: bool
     kwargs["dtype"] = torch.float32 if (source.gguf_file and dtype == "auto") else DTYPES[dtype]
     kwargs["weights_only"] = True  # a pickle checkpoint may hold tensors only, never code (explicit: no env override)
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            source.location, trust_remote_code=trust_remote_code, **kwargs
-        )
+        model = AutoModelForCausalLM.from_pretrained(source.location, trust_remote_code=trust_remote_code, **kwargs)
     except Exception as error:  # noqa: BLE001
         if _is_remote_code_refusal(error):
             raise _remote_code_error(source) from error
@@ -200,15 +198,24 @@ def _unsafe_pickle_error(source: ModelSource, error: Exception) -> SourceError:
 
 # The files a saved tokenizer consists of: a folder with none of them has no tokenizer (a bare weights folder).
 TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt", "merges.txt",
-    "spiece.model", "special_tokens_map.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "spiece.model",
+    "special_tokens_map.json",
 )
 
 
 # The files of an image, video or audio processor and its chat template: an image-text model's folder keeps
 # them so that `AutoProcessor.from_pretrained` on the converted folder builds the original processor.
 PROCESSOR_FILES = (
-    "preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json", "chat_template.jinja",
+    "preprocessor_config.json",
+    "processor_config.json",
+    "video_preprocessor_config.json",
+    "chat_template.jinja",
     "chat_template.json",
 )
 
@@ -257,7 +264,9 @@ def load_tokenizer(source: ModelSource, trust_remote_code: bool = False, warn_mi
     if source.kind == "folder" and not has_tokenizer_files(source.location):
         return _no_tokenizer(source, warn_missing)
     try:
-        return AutoTokenizer.from_pretrained(source.location, trust_remote_code=trust_remote_code, **source.load_kwargs())
+        return AutoTokenizer.from_pretrained(
+            source.location, trust_remote_code=trust_remote_code, **source.load_kwargs()
+        )
     except Exception as error:  # noqa: BLE001 - reported with the source and the reason
         if _is_remote_code_refusal(error):
             raise _remote_code_error(source) from error
@@ -283,7 +292,9 @@ def _tokenizer_error(source: ModelSource, error: Exception) -> SourceError:
     if source.gguf_file:
         where = f"the GGUF file {source.name}"
     elif source.kind == "folder":
-        broken = [name for name in TOKENIZER_FILES if name.endswith(".json") and not _parses(Path(source.location) / name)]
+        broken = [
+            name for name in TOKENIZER_FILES if name.endswith(".json") and not _parses(Path(source.location) / name)
+        ]
         if broken:
             where = str(Path(source.location) / broken[0])
     return SourceError(

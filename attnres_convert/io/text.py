@@ -39,7 +39,9 @@ def _records(path: Path, field: str, where: str) -> Iterator[str]:
 
         table = pq.read_table(path)
         if field not in table.column_names:
-            raise DataError(f"{where}: {path} has no column {field!r} (columns: {', '.join(table.column_names)}); set text_field")
+            raise DataError(
+                f"{where}: {path} has no column {field!r} (columns: {', '.join(table.column_names)}); set text_field"
+            )
         yield from (text for text in table.column(field).to_pylist() if text)
         return
     text = path.read_text(errors="replace")
@@ -194,7 +196,12 @@ def token_loss_by_sequence(model, batch: dict, device) -> tuple[torch.Tensor, in
     rows = batch["input_ids"].shape[0]
     per_token = F.cross_entropy(logits, targets, ignore_index=-100, reduction="none").view(rows, -1)
     counts = (targets != -100).view(rows, -1).sum(1)
-    return F.cross_entropy(logits, targets, ignore_index=-100, reduction="sum"), batch["predictions"], per_token.sum(1), counts
+    return (
+        F.cross_entropy(logits, targets, ignore_index=-100, reduction="sum"),
+        batch["predictions"],
+        per_token.sum(1),
+        counts,
+    )
 
 
 def token_loss_and_kl(model, reference, batch: dict, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -204,7 +211,9 @@ def token_loss_and_kl(model, reference, batch: dict, device) -> tuple[torch.Tens
     with torch.no_grad():
         reference_logits, _ = _logits_and_targets(reference, batch, device)
     real = targets != -100
-    kl = F.kl_div(F.log_softmax(logits[real], -1), F.log_softmax(reference_logits[real], -1), log_target=True, reduction="sum")
+    kl = F.kl_div(
+        F.log_softmax(logits[real], -1), F.log_softmax(reference_logits[real], -1), log_target=True, reduction="sum"
+    )
     return F.cross_entropy(logits, targets, ignore_index=-100, reduction="sum"), kl
 
 

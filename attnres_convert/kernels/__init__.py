@@ -35,8 +35,9 @@ KERNEL_API = 1
 _KERNELS: list = []  # the Kernels, or the ImportError of importing them
 
 
-def inference_state(embeddings: torch.Tensor, eps: float, capacity: int, queries, runtime: ModelRuntime | None,
-                    mode: str):
+def inference_state(
+    embeddings: torch.Tensor, eps: float, capacity: int, queries, runtime: ModelRuntime | None, mode: str
+):
     """The state of a forward without autograd on these kernels, or None where modeling_attnres's own
     SourceBuffer serves it (many tokens on CPU without ATTNRES_KERNEL=cpu)."""
     if mode == "fla":

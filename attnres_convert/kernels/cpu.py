@@ -151,12 +151,15 @@ def _compile(source: str, openmp: bool):
     logger.info("AttnRes: loading the C++ depth-mix kernels (compiled on their first use on a machine)")
     start = time.perf_counter()
     with _build_lock(name):
-        kernels = load_inline(name, cpp_sources=[source], extra_cflags=flags, extra_ldflags=["-fopenmp"] if openmp else [])
+        kernels = load_inline(
+            name, cpp_sources=[source], extra_cflags=flags, extra_ldflags=["-fopenmp"] if openmp else []
+        )
     seconds = time.perf_counter() - start
     if seconds > 5:
         logger.warning(
             "AttnRes: compiled the C++ depth-mix kernels in %.0f s, once for this machine (torch keeps the build in "
-            "its extension cache, TORCH_EXTENSIONS_DIR)", seconds
+            "its extension cache, TORCH_EXTENSIONS_DIR)",
+            seconds,
         )
     return kernels
 
@@ -175,7 +178,8 @@ def _build_lock(name: str):
     on Windows, torch's lock is taken as it is.)"""
     try:
         import fcntl
-        from torch.utils.cpp_extension import _get_build_directory
+
+        from torch.utils.cpp_extension import _get_build_directory  # noqa: PLC2701 - where torch builds it
     except ImportError:
         yield
         return
@@ -228,10 +232,18 @@ def buffer_mix(
     output and `NO_NORM` for no norm.)"""
     d = sources.shape[-1]
     flat = kernels.buffer_mix(
-        sources.reshape(sources.shape[0], -1, d), m, has_partial, q, stream.reshape(-1, d), eps, count,
+        sources.reshape(sources.shape[0], -1, d),
+        m,
+        has_partial,
+        q,
+        stream.reshape(-1, d),
+        eps,
+        count,
         NONE if table is None else table.reshape(table.shape[0], -1),
         NONE if inv_rms is None else inv_rms.reshape(inv_rms.shape[0], -1),
-        NONE if added is None else added.reshape(-1, d), init, *(norm or NO_NORM),
+        NONE if added is None else added.reshape(-1, d),
+        init,
+        *(norm or NO_NORM),
     )
     return flat.view(stream.shape)
 
@@ -257,8 +269,11 @@ def fused_norm(kernels, norm: torch.nn.Module) -> tuple:
     probe weight (see `_verified`), and the weight is read at every call: changing it, in place or not, leaves
     nothing stale."""
     if (
-        norm._forward_hooks or norm._forward_pre_hooks or "forward" in norm.__dict__
-        or _global_hooks() or torch.is_autocast_enabled("cpu")
+        norm._forward_hooks
+        or norm._forward_pre_hooks
+        or "forward" in norm.__dict__
+        or _global_hooks()
+        or torch.is_autocast_enabled("cpu")
     ):
         return ()
     weight = norm._parameters.get("weight")
@@ -314,5 +329,7 @@ def _verified(kernels, norm: torch.nn.Module) -> tuple | None:
             got = kernels.rms_norm(x, probe, eps, lanes), kernels.rms_norm(x[:, :1].contiguous(), probe, eps, lanes)
             if all(g.shape == e.shape and torch.equal(g, e) for g, e in zip(got, expected)):
                 return eps, lanes
-    logger.info("AttnRes: %s is not fused into the C++ depth mix (its output differs from an RMSNorm's)", type(norm).__name__)
+    logger.info(
+        "AttnRes: %s is not fused into the C++ depth mix (its output differs from an RMSNorm's)", type(norm).__name__
+    )
     return None

@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 
 from ..modeling.modeling_attnres import SourceBuffer
-from .step import StepBuffer
 from .cpu import NO_NORM, NONE, buffer_mix, fused_norm
+from .step import StepBuffer
 
 
 class _Added:
@@ -77,24 +77,39 @@ class CpuBuffer(_Added, SourceBuffer):
         count, taken = self.count, self.take()
         d = self.sources.shape[-1]
         self.native.close_source(
-            self.sources[count].view(-1, d), self.stream.view(-1, d),
-            NONE if taken is None else taken[0].reshape(-1, d), taken is not None and taken[2],
-            self.inv_rms[count].view(-1), eps,
+            self.sources[count].view(-1, d),
+            self.stream.view(-1, d),
+            NONE if taken is None else taken[0].reshape(-1, d),
+            taken is not None and taken[2],
+            self.inv_rms[count].view(-1),
+            eps,
         )
         if self.scores is not None:
             self.score_source(count, first)
         self.count, self.has_partial = count + 1, False
         return self
 
-    def mix(self, q: torch.Tensor, eps: float, scaling: str, reader: int | None = None, norm: tuple = ()) -> torch.Tensor:
+    def mix(
+        self, q: torch.Tensor, eps: float, scaling: str, reader: int | None = None, norm: tuple = ()
+    ) -> torch.Tensor:
         """One kernel call, which first adds the kept output; with `norm` (a `fused_norm`), the sublayer's norm of
         the mix."""
         table = self.scores[..., reader] if self.scores is not None and reader is not None else None
         taken = self.take()
         return buffer_mix(
-            self.native, self.sources, self.count, self.has_partial, q, self.stream, eps, scaling == "count",
-            table=table, inv_rms=self.inv_rms if table is None else None,
-            added=None if taken is None else taken[0], init=taken is not None and taken[2], norm=norm,
+            self.native,
+            self.sources,
+            self.count,
+            self.has_partial,
+            q,
+            self.stream,
+            eps,
+            scaling == "count",
+            table=table,
+            inv_rms=self.inv_rms if table is None else None,
+            added=None if taken is None else taken[0],
+            init=taken is not None and taken[2],
+            norm=norm,
         )
 
 
@@ -113,7 +128,11 @@ class CpuStepBuffer(_Added, StepBuffer):
     def first_output(self) -> bool:
         return False  # a decoding step's buffer starts at zero
 
-    def mix(self, q: torch.Tensor, eps: float, scaling: str, reader: int | None = None, norm: tuple = ()) -> torch.Tensor:
+    def mix(
+        self, q: torch.Tensor, eps: float, scaling: str, reader: int | None = None, norm: tuple = ()
+    ) -> torch.Tensor:
         n, taken = self.count + int(self.has_partial), self.take()
         added, slot = (NONE, 0) if taken is None else taken[:2]
-        return self.native.step_mix(self.step.padded[n], n, q, self.stream, scaling == "count", added, slot, *(norm or NO_NORM))
+        return self.native.step_mix(
+            self.step.padded[n], n, q, self.stream, scaling == "count", added, slot, *(norm or NO_NORM)
+        )

@@ -57,7 +57,9 @@ class StepBuffer(SourceBuffer):
         q = query if key_norm_weight is None else pseudo_query(query, key_norm_weight)
         return pad_query(q * self.step.root_d)  # see _few_token_logits
 
-    def mix(self, q: torch.Tensor, eps: float, scaling: str, reader: int | None = None, norm: tuple = ()) -> torch.Tensor:
+    def mix(
+        self, q: torch.Tensor, eps: float, scaling: str, reader: int | None = None, norm: tuple = ()
+    ) -> torch.Tensor:
         return step_mix(self.step, self.count + int(self.has_partial), q, self.stream, scaling)
 
     def slot(self, j: int) -> torch.Tensor:
@@ -116,9 +118,19 @@ class StepViews(NamedTuple):
         pairs = None
         if shared_stream:
             last = capacity - 1
-            pairs = tuple(padded[..., j::last - j, :d].movedim(-2, 0) for j in range(last))
+            pairs = tuple(padded[..., j :: last - j, :d].movedim(-2, 0) for j in range(last))
         # Index n for n sources (no reader has none).
-        return cls((None,) + constants[1:], (None,) + prefixes, rows, (None,) + flat, slots, scaled, constants[0], pairs, query_rows)
+        return cls(
+            (None,) + constants[1:],
+            (None,) + prefixes,
+            rows,
+            (None,) + flat,
+            slots,
+            scaled,
+            constants[0],
+            pairs,
+            query_rows,
+        )
 
     def write_queries(self, queries: torch.Tensor | None) -> None:
         """A later forward's folded queries [R, D], times sqrt(D), into the rows the `queries` views read (their
@@ -187,7 +199,9 @@ def _few_token_logits(step: StepViews, n: int, q: torch.Tensor) -> torch.Tensor:
     return (keys * q).sum(-1).div_(norms)
 
 
-def _fused_mix(stream: torch.Tensor, weights: torch.Tensor, flat: torch.Tensor, scaling: str, inverse: torch.Tensor) -> torch.Tensor:
+def _fused_mix(
+    stream: torch.Tensor, weights: torch.Tensor, flat: torch.Tensor, scaling: str, inverse: torch.Tensor
+) -> torch.Tensor:
     """n * sum_i alpha_i k_i as H + n * sum_i (alpha_i - 1/n) k_i in one product (exactly H at zero
     queries), for few tokens. flat: the keys as [B*T, n, D], a view of the token-major buffer; inverse:
     1/n as a tensor. (Dtype conversions are skipped where there is none to do: each is an operation.)"""

@@ -100,7 +100,9 @@ class TrainState(NamedTuple):
     def fold(self, query: torch.Tensor, key_norm_weight: torch.Tensor | None) -> torch.Tensor:
         return query if key_norm_weight is None else pseudo_query(query, key_norm_weight)
 
-    def mix(self, q: torch.Tensor, eps: float, scaling: str, reader: int | None = None, norm: tuple = ()) -> torch.Tensor:
+    def mix(
+        self, q: torch.Tensor, eps: float, scaling: str, reader: int | None = None, norm: tuple = ()
+    ) -> torch.Tensor:
         column = None if self.queries is None else reader
         mixed, weights = _DepthMix.apply(
             q, self.stream, self.partial, self.cache, eps, scaling, column, self.kernels, *self.handles
@@ -206,9 +208,16 @@ class _DepthMix(torch.autograd.Function):
         table = None if reader is None else cache.scores[:, :m, reader]
         if kernels is not None:
             mixed, weights, logits, inv_partial = kernels.mix(
-                keys.transpose(0, 1), m, q, stream, eps, scaling == "count",
-                inv_rms=None if table is not None else inv_rms.t(), table=None if table is None else table.t(),
-                partial=partial, save=True,
+                keys.transpose(0, 1),
+                m,
+                q,
+                stream,
+                eps,
+                scaling == "count",
+                inv_rms=None if table is not None else inv_rms.t(),
+                table=None if table is None else table.t(),
+                partial=partial,
+                save=True,
             )
         else:
             with no_autocast(stream):
@@ -234,10 +243,19 @@ class _DepthMix(torch.autograd.Function):
         cache, m, count, reader = ctx.cache, ctx.m, ctx.scaling == "count", ctx.reader
         grads, rms_grads = cache.gradients()
         dpartial, dq = ctx.kernels.mix_backward(
-            grad, keys.transpose(0, 1), m, q, weights, logits, count, grads,
-            inv_rms=inv_rms.t(), rms_grad=rms_grads,
+            grad,
+            keys.transpose(0, 1),
+            m,
+            q,
+            weights,
+            logits,
+            count,
+            grads,
+            inv_rms=inv_rms.t(),
+            rms_grad=rms_grads,
             score_grad=None if reader is None else cache.score_grad[:, :m, reader].t(),
-            partial=partial, inv_partial=inv_partial,
+            partial=partial,
+            inv_partial=inv_partial,
         )
         return (dq, grad if count else None, dpartial, None, None, None, None, None) + (None,) * m
 

@@ -53,24 +53,40 @@ class TritonBuffer(SourceBuffer):
             return self
         slot, taken = self.sources[self.count], self.take()
         close(
-            slot, slot, self.inv_rms[self.count], eps,
-            new=None if taken is None else taken[0], init_partial=taken is not None and taken[1],
-            stream=None if taken is None else taken[2], stream_out=self.stream,
-            queries=self.queries, table=None if self.scores is None else self.scores[self.count],
+            slot,
+            slot,
+            self.inv_rms[self.count],
+            eps,
+            new=None if taken is None else taken[0],
+            init_partial=taken is not None and taken[1],
+            stream=None if taken is None else taken[2],
+            stream_out=self.stream,
+            queries=self.queries,
+            table=None if self.scores is None else self.scores[self.count],
         )
         self.count, self.has_partial = self.count + 1, False
         return self
 
-    def mix(self, q: torch.Tensor, eps: float, scaling: str, reader: int | None = None, norm: tuple = ()) -> torch.Tensor:
+    def mix(
+        self, q: torch.Tensor, eps: float, scaling: str, reader: int | None = None, norm: tuple = ()
+    ) -> torch.Tensor:
         """One launch, which first applies the kept output."""
         m, taken = self.count, self.take()
         table = self.scores[:m, :, reader] if self.scores is not None and reader is not None else None
         mixed, weights, _, _ = mix(
-            self.sources, m, q, self.stream if taken is None else taken[2], eps, scaling == "count",
-            inv_rms=self.inv_rms if table is None else None, table=table,
+            self.sources,
+            m,
+            q,
+            self.stream if taken is None else taken[2],
+            eps,
+            scaling == "count",
+            inv_rms=self.inv_rms if table is None else None,
+            table=table,
             partial=self.sources[m] if self.has_partial else None,
-            new=None if taken is None else taken[0], init_partial=taken is not None and taken[1],
-            stream_out=None if taken is None else self.stream, save=False,
+            new=None if taken is None else taken[0],
+            init_partial=taken is not None and taken[1],
+            stream_out=None if taken is None else self.stream,
+            save=False,
         )
         return mixed
 
@@ -166,19 +182,38 @@ def launch_mix(
     inv_partial = torch.empty(tokens, **f32) if save and partial is not None else None
     flat_out = _rows(stream_out, d) if new is not None else flat_stream
     mix_kernel[(tokens,)](
-        keys, keys.stride(0), keys.stride(1),
-        inv_rms if inv_rms is not None else q, *(inv_rms.stride() if inv_rms is not None else (0, 0)),
-        table if table is not None else q, *(table.stride() if table is not None else (0, 0)),
-        flat_part if partial is not None else q, flat_part.stride(0) if partial is not None else 0,
-        flat_new if new is not None else flat_stream, flat_new.stride(0) if new is not None else 0,
-        flat_stream, flat_stream.stride(0),
-        flat_out, flat_out.stride(0),
+        keys,
+        keys.stride(0),
+        keys.stride(1),
+        inv_rms if inv_rms is not None else q,
+        *(inv_rms.stride() if inv_rms is not None else (0, 0)),
+        table if table is not None else q,
+        *(table.stride() if table is not None else (0, 0)),
+        flat_part if partial is not None else q,
+        flat_part.stride(0) if partial is not None else 0,
+        flat_new if new is not None else flat_stream,
+        flat_new.stride(0) if new is not None else 0,
+        flat_stream,
+        flat_stream.stride(0),
+        flat_out,
+        flat_out.stride(0),
         q,
-        out, d,
-        weights if save else q, logits if save else q, inv_partial if inv_partial is not None else q,
-        m, d, eps,
-        partial is not None, new is not None, init_partial and new is not None, table is not None, count, save,
-        **config, **FP_POLICY,
+        out,
+        d,
+        weights if save else q,
+        logits if save else q,
+        inv_partial if inv_partial is not None else q,
+        m,
+        d,
+        eps,
+        partial is not None,
+        new is not None,
+        init_partial and new is not None,
+        table is not None,
+        count,
+        save,
+        **config,
+        **FP_POLICY,
     )
     return out, weights, logits, inv_partial
 
@@ -207,17 +242,29 @@ def launch_close(
     has_table = queries is not None
     rows = queries.shape[0] if has_table else 1
     close_kernel[(tokens,)](
-        flat_source, flat_source.stride(0),
-        flat_new if has_new else flat_source, flat_new.stride(0) if has_new else 0,
-        flat_stream, flat_stream.stride(0) if has_new else 0,
-        flat_out, flat_out.stride(0) if has_new else 0,
-        dst, dst.stride(0),
-        inv_out, inv_out.stride(0),
-        queries.contiguous() if has_table else dst, rows,
-        table if has_table else dst, table.stride(0) if has_table else 0,
-        d, eps,
-        has_new, init_partial and has_new, has_table,
-        **close_config(d, rows), **FP_POLICY,
+        flat_source,
+        flat_source.stride(0),
+        flat_new if has_new else flat_source,
+        flat_new.stride(0) if has_new else 0,
+        flat_stream,
+        flat_stream.stride(0) if has_new else 0,
+        flat_out,
+        flat_out.stride(0) if has_new else 0,
+        dst,
+        dst.stride(0),
+        inv_out,
+        inv_out.stride(0),
+        queries.contiguous() if has_table else dst,
+        rows,
+        table if has_table else dst,
+        table.stride(0) if has_table else 0,
+        d,
+        eps,
+        has_new,
+        init_partial and has_new,
+        has_table,
+        **close_config(d, rows),
+        **FP_POLICY,
     )
 
 
@@ -248,19 +295,37 @@ def launch_mix_backward(
     n = weights.shape[-1]
     use_table = score_grad is not None
     mix_backward_kernel[(tokens,)](
-        flat_grad, flat_grad.stride(0),
-        keys, keys.stride(0), keys.stride(1),
-        inv_rms if not use_table else q, *(inv_rms.stride() if not use_table else (0, 0)),
-        flat_part if partial is not None else flat_grad, flat_part.stride(0) if partial is not None else 0,
-        q, weights, logits, inv_partial if inv_partial is not None else q,
-        block_grad, block_grad.stride(0), block_grad.stride(1),
-        rms_grad if not use_table else q, *(rms_grad.stride() if not use_table else (0, 0)),
-        score_grad if use_table else q, *(score_grad.stride() if use_table else (0, 0)),
-        flat_dpart if partial is not None else flat_grad, flat_dpart.stride(0) if partial is not None else 0,
-        dq, d,
-        m, d,
-        partial is not None, use_table, count,
-        **row_config(d, n), **FP_POLICY,
+        flat_grad,
+        flat_grad.stride(0),
+        keys,
+        keys.stride(0),
+        keys.stride(1),
+        inv_rms if not use_table else q,
+        *(inv_rms.stride() if not use_table else (0, 0)),
+        flat_part if partial is not None else flat_grad,
+        flat_part.stride(0) if partial is not None else 0,
+        q,
+        weights,
+        logits,
+        inv_partial if inv_partial is not None else q,
+        block_grad,
+        block_grad.stride(0),
+        block_grad.stride(1),
+        rms_grad if not use_table else q,
+        *(rms_grad.stride() if not use_table else (0, 0)),
+        score_grad if use_table else q,
+        *(score_grad.stride() if use_table else (0, 0)),
+        flat_dpart if partial is not None else flat_grad,
+        flat_dpart.stride(0) if partial is not None else 0,
+        dq,
+        d,
+        m,
+        d,
+        partial is not None,
+        use_table,
+        count,
+        **row_config(d, n),
+        **FP_POLICY,
     )
     return dpartial, dq.sum(0)
 
@@ -295,8 +360,22 @@ def _unsupported(config):
     return launch
 
 
-def mix(keys, m, q, stream, eps, count, *, inv_rms=None, table=None, partial=None, new=None, init_partial=False,
-        stream_out=None, save=False):
+def mix(
+    keys,
+    m,
+    q,
+    stream,
+    eps,
+    count,
+    *,
+    inv_rms=None,
+    table=None,
+    partial=None,
+    new=None,
+    init_partial=False,
+    stream_out=None,
+    save=False,
+):
     """One reader's depth mix. keys: completed sources as [>= m, BT, D] (last stride 1, any other strides);
     inv_rms [>= m, BT] (without a table) or table [>= m, BT] (this reader's scores); partial: [..., D], written in
     place when `new` is given (then init_partial says whether it starts at `new`); stream [..., D]; stream_out:
@@ -313,18 +392,28 @@ def mix(keys, m, q, stream, eps, count, *, inv_rms=None, table=None, partial=Non
         make, tokens = _random(stream.device), PROBE_TOKENS
         keys_ = make(m, tokens, d, dtype=keys.dtype)
         inputs = dict(
-            keys=keys_, m=m, stream=make(tokens, d, dtype=stream.dtype), eps=eps, count=count,
+            keys=keys_,
+            m=m,
+            stream=make(tokens, d, dtype=stream.dtype),
+            eps=eps,
+            count=count,
             inv_rms=torch.rsqrt(keys_.float().pow(2).mean(-1) + eps) if not use_table else None,
             table=make(m, tokens) if use_table else None,
             partial=make(tokens, d, dtype=partial.dtype) if has_part else None,
-            new=make(tokens, d, dtype=new.dtype) if has_new else None, init_partial=init,
+            new=make(tokens, d, dtype=new.dtype) if has_new else None,
+            init_partial=init,
             stream_out=torch.empty(tokens, d, dtype=stream_out.dtype, device=stream.device) if has_new else None,
             save=save,
         )
         launch = launch_mix if isinstance(config, tuple) else _unsupported(config)
         for q_ in (make(d, scale=0.5), torch.zeros(d, device=stream.device)):
-            got, want = run_both(launch, reference_mix, dict(inputs, q=q_), ("out", "weights", "logits", "inv_partial"),
-                                 ("partial", "stream_out"))
+            got, want = run_both(
+                launch,
+                reference_mix,
+                dict(inputs, q=q_),
+                ("out", "weights", "logits", "inv_partial"),
+                ("partial", "stream_out"),
+            )
             exact = ("stream_out", "out") if count and not use_table and not q_.any() else ("stream_out",)
             difference = compare(got, want, exact)
             if difference is not None:
@@ -332,12 +421,26 @@ def mix(keys, m, q, stream, eps, count, *, inv_rms=None, table=None, partial=Non
         return None
 
     run = launch_mix if trusted(key, "mix_kernel", stream.device, probe) else reference_mix
-    return run(keys, m, q, stream, eps, count, inv_rms=inv_rms, table=table, partial=partial, new=new,
-               init_partial=init_partial, stream_out=stream_out, save=save)
+    return run(
+        keys,
+        m,
+        q,
+        stream,
+        eps,
+        count,
+        inv_rms=inv_rms,
+        table=table,
+        partial=partial,
+        new=new,
+        init_partial=init_partial,
+        stream_out=stream_out,
+        save=save,
+    )
 
 
-def close(source, dst, inv_out, eps, *, new=None, init_partial=False, stream=None, stream_out=None, queries=None,
-          table=None) -> None:
+def close(
+    source, dst, inv_out, eps, *, new=None, init_partial=False, stream=None, stream_out=None, queries=None, table=None
+) -> None:
     """A source completes: dst [BT, D] float32 = source (+ new, which also moves stream to stream_out),
     inv_out [BT] its 1 / rms, and with queries [R, D] its scores into table [BT, R] (unit column stride).
     The kernel once its variant passed the self-check, else the reference."""
@@ -352,9 +455,12 @@ def close(source, dst, inv_out, eps, *, new=None, init_partial=False, stream=Non
     def probe():
         make, tokens = _random(dst.device), PROBE_TOKENS
         inputs = dict(
-            source=make(tokens, d, dtype=source.dtype), dst=torch.empty(tokens, d, device=dst.device),
-            inv_out=torch.empty(tokens, device=dst.device), eps=eps,
-            new=make(tokens, d, dtype=new.dtype) if has_new else None, init_partial=init,
+            source=make(tokens, d, dtype=source.dtype),
+            dst=torch.empty(tokens, d, device=dst.device),
+            inv_out=torch.empty(tokens, device=dst.device),
+            eps=eps,
+            new=make(tokens, d, dtype=new.dtype) if has_new else None,
+            init_partial=init,
             stream=make(tokens, d, dtype=stream.dtype) if has_new else None,
             stream_out=torch.empty(tokens, d, dtype=stream_out.dtype, device=dst.device) if has_new else None,
             queries=make(rows, d, scale=0.5) if has_table else None,
@@ -365,12 +471,36 @@ def close(source, dst, inv_out, eps, *, new=None, init_partial=False, stream=Non
         return compare(got, want, exact=("stream_out",))
 
     run = launch_close if trusted(key, "close_kernel", dst.device, probe) else reference_close
-    run(source, dst, inv_out, eps, new=new, init_partial=init_partial, stream=stream, stream_out=stream_out,
-        queries=queries, table=table)
+    run(
+        source,
+        dst,
+        inv_out,
+        eps,
+        new=new,
+        init_partial=init_partial,
+        stream=stream,
+        stream_out=stream_out,
+        queries=queries,
+        table=table,
+    )
 
 
-def mix_backward(grad, keys, m, q, weights, logits, count, block_grad, *, inv_rms=None, rms_grad=None,
-                 score_grad=None, partial=None, inv_partial=None):
+def mix_backward(
+    grad,
+    keys,
+    m,
+    q,
+    weights,
+    logits,
+    count,
+    block_grad,
+    *,
+    inv_rms=None,
+    rms_grad=None,
+    score_grad=None,
+    partial=None,
+    inv_partial=None,
+):
     """The backward of `mix` on a training cache: adds to block_grad [>= m, BT, D] and to score_grad
     [>= m, BT] (with a table) or rms_grad [>= m, BT] (without), in place. Returns (d partial, d q).
     The kernel once its variant passed the self-check, else the reference."""
@@ -385,8 +515,13 @@ def mix_backward(grad, keys, m, q, weights, logits, count, block_grad, *, inv_rm
         keys_ = make(m, tokens, d, dtype=keys.dtype)
         logits_ = make(tokens, n)
         inputs = dict(
-            grad=make(tokens, d, dtype=grad.dtype), keys=keys_, m=m, q=make(d, scale=0.5),
-            weights=torch.softmax(logits_, -1), logits=logits_, count=count,
+            grad=make(tokens, d, dtype=grad.dtype),
+            keys=keys_,
+            m=m,
+            q=make(d, scale=0.5),
+            weights=torch.softmax(logits_, -1),
+            logits=logits_,
+            count=count,
             block_grad=make(m, tokens, d, scale=0.1),
             inv_rms=torch.rsqrt(keys_.float().pow(2).mean(-1) + 1e-6),
             rms_grad=None if use_table else make(m, tokens, scale=0.1),
@@ -395,10 +530,24 @@ def mix_backward(grad, keys, m, q, weights, logits, count, block_grad, *, inv_rm
             inv_partial=make(tokens).abs() + 0.5 if has_part else None,
         )
         launch = launch_mix_backward if isinstance(config, tuple) else _unsupported(config)
-        got, want = run_both(launch, reference_mix_backward, inputs, ("dpartial", "dq"),
-                             ("block_grad", "rms_grad", "score_grad"))
+        got, want = run_both(
+            launch, reference_mix_backward, inputs, ("dpartial", "dq"), ("block_grad", "rms_grad", "score_grad")
+        )
         return compare(got, want)
 
     run = launch_mix_backward if trusted(key, "mix_backward_kernel", grad.device, probe) else reference_mix_backward
-    return run(grad, keys, m, q, weights, logits, count, block_grad, inv_rms=inv_rms, rms_grad=rms_grad,
-               score_grad=score_grad, partial=partial, inv_partial=inv_partial)
+    return run(
+        grad,
+        keys,
+        m,
+        q,
+        weights,
+        logits,
+        count,
+        block_grad,
+        inv_rms=inv_rms,
+        rms_grad=rms_grad,
+        score_grad=score_grad,
+        partial=partial,
+        inv_partial=inv_partial,
+    )

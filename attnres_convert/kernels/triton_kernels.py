@@ -56,22 +56,56 @@ def _rounded(x, ptr):
 # Sizes, the strides of tables (which can be 1 or not for the same call site) and the flags (Triton 3.2 specialises a
 # False as an integer divisible by 16) are not specialised on their value: one compiled program per block sizes and
 # dtypes, whatever the number of sources or tokens and whichever flags are set.
-@triton.jit(do_not_specialize=["s_inv", "t_inv", "s_table", "t_table", "m", "has_part", "has_new", "init_part",
-                               "use_table", "count", "save"])
+@triton.jit(
+    do_not_specialize=[
+        "s_inv",
+        "t_inv",
+        "s_table",
+        "t_table",
+        "m",
+        "has_part",
+        "has_new",
+        "init_part",
+        "use_table",
+        "count",
+        "save",
+    ]
+)
 def mix_kernel(
-    keys, s_keys, t_keys,  # completed source i of token t at keys + i * s_keys + t * t_keys
-    inv, s_inv, t_inv,  # their 1 / rms (without a table)
-    table, s_table, t_table,  # their scores for this reader (with a table)
-    part, t_part,  # the partial sum, float32 (inference: the buffer slot) or model dtype (training)
-    new, t_new,  # the previous sublayer's output, applied first (has_new)
-    stream, t_stream,  # the residual stream before that output
-    stream_out, t_stream_out,  # the stream after it (has_new)
+    keys,
+    s_keys,
+    t_keys,  # completed source i of token t at keys + i * s_keys + t * t_keys
+    inv,
+    s_inv,
+    t_inv,  # their 1 / rms (without a table)
+    table,
+    s_table,
+    t_table,  # their scores for this reader (with a table)
+    part,
+    t_part,  # the partial sum, float32 (inference: the buffer slot) or model dtype (training)
+    new,
+    t_new,  # the previous sublayer's output, applied first (has_new)
+    stream,
+    t_stream,  # the residual stream before that output
+    stream_out,
+    t_stream_out,  # the stream after it (has_new)
     q,  # the folded query [D], float32
-    out, t_out,  # the mix, in the stream's dtype
-    w_out, l_out, ip_out,  # weights [BT, n], scores [BT, n], the partial's 1 / rms [BT] (save)
-    m, D, eps,
-    has_part, has_new, init_part, use_table, count, save,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    out,
+    t_out,  # the mix, in the stream's dtype
+    w_out,
+    l_out,
+    ip_out,  # weights [BT, n], scores [BT, n], the partial's 1 / rms [BT] (save)
+    m,
+    D,
+    eps,
+    has_part,
+    has_new,
+    init_part,
+    use_table,
+    count,
+    save,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     slots = tl.arange(0, BLOCK_N)
@@ -104,7 +138,9 @@ def mix_kernel(
     if use_table:
         logits = tl.load(table + slots * s_table + t * t_table, mask=completed, other=float("-inf"))
     else:
-        logits = tl.where(completed, dots * tl.load(inv + slots * s_inv + t * t_inv, mask=completed, other=0.0), float("-inf"))
+        logits = tl.where(
+            completed, dots * tl.load(inv + slots * s_inv + t * t_inv, mask=completed, other=0.0), float("-inf")
+        )
     n = m
     inv_p = tl.full([], 0.0, tl.float32)
     if has_part:
@@ -151,16 +187,29 @@ def mix_kernel(
 
 @triton.jit(do_not_specialize=["t_inv", "R", "t_table", "has_new", "init_part", "has_table"])
 def close_kernel(
-    part, t_part,  # the partial sum (or the embedding)
-    new, t_new,  # the last output of the block, joined first (has_new)
-    stream, t_stream, stream_out, t_stream_out,  # the stream update that output makes (has_new)
-    dst, t_dst,  # the completed source's float32 slot (may be `part` itself)
-    inv_out, t_inv,  # its 1 / rms
-    queries, R,  # every sublayer's folded query [R, D], float32, contiguous (has_table)
-    table, t_table,  # the score table's rows for this source, [BT, R] with unit column stride
-    D, eps,
-    has_new, init_part, has_table,
-    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+    part,
+    t_part,  # the partial sum (or the embedding)
+    new,
+    t_new,  # the last output of the block, joined first (has_new)
+    stream,
+    t_stream,
+    stream_out,
+    t_stream_out,  # the stream update that output makes (has_new)
+    dst,
+    t_dst,  # the completed source's float32 slot (may be `part` itself)
+    inv_out,
+    t_inv,  # its 1 / rms
+    queries,
+    R,  # every sublayer's folded query [R, D], float32, contiguous (has_table)
+    table,
+    t_table,  # the score table's rows for this source, [BT, R] with unit column stride
+    D,
+    eps,
+    has_new,
+    init_part,
+    has_table,
+    BLOCK_R: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     rows = tl.arange(0, BLOCK_R)
@@ -191,20 +240,44 @@ def close_kernel(
         tl.store(table + t * t_table + rows, scores * inv, mask=rmask)
 
 
-@triton.jit(do_not_specialize=["s_inv", "t_inv", "s_rms", "t_rms", "s_sg", "t_sg", "m", "has_part", "use_table",
-                               "count"])
+@triton.jit(
+    do_not_specialize=["s_inv", "t_inv", "s_rms", "t_rms", "s_sg", "t_sg", "m", "has_part", "use_table", "count"]
+)
 def mix_backward_kernel(
-    g, t_g,  # the mix's gradient
-    keys, s_keys, t_keys, inv, s_inv, t_inv, part, t_part, q,  # as in mix_kernel
-    w, l, ip,  # saved weights and scores [BT, n], the partial's 1 / rms [BT]
-    grad, s_grad, t_grad,  # the completed blocks' gradient buffer, float32, added to in place
-    rms_grad, s_rms, t_rms,  # their per-token coefficient of k_i (without a table)
-    score_grad, s_sg, t_sg,  # this reader's column of the score table's gradient (with a table)
-    dpart, t_dpart,  # the partial sum's gradient, in its dtype
-    dq, t_dq,  # per-token rows of the query's gradient, float32
-    m, D,
-    has_part, use_table, count,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    g,
+    t_g,  # the mix's gradient
+    keys,
+    s_keys,
+    t_keys,
+    inv,
+    s_inv,
+    t_inv,
+    part,
+    t_part,
+    q,  # as in mix_kernel
+    w,
+    l,
+    ip,  # saved weights and scores [BT, n], the partial's 1 / rms [BT]
+    grad,
+    s_grad,
+    t_grad,  # the completed blocks' gradient buffer, float32, added to in place
+    rms_grad,
+    s_rms,
+    t_rms,  # their per-token coefficient of k_i (without a table)
+    score_grad,
+    s_sg,
+    t_sg,  # this reader's column of the score table's gradient (with a table)
+    dpart,
+    t_dpart,  # the partial sum's gradient, in its dtype
+    dq,
+    t_dq,  # per-token rows of the query's gradient, float32
+    m,
+    D,
+    has_part,
+    use_table,
+    count,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     slots = tl.arange(0, BLOCK_N)

@@ -15,8 +15,22 @@ def _rows(x: torch.Tensor | None, d: int) -> torch.Tensor | None:
     return None if x is None else x.reshape(-1, d)
 
 
-def mix(keys, m, q, stream, eps, count, *, inv_rms=None, table=None, partial=None, new=None,
-        init_partial=False, stream_out=None, save=False):
+def mix(
+    keys,
+    m,
+    q,
+    stream,
+    eps,
+    count,
+    *,
+    inv_rms=None,
+    table=None,
+    partial=None,
+    new=None,
+    init_partial=False,
+    stream_out=None,
+    save=False,
+):
     """triton.mix (same arguments, same writes: the partial sum and stream_out when `new` is given)."""
     d = stream.shape[-1]
     h = _rows(stream, d).float()
@@ -55,8 +69,9 @@ def mix(keys, m, q, stream, eps, count, *, inv_rms=None, table=None, partial=Non
     return out, e / total, logits, inv_partial
 
 
-def close(source, dst, inv_out, eps, *, new=None, init_partial=False, stream=None, stream_out=None,
-          queries=None, table=None):
+def close(
+    source, dst, inv_out, eps, *, new=None, init_partial=False, stream=None, stream_out=None, queries=None, table=None
+):
     """triton.close (same arguments, same writes: dst, inv_out, the table and stream_out)."""
     d = dst.shape[-1]
     k = _rows(source, d).float()
@@ -71,8 +86,22 @@ def close(source, dst, inv_out, eps, *, new=None, init_partial=False, stream=Non
         table.copy_((dst @ queries.float().t()) * inv[:, None])
 
 
-def mix_backward(grad, keys, m, q, weights, logits, count, block_grad, *, inv_rms=None, rms_grad=None,
-                 score_grad=None, partial=None, inv_partial=None):
+def mix_backward(
+    grad,
+    keys,
+    m,
+    q,
+    weights,
+    logits,
+    count,
+    block_grad,
+    *,
+    inv_rms=None,
+    rms_grad=None,
+    score_grad=None,
+    partial=None,
+    inv_partial=None,
+):
     """triton.mix_backward (same arguments, same in-place adds to block_grad and score_grad or rms_grad)."""
     d, tokens, n = keys.shape[-1], keys.shape[1], weights.shape[-1]
     g = grad.reshape(tokens, d).float()

@@ -56,7 +56,9 @@ def paged_attention(module: nn.Module, query, key, value, attention_mask, **kwar
     return output.reshape(1, tokens, -1, head_dim_v), None
 
 
-AttentionInterface.register(ATTENTION_IMPLEMENTATION, paged_attention)  # transformers' public registry of attention functions
+AttentionInterface.register(
+    ATTENTION_IMPLEMENTATION, paged_attention
+)  # transformers' public registry of attention functions
 
 # The shapes each attention module hands over, recorded by one probe forward when the model is built: vLLM's model
 # config describes the attention as vLLM's own implementation of the family runs it (DeepSeek's latent attention as
@@ -98,19 +100,30 @@ class AttnResForCausalLMVllm(nn.Module):
         model_config = vllm_config.model_config
         config = model_config.hf_config
         self.family = config.get_text_config().model_type
-        if vllm_config.parallel_config.tensor_parallel_size > 1 or vllm_config.parallel_config.pipeline_parallel_size > 1:
-            raise ServingRefused(self.family, "tensor and pipeline parallelism are not supported (the converted "
-                                 "model runs whole on one device)")
+        if (
+            vllm_config.parallel_config.tensor_parallel_size > 1
+            or vllm_config.parallel_config.pipeline_parallel_size > 1
+        ):
+            raise ServingRefused(
+                self.family,
+                "tensor and pipeline parallelism are not supported (the converted model runs whole on one device)",
+            )
         device = vllm_config.device_config.device
         # The folder's own code and transformers' own loading, as `generate` runs them: the weights are what
         # transformers makes of the checkpoint (renamed and fused the base model's way), whatever vLLM would.
         self.model = AutoModelForCausalLM.from_pretrained(
-            model_config.model, config=config, revision=model_config.revision,
-            trust_remote_code=model_config.trust_remote_code, dtype=model_config.dtype, device_map={"": device},
+            model_config.model,
+            config=config,
+            revision=model_config.revision,
+            trust_remote_code=model_config.trust_remote_code,
+            dtype=model_config.dtype,
+            device_map={"": device},
         ).eval()
         plan = getattr(self.model, "_attnres_plan", None)
         if plan is None or not all(hasattr(plan, name) for name in ("base_model", "layers", "lm_head")):
-            raise ServingRefused(self.family, "its modeling code predates the plan vLLM serving reads", release=release())
+            raise ServingRefused(
+                self.family, "its modeling code predates the plan vLLM serving reads", release=release()
+            )
         self.plan = plan
         reason = unservable_reason(self.model, interface_call)
         if reason is not None:
@@ -150,11 +163,14 @@ class AttnResForCausalLMVllm(nn.Module):
         try:
             return self.base(**tokens, position_ids=positions[None], use_cache=False)
         except Exception as error:
-            raise ServingRefused(self.family, (
-                "its forward fails on vLLM's batch (every request's tokens as one sequence with their positions, no "
-                f"attention mask): {type(error).__name__}: {error}. A module that reads other tokens itself instead "
-                "of through transformers' attention interface (a sparse-attention indexer, for one) cannot run on it"
-            )) from error
+            raise ServingRefused(
+                self.family,
+                (
+                    "its forward fails on vLLM's batch (every request's tokens as one sequence with their positions, no "
+                    f"attention mask): {type(error).__name__}: {error}. A module that reads other tokens itself instead "
+                    "of through transformers' attention interface (a sparse-attention indexer, for one) cannot run on it"
+                ),
+            ) from error
 
     def _attach_attention(self, vllm_config, prefix: str, shapes: dict[int, AttentionShape]) -> int:
         """One vLLM `Attention` per decoder layer, for the module of that layer that calls transformers'
@@ -170,44 +186,70 @@ class AttnResForCausalLMVllm(nn.Module):
         for index, layer in enumerate(layers):
             name, module = next((n, m) for n, m in layer.named_modules() if interface_call(type(m).forward) is not None)
             if id(module) not in shapes:
-                raise ServingRefused(self.family, f"the attention of layer {index} ({type(module).__name__}) was not "
-                                     "called through transformers' attention interface in a forward")
+                raise ServingRefused(
+                    self.family,
+                    f"the attention of layer {index} ({type(module).__name__}) was not "
+                    "called through transformers' attention interface in a forward",
+                )
             shape = shapes[id(module)]
             if shape.data:
-                raise ServingRefused(self.family, f"the attention of layer {index} ({type(module).__name__}) passes "
-                                     f"{', '.join(f'`{k}`' for k in shape.data)} with the call, a tensor vLLM's "
-                                     "attention has no input for")
+                raise ServingRefused(
+                    self.family,
+                    f"the attention of layer {index} ({type(module).__name__}) passes "
+                    f"{', '.join(f'`{k}`' for k in shape.data)} with the call, a tensor vLLM's "
+                    "attention has no input for",
+                )
             scale = shape.call.get("scaling", getattr(module, "scaling", None))
             if scale is None:
-                raise ServingRefused(self.family, f"the attention of layer {index} ({type(module).__name__}) has no "
-                                     "`scaling` to give vLLM's attention")
+                raise ServingRefused(
+                    self.family,
+                    f"the attention of layer {index} ({type(module).__name__}) has no "
+                    "`scaling` to give vLLM's attention",
+                )
             if "sliding_window" in shape.call:  # what the module passes for its own layer
                 window = shape.call["sliding_window"]
             else:
-                sliding = layer_types is not None and index < len(layer_types) and layer_types[index] == "sliding_attention"
+                sliding = (
+                    layer_types is not None and index < len(layer_types) and layer_types[index] == "sliding_attention"
+                )
                 window = text_config.sliding_window if sliding else None
-            module.add_module(VLLM_ATTENTION, Attention(
-                num_heads=shape.heads,
-                head_size=shape.head_size,
-                scale=float(scale),
-                num_kv_heads=shape.kv_heads,
-                cache_config=cache_config,
-                quant_config=vllm_config.quant_config,
-                logits_soft_cap=shape.call.get("softcap", getattr(text_config, "attn_logit_softcapping", None)),
-                per_layer_sliding_window=window,
-                prefix=f"{layers_prefix}.{index}.{name}.{VLLM_ATTENTION}",
-                # Learned attention sinks (GPT-OSS, Granite SWA: `s_aux` in the attention call), loaded already.
-                **({"sinks": module.sinks.detach()} if isinstance(getattr(module, "sinks", None), torch.Tensor) else {}),
-            ))
+            module.add_module(
+                VLLM_ATTENTION,
+                Attention(
+                    num_heads=shape.heads,
+                    head_size=shape.head_size,
+                    scale=float(scale),
+                    num_kv_heads=shape.kv_heads,
+                    cache_config=cache_config,
+                    quant_config=vllm_config.quant_config,
+                    logits_soft_cap=shape.call.get("softcap", getattr(text_config, "attn_logit_softcapping", None)),
+                    per_layer_sliding_window=window,
+                    prefix=f"{layers_prefix}.{index}.{name}.{VLLM_ATTENTION}",
+                    # Learned attention sinks (GPT-OSS, Granite SWA: `s_aux` in the attention call), loaded already.
+                    **(
+                        {"sinks": module.sinks.detach()}
+                        if isinstance(getattr(module, "sinks", None), torch.Tensor)
+                        else {}
+                    ),
+                ),
+            )
         return len(layers)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.base.get_input_embeddings()(input_ids)
 
-    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, intermediate_tensors=None,
-                inputs_embeds: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        intermediate_tensors=None,
+        inputs_embeds: torch.Tensor | None = None,
+        **kwargs,
+    ) -> torch.Tensor:
         # vLLM's flattened tokens as a batch of one sequence, the layout transformers' modules expect.
-        tokens = dict(inputs_embeds=inputs_embeds[None]) if inputs_embeds is not None else dict(input_ids=input_ids[None])
+        tokens = (
+            dict(inputs_embeds=inputs_embeds[None]) if inputs_embeds is not None else dict(input_ids=input_ids[None])
+        )
         _CALLS[0] = 0
         outputs = self._run_base(tokens, positions)
         if _CALLS[0] != self.attention_layers:

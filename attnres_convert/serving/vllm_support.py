@@ -17,12 +17,16 @@ class ServingRefused(ValueError):
     def __init__(self, family: str, reason: str, release: str | None = None):
         self.family, self.reason = family, reason
         if release is not None:
-            fix = (f"re-save it with attnres >= {release}'s code (`attnres upgrade FOLDER --trust-remote-code`, checked "
-                   "exactly against the folder's own code), whose modeling code vLLM serves; transformers' `generate` "
-                   "serves this folder as it is")
+            fix = (
+                f"re-save it with attnres >= {release}'s code (`attnres upgrade FOLDER --trust-remote-code`, checked "
+                "exactly against the folder's own code), whose modeling code vLLM serves; transformers' `generate` "
+                "serves this folder as it is"
+            )
         else:
-            fix = ("serve it with transformers' `generate` (AutoModelForCausalLM.from_pretrained(folder, "
-                   "trust_remote_code=True)), which runs every family attnres converts")
+            fix = (
+                "serve it with transformers' `generate` (AutoModelForCausalLM.from_pretrained(folder, "
+                "trust_remote_code=True)), which runs every family attnres converts"
+            )
         super().__init__(f"vLLM cannot serve this AttnRes model (base family {family!r}): {reason}. Fallback: {fix}.")
 
 
@@ -34,7 +38,7 @@ def release() -> str:
 # Families the serving sweep (benchmarks/vllm_sweep.py) found served with tokens other than `generate`'s, whose
 # cause is not known: refused rather than served wrong.
 INEXACT = {
-    "moshi": "vLLM's greedy tokens differed from transformers' `generate` on the same folder in the serving sweep",
+    "moshi": "vLLM's greedy tokens differed from transformers' `generate` on the same folder in the serving sweep"
 }
 
 
@@ -55,11 +59,15 @@ def unservable_reason(model: nn.Module, interface_call: Callable) -> str | None:
         if len(found) == 1:
             continue
         if not found:
-            return (f"decoder layer {index} ({type(layer).__name__}) has no module that calls transformers' attention "
-                    "interface, where vLLM's paged attention takes over: its attention is computed in the model's own "
-                    "code, or its tokens are mixed through a recurrent state (Mamba, linear attention), which vLLM's "
-                    "paged KV cache does not hold")
-        return f"decoder layer {index} ({type(layer).__name__}) calls attention from several modules ({', '.join(found)})"
+            return (
+                f"decoder layer {index} ({type(layer).__name__}) has no module that calls transformers' attention "
+                "interface, where vLLM's paged attention takes over: its attention is computed in the model's own "
+                "code, or its tokens are mixed through a recurrent state (Mamba, linear attention), which vLLM's "
+                "paged KV cache does not hold"
+            )
+        return (
+            f"decoder layer {index} ({type(layer).__name__}) calls attention from several modules ({', '.join(found)})"
+        )
     if getattr(model, "_is_stateful", False):
         return "its base model carries a recurrent state from token to token, which vLLM's paged KV cache does not hold"
     return None

@@ -88,8 +88,16 @@ class OwnNamesModel(OwnNamesPreTrainedModel):
     def set_input_embeddings(self, value):
         self.wte = value
 
-    def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, inputs_embeds=None,
-                use_cache=None, **kwargs):
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        position_ids=None,
+        cache=None,
+        inputs_embeds=None,
+        use_cache=None,
+        **kwargs,
+    ):
         hidden = self.wte(input_ids) if inputs_embeds is None else inputs_embeds
         if use_cache and cache is None:
             cache = DynamicCache()
@@ -103,7 +111,9 @@ class OwnNamesModel(OwnNamesPreTrainedModel):
             mask = mask & attention_mask[:, None, None, : past + length].bool()
         for block in self.h:
             hidden = block(hidden, mask, cache if use_cache else None)
-        return BaseModelOutputWithPast(last_hidden_state=self.ln_f(hidden), **{CACHE_FIELD: cache if use_cache else None})
+        return BaseModelOutputWithPast(
+            last_hidden_state=self.ln_f(hidden), **{CACHE_FIELD: cache if use_cache else None}
+        )
 
 
 class OwnNamesForCausalLM(OwnNamesPreTrainedModel, GenerationMixin):
@@ -124,11 +134,28 @@ class OwnNamesForCausalLM(OwnNamesPreTrainedModel, GenerationMixin):
     def get_input_embeddings(self):
         return self.transformer.wte
 
-    def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, past_key_values=None,
-                inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, **kwargs):
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        position_ids=None,
+        cache=None,
+        past_key_values=None,
+        inputs_embeds=None,
+        labels=None,
+        use_cache=None,
+        logits_to_keep=0,
+        **kwargs,
+    ):
         cache = cache if cache is not None else past_key_values
-        outputs = self.transformer(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                                   cache=cache, inputs_embeds=inputs_embeds, use_cache=use_cache)
+        outputs = self.transformer(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+        )
         hidden = outputs.last_hidden_state
         logits = self.unembed(hidden[:, -logits_to_keep:] if logits_to_keep else hidden)
         return CausalLMOutputWithPast(logits=logits, **{CACHE_FIELD: getattr(outputs, CACHE_FIELD)})

@@ -80,8 +80,16 @@ class TinyPreNormModel(TinyPreNormPreTrainedModel):
     def set_input_embeddings(self, value):
         self.embed = value
 
-    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
-                inputs_embeds=None, use_cache=None, **kwargs):
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        position_ids=None,
+        past_key_values=None,
+        inputs_embeds=None,
+        use_cache=None,
+        **kwargs,
+    ):
         hidden = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         if use_cache and past_key_values is None:
             past_key_values = DynamicCache(config=self.config)
@@ -96,7 +104,9 @@ class TinyPreNormModel(TinyPreNormPreTrainedModel):
             mask = mask & attention_mask[:, None, None, : past + length].bool()
         for block in self.blocks:
             hidden = block(hidden, attention_mask=mask, past_key_values=past_key_values if use_cache else None)
-        return BaseModelOutputWithPast(last_hidden_state=self.final_norm(hidden), past_key_values=past_key_values if use_cache else None)
+        return BaseModelOutputWithPast(
+            last_hidden_state=self.final_norm(hidden), past_key_values=past_key_values if use_cache else None
+        )
 
 
 class TinyPreNormForCausalLM(TinyPreNormPreTrainedModel, GenerationMixin):
@@ -114,14 +124,31 @@ class TinyPreNormForCausalLM(TinyPreNormPreTrainedModel, GenerationMixin):
     def set_output_embeddings(self, value):
         self.lm_head = value
 
-    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
-                inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, cache=None, **kwargs):
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        position_ids=None,
+        past_key_values=None,
+        inputs_embeds=None,
+        labels=None,
+        use_cache=None,
+        logits_to_keep=0,
+        cache=None,
+        **kwargs,
+    ):
         # generate() passes the cache as `cache` since transformers renamed it (as `past_key_values` before): a
         # repository's code that still took only the old name would decode without its cache. The base model
         # below keeps the old name only, as much remote code does.
         past_key_values = cache if cache is not None else past_key_values
-        outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                             past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache)
+        outputs = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+        )
         hidden = outputs.last_hidden_state
         logits = self.lm_head(hidden[:, -logits_to_keep:] if logits_to_keep else hidden)
         return CausalLMOutputWithPast(logits=logits, past_key_values=outputs.past_key_values)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import re
 
-
 # The AttnRes tensors' own names, relative to the module that holds them (sublayers `self_attention`, `mlp`,
 # `mlp_2`..., the output aggregation `output_attn`; `down` and `up` of input-dependent queries).
 ATTNRES_TENSOR = re.compile(
