@@ -15,6 +15,7 @@ import signal
 import sys
 import warnings
 from collections.abc import Callable, Iterator
+from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
@@ -420,3 +421,19 @@ def options_from(model: type, parameter: str = "options", panel: str = "Options"
         return wrapper
 
     return decorate
+
+
+# Hub options shared by every command that writes a model folder (convert, finetune).
+PushToHubOption = Annotated[
+    Optional[str], typer.Option("--push-to-hub", metavar="REPO_ID", help="Upload the saved folder to this hub repo.")
+]
+PrivateOption = Annotated[bool, typer.Option("--private", help="Create the hub repo as private.")]
+VerboseOption = Annotated[
+    bool, typer.Option("--verbose", "-v", help="Show every setting and detail, not only the result.")
+]
+TokenOption = Annotated[
+    Optional[str],
+    typer.Option(
+        "--token", help="HuggingFace token with write access (default: HF_TOKEN, else the `hf auth login` cache)."
+    ),
+]

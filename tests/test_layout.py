@@ -39,6 +39,7 @@ RANK = {
     ROOT: 6,
     "cli_kit": 6.5,
     "cli_tables": 6.6,
+    "cli_training": 6.7,
     "cli": 7,
     "__main__": 8,
 }

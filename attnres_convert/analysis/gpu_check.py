@@ -39,7 +39,6 @@ import gc
 import importlib
 import importlib.metadata
 import json
-import math
 import os
 import re
 import shutil
@@ -56,7 +55,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..io.console import quiet_libraries
-from .gpu_check_mix import depth_mix_kernels, mix_markdown
+from .gpu_check_mix import depth_mix_kernels
+from .gpu_check_plan import QUICK_PLAN, QUICK_SHAPES, SHAPES, Plan
+from .gpu_check_report import markdown, results_name
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout: the package's parent
 WHEELS = ROOT / "gpu-check-wheels"
@@ -64,109 +65,6 @@ REPORT_JSON, REPORT_MD = "gpu-check.json", "gpu-check.md"
 # What a full check may take on one GPU, and what is kept back to write the reports.
 DEADLINE_S = 480
 REPORT_RESERVE_S = 10
-
-# The two shapes (Llama architecture, random weights): SmolLM2-135M's config and Llama-3.2-1B's.
-SHAPES = {
-    "smollm2-135m": dict(
-        hidden_size=576,
-        intermediate_size=1536,
-        num_hidden_layers=30,
-        num_attention_heads=9,
-        num_key_value_heads=3,
-        vocab_size=49152,
-        max_position_embeddings=8192,
-        rope_theta=100000.0,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=True,
-        bos_token_id=1,
-        eos_token_id=2,
-    ),
-    "llama-3.2-1b": dict(
-        hidden_size=2048,
-        intermediate_size=8192,
-        num_hidden_layers=16,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=64,
-        vocab_size=128256,
-        max_position_embeddings=131072,
-        rope_theta=500000.0,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=True,
-        bos_token_id=128000,
-        eos_token_id=128001,
-        rope_scaling=dict(
-            rope_type="llama3",
-            factor=32.0,
-            low_freq_factor=1.0,
-            high_freq_factor=4.0,
-            original_max_position_embeddings=8192,
-        ),
-    ),
-}
-# --quick: the same two kinds of shape (GQA, tied embeddings, llama3 rope), small enough for two CPU cores.
-QUICK_SHAPES = {
-    "smollm2-135m": dict(
-        SHAPES["smollm2-135m"],
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=512,
-    ),
-    "llama-3.2-1b": dict(
-        SHAPES["llama-3.2-1b"],
-        hidden_size=64,
-        intermediate_size=256,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        vocab_size=1024,
-        bos_token_id=1,
-        eos_token_id=2,
-    ),
-}
-
-
-@dataclass
-class Plan:
-    """How much each stage does: the GPU sizes, or --quick's."""
-
-    exact_tokens: int = 128
-    exact_new_tokens: int = 32
-    bench: dict = field(default_factory=lambda: dict(batch=1, seq_len=512, decode_tokens=32, rounds=3))
-    ab_overrides: list[str] = field(
-        default_factory=lambda: [
-            "train.steps=150",
-            "eval.every=50",
-            "eval.max_sequences=64",
-            "train.micro_batch=16",
-            "data.seq_len=256",
-            "train.mixed_precision=bf16",
-        ]
-    )
-
-
-QUICK_PLAN = Plan(
-    exact_tokens=24,
-    exact_new_tokens=8,
-    bench=dict(batch=1, seq_len=32, decode_tokens=4, rounds=1),
-    ab_overrides=[
-        "model.layers=4",
-        "model.hidden=64",
-        "model.heads=2",
-        "model.kv_heads=2",
-        "model.num_blocks=2",
-        "train.steps=6",
-        "eval.every=3",
-        "eval.max_sequences=4",
-        "train.micro_batch=2",
-        "data.seq_len=32",
-        "train.warmup_steps=1",
-    ],
-)
 
 
 @dataclass
@@ -705,100 +603,6 @@ def _one_line(error: BaseException) -> str:
 
 def _tail(text: str, lines: int = 3) -> str:
     return " | ".join(line.strip() for line in text.strip().splitlines()[-lines:])
-
-
-def markdown(report: dict) -> str:
-    env = report["environment"]
-    packages = env.get("packages", {})
-    lines = [
-        f"# attnres gpu-check: {env.get('gpu', report['device'])}",
-        "",
-        f"`{report['command']}`: {report['seconds']:.0f} s of a {report['deadline_s']:.0f} s deadline"
-        f"{' (--quick: tiny shapes)' if report['quick'] else ''}, {env.get('date', '')}.",
-        "",
-        "| environment | |",
-        "| --- | --- |",
-    ]
-    for key in ("gpu", "capability", "gpu_memory_gib", "torch_cuda", "python", "cpu_count"):
-        if env.get(key) is not None:
-            lines.append(f"| {key} | {env[key]} |")
-    lines += [f"| {name} | {version or 'not installed'} |" for name, version in packages.items()]
-    lines += ["", "| stage | status | seconds (budget) | note |", "| --- | --- | --- | --- |"]
-    for stage in report["stages"]:
-        note = (stage["error"] or "").replace("|", "/")[:400]
-        lines.append(
-            f"| {stage['name']} | {stage['status']} | {stage['seconds']:.0f} ({stage['budget_s']:.0f}) | {note} |"
-        )
-    stages = {s["name"]: s for s in report["stages"]}
-    rows = stages.get("exactness", {}).get("result", {}).get("rows", [])
-    if rows:
-        lines += [
-            "",
-            "## Exactness (converted against the original, on the device)",
-            "",
-            "| model | dtype | depth mix | max abs logit diff | KL | top-1 | greedy | result |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- |",
-        ]
-        for r in rows:
-            if "error" in r:
-                lines.append(f"| {r['model']} | {r['dtype']} | {r['kernels']} | | | | | error: {r['error']} |")
-                continue
-            greedy = "identical" if r["greedy_identical"] else f"differs at {r['first_divergence']}"
-            lines.append(
-                f"| {r['model']} | {r['dtype']} | {r['kernels']} | {r['max_abs_logit_diff']:.2e} | {r['kl']:.2e} | "
-                f"{r['top1_agreement']:.2%} | {greedy} ({r['new_tokens']}) | {'pass' if r['passed'] else 'FAIL'} |"
-            )
-    bench_rows = []
-    for stage in report["stages"]:
-        if not stage["name"].startswith("bench"):
-            continue
-        res = stage["result"]
-        for name, run in res.get("runs", {}).items():
-            mix = f"{res['kernels']}{' + compile' if res['compile'] else ''}"
-            for row in run.get("rows", []):
-                bench_rows.append(
-                    f"| {name} | {res['dtype']} | {mix} | {row['label']} | {_num(row['original'])} | "
-                    f"{_num(row['converted'])} {row['unit']} | {row['ratio']:.3f} |"
-                )
-            if run.get("status") != "ok":
-                bench_rows.append(f"| {name} | {res['dtype']} | {mix} | {run['status']} | | | |")
-    if bench_rows:
-        lines += [
-            "",
-            "## attnres bench (ratio: converted / original, > 1 slower or bigger)",
-            "",
-            "| model | dtype | depth mix | measure | original | converted | ratio |",
-            "| --- | --- | --- | --- | --- | --- | --- |",
-            *bench_rows,
-        ]
-    lines += mix_markdown(stages.get("depth-mix-kernels", {}).get("result", {}))
-    arms = stages.get("ab", {}).get("result", {}).get("arms", [])
-    if arms:
-        lines += [
-            "",
-            f"## From-scratch A/B ({stages['ab']['result']['steps']} steps)",
-            "",
-            "| arm | final held-out loss | delta to baseline |",
-            "| --- | --- | --- |",
-        ]
-        for arm in arms:
-            delta = arm.get("delta_final")
-            mean = delta.get("mean") if isinstance(delta, dict) else delta
-            lines.append(f"| {arm['name']} | {_num(arm.get('eval_loss_final'))} | {_num(mean)} |")
-    return "\n".join(lines) + "\n"
-
-
-def _num(value) -> str:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
-        return "" if value is None else str(value)
-    return f"{value:.4g}"
-
-
-def results_name(report: dict) -> str:
-    """gpu-check-<gpu>-<date>: the name a GPU run's reports get in benchmarks/results."""
-    gpu = report["environment"].get("gpu") or report["device"]
-    slug = re.sub(r"[^a-z0-9]+", "-", gpu.lower()).strip("-")
-    return f"gpu-check-{slug}-{time.strftime('%Y%m%d', time.gmtime())}"
 
 
 def main(argv: list[str] | None = None) -> int:

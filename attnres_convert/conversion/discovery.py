@@ -88,8 +88,7 @@ class _Branch:
 
 
 def _output_bias(entry, y: torch.Tensor, delta: torch.Tensor) -> int:
-    """The index of a vector in ENTRY's output tuple that the layer adds to its output Y (the stream's step is
-    DELTA = Y + that vector), or 0."""
+    """The index of the vector in ENTRY's outputs the layer adds to its output Y (the step DELTA = Y + it), or 0."""
     if (delta - y).abs().max() <= 1e-6 * y.abs().max():
         return 0
     for index, value in enumerate(entry.outputs[1:], start=1):
@@ -114,8 +113,7 @@ def _stream_scale(previous: torch.Tensor, y: torch.Tensor, returned: torch.Tenso
 
 
 def _layer_scalar(layer: nn.Module, factor: float, limit: float) -> float:
-    """The float the layer multiplies its stream by: the value of its one-element tensor (buffer or parameter:
-    Gemma 4's `layer_scalar`) that FACTOR, measured, is (within LIMIT relative), else FACTOR itself."""
+    """The layer's one-element tensor (Gemma 4's `layer_scalar`) that FACTOR is, within LIMIT; else FACTOR."""
     for tensor in [*layer.buffers(recurse=False), *layer.parameters(recurse=False)]:
         if tensor.numel() == 1 and tensor.is_floating_point():
             value = float(tensor.item())
