@@ -19,7 +19,7 @@ PIP_INSTALL := pip install --quiet --disable-pip-version-check
 # the cross-version runs leave them out, and the GPU tests as `make test` does.
 NOT_LOCKED := -m "not locked_versions and not cuda and not vllm"
 
-.PHONY: install demo test test-fast test-vllm venv-vllm test-gpu gpu-check gpu-check-wheels test-aot-triton test-aot-triton-all test-latest test-lowest venv-lowest venv-tf lock bench bench-overhead clean
+.PHONY: install lint demo test test-fast test-vllm venv-vllm test-gpu gpu-check gpu-check-wheels test-aot-triton test-aot-triton-all test-latest test-lowest venv-lowest venv-tf lock bench bench-overhead clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -64,8 +64,14 @@ test-vllm: $(VLLM_VENV)/.installed
 	OMP_NUM_THREADS=1 $(VLLM_VENV)/bin/python -m pytest -q -m vllm tests/test_vllm.py $(PYTEST_ARGS)
 
 # The GPU tests (marker cuda) are left out: `make test-gpu` runs them where there is a GPU.
-test: install
+test: install lint
 	$(BIN)/python -m pytest -q -m "not cuda and not vllm" $(PYTEST_ARGS)
+
+# The format and the lint rules of pyproject.toml's [tool.ruff] (`ruff format .` and `ruff check --fix .` apply them).
+lint: install
+	$(BIN)/ruff format --check --quiet .
+	$(BIN)/ruff check --quiet .
+	$(BIN)/python -m attnres_convert.modeling.generate --check
 
 # Everything but the tests marked slow (real weights, process launches, wheel builds, trainings): 5 min 18 s on 2 cores (`time make test-fast`).
 test-fast: install
