@@ -11,6 +11,7 @@ from tiny_models import tiny_model
 from attnres_convert import convert
 from attnres_convert.conversion.surgery import convert_model, summarize
 from attnres_convert.io.card import baseline_card, card_identity, finetune_card, read_front_matter
+from attnres_convert.modeling import SHIPPED_CODE
 
 
 def _split(card: str) -> tuple[dict, str]:
@@ -31,6 +32,9 @@ def test_conversion_card(tmp_path):
     assert {"attnres", "block-attnres"} <= set(meta["tags"])
     assert card_identity(out) == ("acme/tiny-llama", "mit")  # a fine-tune of this folder keeps them
     assert "trust_remote_code=True" in body
+    assert 'revision="COMMIT", trust_remote_code=True' in body  # remote code pinned to the commit a reader read
+    lines = sum(len((out / name).read_text().splitlines()) for name in SHIPPED_CODE)  # what the folder holds
+    assert f"{len(SHIPPED_CODE)} files, `configuration_attnres.py` and `modeling_attnres.py`, {lines:,} lines" in body
     assert "vllm serve PATH_OR_REPO --trust-remote-code" in body  # docs/serving.md
     assert "benchmarks/vllm_serving.py --original BASE_FOLDER --converted THIS_FOLDER" in body
     assert "block size S = 3 sublayers, 2 blocks" in body
