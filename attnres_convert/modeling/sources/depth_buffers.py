@@ -111,9 +111,14 @@ class SourceBuffer:
 
 
 def _chained_mix(stream: torch.Tensor, weights: torch.Tensor, sources: torch.Tensor, scaling: str) -> torch.Tensor:
-    """n * sum_i alpha_i k_i as H + sum_i n (alpha_i - 1/n) k_i (exactly H at zero queries), one multiply-add
-    per source: weights [n, B, T] (this function's own, changed in place), sources [K, B, T, D]."""
-    n = weights.shape[0]
+    """n * sum_i alpha_i k_i as H + sum_i n (alpha_i - 1/n) k_i (exactly H at zero queries), weights [n, B, T] its own:
+    for few tokens one batched product (a decoding step pays per operation), else a multiply-add per source."""
+    n, d = weights.shape[0], sources.shape[-1]
+    if scaling == "count" and weights[0].numel() <= 64:
+        coef, keys = weights.sub_(1.0 / n).mul_(n).view(n, -1, 1).movedim(0, -1), sources[:n].view(n, -1, d)
+        return (
+            torch.baddbmm(stream.float().view(-1, 1, d), coef, keys.transpose(0, 1)).view(stream.shape).to(stream.dtype)
+        )
     if scaling == "count":
         coef = weights.sub_(1.0 / n).mul_(n).unsqueeze(-1)
         mixed = torch.addcmul(stream.float(), coef[0], sources[0])

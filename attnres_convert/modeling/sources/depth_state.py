@@ -80,8 +80,7 @@ def _needs_attnres(mode: str) -> RuntimeError:
     )
 
 
-def wants_queries() -> bool:
-    """Whether start_state would use all readers' folded queries, so whether the caller should gather them."""
+def wants_queries() -> bool:  # whether start_state would use all readers' folded queries (the caller gathers them)
     return not (torch.is_grad_enabled() and torch.compiler.is_compiling())
 
 
