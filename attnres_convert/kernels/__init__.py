@@ -2,13 +2,13 @@
 (modeling_attnres.start_state asks `inference_state` and `training_state`; a model whose code follows another
 KERNEL_API does not ask).
 
-ATTNRES_KERNEL picks the backend: auto (the default): Triton kernels (triton.py) for CUDA tensors where triton is
-importable, the token-major step buffer (step.py) for decoding steps on CPU, fla-core's fused depth mix (fla.py)
-for training on CUDA where fla-core is installed, else the hand-written training backward (training.py); triton: the Triton kernels or an error, never a silent fallback (CPU tensors run under Triton's
-interpreter, TRITON_INTERPRET=1); cpu: the C++ kernels (cpu.py, compiled on first use) for float32 inference on
-CPU, or an error; fla: fla-core's kernels for training, or an error; eager: none of these (modeling_attnres's
-own paths). Neither auto nor eager
-compiles anything.
+ATTNRES_KERNEL picks the backend. auto (the default): the Triton kernels (triton.py) for CUDA tensors where triton
+is importable, the token-major step buffer (step.py) for decoding steps on CPU, fla-core's fused depth mix (fla.py)
+for training on CUDA where fla-core is installed, else the hand-written training backward (training.py). triton:
+the Triton kernels or an error, never a silent fallback (CPU tensors run under Triton's interpreter,
+TRITON_INTERPRET=1). cpu: the C++ kernels (cpu.py, compiled on first use) for float32 inference on CPU, or an
+error. fla: fla-core's kernels for training, or an error. eager: none of these (modeling_attnres's own paths).
+Neither auto nor eager compiles anything.
 """
 
 from __future__ import annotations
