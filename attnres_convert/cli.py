@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
@@ -23,6 +22,7 @@ from attnres_convert.cli_kit import (  # noqa: F401 - shared by every command
     PushToHubOption,
     TokenOption,
     VerboseOption,
+    console,
     err_console,
     fail,
     interrupts,
@@ -58,7 +58,6 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-console = Console()
 
 
 def _print_version(value: bool) -> None:

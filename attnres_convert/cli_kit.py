@@ -50,6 +50,7 @@ def _stderr_console() -> Console:
 
 
 err_console = _stderr_console()
+console = Console()  # the commands' standard output (one object: cli.py's and cli_training.py's)
 
 
 def _readable_value_types() -> None:

@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-from rich.console import Console
 from rich.markup import escape
 
 from attnres_convert.cli_kit import (
@@ -17,6 +16,7 @@ from attnres_convert.cli_kit import (
     PushToHubOption,
     TokenOption,
     VerboseOption,
+    console,
     err_console,
     fail,
     interrupts,
@@ -28,8 +28,6 @@ from attnres_convert.cli_kit import (
 )
 from attnres_convert.cli_tables import eval_table, finetune_table, throughput_line
 from attnres_convert.conversion.options import canonical_dtype
-
-console = Console()
 
 
 def is_main_process() -> bool:

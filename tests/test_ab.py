@@ -39,11 +39,12 @@ def test_ab_end_to_end_writes_paired_deltas_over_seeds(setup, tmp_path, monkeypa
 
     from rich.console import Console
 
-    from attnres_convert import cli
+    from attnres_convert import cli, cli_training
 
     out = tmp_path / "ab"
     screen = Console(width=80, file=io.StringIO(), record=True, color_system=None)
     monkeypatch.setattr(cli, "console", screen)
+    monkeypatch.setattr(cli_training, "console", screen)  # where `attnres ab` prints
     result = runner.invoke(
         app,
         [

@@ -23,7 +23,7 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 import attnres_convert
-from attnres_convert import cli
+from attnres_convert import cli, cli_training
 
 runner = CliRunner()
 SPINNER = set("⠋⠙⠹⠸⠼⠴⠦⠧⠇⠏")
@@ -560,6 +560,7 @@ def screen(monkeypatch, *args: str, width: int = 80) -> tuple[int, str]:
     """`attnres ARGS` as a terminal of WIDTH columns shows it: (exit code, the text on the screen)."""
     shown = Console(width=width, file=io.StringIO(), record=True, color_system=None)
     monkeypatch.setattr(cli, "console", shown)
+    monkeypatch.setattr(cli_training, "console", shown)  # eval, finetune and ab print there
     result = runner.invoke(cli.app, list(args), env={"COLUMNS": str(width)})
     return result.exit_code, shown.export_text() + result.stdout
 
