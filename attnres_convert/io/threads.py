@@ -22,11 +22,27 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
+# Process-wide on purpose: a reading stands for REUSE_S seconds, so a process that converts or trains several
+# times in a row (a script, the test suite) does not wait SECONDS before each.
+REUSE_S = 30.0
+_LAST: list = []  # (monotonic time, the reading)
+
+
 def busy_cores(seconds: float = 0.5) -> tuple[float, str]:
     """How many cores other work keeps busy now, and how that was measured: the non-idle share of /proc/stat's CPU
-    time over SECONDS (this process waits meanwhile, so it is not counted); where there is no /proc/stat, the
-    1-minute load average (which lags: work that just ended, such as the conversion before `make demo`'s fine-tune,
-    still counts in it)."""
+    time over SECONDS (this process waits meanwhile, so it is not counted; a reading of the last REUSE_S seconds is
+    reused); where there is no /proc/stat, the 1-minute load average (which lags: work that just ended, such as the
+    conversion before `make demo`'s fine-tune, still counts in it)."""
+    import time
+
+    if _LAST and time.monotonic() - _LAST[0][0] < REUSE_S:
+        return _LAST[0][1]
+    reading = _busy_cores(seconds)
+    _LAST[:] = [(time.monotonic(), reading)]
+    return reading
+
+
+def _busy_cores(seconds: float) -> tuple[float, str]:
     import time
 
     def sample() -> tuple[int, int] | None:
