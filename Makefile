@@ -59,7 +59,7 @@ $(VLLM_VENV)/.installed: pyproject.toml $(VLLM_LOCK)
 	$(VLLM_VENV)/bin/pip uninstall --quiet --yes torchvision torchaudio torchcodec
 	touch $@
 
-# About 12 min from a fresh clone on 2 cores (the venv 5 to 6 min, 33 tests 6 min 14 s: docs/serving.md).
+# About 14 min from a fresh clone on 2 cores (the venv 5 to 6 min, 33 tests 8 min 59 s: docs/first-run.md).
 test-vllm: $(VLLM_VENV)/.installed
 	OMP_NUM_THREADS=1 $(VLLM_VENV)/bin/python -m pytest -q -m vllm tests/test_vllm.py $(PYTEST_ARGS)
 
@@ -73,7 +73,7 @@ lint: install
 	$(BIN)/ruff check --quiet .
 	$(BIN)/python -m attnres_convert.modeling.generate --check
 
-# Everything but the tests marked slow (real weights, process launches, wheel builds, trainings): 5 min 18 s on 2 cores (`time make test-fast`).
+# Everything but the tests marked slow (real weights, process launches, wheel builds, trainings).
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not slow and not cuda and not vllm" $(PYTEST_ARGS)
 
