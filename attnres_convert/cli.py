@@ -345,7 +345,7 @@ app.add_typer(kernels_app, name="kernels")
 
 @kernels_app.command("build")
 def kernels_build() -> None:
-    """Compile the C++ depth-mix kernels (ATTNRES_KERNEL=cpu) into torch's extension cache now, not on first use."""
+    """Compile the C++ depth-mix kernels now; the default path then runs them for float32 inference on CPU."""
     import time
 
     from .kernels import cpu as depth_kernels_cpu
@@ -358,7 +358,8 @@ def kernels_build() -> None:
             except RuntimeError as error:
                 fail(str(error), EXIT_FAILED_CHECK)
     console.print(
-        f"[green]C++ depth-mix kernels ready[/] ({time.perf_counter() - start:.0f} s): {escape(str(kernels.__file__))}",
+        f"[green]C++ depth-mix kernels ready[/] ({time.perf_counter() - start:.0f} s): {escape(str(kernels.__file__))}; "
+        "float32 inference on CPU runs them",
         highlight=False,
     )
 

@@ -28,7 +28,7 @@ from typing import NamedTuple
 import pytest
 import torch
 import transformers
-from test_save_load import BLOCK_IMPORT
+from isolated import BLOCK_IMPORT
 
 ROOT = Path(__file__).resolve().parents[1]
 NEW_TOKENS = 8

@@ -23,6 +23,7 @@ from reliability_helpers import (
     save_config_only,
     truncate,
 )
+from tiny_models import olmo2_config
 
 # ---------------------------------------------------------------- the source
 
@@ -135,12 +136,6 @@ def _exaone4():
     )
 
 
-def _olmo2():
-    return T.Olmo2Config(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=128
-    )
-
-
 def _bert():
     return T.BertConfig(
         hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=128
@@ -168,7 +163,7 @@ def _bart():
     "make, needles",
     [
         (_opt_post_norm, ["do_layer_norm_before=False", "post-norm"]),
-        (_olmo2, ["OLMo-2", "post-norm"]),
+        (olmo2_config, ["OLMo-2", "post-norm"]),
         (_bert, ["BERT", "encoder"]),
         (_t5, ["T5", "encoder-decoder"]),
         (_bart, ["BART", "encoder-decoder"]),

@@ -12,6 +12,7 @@ import sys
 import pytest
 import torch
 from reliability_helpers import assert_user_error, run_cli, save_config_only
+from tiny_models import olmo2_config
 
 from attnres_convert.analysis.bench import BenchError, BenchSettings, check_settings, run_bench, runs_total
 from attnres_convert.analysis.bench_report import markdown, read_json
@@ -120,9 +121,7 @@ def test_cuda_without_a_gpu_is_named(tiny_llama_folder, tmp_path):
 
 
 def test_a_model_that_cannot_be_converted_writes_nothing(tmp_path):
-    from test_bad_input import _olmo2
-
-    folder = save_config_only(tmp_path / "olmo2", _olmo2())
+    folder = save_config_only(tmp_path / "olmo2", olmo2_config())
     out = tmp_path / "bench.json"
     result = run_cli("bench", folder, *TINY, "--json", out)
     assert_user_error(result, str(folder), "post-norm")

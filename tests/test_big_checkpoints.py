@@ -379,7 +379,7 @@ def test_streamed_sharded_folder_loads_without_this_package(tmp_path):
     """What users of a converted big model run: from_pretrained(trust_remote_code=True) of the sharded folder in
     a Python where attnres_convert cannot be imported, with device_map="auto" and disk offload; the logits
     equal the original model's."""
-    from test_save_load import run_isolated
+    from isolated import run_isolated
 
     base = _saved("llama", tmp_path / "plain", max_shard_size="100KB")
     convert(tmp_path / "plain", tmp_path / "out", max_shard_size=SHARD, verify=False)

@@ -8,7 +8,7 @@ import warnings
 
 import pytest
 import torch
-from test_save_load import run_isolated
+from isolated import run_isolated
 from tiny_models import randomize_queries, tiny_model, token_ids
 from torch import nn
 from transformers.utils.deprecation import deprecate_kwarg

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.utils.cpp_extension
-from test_structure import _reference_llama
+from design_reference import reference_llama
 from tiny_models import CONFIGS, randomize_queries, tiny_model, token_ids
 
 from attnres_convert import convert_model, save_converted
@@ -85,7 +85,7 @@ def test_bit_for_bit_at_zero_queries_and_close_to_eager_and_reference(block_size
         eager = _eager(monkeypatch, lambda: model(ids).logits)
     assert not torch.equal(got, original(ids).logits)  # random queries: the mix really routed
     assert (got - eager).abs().max().item() <= TOLERANCE
-    assert (got - _reference_llama(model, ids, block_size)).abs().max().item() <= TOLERANCE
+    assert (got - reference_llama(model, ids, block_size)).abs().max().item() <= TOLERANCE
 
 
 def test_mean_scaling_matches_eager(monkeypatch):
@@ -96,7 +96,7 @@ def test_mean_scaling_matches_eager(monkeypatch):
             got = model(ids).logits
             eager = _eager(monkeypatch, lambda: model(ids).logits)
         assert (got - eager).abs().max().item() <= TOLERANCE
-        assert (got - _reference_llama(model, ids, 2, scaling="mean")).abs().max().item() <= TOLERANCE
+        assert (got - reference_llama(model, ids, 2, scaling="mean")).abs().max().item() <= TOLERANCE
 
 
 def test_greedy_decoding_with_kv_cache(monkeypatch):
@@ -158,7 +158,7 @@ def test_a_converted_folder_runs_the_installed_cpu_kernels(tmp_path):
 def test_a_folder_loaded_without_this_package_refuses_the_cpu_kernels_naming_the_package(tmp_path, monkeypatch):
     """Without attnres installed, ATTNRES_KERNEL=cpu fails with a message that names the package (never a silent
     fallback); unset, the folder runs its built-in buffer, whose logits are the package's eager path's."""
-    from test_save_load import run_isolated
+    from isolated import run_isolated
 
     model = _model(4)
     folder = save_converted(copy.deepcopy(model), tmp_path / "converted")
@@ -213,8 +213,6 @@ def test_selection_errors(monkeypatch):
     )
     with torch.no_grad(), pytest.raises(RuntimeError, match="ATTNRES_KERNEL=cpu: .*depend on each token"):
         rank(ids)
-    monkeypatch.setenv("ATTNRES_KERNEL", "auto")
-    assert depth_backends.cpu_kernels_for(torch.zeros(1, 1, 8)) is None  # auto never compiles anything
 
     def broken(*args, **kwargs):
         raise OSError("c++: command not found")
@@ -227,6 +225,37 @@ def test_selection_errors(monkeypatch):
         pytest.raises(RuntimeError, match=r"building the C\+\+ .*command not found.*unset ATTNRES_KERNEL"),
     ):
         _model(4)(ids)
+
+
+def test_auto_runs_the_kernels_where_this_machine_built_them_and_compiles_nothing(tmp_path, monkeypatch):
+    """The default path: the C++ kernels for float32 inference on CPU once they are built (`attnres kernels build`),
+    the eager path where they are not, which auto never builds (nor creates a folder for)."""
+    monkeypatch.setenv("ATTNRES_KERNEL", "auto")
+    monkeypatch.setattr(depth_kernels_cpu, "_PREBUILT", [])
+    assert depth_backends.cpu_kernels_for(torch.zeros(1, 1, 8)) is depth_kernels_cpu.build()
+    assert depth_backends.cpu_kernels_for(torch.zeros(1, 1, 8, dtype=torch.bfloat16)) is None
+    ids = token_ids(2, MANY)
+    model = _model(4)
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, _with_mode(monkeypatch, "cpu", lambda: model(ids).logits))
+    empty = tmp_path / "extensions"
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(empty))
+    monkeypatch.setattr(depth_kernels_cpu, "_PREBUILT", [])
+    monkeypatch.setattr(depth_kernels_cpu, "_BUILT", [])
+    monkeypatch.setattr("torch.utils.cpp_extension.load_inline", lambda *a, **k: pytest.fail("auto compiled"))
+    assert depth_backends.cpu_kernels_for(torch.zeros(1, 1, 8)) is None
+    assert not empty.exists()
+    with torch.no_grad():
+        eager = _with_mode(monkeypatch, "eager", lambda: model(ids).logits)
+        assert torch.equal(model(ids).logits, eager)
+
+
+def _with_mode(monkeypatch, mode: str, fn):
+    monkeypatch.setenv("ATTNRES_KERNEL", mode)
+    try:
+        return fn()
+    finally:
+        monkeypatch.setenv("ATTNRES_KERNEL", "auto")
 
 
 def test_decoding_under_cpu_autocast_is_the_original_at_zero_queries():

@@ -71,7 +71,7 @@ def _ids() -> torch.Tensor:
 
 def _own_code_logits(folder: Path) -> torch.Tensor:
     """The folder's logits under its own code, in a child process where this package cannot be imported."""
-    from test_save_load import run_isolated
+    from isolated import run_isolated
 
     torch.save({"ids": _ids()}, folder.parent / f"{folder.name}-ids.pt")
     out = folder.parent / f"{folder.name}-logits.pt"

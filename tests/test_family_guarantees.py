@@ -11,7 +11,7 @@ bf16 conversion are saved, and a Python without this package loads both folders 
 
 import pytest
 import torch
-from test_save_load import run_isolated
+from isolated import run_isolated
 from tiny_models import randomize_queries, tiny_model, token_ids
 from transformers import AutoModelForCausalLM
 

@@ -16,7 +16,7 @@ import json
 
 import pytest
 import torch
-from test_save_load import run_isolated
+from isolated import run_isolated
 from tiny_models import tiny_model, token_ids
 
 from attnres_convert import save_converted

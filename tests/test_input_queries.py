@@ -11,8 +11,8 @@ import json
 import pytest
 import torch
 from finetune_helpers import tiny_model_folder, tiny_recipe, write_corpus
+from isolated import run_isolated
 from safetensors.torch import load_file
-from test_save_load import run_isolated
 from tiny_models import randomize_queries, tiny_model, token_ids
 from typer.testing import CliRunner
 

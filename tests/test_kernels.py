@@ -16,7 +16,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":  # conftest sets it: the kernels r
     pytest.skip("TRITON_INTERPRET is not 1: no GPU kernels to run on CPU", allow_module_level=True)
 pytest.importorskip("triton", reason="the kernel tests need triton (make test installs it)")
 
-from test_structure import _reference_llama  # noqa: E402
+from design_reference import reference_llama  # noqa: E402
 from tiny_models import randomize_queries, tiny_model, token_ids
 from tiny_models import with_kernels as _with  # noqa: E402
 
@@ -60,7 +60,7 @@ def test_prefill_matches_eager_reference_and_original_bit_for_bit_at_zero_querie
         eager = _with("eager", monkeypatch, lambda: model(ids).logits)
     if dtype == torch.float32:
         assert (got - eager).abs().max().item() <= 1e-4
-        assert (got - _reference_llama(model, ids, block_size)).abs().max().item() <= 1e-4
+        assert (got - reference_llama(model, ids, block_size)).abs().max().item() <= 1e-4
     else:  # one bfloat16 rounding of a mix apart, amplified by two layers
         assert (got.float() - eager.float()).abs().max().item() <= 0.1 * eager.float().abs().max().item()
     assert not torch.equal(got, at_zero)  # random queries: the mix really routed
@@ -100,7 +100,7 @@ def _gradients(model, ids):
 )
 def test_training_gradients_match_the_eager_backward(block_size, dtype, table, monkeypatch):
     """The forward and backward kernels against the eager path's hand-written backward (itself checked
-    against autograd through the plain reference in test_structure), for every parameter."""
+    against autograd through the plain reference in design_reference.py), for every parameter."""
     from attnres_convert.modeling import modeling_attnres
 
     if not table:  # every reader scores the completed blocks itself (the queries are not gathered)

@@ -339,3 +339,30 @@ def test_the_command_line_starts_without_torch():
         stdin=subprocess.DEVNULL,
     )
     assert result.stdout.strip() == "[]", result.stdout + result.stderr[-2000:]
+
+
+def test_tests_share_helpers_through_helper_modules_never_through_test_modules():
+    """A test module is imported by pytest alone: what tests share lives in a helper module (tiny_models,
+    isolated, design_reference, ...), under a public name. Python code inside strings (run by a child Python)
+    is not an import of this file and is not read here."""
+    tests = Path(__file__).resolve().parent
+    found = []
+    for path in sorted(tests.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names, module = [alias.name for alias in node.names], node.module
+            elif isinstance(node, ast.Import):
+                names, module = [], None
+                found += [f"{path.name}:{node.lineno} imports {a.name}" for a in node.names if _is_test(a.name)]
+            else:
+                continue
+            if module is None or not (tests / f"{module}.py").exists():
+                continue
+            if _is_test(module):
+                found.append(f"{path.name}:{node.lineno} imports test module {module}")
+            found += [f"{path.name}:{node.lineno} imports {module}.{n}" for n in names if n.startswith("_")]
+    assert not found, "move what is shared into a helper module, under a public name:\n" + "\n".join(found)
+
+
+def _is_test(module: str) -> bool:
+    return module.split(".")[0].startswith("test_")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_save_load import BLOCK_IMPORT
+from isolated import BLOCK_IMPORT
 from transformers import AutoConfig, AutoModelForCausalLM
 from typer.testing import CliRunner
 

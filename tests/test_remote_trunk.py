@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_save_load import BLOCK_IMPORT
+from isolated import BLOCK_IMPORT
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 from typer.testing import CliRunner
 

@@ -2,51 +2,16 @@
 attnres_convert cannot be imported; new parameter names; a plain tool refuses the folder."""
 
 import json
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
+from isolated import run_isolated
 from safetensors import safe_open
 from tiny_models import randomize_queries, tiny_model, token_ids
 
 from attnres_convert import load_converted, save_converted
 from attnres_convert.conversion.surgery import convert_model
 from attnres_convert.io.saving import SHIPPED_CODE
-
-# A Python without this package. Nor fla-core (installed for tests/test_fla.py): transformers binds a hybrid family's
-# linear attention to fla's GPU-only Triton kernels whenever it imports (as conftest.py keeps from happening here).
-BLOCK_IMPORT = textwrap.dedent(
-    """
-    import importlib.abc, sys
-    class _Block(importlib.abc.MetaPathFinder):
-        def find_spec(self, name, path, target=None):
-            if name.split(".")[0] in ("attnres_convert", "cli"):
-                raise ImportError("attnres_convert is not installed here")
-            if name.split(".")[0] == "fla":
-                raise ImportError("fla-core's kernels need a GPU")
-    sys.meta_path.insert(0, _Block())
-    try:
-        import attnres_convert
-        raise SystemExit("attnres_convert should not be importable")
-    except ImportError:
-        pass
-    """
-)
-
-
-def run_isolated(code: str) -> subprocess.CompletedProcess:
-    """Run code in a Python that cannot import this package. The child uses this process's torch thread
-    count, so a comparison with logits computed here sums in the same order (like for like)."""
-    threads = f"import torch\ntorch.set_num_threads({torch.get_num_threads()})\n"
-    return subprocess.run(
-        [sys.executable, "-c", BLOCK_IMPORT + threads + textwrap.dedent(code)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        stdin=subprocess.DEVNULL,
-    )
 
 
 @pytest.mark.parametrize(

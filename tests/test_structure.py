@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from design_reference import design_sources, reference_llama, reference_neox_parallel
 from tiny_models import randomize_queries, tiny_model, token_ids
 
 from attnres_convert.block_sizes import default_block_size, source_ranges
@@ -19,19 +20,6 @@ DESIGN_TEST_VECTOR = [
     [(0, 0), (1, 3), (4, 6)],
     [(0, 0), (1, 3), (4, 6), (7, 7)],  # output aggregation
 ]
-
-
-def design_sources(reader: int, block_size: int, outputs: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Sources of sublayer `reader` (1-based; L + 1 is the output aggregation), straight from
-    docs/design.md: the embedding, every completed block (sum of its outputs), and the running partial
-    sum of the reader's own block when it is not the first sublayer of that block."""
-    block, position = divmod(reader - 1, block_size)
-    sources = [outputs[0]]
-    for b in range(block):
-        sources.append(sum(outputs[b * block_size + 1 : (b + 1) * block_size + 1]))
-    if position >= 1:
-        sources.append(sum(outputs[block * block_size + 1 : reader]))
-    return sources
 
 
 def test_source_structure_is_the_design_test_vector():
@@ -64,75 +52,14 @@ def test_default_block_size_is_whole_layers_with_at_most_n_blocks():
     assert default_block_size(48, 2, 4) == 12
 
 
-def _mix(sources, query, key_norm, eps, scaling="count"):
-    keys = torch.stack(sources)  # [n, B, T, D]
-    normed = keys / torch.sqrt(keys.pow(2).mean(-1, keepdim=True) + eps) * key_norm
-    alpha = torch.softmax((normed * query.reshape(-1)).sum(-1), dim=0)
-    return (len(sources) if scaling == "count" else 1) * (alpha.unsqueeze(-1) * keys).sum(0)
-
-
-def _reference_llama(model, ids, block_size, scaling="count"):
-    base, eps = model.model, model.config.text_config.rms_norm_eps
-    outputs = [base.embed_tokens(ids)]
-    positions = torch.arange(ids.shape[1]).unsqueeze(0)
-    rotary = base.rotary_emb(outputs[0], positions)
-    for j, layer in enumerate(base.layers):
-        h = _mix(
-            design_sources(2 * j + 1, block_size, outputs),
-            layer.self_attention_res_proj.weight,
-            layer.self_attention_res_norm.weight,
-            eps,
-            scaling,
-        )
-        outputs.append(layer.self_attn(layer.input_layernorm(h), position_embeddings=rotary, attention_mask=None)[0])
-        h = _mix(
-            design_sources(2 * j + 2, block_size, outputs),
-            layer.mlp_res_proj.weight,
-            layer.mlp_res_norm.weight,
-            eps,
-            scaling,
-        )
-        outputs.append(layer.mlp(layer.post_attention_layernorm(h)))
-    h = _mix(
-        design_sources(len(outputs), block_size, outputs),
-        base.output_attn_res_proj.weight,
-        base.output_attn_res_norm.weight,
-        eps,
-        scaling,
-    )
-    return model.lm_head(base.norm(h))
-
-
-def _reference_neox_parallel(model, ids, block_size):
-    base, eps = model.gpt_neox, model.config.text_config.layer_norm_eps
-    outputs = [base.embed_in(ids)]
-    rotary = base.rotary_emb(outputs[0], torch.arange(ids.shape[1]).unsqueeze(0))
-    for j, layer in enumerate(base.layers):
-        h = _mix(
-            design_sources(j + 1, block_size, outputs),
-            layer.self_attention_res_proj.weight,
-            layer.self_attention_res_norm.weight,
-            eps,
-        )
-        attn = layer.attention(layer.input_layernorm(h), attention_mask=None, position_embeddings=rotary)[0]
-        outputs.append(attn + layer.mlp(layer.post_attention_layernorm(h)))
-    h = _mix(
-        design_sources(len(outputs), block_size, outputs),
-        base.output_attn_res_proj.weight,
-        base.output_attn_res_norm.weight,
-        eps,
-    )
-    return model.lm_head(base.final_layer_norm(h))
-
-
 @pytest.mark.parametrize("block_size", [1, 3, 4, 6])
-def test_random_queries_match_plain_reference_llama(block_size):
+def test_random_queries_match_plainreference_llama(block_size):
     model = convert_model(tiny_model("llama"), block_size=block_size).eval()
     randomize_queries(model, 0.5, seed=block_size, key_norms=0.3)
     ids = token_ids()
     with torch.no_grad():
         got = model(ids).logits
-        want = _reference_llama(model, ids, block_size)
+        want = reference_llama(model, ids, block_size)
         zero_init = convert_model(tiny_model("llama"), block_size=block_size).eval()(ids).logits
     assert (got - want).abs().max().item() <= 1e-4
     assert (got - zero_init).abs().max().item() > 1e-2  # the queries really changed the routing
@@ -145,7 +72,7 @@ def test_random_queries_match_reference_on_the_design_test_vector():
     ids = token_ids()
     with torch.no_grad():
         got = model(ids).logits
-        want = _reference_neox_parallel(model, ids, 3)
+        want = reference_neox_parallel(model, ids, 3)
     assert (got - want).abs().max().item() <= 1e-4
 
 
@@ -176,12 +103,15 @@ def test_inference_buffer_and_autograd_state_compute_the_same(family, length, bl
     training = model(ids).logits.detach()
     hook.remove()
     assert issubclass(states[0], SourceBuffer) and issubclass(states[1], TrainState)
-    assert (inference - training).abs().max().item() <= 1e-4
+    # Where this machine has built the C++ kernels, inference runs them (auto): their sums in another order differ
+    # from autograd's path by a few 1e-5 of the logits through sharp random depth softmaxes (test_cpu_kernels.py).
+    tolerance = 2e-4
+    assert (inference - training).abs().max().item() <= tolerance
     with torch.no_grad(), record_depth_weights(model) as inference_weights:
         recorded = model(ids).logits
     with record_depth_weights(model) as training_weights:
         model(ids)
-    assert (recorded - inference).abs().max().item() <= 1e-4
+    assert (recorded - inference).abs().max().item() <= tolerance
     readers = sum(len(layer._attnres_spec.sublayers) for layer in model.modules() if hasattr(layer, "_attnres_spec"))
     assert len(inference_weights) == len(training_weights) == readers + 1
     for a, b in zip(inference_weights, training_weights):
@@ -205,7 +135,7 @@ def test_decoding_steps_with_the_kv_cache_match_a_full_forward(batch, block_size
     randomize_queries(model, 0.5, seed=5, key_norms=0.3)
     ids = token_ids(batch, 16, seed=4)
     with torch.no_grad():
-        full = _reference_llama(model, ids, block_size)
+        full = reference_llama(model, ids, block_size)
         out = model(ids[:, :10], use_cache=True)
         steps = [out.logits[:, -1]]
         for t in range(10, 16):
@@ -247,7 +177,7 @@ def test_training_gradients_match_autograd_through_the_reference(block_size, sca
     hook.remove()
     assert [type(state) for state in states] == [TrainState]
     assert (states[0].cache.scores is not None) == table
-    want = _gradients(model, lambda: _reference_llama(model, ids, block_size, scaling), ids)
+    want = _gradients(model, lambda: reference_llama(model, ids, block_size, scaling), ids)
     assert got.keys() == want.keys() and any("_res_proj" in name for name in got)
     for name in want:
         scale = want[name].abs().max().item()

@@ -4,8 +4,8 @@ whichever way the folder is written (the user's own save_pretrained, save_conver
 again), and no family's rules may rename them."""
 
 import torch
+from isolated import run_isolated
 from safetensors import safe_open
-from test_save_load import run_isolated
 from tiny_models import randomize_queries, tiny_model, token_ids
 from transformers.conversion_mapping import _build_checkpoint_conversion_mapping
 

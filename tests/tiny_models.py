@@ -171,6 +171,13 @@ def _gemma4_layer_scalars(model) -> None:
 AFTER_BUILD = {"gemma4_text": _gemma4_layer_scalars, "gemma4_moe": _gemma4_layer_scalars}
 
 
+def olmo2_config() -> T.Olmo2Config:
+    """OLMo-2 (post-norm: norms after each sublayer), which the conversion refuses."""
+    return T.Olmo2Config(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=128
+    )
+
+
 def tiny_model(name: str, seed: int = 0, **overrides) -> T.PreTrainedModel:
     config = CONFIGS[name]()
     for key, value in overrides.items():

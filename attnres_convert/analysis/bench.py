@@ -34,7 +34,7 @@ from ..errors import AttnResError, first_line
 from ..io.sources import DTYPES, ModelSource, load_model, load_tokenizer, resolve_source
 from . import step_memory
 from .bench_settings import DEVICES, KERNELS, MEASURES, BenchError, BenchSettings, check_values, runs_total  # noqa: F401
-from .timing import compared, device_sync, interleaved, kernel_env, ratio_noise, resident
+from .timing import compared, device_sync, interleaved, kernel_env, ratio_noise, replace_weights, resident
 
 
 @dataclass
@@ -287,10 +287,16 @@ def _measure(original, converted, settings: BenchSettings, stage, on_run) -> tup
     kernels = settings.kernels
     sync = device_sync(device)
 
+    # On CPU each round draws new memory for the weights (see replace_weights); a GPU's memory is not mapped that way.
+    on_cpu = torch.device(device).type == "cpu"
+    before_round = (lambda order: replace_weights(models, order)) if on_cpu else (lambda order: None)
+
     def timed(label: str, make: Callable) -> dict:
         runs = {name: make(model) for name, model in models.items()}
         with stage(label), kernel_env(kernels):
-            return compared(**interleaved(runs, settings.rounds, sync=sync, after_run=on_run))
+            return compared(
+                **interleaved(runs, settings.rounds, sync=sync, after_run=on_run, before_round=before_round)
+            )
 
     if "prefill" in settings.measure:
 

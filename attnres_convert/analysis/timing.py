@@ -22,10 +22,19 @@ def resident(model):
     mapped weight runs at the speed of the page-cache pages the kernel gave that file: measured on SmolLM2,
     the same decoding loop ran 0.88-1.22x depending on which folder had been written or read last. Both
     models get this copy, so it is still like for like. (Tied weights are one Parameter object: one copy
-    keeps them tied.)"""
+    keeps them tied.) Called again, it draws new memory: see `replace_weights`."""
     for param in {id(p): p for p in model.parameters()}.values():
         param.data = param.data.clone()
     return model
+
+
+def replace_weights(models: dict, order: list[str]) -> None:
+    """Copies every model's weights anew, in ORDER, before a timed round on CPU. Where a copy lands in memory changes
+    its speed, and that draw stays with a process: two copies of the same SmolLM2 prefilled 2 % apart for a whole
+    run, and single products of the same weight 7 % apart. A fresh draw every round makes placement a per-round
+    noise that the medians average out, instead of a bias one of the models keeps."""
+    for name in order:
+        resident(models[name])
 
 
 @contextlib.contextmanager
@@ -61,12 +70,14 @@ def interleaved(
     warmup: int = 1,
     sync: Callable[[], None] = lambda: None,
     after_run: Callable[[str], None] = lambda name: None,
+    before_round: Callable[[list[str]], None] = lambda names: None,
 ) -> dict[str, list[float]]:
     """Seconds of each callable per round, alternating them so drift hits all alike, in reversed order
     every other round: a run leaves the allocator and caches in its own state for the next one (measured:
     the original's decoding step ran 0.5 ms slower right after a converted model's than after its own),
     so each callable follows each other one equally often. WARMUP untimed runs each first. SYNC waits for
-    the device (CUDA runs asynchronously); AFTER_RUN(name) is told of every run, for a progress bar."""
+    the device (CUDA runs asynchronously); AFTER_RUN(name) is told of every run, for a progress bar;
+    BEFORE_ROUND(names) is called untimed before each timed round with the order of its runs."""
     for _ in range(warmup):
         for name, fn in fns.items():
             fn()
@@ -75,7 +86,9 @@ def interleaved(
     times: dict[str, list[float]] = {name: [] for name in fns}
     names = list(fns)
     for round_ in range(rounds):
-        for name in names if round_ % 2 == 0 else names[::-1]:
+        order = names if round_ % 2 == 0 else names[::-1]
+        before_round(order)
+        for name in order:
             sync()
             start = time.perf_counter()
             fns[name]()

@@ -3,12 +3,13 @@
 KERNEL_API does not ask).
 
 ATTNRES_KERNEL picks the backend. auto (the default): the Triton kernels (triton.py) for CUDA tensors where triton
-is importable, the token-major step buffer (step.py) for decoding steps on CPU, fla-core's fused depth mix (fla.py)
-for training on CUDA where fla-core is installed, else the hand-written training backward (training.py). triton:
-the Triton kernels or an error, never a silent fallback (CPU tensors run under Triton's interpreter,
-TRITON_INTERPRET=1). cpu: the C++ kernels (cpu.py, compiled on first use) for float32 inference on CPU, or an
-error. fla: fla-core's kernels for training, or an error. eager: none of these (modeling_attnres's own paths).
-Neither auto nor eager compiles anything.
+is importable; on CPU for float32 inference the C++ kernels (cpu.py) where this machine has built them (`attnres
+kernels build`, which `make install` runs), else the token-major step buffer (step.py) for decoding steps and the
+eager source buffer for many tokens; for training, fla-core's fused depth mix (fla.py) on CUDA where fla-core is
+installed, else the hand-written backward (training.py). triton: the Triton kernels or an error, never a silent
+fallback (CPU tensors run under Triton's interpreter, TRITON_INTERPRET=1). cpu: the C++ kernels (cpu.py, compiled
+on first use) for float32 inference on CPU, or an error. fla: fla-core's kernels for training, or an error. eager:
+none of these (modeling_attnres's own paths). Neither auto nor eager compiles anything.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 
 from ..modeling.modeling_attnres import KERNEL_ENV, ModelRuntime, kernel_mode
 from .controls import controlled_state  # noqa: F401 - called by modeling_attnres.start_state
-from .cpu import build
+from .cpu import build, prebuilt
 from .cpu_buffers import CpuBuffer, CpuStepBuffer
 from .fla import FlaState, fla_fits
 from .step import StepBuffer, few_tokens
@@ -39,7 +40,7 @@ def inference_state(
     embeddings: torch.Tensor, eps: float, capacity: int, queries, runtime: ModelRuntime | None, mode: str
 ):
     """The state of a forward without autograd on these kernels, or None where modeling_attnres's own
-    SourceBuffer serves it (many tokens on CPU without ATTNRES_KERNEL=cpu)."""
+    SourceBuffer serves it (many tokens on CPU without the C++ kernels)."""
     if mode == "fla":
         return None
     triton = triton_kernels_for(embeddings, mode)
@@ -123,11 +124,16 @@ def triton_kernels_for(like: torch.Tensor, mode: str | None = None):
 
 
 def cpu_kernels_for(like: torch.Tensor, mode: str | None = None):
-    """The compiled C++ kernels where ATTNRES_KERNEL=cpu (or `mode`) selects them, for a forward without
-    autograd of tensors like `like` (CPU, float32); None where it does not. Raises where it selects them and they
-    cannot run: never a silent fallback. `config`: the model's, where its C++ source is looked for (see
-    depth_kernels_cpu.source_text)."""
-    if (mode or kernel_mode()) != "cpu":
+    """The compiled C++ kernels for a forward without autograd of tensors like `like` (CPU, float32): where
+    ATTNRES_KERNEL=cpu (or `mode`) selects them, built on first use, and under auto where this machine has built them
+    already (`prebuilt`: auto compiles nothing); else None. Raises where cpu selects them and they cannot run: never
+    a silent fallback. (Measured on SmolLM2, one thread: eager reads cost decoding about 5 % and the C++ ones under
+    1 %, benchmarks/results/bench-smollm2-cpu-*.json.)"""
+    mode = mode or kernel_mode()
+    if mode == "auto":
+        fits = like.device.type == "cpu" and like.dtype == torch.float32 and not torch.compiler.is_compiling()
+        return prebuilt() if fits else None
+    if mode != "cpu":
         return None
     if torch.compiler.is_compiling():
         raise RuntimeError(

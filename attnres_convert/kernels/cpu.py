@@ -34,6 +34,7 @@ import copy
 import hashlib
 import logging
 import os
+import sys
 import threading
 import time
 import warnings
@@ -140,14 +141,71 @@ def _build_error(error: Exception) -> RuntimeError:
     )
 
 
+def extension_name(source: str, openmp: bool) -> str:
+    """The name of the kernels' build in torch's extension cache: new for every source, flags and torch install
+    (a build is made against that torch's headers, and two environments sharing one cache would otherwise rebuild
+    it in turn)."""
+    flags = _flags(openmp)
+    digest = hashlib.sha1("\0".join([source, torch.__version__, torch.__file__, *flags]).encode()).hexdigest()[:12]
+    return f"attnres_depth_cpu_{digest}"
+
+
+def prebuilt():
+    """The compiled kernels where this machine has built them already (`attnres kernels build`, which `make install`
+    runs, or an earlier ATTNRES_KERNEL=cpu run), else None: the default path (ATTNRES_KERNEL=auto) compiles
+    nothing. Asked once per process; a build that does not load is None here (auto falls back to the eager path)
+    and the error is ATTNRES_KERNEL=cpu's to report."""
+    with _LOCK:
+        if not _PREBUILT:
+            _PREBUILT.append(_load_prebuilt())
+    return _PREBUILT[0]
+
+
+_PREBUILT: list = []  # process-wide, as _BUILT: the kernels if a build was on this machine when first asked, or None
+
+
+def _load_prebuilt():
+    source = source_text()
+    root = extensions_root()
+    built = [
+        openmp for openmp in (True, False) if (root / (name := extension_name(source, openmp)) / f"{name}.so").exists()
+    ]
+    if not built:
+        return None
+    try:
+        kernels = _compile(source, openmp=built[0])  # up to date: torch's ninja finds nothing to compile
+    except Exception as error:  # noqa: BLE001 - any failure means the same here: the eager path
+        logger.info("AttnRes: the C++ depth-mix kernels built on this machine did not load (%s); eager path", error)
+        return None
+    if not _BUILT:
+        _BUILT.append(kernels)
+    return kernels
+
+
+def extensions_root() -> Path:
+    """Where torch keeps its extension builds (TORCH_EXTENSIONS_DIR, else its default root and a folder per Python
+    and accelerator), as torch.utils.cpp_extension names it, without creating anything (torch's own lookup makes
+    the folder it names)."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    chosen = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if chosen is not None:
+        return Path(chosen)
+    if torch.version.hip is not None:
+        accelerator = f"rocm{torch.version.hip.replace('.', '')}"
+    elif torch.version.cuda is not None:
+        accelerator = f"cu{torch.version.cuda.replace('.', '')}"
+    else:
+        accelerator = "cpu"
+    python = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
+    return Path(get_default_build_root()) / f"{python}_{accelerator}"
+
+
 def _compile(source: str, openmp: bool):
     from torch.utils.cpp_extension import load_inline
 
     flags = _flags(openmp)
-    # The torch install is in the name too: a build is made against its headers, and two environments sharing one
-    # cache would otherwise rebuild it in turn.
-    digest = hashlib.sha1("\0".join([source, torch.__version__, torch.__file__, *flags]).encode()).hexdigest()[:12]
-    name = f"attnres_depth_cpu_{digest}"
+    name = extension_name(source, openmp)
     logger.info("AttnRes: loading the C++ depth-mix kernels (compiled on their first use on a machine)")
     start = time.perf_counter()
     with _build_lock(name):
