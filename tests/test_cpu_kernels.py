@@ -230,9 +230,13 @@ def test_selection_errors(monkeypatch):
 def test_auto_runs_the_kernels_where_this_machine_built_them_and_compiles_nothing(tmp_path, monkeypatch):
     """The default path: the C++ kernels for float32 inference on CPU once they are built (`attnres kernels build`),
     the eager path where they are not, which auto never builds (nor creates a folder for)."""
+    built = depth_kernels_cpu.build()
     monkeypatch.setenv("ATTNRES_KERNEL", "auto")
     monkeypatch.setattr(depth_kernels_cpu, "_PREBUILT", [])
-    assert depth_backends.cpu_kernels_for(torch.zeros(1, 1, 8)) is depth_kernels_cpu.build()
+    monkeypatch.setattr(depth_kernels_cpu, "_BUILT", [])
+    monkeypatch.setattr("torch.utils.cpp_extension.load_inline", lambda *a, **k: pytest.fail("auto compiled"))
+    loaded = depth_backends.cpu_kernels_for(torch.zeros(1, 1, 8))  # the build's library itself, no ninja
+    assert loaded is not None and Path(loaded.__file__) == Path(built.__file__)
     assert depth_backends.cpu_kernels_for(torch.zeros(1, 1, 8, dtype=torch.bfloat16)) is None
     ids = token_ids(2, MANY)
     model = _model(4)
@@ -242,7 +246,6 @@ def test_auto_runs_the_kernels_where_this_machine_built_them_and_compiles_nothin
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(empty))
     monkeypatch.setattr(depth_kernels_cpu, "_PREBUILT", [])
     monkeypatch.setattr(depth_kernels_cpu, "_BUILT", [])
-    monkeypatch.setattr("torch.utils.cpp_extension.load_inline", lambda *a, **k: pytest.fail("auto compiled"))
     assert depth_backends.cpu_kernels_for(torch.zeros(1, 1, 8)) is None
     assert not empty.exists()
     with torch.no_grad():

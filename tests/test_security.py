@@ -466,9 +466,10 @@ def test_resume_refuses_a_tampered_checkpoint(tmp_path):
     assert not sentinel.exists(), "resuming ran the checkpoint's code"
 
 
-def test_cpu_kernel_build_compiles_only_its_own_source(monkeypatch):
+def test_cpu_kernel_build_compiles_only_its_own_source(monkeypatch, tmp_path):
     """The package's CPU kernels (never shipped in a folder) build exactly the C++ text of their own source file, and
-    only where ATTNRES_KERNEL=cpu selects them: auto (the default) and eager never reach the compiler."""
+    only where ATTNRES_KERNEL=cpu selects them: auto (the default) and eager never reach the compiler (auto loads a
+    build already on the machine, see test_cpu_kernels.py; here the machine has none)."""
     import torch
     import torch.utils.cpp_extension
 
@@ -480,6 +481,8 @@ def test_cpu_kernel_build_compiles_only_its_own_source(monkeypatch):
         torch.utils.cpp_extension, "load_inline", lambda *args, **kwargs: calls.append((args, kwargs)) or "built"
     )
     monkeypatch.setattr(depth_kernels_cpu, "_BUILT", [])
+    monkeypatch.setattr(depth_kernels_cpu, "_PREBUILT", [])
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "extensions"))
     x = torch.zeros(1, 1, 8)
     for mode in ("auto", "eager", ""):
         monkeypatch.setenv("ATTNRES_KERNEL", mode)

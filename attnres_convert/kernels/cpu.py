@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import hashlib
+import importlib.util
 import logging
 import os
 import sys
@@ -154,7 +155,7 @@ def prebuilt():
     """The compiled kernels where this machine has built them already (`attnres kernels build`, which `make install`
     runs, or an earlier ATTNRES_KERNEL=cpu run), else None: the default path (ATTNRES_KERNEL=auto) compiles
     nothing. Asked once per process; a build that does not load is None here (auto falls back to the eager path)
-    and the error is ATTNRES_KERNEL=cpu's to report."""
+    and the error is ATTNRES_KERNEL=cpu's to report (which compiles it again)."""
     with _LOCK:
         if not _PREBUILT:
             _PREBUILT.append(_load_prebuilt())
@@ -165,21 +166,26 @@ _PREBUILT: list = []  # process-wide, as _BUILT: the kernels if a build was on t
 
 
 def _load_prebuilt():
+    """The build's module imported as it is (no compiler, no ninja, no file written): its name says which source, flags
+    and torch it was built from (`extension_name`), so a build under that name is this source's."""
     source = source_text()
     root = extensions_root()
-    built = [
-        openmp for openmp in (True, False) if (root / (name := extension_name(source, openmp)) / f"{name}.so").exists()
-    ]
-    if not built:
-        return None
-    try:
-        kernels = _compile(source, openmp=built[0])  # up to date: torch's ninja finds nothing to compile
-    except Exception as error:  # noqa: BLE001 - any failure means the same here: the eager path
-        logger.info("AttnRes: the C++ depth-mix kernels built on this machine did not load (%s); eager path", error)
-        return None
-    if not _BUILT:
-        _BUILT.append(kernels)
-    return kernels
+    for openmp in (True, False):
+        name = extension_name(source, openmp)
+        library = root / name / f"{name}.so"
+        if not library.is_file():
+            continue
+        try:
+            spec = importlib.util.spec_from_file_location(name, library)
+            kernels = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(kernels)
+        except Exception as error:  # noqa: BLE001 - a build cut short, a library that does not load: the eager path
+            logger.info("AttnRes: the C++ depth-mix kernels built at %s did not load (%s); eager path", library, error)
+            return None
+        if not _BUILT:
+            _BUILT.append(kernels)
+        return kernels
+    return None
 
 
 def extensions_root() -> Path:
