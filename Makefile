@@ -19,7 +19,7 @@ PIP_INSTALL := pip install --quiet --disable-pip-version-check
 # the cross-version runs leave them out, and the GPU tests as `make test` does.
 NOT_LOCKED := -m "not locked_versions and not cuda and not vllm"
 
-.PHONY: install lint demo test test-fast test-vllm venv-vllm test-gpu gpu-check gpu-check-wheels test-aot-triton test-aot-triton-all test-latest test-lowest venv-lowest venv-tf lock bench bench-overhead clean
+.PHONY: install lint demo test test-extended test-fast test-vllm venv-vllm test-gpu gpu-check gpu-check-wheels test-aot-triton test-aot-triton-all test-latest test-lowest venv-lowest venv-tf lock bench bench-overhead clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -65,9 +65,13 @@ $(VLLM_VENV)/.installed: pyproject.toml $(VLLM_LOCK)
 test-vllm: $(VLLM_VENV)/.installed
 	OMP_NUM_THREADS=1 $(VLLM_VENV)/bin/python -m pytest -q -m vllm tests/test_vllm.py $(PYTEST_ARGS)
 
-# The GPU tests (marker cuda) are left out: `make test-gpu` runs them where there is a GPU.
+# The GPU tests (marker cuda) are left out: `make test-gpu` runs them where there is a GPU. So are the extended
+# end-to-end checks (marker extended, tens of seconds each): `make test-extended` runs them, and CI runs both.
 test: install lint
-	$(BIN)/python -m pytest -q -m "not cuda and not vllm" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -m "not cuda and not vllm and not extended" $(PYTEST_ARGS)
+
+test-extended: install
+	$(BIN)/python -m pytest -q -m "extended and not cuda and not vllm" $(PYTEST_ARGS)
 
 # The format and the lint rules of pyproject.toml's [tool.ruff] (`ruff format .` and `ruff check --fix .` apply them).
 lint: install

@@ -170,6 +170,7 @@ def _assert_same(loaded: dict, expected: dict) -> None:
 
 
 @pytest.mark.slow  # a model load in another Python
+@pytest.mark.extended
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("there", sorted(set(ENVIRONMENTS) - {_this_environment()}))
 def test_converted_here_loads_there(there, family, tmp_path):
@@ -179,6 +180,7 @@ def test_converted_here_loads_there(there, family, tmp_path):
 
 
 @pytest.mark.slow  # a conversion in another Python, then a model load in this one's
+@pytest.mark.extended
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize(
     "there", sorted(name for name, env in ENVIRONMENTS.items() if env.full and name != _this_environment())

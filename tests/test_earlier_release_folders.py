@@ -20,7 +20,7 @@ from attnres_convert.modeling import SHIPPED_CODE
 REPOSITORY = Path(__file__).resolve().parent.parent
 # The last commit whose converted folders ship the package's modeling code as 21 Python files and a C++ source.
 EARLIER_RELEASE = "0b65c5b"
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.extended]
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 
 from attnres_convert import convert_model
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.extended]
 
 PROBE = textwrap.dedent(
     """

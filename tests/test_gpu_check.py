@@ -88,6 +88,7 @@ def test_a_failing_stage_records_its_error_and_the_next_one_runs(tmp_path, monke
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_quick_cpu_check_runs_every_stage_and_reports_sane_numbers(tmp_path):
     out = tmp_path / "report"
     env = dict(os.environ, OMP_NUM_THREADS="1")

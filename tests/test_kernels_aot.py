@@ -27,7 +27,7 @@ import aot_compile  # noqa: E402
 
 from attnres_convert.kernels import triton as depth_triton  # noqa: E402
 
-pytestmark = pytest.mark.aot
+pytestmark = [pytest.mark.aot, pytest.mark.extended]
 
 # Per compute capability, from the CUDA C++ Programming Guide, "Technical Specifications per Compute Capability":
 # shared memory per block (the opt-in maximum: 163 KB on 8.0, 227 KB on 9.0), 32-bit registers per thread and per

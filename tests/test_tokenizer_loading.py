@@ -156,6 +156,7 @@ def test_tokenizer_of_a_converted_folder_loads_like_the_original(from_folder, tr
     assert_loads_like_the_original(root / "converted", original_ids[loader], trust, loader=loader)
 
 
+@pytest.mark.extended
 def test_tokenizer_of_a_folder_converted_from_the_hub_cache_loads_like_the_original(tmp_path):
     """A hub id whose snapshot is in the HF cache, converted offline."""
     env, _ = _cached_hub_repo(tmp_path)
@@ -182,6 +183,7 @@ def test_processor_files_of_a_hub_cache_source_are_copied(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_tokenizer_of_a_folder_converted_from_a_gguf_loads_like_the_original(smollm2_path, tmp_path):
     """The embedded SmolLM2 GGUF: its tokenizer is rebuilt from the GGUF's metadata, saved with the converted
     folder, and encodes as transformers' own reading of the GGUF does."""
@@ -251,6 +253,7 @@ def test_tokenizer_of_a_fine_tuned_folder_loads_like_the_original(from_folder, t
         assert_loads_like_the_original(result.model_dir, original_ids[loader], True, loader=loader)
 
 
+@pytest.mark.extended
 def test_hub_cache_sources_without_or_with_a_broken_tokenizer(tmp_path):
     """A cached hub repo without tokenizer files converts and says so once; one whose tokenizer.json is corrupt
     fails naming the repo and the reason, and writes nothing."""
