@@ -1,0 +1,207 @@
+"""The catch-up curve of a retrofit study, and how much of an ideal retrofit it earns.
+
+    python benchmarks/retrofit_catchup.py WORK [--after 800] [--scratch benchmarks/results/retrofit-ab-retrofit-cpu.json]
+        [-o benchmarks/results/retrofit-catchup]
+
+WORK is the work folder of `attnres ab RECIPE --retrofit-after N ... retrofit.steps=T` (OUT-runs): it reads the
+pretraining runs (`scratch/baseline/seed-*`) and the continued runs (`after-N/{baseline,attnres}/seed-*`) as far as
+they have got, so a study still running can be read; a seed counts where both of its arms have an evaluation.
+
+- **Lead** at each continued evaluation step: baseline - AttnRes held-out loss, per seed, then mean and sample
+  standard deviation over the seeds; the evaluation's standard error of the difference as `attnres ab` takes it.
+- **AttnRes's compute multiplier m** on this model and text, from the from-scratch leads of an earlier study
+  (`--scratch`, its `after[*].scratch`: the lead at pretraining step t): the baseline's pretraining curve (the mean of
+  WORK's pretraining runs, linear between evaluations) reaches AttnRes's loss at t, L_base(t) - lead, at step t*;
+  m = t* / t, where t* falls inside the curve. m is the mean of those.
+- **Ideal lead** after T continued steps: `L(T) - L(m T)`, L the continued baseline's curve (mean over seeds) from
+  the base at N: what a retrofit earning AttnRes's multiplier on its continued tokens alone would lead by. Beyond
+  the last evaluation, L is extended linearly in log(steps) through its last three evaluations (marked in the
+  table). **Retrofit efficiency** = lead / ideal lead.
+
+Writes OUT.json, OUT.md and OUT.png (left: the lead per continued step with the seeds' range, and the ideal lead;
+right: the efficiency).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+from pathlib import Path
+
+
+def evals(folder: Path) -> dict[int, tuple[float, float]]:
+    """{step: (held-out loss, its standard error)} of a run's metrics.jsonl."""
+    path = folder / "metrics.jsonl"
+    if not path.is_file():
+        return {}
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return {r["step"]: (r["loss"], r.get("loss_se") or 0.0) for r in rows if r.get("kind") == "eval"}
+
+
+def interpolate(curve: dict[int, float], step: float) -> tuple[float | None, bool]:
+    """The curve's value at STEP (linear between evaluations); beyond the last, linear in log(steps) through the
+    last three evaluations (the second value says so); None before the first."""
+    steps = sorted(curve)
+    if step <= steps[-1]:
+        for a, b in zip(steps, steps[1:]):
+            if a <= step <= b:
+                return curve[a] + (curve[b] - curve[a]) * (step - a) / (b - a), False
+        return (curve[steps[0]], False) if step == steps[0] else (None, False)
+    tail = [s for s in steps if s > 0][-3:]
+    xs, ys = [math.log(s) for s in tail], [curve[s] for s in tail]
+    mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / sum((x - mean_x) ** 2 for x in xs)
+    return mean_y + slope * (math.log(step) - mean_x), True
+
+
+def step_reaching(curve: dict[int, float], loss: float) -> float | None:
+    """The first step at which a falling curve reaches LOSS (linear between evaluations), or None."""
+    steps = sorted(curve)
+    for a, b in zip(steps, steps[1:]):
+        if curve[a] >= loss >= curve[b] and curve[a] != curve[b]:
+            return a + (b - a) * (curve[a] - loss) / (curve[a] - curve[b])
+    return None
+
+
+def mean_curve(curves: list[dict[int, tuple[float, float]]]) -> dict[int, float]:
+    shared = set.intersection(*(set(c) for c in curves)) if curves else set()
+    return {s: statistics.fmean(c[s][0] for c in curves) for s in sorted(shared)}
+
+
+def multiplier(pretraining: dict[int, float], scratch_json: Path) -> tuple[float | None, list[dict]]:
+    study = json.loads(scratch_json.read_text())
+    points = []
+    for entry in study.get("after", []):
+        scratch = entry.get("scratch") or {}
+        step, lead = scratch.get("step"), (scratch.get("lead") or {}).get("mean")
+        if step is None or lead is None or step not in pretraining:
+            continue
+        reached = step_reaching(pretraining, pretraining[step] - lead)
+        points.append({"step": step, "lead": lead, "baseline_steps": reached, "m": reached / step if reached else None})
+    found = [p["m"] for p in points if p["m"] is not None]
+    return (statistics.fmean(found) if found else None), points
+
+
+def analyse(work: Path, after: int, scratch_json: Path) -> dict:
+    pre = [evals(p) for p in sorted((work / "scratch" / "baseline").glob("seed-*"))]
+    pretraining = mean_curve([c for c in pre if c])
+    m, points = multiplier(pretraining, scratch_json)
+    arms = {
+        arm: {p.name: evals(p) for p in sorted((work / f"after-{after}" / arm).glob("seed-*"))}
+        for arm in ("baseline", "attnres")
+    }
+    seeds = sorted(s for s in arms["baseline"] if arms["baseline"][s] and arms["attnres"].get(s))
+    continued = mean_curve([arms["baseline"][s] for s in seeds])
+    rows = []
+    for step in (
+        sorted(set.intersection(*(set(arms["baseline"][s]) & set(arms["attnres"][s]) for s in seeds))) if seeds else []
+    ):
+        leads = [arms["baseline"][s][step][0] - arms["attnres"][s][step][0] for s in seeds]
+        se = statistics.fmean(math.hypot(arms["baseline"][s][step][1], arms["attnres"][s][step][1]) for s in seeds)
+        ideal, extrapolated = interpolate(continued, m * step) if m and step else (None, False)
+        ideal = continued[step] - ideal if ideal is not None else None
+        mean = statistics.fmean(leads)
+        rows.append(
+            {
+                "step": step,
+                "lead": {"mean": mean, "std": statistics.stdev(leads) if len(leads) > 1 else None, "per_seed": leads},
+                "eval_se": se,
+                "ideal_lead": ideal,
+                "ideal_extrapolated": extrapolated,
+                "efficiency": (mean / ideal) if ideal else None,
+            }
+        )
+    return {
+        "work": str(work),
+        "after": after,
+        "seeds": seeds,
+        "multiplier": m,
+        "multiplier_points": points,
+        "pretraining_steps": max(pretraining) if pretraining else None,
+        "rows": rows,
+    }
+
+
+def markdown(result: dict, command: str) -> str:
+    m = result["multiplier"]
+    seeds = ", ".join(s.removeprefix("seed-") for s in result["seeds"]) or "none yet"
+    multiplier_text = f"{m:.2f}" if m else "not measurable from these runs"
+    lines = [
+        f"```bash\n{command}\n```",
+        "",
+        f"Seeds {seeds}; continued from the save after {result['after']} pretraining steps; AttnRes's compute "
+        f"multiplier m = {multiplier_text}.",
+        "",
+        "| continued steps | continued / pretraining tokens | lead (mean ± sd; per seed) | eval SE | ideal lead | efficiency |",
+        "|---|---|---|---|---|---|",
+    ]
+    for row in result["rows"]:
+        lead = row["lead"]
+        sd = f" ± {lead['std']:.4f}" if lead["std"] is not None else ""
+        seeds = ", ".join(f"{x:+.4f}" for x in lead["per_seed"])
+        ideal = (
+            ""
+            if row["ideal_lead"] is None
+            else f"{row['ideal_lead']:+.4f}" + (" (extrapolated)" if row["ideal_extrapolated"] else "")
+        )
+        eff = "" if row["efficiency"] is None else f"{row['efficiency']:.2f}"
+        lines.append(
+            f"| {row['step']} | {row['step'] / result['after']:.2f} | {lead['mean']:+.4f}{sd} ({seeds}) | "
+            f"{row['eval_se']:.4f} | {ideal} | {eff} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in result["rows"] if r["step"] > 0]
+    steps = [r["step"] for r in rows]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    left.plot(steps, [r["lead"]["mean"] for r in rows], marker="o", label="retrofit lead (mean)")
+    left.fill_between(
+        steps,
+        [min(r["lead"]["per_seed"]) for r in rows],
+        [max(r["lead"]["per_seed"]) for r in rows],
+        alpha=0.2,
+        label="seeds' range",
+    )
+    left.plot(steps, [r["ideal_lead"] for r in rows], linestyle="--", label="ideal retrofit (m on continued tokens)")
+    left.axhline(0, color="grey", linewidth=0.8)
+    left.set(xlabel="continued steps", ylabel="lead (nats/token)", title=f"Retrofit after {result['after']} steps")
+    left.legend()
+    right.plot(steps, [r["efficiency"] for r in rows], marker="o")
+    right.axhline(0, color="grey", linewidth=0.8)
+    right.set(xlabel="continued steps", ylabel="lead / ideal lead", title="Retrofit efficiency")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("work", type=Path)
+    parser.add_argument("--after", type=int, default=800)
+    parser.add_argument("--scratch", type=Path, default=Path("benchmarks/results/retrofit-ab-retrofit-cpu.json"))
+    parser.add_argument("-o", "--output", type=Path, default=Path("benchmarks/results/retrofit-catchup"))
+    args = parser.parse_args()
+    result = analyse(args.work, args.after, args.scratch)
+    command = "python benchmarks/retrofit_catchup.py " + " ".join(
+        [str(args.work), f"--after {args.after}", f"--scratch {args.scratch}", f"-o {args.output}"]
+    )
+    result["command"] = command
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
+    args.output.with_suffix(".md").write_text(markdown(result, command))
+    if result["rows"]:
+        plot(result, args.output.with_suffix(".png"))
+    print(markdown(result, command))
+
+
+if __name__ == "__main__":
+    main()
