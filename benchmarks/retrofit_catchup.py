@@ -5,7 +5,7 @@
 
 WORK is the work folder of `attnres ab RECIPE --retrofit-after N ... retrofit.steps=T` (OUT-runs): it reads the
 pretraining runs (`scratch/baseline/seed-*`) and the continued runs (`after-N/{baseline,attnres}/seed-*`) as far as
-they have got, so a study still running can be read; a seed counts where both of its arms have an evaluation.
+they have got, so a study still running can be read; a seed counts where both of its arms have an evaluation (a run still going is read from its partial folder).
 
 - **Lead** at each continued evaluation step: baseline - AttnRes held-out loss, per seed, then mean and sample
   standard deviation over the seeds; the evaluation's standard error of the difference as `attnres ab` takes it.
@@ -38,6 +38,18 @@ def evals(folder: Path) -> dict[int, tuple[float, float]]:
         return {}
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     return {r["step"]: (r["loss"], r.get("loss_se") or 0.0) for r in rows if r.get("kind") == "eval"}
+
+
+def runs(arm: Path) -> dict[str, dict[int, tuple[float, float]]]:
+    """{seed-K: evaluations} of an arm's runs; a run still going writes into a hidden partial folder
+    (.seed-K.partial-*), read where it holds more evaluations than a finished or interrupted seed-K."""
+    found: dict[str, dict] = {}
+    for folder in sorted(arm.glob("seed-*")) + sorted(arm.glob(".seed-*.partial-*")):
+        seed = folder.name.lstrip(".").split(".partial-")[0]
+        curve = evals(folder)
+        if len(curve) > len(found.get(seed, {})):
+            found[seed] = curve
+    return found
 
 
 def interpolate(curve: dict[int, float], step: float) -> tuple[float | None, bool]:
@@ -88,10 +100,7 @@ def analyse(work: Path, after: int, scratch_json: Path) -> dict:
     pre = [evals(p) for p in sorted((work / "scratch" / "baseline").glob("seed-*"))]
     pretraining = mean_curve([c for c in pre if c])
     m, points = multiplier(pretraining, scratch_json)
-    arms = {
-        arm: {p.name: evals(p) for p in sorted((work / f"after-{after}" / arm).glob("seed-*"))}
-        for arm in ("baseline", "attnres")
-    }
+    arms = {arm: runs(work / f"after-{after}" / arm) for arm in ("baseline", "attnres")}
     seeds = sorted(s for s in arms["baseline"] if arms["baseline"][s] and arms["attnres"].get(s))
     continued = mean_curve([arms["baseline"][s] for s in seeds])
     rows = []
