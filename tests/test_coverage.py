@@ -14,7 +14,10 @@ from attnres_convert.conversion import coverage
 ROOT = Path(__file__).resolve().parents[1]
 FLOOR = json.loads((ROOT / "tests" / "coverage_floor.json").read_text())
 DOC = ROOT / "docs" / "architectures.md"
-pytestmark = [pytest.mark.slow, pytest.mark.extended]  # the walk builds and converts every causal-LM model type of transformers
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.extended,
+]  # the walk builds and converts every causal-LM model type of transformers
 
 
 @pytest.fixture(scope="module")
