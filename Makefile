@@ -38,8 +38,7 @@ $(STAMP): pyproject.toml $(LOCK) | $(BIN)/python
 install: $(STAMP)
 
 # Convert the embedded SmolLM2, then continued pretraining on Shakespeare from that folder: held-out perplexity before
-# and after. Measured once installed, on 2 cores (AMD EPYC) shared with other jobs (load average 2.5 to 2.7): convert
-# 38 s, finetune 55 s, 1 min 33 s in all (`time` of each step; both computed with 1 torch thread, the idle cores).
+# and after. Measured once installed, in a fresh clone on 2 idle cores (AMD EPYC): 1 min 27 s (`time make demo`).
 demo: install
 	$(BIN)/attnres convert --output outputs/smollm2-attnres --overwrite
 	$(BIN)/attnres finetune quickstart-cpu model.source=outputs/smollm2-attnres output.overwrite=true

@@ -588,6 +588,8 @@ def _yaml_of(text: str) -> dict:
 def test_recipes_validate_prints_a_verdict_and_the_recipe_only_with_show(monkeypatch, tmp_path):
     from attnres_convert.finetune.recipe import load_recipe
 
+    # The recipe's output folder is relative to the working directory, where `make demo` may have left a run.
+    monkeypatch.chdir(tmp_path)
     code, text = screen(monkeypatch, "recipes", "validate", "quickstart-cpu")
     assert code == 0 and "valid: quickstart-cpu" in text and "--show" in text, text
     assert "description:" not in text and len(text.splitlines()) <= 6, text
