@@ -218,6 +218,7 @@ MEMORY_PROBE = textwrap.dedent(
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_streamed_conversion_memory_does_not_grow_with_the_model(tmp_path):
     """A 130 MB model (float32, two 65 MB matrices) converts, kept and re-dtyped, with a peak resident memory
     that grows by well under one of its matrices: tensors are copied by the kernel or converted in 16 MB chunks."""
@@ -375,6 +376,7 @@ def test_finetune_output_is_sharded_and_a_bad_size_is_refused_before_training(tm
     )
 
 
+@pytest.mark.extended
 def test_streamed_sharded_folder_loads_without_this_package(tmp_path):
     """What users of a converted big model run: from_pretrained(trust_remote_code=True) of the sharded folder in
     a Python where attnres_convert cannot be imported, with device_map="auto" and disk offload; the logits
@@ -459,6 +461,7 @@ HUB_CACHE_CONVERT = textwrap.dedent(
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_hub_id_streams_from_the_hf_cache(tmp_path):
     """A hub id whose snapshot is in the HF cache (offline): streamed from the cached files, with the folder's output."""
     _saved("llama", tmp_path / "plain")

@@ -104,6 +104,7 @@ def _kill_at(context, models, out: Path, trigger, verify: bool) -> tuple[str, bo
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_sigkill_at_any_moment_keeps_the_previous_output(tmp_path, models, forkserver):
     """SIGKILL at every stage of load / convert / verify / save, and inside saving at random moments and as
     each file appears: OUT is always the previous output byte for byte, or the complete new one."""
@@ -264,6 +265,7 @@ def _run_and_signal(out: Path, source: Path, sig: int) -> tuple[subprocess.Compl
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT, signal.SIGTERM], ids=["SIGKILL", "SIGINT", "SIGTERM"])
 def test_installed_command_interrupted_while_saving(tmp_path, models, sig):
     """The real command, signalled while it writes: the previous output survives untouched. Ctrl-C and SIGTERM

@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+pytestmark = pytest.mark.extended  # end to end, tens of seconds: `make test-extended`
+
 sys.path.insert(0, str(Path(__file__).parent))
 
 VARIANTS = ("fsdp2", "fsdp1", "checkpoint", "fsdp2+checkpoint")

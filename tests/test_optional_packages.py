@@ -39,9 +39,12 @@ needs_typer_without_pydantic = pytest.mark.skipif(
     TYPER_NEEDS_PYDANTIC, reason="this typer requires pydantic (typer >= 0.29), so pydantic cannot be missing here"
 )
 
+pytestmark = pytest.mark.extended  # end to end, tens of seconds: `make test-extended`
+
 # `python -c BLOCKED_RUN "pkg1,pkg2" ARGS...`: `python -m attnres_convert ARGS` with those packages unimportable.
 BLOCKED_RUN = r"""
 import importlib.abc, runpy, sys
+
 blocked = set(sys.argv[1].split(","))
 class NotInstalled(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):

@@ -19,6 +19,8 @@ from fake_hub import FakeHub
 from finetune_helpers import tiny_model_folder, tiny_recipe, write_corpus, write_recipe
 from reliability_helpers import ONE_THREAD_ENV
 
+pytestmark = pytest.mark.extended  # end to end, tens of seconds: `make test-extended`
+
 TOKEN = "attnres-SECRET-token-7f3a9c1e5b2d"
 
 # The commands run in one Python, printing to the real stdout/stderr (no capture in between), so that any
