@@ -19,6 +19,7 @@ import torch
 from ..errors import SourceError, VerificationError
 from ..io.paths import check_output, is_converted_folder
 from ..io.saving import atomic_folder, load_converted, write_converted
+from ..kernels import code_paths_only
 
 PROBE_TOKENS = 24
 OLD_CODE = (".py", ".cpp")  # the folder's code files, replaced by this release's
@@ -87,7 +88,8 @@ def upgrade_folder(
     old = _own_code_model(folder).eval()
     new = load_converted(folder, trust_remote_code=True, dtype=torch.float32).eval()
     ids = _probe_ids(new)
-    difference = (_logits(old, ids) - _logits(new, ids)).abs().max().item()
+    with code_paths_only():  # code against code: the C++ kernels' sums would differ from either by rounding
+        difference = (_logits(old, ids) - _logits(new, ids)).abs().max().item()
     del old
     if difference != 0.0:
         raise VerificationError(

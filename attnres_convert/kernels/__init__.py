@@ -14,8 +14,10 @@ none of these (modeling_attnres's own paths). Neither auto nor eager compiles an
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
 import torch
@@ -123,6 +125,22 @@ def triton_kernels_for(like: torch.Tensor, mode: str | None = None):
     return kernels
 
 
+# Set by `code_paths_only`: auto as it runs where no C++ kernels are built (a context variable: per thread and task).
+_CODE_PATHS_ONLY: contextvars.ContextVar[bool] = contextvars.ContextVar("attnres_code_paths_only", default=False)
+
+
+@contextlib.contextmanager
+def code_paths_only() -> Iterator[None]:
+    """auto without the C++ kernels a machine has built, for comparing one model code with another bit for bit
+    (`attnres upgrade`: a folder's earlier code against this release's, which the kernels' float32 sums in another
+    order would differ from by rounding)."""
+    token = _CODE_PATHS_ONLY.set(True)
+    try:
+        yield
+    finally:
+        _CODE_PATHS_ONLY.reset(token)
+
+
 def cpu_kernels_for(like: torch.Tensor, mode: str | None = None):
     """The compiled C++ kernels for a forward without autograd of tensors like `like` (CPU, float32): where
     ATTNRES_KERNEL=cpu (or `mode`) selects them, built on first use, and under auto where this machine has built them
@@ -132,6 +150,7 @@ def cpu_kernels_for(like: torch.Tensor, mode: str | None = None):
     mode = mode or kernel_mode()
     if mode == "auto":
         fits = like.device.type == "cpu" and like.dtype == torch.float32 and not torch.compiler.is_compiling()
+        fits = fits and not _CODE_PATHS_ONLY.get()
         return prebuilt() if fits else None
     if mode != "cpu":
         return None

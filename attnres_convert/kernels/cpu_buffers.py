@@ -30,7 +30,9 @@ class _Added:
         """Keeps the output for the next kernel to add (float32: under autocast the eager add upcasts it the same)."""
         if self.added is not None:
             self.apply_added()  # not taken by a kernel (nothing read the mix in between): added here
-        self.added = output if output.dtype == torch.float32 else output.float()
+        output = output if output.dtype == torch.float32 else output.float()
+        # The kernels read rows of contiguous floats; a sublayer may return a strided view (Inkling's attention).
+        self.added = output if output.stride(-1) == 1 else output.contiguous()
         self.added_slot, self.added_first = self.count, self.first_output()
         self.has_partial = True
         return self
