@@ -14,9 +14,10 @@ they have got, so a study still running can be read; a seed counts where both of
   WORK's pretraining runs, linear between evaluations) reaches AttnRes's loss at t, L_base(t) - lead, at step t*;
   m = t* / t, where t* falls inside the curve. m is the mean of those.
 - **Ideal lead** after T continued steps: `L(T) - L(m T)`, L the continued baseline's curve (mean over seeds) from
-  the base at N: what a retrofit earning AttnRes's multiplier on its continued tokens alone would lead by. Beyond
-  the last evaluation, L is extended linearly in log(steps) through its last three evaluations (marked in the
-  table). **Retrofit efficiency** = lead / ideal lead.
+  the base at N: what a retrofit earning AttnRes's multiplier on its continued tokens alone would lead by. L is the
+  least-squares fit `a + b ln(T)` to that curve's evaluations (each moves by the evaluation's standard error), so
+  the ideal lead is `-b ln(m)` at every T; where m T lies past the last evaluation the fit extrapolates (marked).
+  **Retrofit efficiency** = lead / ideal lead.
 
 Writes OUT.json, OUT.md and OUT.png (left: the lead per continued step with the seeds' range, and the ideal lead;
 right: the efficiency).
@@ -52,20 +53,13 @@ def runs(arm: Path) -> dict[str, dict[int, tuple[float, float]]]:
     return found
 
 
-def interpolate(curve: dict[int, float], step: float) -> tuple[float | None, bool]:
-    """The curve's value at STEP (linear between evaluations); beyond the last, linear in log(steps) through the
-    last three evaluations (the second value says so); None before the first."""
-    steps = sorted(curve)
-    if step <= steps[-1]:
-        for a, b in zip(steps, steps[1:]):
-            if a <= step <= b:
-                return curve[a] + (curve[b] - curve[a]) * (step - a) / (b - a), False
-        return (curve[steps[0]], False) if step == steps[0] else (None, False)
-    tail = [s for s in steps if s > 0][-3:]
-    xs, ys = [math.log(s) for s in tail], [curve[s] for s in tail]
-    mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)
-    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / sum((x - mean_x) ** 2 for x in xs)
-    return mean_y + slope * (math.log(step) - mean_x), True
+def log_fit(curve: dict[int, float]) -> tuple[float, float]:
+    """(a, b) of the least-squares fit L = a + b ln(step) over the curve's evaluations after step 0: a smooth
+    stand-in for a continued run's loss, whose evaluations move by their standard error from one to the next."""
+    points = [(math.log(step), loss) for step, loss in curve.items() if step > 0]
+    mean_x, mean_y = statistics.fmean(x for x, _ in points), statistics.fmean(y for _, y in points)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in points) / sum((x - mean_x) ** 2 for x, _ in points)
+    return mean_y - slope * mean_x, slope
 
 
 def step_reaching(curve: dict[int, float], loss: float) -> float | None:
@@ -103,14 +97,17 @@ def analyse(work: Path, after: int, scratch_json: Path) -> dict:
     arms = {arm: runs(work / f"after-{after}" / arm) for arm in ("baseline", "attnres")}
     seeds = sorted(s for s in arms["baseline"] if arms["baseline"][s] and arms["attnres"].get(s))
     continued = mean_curve([arms["baseline"][s] for s in seeds])
+    fit = log_fit(continued) if sum(1 for step in continued if step > 0) >= 3 else None
     rows = []
     for step in (
         sorted(set.intersection(*(set(arms["baseline"][s]) & set(arms["attnres"][s]) for s in seeds))) if seeds else []
     ):
         leads = [arms["baseline"][s][step][0] - arms["attnres"][s][step][0] for s in seeds]
         se = statistics.fmean(math.hypot(arms["baseline"][s][step][1], arms["attnres"][s][step][1]) for s in seeds)
-        ideal, extrapolated = interpolate(continued, m * step) if m and step else (None, False)
-        ideal = continued[step] - ideal if ideal is not None else None
+        # The ideal lead from the fit: L(T) - L(m T) = -b ln(m), the same at every T for this form; where m T lies
+        # past the last evaluation the fit extrapolates (marked).
+        ideal = -fit[1] * math.log(m) if m and fit and step else None
+        extrapolated = bool(m and step and m * step > max(continued))
         mean = statistics.fmean(leads)
         rows.append(
             {
