@@ -1,5 +1,6 @@
-"""C++ kernels for the depth mix on CPU, compiled on first use (ATTNRES_KERNEL=cpu): their build, their Python
-wrappers and the check that lets them fuse a sublayer's norm. The math is modeling_attnres.py's; the buffers they serve
+"""C++ kernels for the depth mix on CPU, run by default for float32 inference once built on a machine (`prebuilt`),
+compiled on first use with ATTNRES_KERNEL=cpu: their build, their Python wrappers and the check that lets them fuse a
+sublayer's norm. The math is modeling_attnres.py's; the buffers they serve
 are cpu_buffers.py's.
 
 On CPU the eager reader is a chain of small operations, and both forwards pay for it in their own way:
