@@ -13,7 +13,7 @@ they have got, so a study still running can be read; a seed counts where both of
   (`--scratch`, its `after[*].scratch`: the lead at pretraining step t): the baseline's pretraining curve (the mean of
   WORK's pretraining runs, linear between evaluations) reaches AttnRes's loss at t, L_base(t) - lead, at step t*;
   m = t* / t, where t* falls inside the curve. m is the mean of those.
-- **Ideal lead** after T continued steps: `L(T) - L(m T)`, L the continued baseline's curve (mean over seeds) from
+- **Ideal lead** after T continued steps: `L(T) - L(m T)`, L the continued baseline's curve (its longest seed) from
   the base at N: what a retrofit earning AttnRes's multiplier on its continued tokens alone would lead by. L is the
   least-squares fit `a + b ln(T)` to that curve's evaluations (each moves by the evaluation's standard error), so
   the ideal lead is `-b ln(m)` at every T; where m T lies past the last evaluation the fit extrapolates (marked).
@@ -96,14 +96,17 @@ def analyse(work: Path, after: int, scratch_json: Path) -> dict:
     m, points = multiplier(pretraining, scratch_json)
     arms = {arm: runs(work / f"after-{after}" / arm) for arm in ("baseline", "attnres")}
     seeds = sorted(s for s in arms["baseline"] if arms["baseline"][s] and arms["attnres"].get(s))
-    continued = mean_curve([arms["baseline"][s] for s in seeds])
+    # The continued baseline's curve for the fit: the seed that has gone furthest (the seeds' mean where they all have).
+    longest = max(seeds, key=lambda s: len(arms["baseline"][s]), default=None)
+    continued = {step: loss for step, (loss, _) in arms["baseline"][longest].items()} if longest else {}
     fit = log_fit(continued) if sum(1 for step in continued if step > 0) >= 3 else None
     rows = []
-    for step in (
-        sorted(set.intersection(*(set(arms["baseline"][s]) & set(arms["attnres"][s]) for s in seeds))) if seeds else []
-    ):
-        leads = [arms["baseline"][s][step][0] - arms["attnres"][s][step][0] for s in seeds]
-        se = statistics.fmean(math.hypot(arms["baseline"][s][step][1], arms["attnres"][s][step][1]) for s in seeds)
+    # Every step some seed has reached in both arms; a row says which seeds it averages (a study still running).
+    reached = {s: set(arms["baseline"][s]) & set(arms["attnres"][s]) for s in seeds}
+    for step in sorted(set().union(*reached.values())):
+        present = [s for s in seeds if step in reached[s]]
+        leads = [arms["baseline"][s][step][0] - arms["attnres"][s][step][0] for s in present]
+        se = statistics.fmean(math.hypot(arms["baseline"][s][step][1], arms["attnres"][s][step][1]) for s in present)
         # The ideal lead from the fit: L(T) - L(m T) = -b ln(m), the same at every T for this form; where m T lies
         # past the last evaluation the fit extrapolates (marked).
         ideal = -fit[1] * math.log(m) if m and fit and step else None
@@ -112,6 +115,7 @@ def analyse(work: Path, after: int, scratch_json: Path) -> dict:
         rows.append(
             {
                 "step": step,
+                "seeds": present,
                 "lead": {"mean": mean, "std": statistics.stdev(leads) if len(leads) > 1 else None, "per_seed": leads},
                 "eval_se": se,
                 "ideal_lead": ideal,
@@ -140,7 +144,7 @@ def markdown(result: dict, command: str) -> str:
         f"Seeds {seeds}; continued from the save after {result['after']} pretraining steps; AttnRes's compute "
         f"multiplier m = {multiplier_text}.",
         "",
-        "| continued steps | continued / pretraining tokens | lead (mean ± sd; per seed) | eval SE | ideal lead | efficiency |",
+        "| continued steps (seeds) | continued / pretraining tokens | lead (mean ± sd; per seed) | eval SE | ideal lead | efficiency |",
         "|---|---|---|---|---|---|",
     ]
     for row in result["rows"]:
@@ -154,7 +158,7 @@ def markdown(result: dict, command: str) -> str:
         )
         eff = "" if row["efficiency"] is None else f"{row['efficiency']:.2f}"
         lines.append(
-            f"| {row['step']} | {row['step'] / result['after']:.2f} | {lead['mean']:+.4f}{sd} ({seeds}) | "
+            f"| {row['step']} ({len(row['seeds'])}) | {row['step'] / result['after']:.2f} | {lead['mean']:+.4f}{sd} ({seeds}) | "
             f"{row['eval_se']:.4f} | {ideal} | {eff} |"
         )
     return "\n".join(lines) + "\n"
