@@ -145,8 +145,7 @@ def cpu_kernels_for(like: torch.Tensor, mode: str | None = None):
     """The compiled C++ kernels for a forward without autograd of tensors like `like` (CPU, float32): where
     ATTNRES_KERNEL=cpu (or `mode`) selects them, built on first use, and under auto where this machine has built them
     already (`prebuilt`: auto compiles nothing); else None. Raises where cpu selects them and they cannot run: never
-    a silent fallback. (Measured on SmolLM2, one thread: eager reads cost decoding about 5 % and the C++ ones under
-    1 %, benchmarks/results/bench-smollm2-cpu-*.json.)"""
+    a silent fallback (their speed against the eager paths: docs/performance.md)."""
     mode = mode or kernel_mode()
     if mode == "auto":
         fits = like.device.type == "cpu" and like.dtype == torch.float32 and not torch.compiler.is_compiling()

@@ -1,8 +1,9 @@
 """The inference buffers on the C++ kernels (float32 on CPU, where they are built or ATTNRES_KERNEL=cpu; the kernels
 are cpu.py's). The buffers are the eager path's (modeling_attnres.py's SourceBuffer and step.py's); what changes is
-who makes the residual adds: a sublayer's output is kept as the buffer's `added` output, and the next kernel (the next reader's mix, or
-the block's close) adds it to the partial sum and the stream in the same pass over each row that reads them.
-`current_stream` makes the adds for anyone who reads the stream before (output_hidden_states, a depth gate).
+who makes the residual adds: a sublayer's output is kept as the buffer's `added` output, and the next kernel (the
+next reader's mix, or the block's close) adds it to the partial sum and the stream in the same pass over each row
+that reads them. `current_stream` makes the adds for anyone who reads the stream before (output_hidden_states, a depth
+gate).
 """
 
 from __future__ import annotations
