@@ -51,12 +51,17 @@ def _model(block_size: int, random_queries: bool = True, scaling: str = "count")
     return model.eval()
 
 
-def _eager(monkeypatch, fn):
-    monkeypatch.setenv("ATTNRES_KERNEL", "eager")
+def _with_mode(monkeypatch, mode: str, fn, then: str = "cpu"):
+    """FN's result under ATTNRES_KERNEL=MODE, then back to THEN (the module's tests run under cpu)."""
+    monkeypatch.setenv("ATTNRES_KERNEL", mode)
     try:
         return fn()
     finally:
-        monkeypatch.setenv("ATTNRES_KERNEL", "cpu")
+        monkeypatch.setenv("ATTNRES_KERNEL", then)
+
+
+def _eager(monkeypatch, fn):
+    return _with_mode(monkeypatch, "eager", fn)
 
 
 def _final_state(model, run):
@@ -241,7 +246,7 @@ def test_auto_runs_the_kernels_where_this_machine_built_them_and_compiles_nothin
     ids = token_ids(2, MANY)
     model = _model(4)
     with torch.no_grad():
-        assert torch.equal(model(ids).logits, _with_mode(monkeypatch, "cpu", lambda: model(ids).logits))
+        assert torch.equal(model(ids).logits, _with_mode(monkeypatch, "cpu", lambda: model(ids).logits, then="auto"))
     empty = tmp_path / "extensions"
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(empty))
     monkeypatch.setattr(depth_kernels_cpu, "_PREBUILT", [])
@@ -249,16 +254,8 @@ def test_auto_runs_the_kernels_where_this_machine_built_them_and_compiles_nothin
     assert depth_backends.cpu_kernels_for(torch.zeros(1, 1, 8)) is None
     assert not empty.exists()
     with torch.no_grad():
-        eager = _with_mode(monkeypatch, "eager", lambda: model(ids).logits)
+        eager = _with_mode(monkeypatch, "eager", lambda: model(ids).logits, then="auto")
         assert torch.equal(model(ids).logits, eager)
-
-
-def _with_mode(monkeypatch, mode: str, fn):
-    monkeypatch.setenv("ATTNRES_KERNEL", mode)
-    try:
-        return fn()
-    finally:
-        monkeypatch.setenv("ATTNRES_KERNEL", "auto")
 
 
 def test_decoding_under_cpu_autocast_is_the_original_at_zero_queries():

@@ -157,9 +157,10 @@ def prebuilt():
     runs, or an earlier ATTNRES_KERNEL=cpu run), else None: the default path (ATTNRES_KERNEL=auto) compiles
     nothing. Asked once per process; a build that does not load is None here (auto falls back to the eager path)
     and the error is ATTNRES_KERNEL=cpu's to report (which compiles it again)."""
-    with _LOCK:
-        if not _PREBUILT:
-            _PREBUILT.append(_load_prebuilt())
+    if not _PREBUILT:  # asked at every forward: the lock only until the first answer
+        with _LOCK:
+            if not _PREBUILT:
+                _PREBUILT.append(_load_prebuilt())
     return _PREBUILT[0]
 
 
