@@ -268,6 +268,7 @@ def ab_command(
                 overwrite=overwrite,
                 console=err_console if main else None,
                 command=command,
+                sweep=arms,
             )
         else:
             result = run_ab(

@@ -183,6 +183,30 @@ def test_retrofit_study_end_to_end(setup, tmp_path):
     )
     assert {p: p.stat().st_mtime_ns for p in stamps} == stamps
     assert json.loads(json.dumps(again.report))["after"] == report["after"]
+
+    # A lever (--sweep) added later: only its continued runs train, paired with the same continued baselines.
+    lever = "train.attnres_first_steps=1"
+    result = runner.invoke(
+        app,
+        ["ab", str(setup["recipe"]), "--retrofit-after", "2,4", "--from-scratch", "--seeds", "2", "--reuse"]
+        + ["--sweep", lever, "-o", str(out), "--overwrite"],
+    )
+    assert result.exit_code == 0, result.output
+    assert {p: p.stat().st_mtime_ns for p in stamps} == stamps
+    swept = json.loads((out / "retrofit.json").read_text())
+    assert swept["sweep"] == [[lever]]
+    for point in swept["after"]:
+        arm_work = work / f"after-{point['after']}"
+        (entry,) = point["levers"]
+        assert entry["arm"] == f"attnres {lever}"
+        finals = {
+            name: [_evals(arm_work / name / f"seed-{seed}")[CONTINUED]["loss"] for seed in (0, 1)]
+            for name in ("baseline", f"attnres__{lever.replace('=', '_')}")
+        }
+        leads = [b - a for b, a in zip(*finals.values())]
+        assert entry["lead_final"]["per_seed"] == pytest.approx(leads)
+        assert point["lead_final"] == next(p for p in report["after"] if p["after"] == point["after"])["lead_final"]
+    assert f"| 4 | attnres {lever} |" in (out / "retrofit.md").read_text()
     # A save written again (the pretraining ran again) makes the runs continued from it stale, and only those.
     study = plan_study(setup["recipe"], ["model.from_scratch=true"], [2, 4], 2, True, work)
     current = {
@@ -268,7 +292,7 @@ def test_savings_claim_follows_the_noise_rule():
             "retrofit: the continued phase after 2 steps (the recipe's train fields, retrofit's in their place): arm 'baseline': "
             "train: warmup_steps (3) must be smaller than steps (2)",
         ),
-        (["--retrofit-after", "2", "--sweep", "model.full=true"], "--sweep: not available with --retrofit-after"),
+        (["--retrofit-after", "2", "--no-plain"], "--no-plain: not available with --retrofit-after"),
     ],
 )
 def test_bad_input_is_refused_before_anything_trains(setup, tmp_path, arguments, message):

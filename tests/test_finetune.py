@@ -645,3 +645,47 @@ def test_a_tied_model_checkpoints_quietly_and_resumes_to_the_same_weights(tmp_pa
         assert torch.equal(final[name], tensor), name
     loaded = load_converted(resumed.model_dir)
     assert loaded.lm_head.weight is loaded.get_input_embeddings().weight  # still tied after the reload
+
+
+def test_routing_first_holds_the_base_then_runs_its_own_schedule():
+    """train.attnres_first_steps: the base's groups at rate 0 for K steps, then their warmup and schedule over the
+    steps left; the AttnRes group on the usual schedule throughout; off for a model without AttnRes parameters."""
+    from attnres_convert.finetune.optim import Schedule, make_scheduler
+
+    recipe = parse_recipe(
+        {
+            "model": {"source": "default"},
+            "data": {"train": {"files": ["x.txt"]}},
+            "train": {"steps": 10, "lr": 1e-3, "attnres_lr": 1e-2, "warmup_steps": 2, "attnres_first_steps": 3},
+            "output": {"dir": "out"},
+        }
+    )
+    weights = [torch.nn.Parameter(torch.ones(2, 2)), torch.nn.Parameter(torch.ones(2))]
+    optimizer = torch.optim.AdamW(
+        [{"name": "base", "params": [weights[0]], "lr": 1e-3}, {"name": "attnres", "params": [weights[1]], "lr": 1e-2}]
+    )
+    scheduler = make_scheduler(optimizer, recipe)
+    rates = []
+    for _ in range(10):
+        rates.append([group["lr"] for group in optimizer.param_groups])
+        optimizer.step()
+        scheduler.step()
+    usual, later = Schedule("cosine", 10, 2, 0.1, 0.2), Schedule("cosine", 7, 2, 0.1, 0.2)
+    assert [r[0] for r in rates] == pytest.approx([0, 0, 0] + [1e-3 * later(k) for k in range(7)])
+    assert [r[1] for r in rates] == pytest.approx([1e-2 * usual(k) for k in range(10)])
+    assert rates[3][0] == pytest.approx(0.5e-3)  # the base's own warmup, from its first step
+    # The schedule round-trips through the scheduler's state_dict (a resumed run continues the same phase).
+    restored = make_scheduler(
+        torch.optim.AdamW(
+            [
+                {"name": "base", "params": [weights[0]], "lr": 1e-3},
+                {"name": "attnres", "params": [weights[1]], "lr": 1e-2},
+            ]
+        ),
+        recipe,
+    )
+    restored.load_state_dict(scheduler.state_dict())
+    assert restored.lr_lambdas[0].delay == 3 and restored.last_epoch == 10
+    # Without AttnRes parameters (the A/B's baseline) there is nothing to route: the usual schedule.
+    alone = torch.optim.AdamW([{"name": "base", "params": [weights[0]], "lr": 1e-3}])
+    assert make_scheduler(alone, recipe).lr_lambdas[0].delay == 0

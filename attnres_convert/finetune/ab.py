@@ -80,12 +80,11 @@ def parse_after(text: str) -> list[int]:
 
 def retrofit_steps(text: str, *, sweep=None, no_plain: bool = False, throughput: int = 0) -> list[int]:
     """`--retrofit-after TEXT` with the other `attnres ab` options: its N, or the options it cannot take refused."""
-    given = [
-        name for name, value in (("--sweep", sweep), ("--no-plain", no_plain), ("--throughput", throughput)) if value
-    ]
+    given = [name for name, value in (("--no-plain", no_plain), ("--throughput", throughput)) if value]
     if given:
         raise RecipeError(
-            f"{', '.join(given)}: not available with {RETROFIT_OPTION} (its arms are the baseline and the recipe's AttnRes)"
+            f"{', '.join(given)}: not available with {RETROFIT_OPTION} (its arms are the baseline, the recipe's AttnRes "
+            "and the --sweep arms of the continued phase)"
         )
     return parse_after(text)
 

@@ -130,13 +130,17 @@ def make_optimizer(model: nn.Module, recipe: Recipe) -> torch.optim.AdamW:
 class Schedule:
     """LR multiplier per step: linear warmup, then cosine to `min_ratio`, or warmup-stable-decay (flat,
     then a linear decay over the last `decay_fraction` of the steps), or constant. A plain object (not a
-    lambda) so LambdaLR puts its settings in the scheduler's state_dict."""
+    lambda) so LambdaLR puts its settings in the scheduler's state_dict. With `delay`, held at 0 for that many
+    steps and then run from its own step 0 (the base's rate in train.attnres_first_steps' routing-first phase)."""
 
-    def __init__(self, kind: str, steps: int, warmup: int, min_ratio: float, decay_fraction: float):
+    def __init__(self, kind: str, steps: int, warmup: int, min_ratio: float, decay_fraction: float, delay: int = 0):
         self.kind, self.steps, self.warmup = kind, steps, warmup
-        self.min_ratio, self.decay_fraction = min_ratio, decay_fraction
+        self.min_ratio, self.decay_fraction, self.delay = min_ratio, decay_fraction, delay
 
     def __call__(self, step: int) -> float:
+        if step < self.delay:
+            return 0.0
+        step -= self.delay
         if self.warmup and step < self.warmup:
             return (step + 1) / self.warmup
         if self.kind == "constant":
@@ -156,7 +160,17 @@ class Schedule:
 def make_scheduler(optimizer: torch.optim.Optimizer, recipe: Recipe) -> torch.optim.lr_scheduler.LambdaLR:
     train = recipe.train
     schedule = Schedule(train.schedule, train.steps, train.warmup_steps, train.min_lr_ratio, train.decay_fraction)
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    first = train.attnres_first_steps
+    if not first or not any(group["name"] == "attnres" for group in optimizer.param_groups):  # nothing to route: off
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    # Routing first: the base's groups wait, then warm up and decay over the steps left; AttnRes's run as usual.
+    # Their gradients are still computed meanwhile (AdamW's moments see them; a zero rate moves and decays nothing).
+    later = Schedule(
+        train.schedule, train.steps - first, train.warmup_steps, train.min_lr_ratio, train.decay_fraction, delay=first
+    )
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, [schedule if group["name"] == "attnres" else later for group in optimizer.param_groups]
+    )
 
 
 def clip_gradient_norm(params: list[torch.Tensor], max_norm: float | None) -> float:

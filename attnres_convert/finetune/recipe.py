@@ -278,6 +278,12 @@ class TrainSection(_Section):
         "linearly from 0 to 1 over this many steps (a scheduled gate, as in reskip's retrofit); 0: off. The saved model is "
         "plain AttnRes (g = 1). No effect without AttnRes (the A/B baseline).",
     )
+    attnres_first_steps: int = Field(
+        0,
+        ge=0,
+        description="A routing-first phase: for this many steps only the AttnRes parameters move (the base's learning "
+        "rate is held at 0), then the base trains too, with its warmup and schedule over the remaining steps; 0: off.",
+    )
     mixed_precision: Literal["no", "bf16", "fp16"] = Field(
         "no",
         description="Accelerate's mixed precision for the compute (bfloat16 and float16 are taken as bf16 and fp16).",
@@ -304,6 +310,11 @@ class TrainSection(_Section):
             raise ValueError(
                 f"depth_gate_steps ({self.depth_gate_steps}) must be smaller than steps ({self.steps}), so that the model "
                 "trains and is saved with the whole depth mix (gate 1)"
+            )
+        if self.attnres_first_steps and self.attnres_first_steps + self.warmup_steps >= self.steps:
+            raise ValueError(
+                f"attnres_first_steps ({self.attnres_first_steps}) + warmup_steps ({self.warmup_steps}) must be smaller "
+                f"than steps ({self.steps}), so that the base trains after the routing-first phase"
             )
         for beta in self.betas:
             if not 0 <= beta < 1:

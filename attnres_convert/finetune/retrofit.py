@@ -8,6 +8,10 @@ continued steps, its learning rates and what trains), the same optimiser and the
 continued runs read the training stream on from step N (data.start_step), so every continued step sees
 text the base never saw, the text the from-scratch runs see at steps N+1 .. N + retrofit.steps.
 
+With `--sweep`, each entry is one more AttnRes arm of the continued phase (its overrides on top of the
+continued recipe: a recipe lever such as retrofit.attnres_lr or train.attnres_first_steps), continued from the
+same saves as the others and paired with the same continued baseline.
+
 With `--from-scratch` the AttnRes arm is also trained from scratch over the same schedule: its lead over the
 pretraining run (which is the from-scratch baseline, the same run) at step N + retrofit.steps is the
 from-scratch lead at the tokens the retrofit has seen.
@@ -29,7 +33,7 @@ import json
 import math
 import os
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..io.base_code import ship_model_code
@@ -45,6 +49,7 @@ from .ab import (
     live_table,
     noise_reasons,
     paired,
+    plan_arms,
     read_run,
     run_tasks,
     write_report,
@@ -71,6 +76,11 @@ class Study:
     seeds: list[int]
     scratch_arms: bool
     work: Path
+    levers: list[Arm] = field(default_factory=list)  # the --sweep arms, continued phase only
+
+    @property
+    def continued_arms(self) -> list[Arm]:
+        return [*ARMS, *self.levers]
 
     @property
     def scratch_overrides(self) -> list[str]:
@@ -118,7 +128,15 @@ def eval_steps(recipe: Recipe) -> set[int]:
     return {0, steps} | (set(range(every, steps, every)) if every else set())
 
 
-def plan_study(recipe, overrides: list[str], after: list[int], seeds: int, scratch_arms: bool, work: Path) -> Study:
+def plan_study(
+    recipe,
+    overrides: list[str],
+    after: list[int],
+    seeds: int,
+    scratch_arms: bool,
+    work: Path,
+    sweep: list[list[str]] | None = None,
+) -> Study:
     """Every refusal before anything trains, each naming the field to change."""
     data = read_yaml(find_recipe(recipe))
     base = parse_recipe(apply_overrides(data, overrides))
@@ -147,7 +165,9 @@ def plan_study(recipe, overrides: list[str], after: list[int], seeds: int, scrat
         )
     if seeds < 1:
         raise RecipeError(f"--seeds: must be >= 1 (got {seeds})")
-    study = Study(str(recipe), data, overrides, base, after, [train.seed + i for i in range(seeds)], scratch_arms, work)
+    levers = plan_arms(sweep or [])[len(ARMS) :]  # named as `attnres ab --sweep` names them
+    seed_list = [train.seed + i for i in range(seeds)]
+    study = Study(str(recipe), data, overrides, base, after, seed_list, scratch_arms, work, levers)
     if scratch_arms:
         needed = max(after) + study.continued
         if needed > train.steps:
@@ -164,7 +184,7 @@ def plan_study(recipe, overrides: list[str], after: list[int], seeds: int, scrat
     for arm in ARMS:  # the pretraining (and from-scratch) arms
         arm_recipe(data, study.scratch_overrides, arm, study.seeds[0], study.scratch_work)
     for n in after:  # the continued arms: refused now, not after the pretraining
-        for arm in ARMS:
+        for arm in study.continued_arms:
             try:
                 arm_recipe(data, study.continued_overrides(study.seeds[0], n), arm, study.seeds[0], study.after_work(n))
             except RecipeError as error:
@@ -264,8 +284,9 @@ def run_retrofit(
     overwrite: bool = False,
     console=None,
     command: str | None = None,
+    sweep: list[list[str]] | None = None,
 ):
-    """Pretrain, snapshot, continue both arms from every snapshot (and the from-scratch AttnRes arm with
+    """Pretrain, snapshot, continue both arms (and every SWEEP arm) from every snapshot (and the from-scratch AttnRes arm with
     FROM_SCRATCH), then write the study's report. Returns ab.ABResult (OUT, the report)."""
     from .ab import ABResult
 
@@ -277,7 +298,7 @@ def run_retrofit(
     path = find_recipe(recipe)
     out = Path(output or f"outputs/retrofit-{path.stem}").expanduser().resolve()
     work = Path(workdir).expanduser().resolve() if workdir else out.with_name(out.name + "-runs")
-    study = plan_study(recipe, overrides, after, seeds, from_scratch, work)
+    study = plan_study(recipe, overrides, after, seeds, from_scratch, work, sweep)
     check_output(out, overwrite, RETROFIT_JSON)
     from accelerate import PartialState
 
@@ -304,7 +325,7 @@ def run_retrofit(
         )
         for seed in seed_list
         for n in after
-        for arm in ARMS
+        for arm in study.continued_arms
     ]
 
     def tables():
@@ -313,7 +334,9 @@ def run_retrofit(
         scratch = ARMS if from_scratch else [BASELINE]
         shown = [live_table(scratch, seed_list, study.scratch_work, steps, f"Pretraining from scratch ({steps} steps)")]
         shown += [
-            live_table(ARMS, seed_list, study.after_work(n), study.continued, f"Retrofit after {n} steps")
+            live_table(
+                study.continued_arms, seed_list, study.after_work(n), study.continued, f"Retrofit after {n} steps"
+            )
             for n in after
         ]
         return Group(*shown)
@@ -368,6 +391,27 @@ def _lead(base: dict[int, float], arm: dict[int, float], seeds: list[int]) -> di
     return paired([base[s] - arm[s] for s in seeds])
 
 
+def arm_lead(work: Path, arm: Arm, runs: list, base_final: dict, base_curves: dict, seeds: list[int]) -> dict:
+    """One continued AttnRes arm against the continued baseline: its final loss, lead, lead curve and verdict."""
+    arm_final = {r.seed: r.eval_loss_final for r in runs}
+    arm_curves = {r.seed: dict(r.eval) for r in runs}
+    steps = sorted(set.intersection(*(set(c) for c in [*base_curves.values(), *arm_curves.values()])))
+    lead = _lead(base_final, arm_final, seeds)
+    eval_se = difference_se(
+        [(final_se(work / folder_name(BASELINE, s)), final_se(work / folder_name(arm, s))) for s in seeds]
+    )
+    return {
+        "attnres_final": statistics.fmean(arm_final.values()),
+        "lead_final": lead,
+        "lead_curve": [
+            (step, _lead({s: base_curves[s][step] for s in seeds}, {s: arm_curves[s][step] for s in seeds}, seeds))
+            for step in steps
+        ],
+        "eval_se": eval_se,
+        "verdict": savings_claim(lead, eval_se),
+    }
+
+
 def study_report(study: Study, command: str, jobs: int) -> tuple[dict, dict[str, dict]]:
     """retrofit.json, and the A/B reports of every N (and of the from-scratch arms) keyed by their folder."""
     seeds, base = study.seeds, study.base
@@ -398,8 +442,9 @@ def study_report(study: Study, command: str, jobs: int) -> tuple[dict, dict[str,
     points = []
     for n in study.after:
         work = study.after_work(n)
-        runs = {arm.name: [read_run(work / folder_name(arm, s), s) for s in seeds] for arm in ARMS}
-        entries = [arm_report(arm, runs[arm.name], runs["baseline"]) for arm in ARMS]
+        arms = study.continued_arms
+        runs = {arm.name: [read_run(work / folder_name(arm, s), s) for s in seeds] for arm in arms}
+        entries = [arm_report(arm, runs[arm.name], runs["baseline"]) for arm in arms]
         add_compute_equivalents(entries, study.continued)
         sub_reports[f"after-{n}"] = {
             "recipe": f"{study.recipe} after {n} pretraining steps",
@@ -413,29 +458,28 @@ def study_report(study: Study, command: str, jobs: int) -> tuple[dict, dict[str,
             "arms": entries,
         }
         base_final = {r.seed: r.eval_loss_final for r in runs["baseline"]}
-        arm_final = {r.seed: r.eval_loss_final for r in runs["attnres"]}
-        lead = _lead(base_final, arm_final, seeds)
         base_curves = {r.seed: dict(r.eval) for r in runs["baseline"]}
-        arm_curves = {r.seed: dict(r.eval) for r in runs["attnres"]}
-        steps = sorted(set.intersection(*(set(c) for c in [*base_curves.values(), *arm_curves.values()])))
-        eval_se = difference_se(
-            [(final_se(work / folder_name(BASELINE, s)), final_se(work / folder_name(ATTNRES, s))) for s in seeds]
-        )
+        leads = {arm.name: arm_lead(work, arm, runs[arm.name], base_final, base_curves, seeds) for arm in arms[1:]}
+        plain = leads.pop(ATTNRES.name)
         point = {
             "after": n,
             "pretraining_tokens": n * tokens_per_step,
             "continued_tokens": study.continued * tokens_per_step,
-            "baseline_at_start": statistics.fmean(base_curves[s][0] for s in seeds) if 0 in steps else None,
+            "baseline_at_start": statistics.fmean(base_curves[s][0] for s in seeds)
+            if all(0 in base_curves[s] for s in seeds)
+            else None,
             "baseline_final": statistics.fmean(base_final.values()),
-            "attnres_final": statistics.fmean(arm_final.values()),
-            "lead_final": lead,
-            "lead_curve": [
-                (step, _lead({s: base_curves[s][step] for s in seeds}, {s: arm_curves[s][step] for s in seeds}, seeds))
-                for step in steps
-            ],
-            "eval_se": eval_se,
-            "verdict": savings_claim(lead, eval_se),
+            **plain,
             "token_equivalent": entries[1]["compute_equivalent"],
+            "levers": [
+                {
+                    "arm": arm.name,
+                    "overrides": list(arm.overrides),
+                    **leads[arm.name],
+                    "token_equivalent": entry["compute_equivalent"],
+                }
+                for arm, entry in zip(study.levers, entries[2:])
+            ],
         }
         if study.scratch_arms:
             at = n + study.continued
@@ -468,6 +512,7 @@ def study_report(study: Study, command: str, jobs: int) -> tuple[dict, dict[str,
         "continued_steps": study.continued,
         "tokens_per_step": tokens_per_step,
         "retrofit": base.retrofit.model_dump(),
+        "sweep": [list(arm.overrides) for arm in study.levers],
         "from_scratch_arms": study.scratch_arms,
         "machine": machine_info,
         "workdir": str(study.work),
@@ -553,6 +598,22 @@ def markdown(report: dict) -> str:
     curves = [dict((step, lead["mean"]) for step, lead in p["lead_curve"]) for p in report["after"]]
     for step in sorted(set().union(*curves)):
         lines.append(f"| {step} | " + " | ".join(f"{c[step]:+.4f}" if step in c else "" for c in curves) + " |")
+    if report.get("sweep"):
+        lines += [
+            "",
+            "The continued phase's arms (--sweep: the plain AttnRes arm and each lever, against the same continued "
+            "baseline):",
+            "",
+            "| N | arm | AttnRes final loss | lead after the continued steps | eval SE | verdict |",
+            "|---|---|---|---|---|---|",
+        ]
+        for point in report["after"]:
+            for name, arm in [("attnres (the recipe)", point), *((lever["arm"], lever) for lever in point["levers"])]:
+                se = f"{arm['eval_se']:.4f}" if arm["eval_se"] is not None else ""
+                lines.append(
+                    f"| {point['after']} | {name} | {arm['attnres_final']:.4f} | {_spread(arm['lead_final'])} | {se} | "
+                    f"{_verdict(arm['verdict'])} |"
+                )
     lines += [
         "",
         "Each N's A/B report: `after-N/ab.md`" + ("; the from-scratch arms: `from-scratch/ab.md`." if scratch else "."),
