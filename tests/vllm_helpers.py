@@ -55,6 +55,10 @@ ENGINE = dict(  # a tiny model on a shared CPU: a small KV cache, chunks of 32 t
 # tokens, which the attention a converted model runs through (multiples of 32) refuses: "No common block size for 16
 # (CPU_ATTN: [MultipleOf(32)])". VLLM_MLA_DISABLE=1 (vLLM's own switch) keeps the plain attention's block size.
 ENGINE_ENV = {"VLLM_MLA_DISABLE": "1"}
+# Tensor parallelism on vLLM's CPU build: one worker process per rank, each bound to a core of its own. On a machine
+# with one NUMA node the engine needs the binding named ("Not enough allowed NUMA nodes to bind threads of 2 local
+# CPUWorkers" otherwise).
+TENSOR_PARALLEL_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
 
 
 def prompts() -> list[list[int]]:
@@ -108,12 +112,21 @@ def up_to_end(tokens: list[int]) -> list[int]:
 
 
 def run_engine(
-    folder: Path, token_lists: list[list[int]], max_new_tokens: int, scratch: Path, timeout: float = 600, **env: str
+    folder: Path,
+    token_lists: list[list[int]],
+    max_new_tokens: int,
+    scratch: Path,
+    timeout: float = 600,
+    engine: dict | None = None,
+    **env: str,
 ) -> subprocess.CompletedProcess:
     """This file's engine run (`vllm_tokens`, below) in a process of its own, one thread, ENV added to its
-    environment; the request is written to SCRATCH. `served_tokens` reads its answer."""
+    environment, ENGINE's settings over ENGINE's defaults; the request is written to SCRATCH. `served_tokens`
+    reads its answer."""
     request = scratch / "request.json"
-    request.write_text(json.dumps({"prompts": token_lists, "max_new_tokens": max_new_tokens}))
+    request.write_text(json.dumps({"prompts": token_lists, "max_new_tokens": max_new_tokens, "engine": engine or {}}))
+    if (engine or {}).get("tensor_parallel_size", 1) > 1:
+        env = {**TENSOR_PARALLEL_ENV, **env}
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parent), **ENGINE_ENV, **env}
     return subprocess.run(
         [sys.executable, __file__, str(folder), str(request)], capture_output=True, text=True, timeout=timeout, env=env
@@ -126,12 +139,14 @@ def served_tokens(result: subprocess.CompletedProcess) -> list[list[int]] | None
     return None if line is None else json.loads(line.removeprefix(TOKENS_LINE))
 
 
-def vllm_tokens(folder: str, token_lists: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+def vllm_tokens(
+    folder: str, token_lists: list[list[int]], max_new_tokens: int, engine: dict | None = None
+) -> list[list[int]]:
     """vLLM's greedy tokens for all prompts submitted in one call (continuous batching), past any end token."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    llm = LLM(model=folder, trust_remote_code=True, skip_tokenizer_init=True, **ENGINE)
+    llm = LLM(model=folder, trust_remote_code=True, skip_tokenizer_init=True, **{**ENGINE, **(engine or {})})
     params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, ignore_eos=True, detokenize=False)
     results = llm.generate([TokensPrompt(prompt_token_ids=tokens) for tokens in token_lists], params, use_tqdm=False)
     return [list(result.outputs[0].token_ids) for result in results]
@@ -166,5 +181,5 @@ if __name__ == "__main__":
         vllm_cli(sys.argv[2:])
         sys.exit(0)
     request = json.loads(Path(sys.argv[2]).read_text())
-    tokens = vllm_tokens(sys.argv[1], request["prompts"], request["max_new_tokens"])
+    tokens = vllm_tokens(sys.argv[1], request["prompts"], request["max_new_tokens"], request.get("engine"))
     print(TOKENS_LINE + json.dumps(tokens))

@@ -1,11 +1,7 @@
-"""Configuration of a Block AttnRes model converted from a PreNorm causal LM.
-
-The base model's own config is kept whole as the `text_config` sub-config (so `get_text_config()`,
-generation and caches see the base architecture); this config adds the depth-attention settings.
-Its `model_type` is its own, so a tool that does not know AttnRes refuses the folder instead of
-silently loading it as the base model without the new weights.
-
-This file ships next to converted weights: it imports transformers and the standard library only.
+"""Configuration of a Block AttnRes model converted from a PreNorm causal LM: the base model's own config kept whole
+as the `text_config` sub-config (generation and caches see the base architecture), plus the depth-attention settings.
+Its `model_type` is its own, so a tool that does not know AttnRes refuses the folder rather than load it as the base
+model without the new weights. Ships next to converted weights: imports transformers and the standard library only.
 """
 
 from __future__ import annotations
@@ -64,8 +60,12 @@ class AttnResConfig(PreTrainedConfig):
         if isinstance(self.query_rank, bool) or not isinstance(self.query_rank, int) or self.query_rank < 0:
             raise ValueError(f"query_rank must be a whole number >= 0 (0: static queries), got {self.query_rank!r}")
         self.base_model_type = self.text_config.model_type
-        # The head is tied exactly when the base model's is.
-        self.tie_word_embeddings = bool(getattr(self.text_config, "tie_word_embeddings", False))
+        self.tie_word_embeddings = bool(getattr(self.text_config, "tie_word_embeddings", False))  # as the base's
+
+    def get_text_config(self, decoder=None, encoder=None) -> PreTrainedConfig:
+        """The language model's config (an image-text base's own text config), where vLLM reads the sizes."""
+        text = super().get_text_config(decoder=decoder, encoder=encoder)
+        return text if text is self else text.get_text_config(decoder=decoder, encoder=encoder)
 
     # The base config is saved without its `model_type` (kept as `base_model_type`): else a base config class such
     # as LlamaConfig would find its type nested in config.json and load the folder as a plain Llama.

@@ -673,15 +673,15 @@ def _state_for(embeddings, eps: float, capacity, queries, token_queries: bool, r
         )
     if token_queries or capacity is None:
         return BlockState.start(embeddings, eps)
+    if torch.compiler.is_compiling():  # one graph for every token count (vLLM compiles once for all of them)
+        if mode not in ("auto", "eager"):
+            raise RuntimeError(f"{KERNEL_ENV}={mode}: the kernels do not run under torch.compile; unset {KERNEL_ENV}")
+        return BlockState.start(embeddings, eps)  # plain tensor operations, which the compiler fuses
     if not torch.is_grad_enabled():
         if mode == "fla":
             raise RuntimeError(f"{KERNEL_ENV}=fla: fla-core's depth mix runs forwards with autograd (training) only")
         state = kernels.inference_state(embeddings, eps, capacity, queries, runtime, mode) if kernels else None
         return state if state is not None else SourceBuffer.start(embeddings, eps, capacity, queries)
-    if torch.compiler.is_compiling():
-        if mode not in ("auto", "eager"):
-            raise RuntimeError(f"{KERNEL_ENV}={mode}: the kernels do not run under torch.compile; unset {KERNEL_ENV}")
-        return BlockState.start(embeddings, eps)  # plain tensor operations, which the compiler fuses
     state = kernels.training_state(embeddings, eps, capacity, queries, mode) if kernels else None
     return state if state is not None else BlockState.start(embeddings, eps)
 

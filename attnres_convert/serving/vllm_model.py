@@ -10,6 +10,11 @@ sequence ([1, T]) with their positions and no attention mask; rotary embeddings 
 mix and every MLP act per token, and each attention module's call goes through transformers' attention
 interface to vLLM's `Attention`, which knows each request's boundaries and cache from the forward context.
 
+The model is built from the folder's own code with its weights on the meta device, its linear layers replaced
+with vLLM's (sharded by the base model's tensor-parallel plan: vllm_parallel.py), and filled by vLLM's loader
+from the checkpoint (vllm_weights.py): each process reads and holds only its shard, in vLLM's load formats and
+quantization. Nothing in the forward keeps state between calls, so vLLM's compiled graphs capture it whole.
+
 Loaded by vLLM through the plugin (vllm_plugin.py) in each of its processes; it imports vLLM, so nothing else
 of the package imports it."""
 
@@ -23,18 +28,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import AttentionInterface, AutoModelForCausalLM, PreTrainedConfig
+from vllm.compilation.decorators import support_torch_compile
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.models.transformers.fusers.attention import interface_call
+from vllm.model_executor.models.transformers.utils import can_enable_torch_compile, init_on_device_without_buffers
 
 from attnres_convert.modeling.modeling_attnres import ModelPlan, module_at
+from attnres_convert.serving.vllm_parallel import materialize, shapes_only_linears, shard_model
 from attnres_convert.serving.vllm_support import ServingRefused, release, unservable_reason
+from attnres_convert.serving.vllm_weights import load_checkpoint
 
 # The name under which transformers' attention interface reaches vLLM's paged attention for a converted model.
 ATTENTION_IMPLEMENTATION = "attnres_vllm"
 # The child of an attention module that holds its vLLM `Attention` (in the module tree, so vLLM's loader runs
 # its `process_weights_after_loading` and `.to()` moves its buffers).
 VLLM_ATTENTION = "vllm_attention"
-_CALLS = [0]  # attention calls in the running forward: each decoder layer's must reach vLLM (see `forward`)
 
 
 def paged_attention(module: nn.Module, query, key, value, attention_mask, **kwargs):
@@ -42,7 +50,6 @@ def paged_attention(module: nn.Module, query, key, value, attention_mask, **kwar
     (which takes and returns [T, heads * head_dim]). The mask, dropout, scaling and window transformers pass are the `Attention`'s own
     settings (made from the same module and config, see `_attach_attention`)."""
     attention = module._modules[VLLM_ATTENTION]
-    _CALLS[0] += 1
     tokens, head_dim_qk, head_dim_v = query.shape[-2], query.shape[-1], value.shape[-1]
     # contiguous: vLLM's kernels read each head's entries as adjacent (a key broadcast over heads is not)
     query, key, value = (x.transpose(1, 2).reshape(tokens, -1).contiguous() for x in (query, key, value))
@@ -92,6 +99,26 @@ def probe_attention(module: nn.Module, query, key, value, attention_mask, **kwar
 AttentionInterface.register(PROBE_IMPLEMENTATION, probe_attention)
 
 
+@support_torch_compile(
+    # vLLM's flattened batch as a batch of one ([1, T], [1, T, hidden]): the token count varies between calls.
+    dynamic_arg_dims={"input_ids": 1, "inputs_embeds": 1, "position_ids": 1},
+    enable_if=can_enable_torch_compile,  # vLLM's own rule for transformers models (no dynamic rope scaling)
+)
+class CompiledBase(nn.Module):
+    """The converted base model's forward as vLLM compiles a model's (torch.compile, then CUDA graphs on a GPU;
+    `enforce_eager` turns both off). The base model is held outside the module tree, so that its weights stay
+    registered once, under the serving class's `model`."""
+
+    def __init__(self, *, vllm_config, prefix: str = "", base: nn.Module):
+        super().__init__()
+        self.__dict__["base"] = base
+
+    def forward(self, input_ids, inputs_embeds, position_ids) -> torch.Tensor:
+        return self.base(
+            input_ids=input_ids, inputs_embeds=inputs_embeds, position_ids=position_ids, use_cache=False
+        ).last_hidden_state
+
+
 class AttnResForCausalLMVllm(nn.Module):
     """vLLM's model class for the architecture `AttnResForCausalLM` (registered by vllm_plugin.py)."""
 
@@ -100,41 +127,42 @@ class AttnResForCausalLMVllm(nn.Module):
         model_config = vllm_config.model_config
         config = model_config.hf_config
         self.family = config.get_text_config().model_type
-        if (
-            vllm_config.parallel_config.tensor_parallel_size > 1
-            or vllm_config.parallel_config.pipeline_parallel_size > 1
-        ):
+        if vllm_config.parallel_config.pipeline_parallel_size > 1:
             raise ServingRefused(
                 self.family,
-                "tensor and pipeline parallelism are not supported (the converted model runs whole on one device)",
+                "pipeline parallelism is not supported: every sublayer's depth mix reads the outputs of all the "
+                "blocks before it, which a pipeline stage would have to receive from every earlier stage; use "
+                "--tensor-parallel-size, which shards every layer instead",
             )
         device = vllm_config.device_config.device
-        # The folder's own code and transformers' own loading, as `generate` runs them: the weights are what
-        # transformers makes of the checkpoint (renamed and fused the base model's way), whatever vLLM would.
-        self.model = AutoModelForCausalLM.from_pretrained(
-            model_config.model,
-            config=config,
-            revision=model_config.revision,
-            trust_remote_code=model_config.trust_remote_code,
-            dtype=model_config.dtype,
-            device_map={"": device},
-        ).eval()
+        # The folder's own code, as `generate` runs it, built without weights: vLLM's loader fills them.
+        with init_on_device_without_buffers("meta"):
+            self.model = AutoModelForCausalLM.from_config(
+                config, trust_remote_code=model_config.trust_remote_code, dtype=model_config.dtype
+            ).eval()
         plan = getattr(self.model, "_attnres_plan", None)
         if plan is None or not all(hasattr(plan, name) for name in ("base_model", "layers", "lm_head")):
             raise ServingRefused(
                 self.family, "its modeling code predates the plan vLLM serving reads", release=release()
             )
         self.plan = plan
+        if config.tie_word_embeddings:  # the head is the embedding's weight, as from_pretrained ties it
+            module_at(self.model, plan.lm_head).weight = self.model.get_input_embeddings().weight
         reason = unservable_reason(self.model, interface_call)
         if reason is not None:
             raise ServingRefused(self.family, reason)
+        self.tensor_parallel = shard_model(
+            self.model, plan, config.get_text_config(), self.family, vllm_config.quant_config
+        )
+        materialize(self.model, device)  # zeros until the loader runs: the probe below reads shapes only
         # Every config the modules read their attention implementation from (at each call).
         configs = [config, config.get_text_config()]
         configs += [m.config for m in self.model.modules() if isinstance(getattr(m, "config", None), PreTrainedConfig)]
         self._configs = list({id(c): c for c in configs}.values())
         shapes = self._probe_shapes(device)
-        self.attention_layers = self._attach_attention(vllm_config, prefix, shapes)
+        self._attach_attention(vllm_config, prefix, shapes)
         self._use_attention(ATTENTION_IMPLEMENTATION)
+        self.__dict__["compiled"] = CompiledBase(vllm_config=vllm_config, prefix=prefix, base=self.base)
 
     def _use_attention(self, implementation: str) -> None:
         for each in self._configs:
@@ -146,7 +174,8 @@ class AttnResForCausalLMVllm(nn.Module):
         self._use_attention(PROBE_IMPLEMENTATION)
         _SHAPES.clear()
         tokens = torch.zeros(1, PROBE_TOKENS, dtype=torch.long, device=device)
-        self._run_base(dict(input_ids=tokens), torch.arange(PROBE_TOKENS, device=device))
+        with shapes_only_linears(self.model):  # before the weights are loaded
+            self._run_base(dict(input_ids=tokens), torch.arange(PROBE_TOKENS, device=device))
         shapes = dict(_SHAPES)
         _SHAPES.clear()
         return shapes
@@ -172,7 +201,7 @@ class AttnResForCausalLMVllm(nn.Module):
                 ),
             ) from error
 
-    def _attach_attention(self, vllm_config, prefix: str, shapes: dict[int, AttentionShape]) -> int:
+    def _attach_attention(self, vllm_config, prefix: str, shapes: dict[int, AttentionShape]) -> None:
         """One vLLM `Attention` per decoder layer, for the module of that layer that calls transformers'
         attention interface: its heads, scale, window and soft cap as the module computes them."""
         text_config = vllm_config.model_config.hf_text_config
@@ -233,7 +262,6 @@ class AttnResForCausalLMVllm(nn.Module):
                     ),
                 ),
             )
-        return len(layers)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.base.get_input_embeddings()(input_ids)
@@ -246,19 +274,11 @@ class AttnResForCausalLMVllm(nn.Module):
         inputs_embeds: torch.Tensor | None = None,
         **kwargs,
     ) -> torch.Tensor:
-        # vLLM's flattened tokens as a batch of one sequence, the layout transformers' modules expect.
-        tokens = (
-            dict(inputs_embeds=inputs_embeds[None]) if inputs_embeds is not None else dict(input_ids=input_ids[None])
-        )
-        _CALLS[0] = 0
-        outputs = self._run_base(tokens, positions)
-        if _CALLS[0] != self.attention_layers:
-            # An attention that did not reach vLLM ran transformers' own over all requests' tokens as one sequence.
-            raise RuntimeError(
-                f"{self.family}: {_CALLS[0]} of {self.attention_layers} attention calls reached vLLM's paged attention; "
-                "the others ignored the attention implementation, so the output would mix requests"
-            )
-        return outputs.last_hidden_state[0]
+        # vLLM's flattened tokens as a batch of one sequence, the layout transformers' modules expect. Every layer's
+        # attention reaching vLLM's was checked once, by the probe at engine start (`_attach_attention`).
+        if inputs_embeds is not None:
+            return self.compiled(None, inputs_embeds[None], positions[None])[0]
+        return self.compiled(input_ids[None], None, positions[None])[0]
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """The head and its scalars, applied as the converted model's own forward applies them."""
@@ -267,5 +287,6 @@ class AttnResForCausalLMVllm(nn.Module):
         return ModelPlan.scale_logits(self.plan, logits)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        # Loaded in __init__ by transformers (see there); vLLM's iterator is left unread.
-        return {name for name, _ in self.named_parameters()}
+        loaded = {f"model.{name}" for name in load_checkpoint(self.model, weights)}
+        # vLLM's attention layers hold settings of their own (scales), not the checkpoint's: theirs to set.
+        return loaded | {name for name, _ in self.named_parameters() if f".{VLLM_ATTENTION}." in name}

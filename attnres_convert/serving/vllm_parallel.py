@@ -1,0 +1,173 @@
+"""Tensor parallelism for a converted model under vLLM: the base model's own plan (`base_model_tp_plan`, which
+transformers and vLLM's Transformers backend shard by) applied to the base model's modules.
+
+Each `nn.Linear` becomes the vLLM layer of its planned style (`colwise`: output rows sharded; `rowwise`: input
+columns sharded, the outputs all-reduced; unplanned: replicated), so each rank holds its shard and vLLM's loader
+and quantization see the weights. A mixture of experts' 3D weights are sliced along the experts' hidden width
+(`packed_colwise`: the gate and up halves each; `rowwise`: the down projection's input) and the experts' output
+all-reduced (`moe_tp_experts`). Attention heads follow from the sharded projections: transformers' modules
+reshape to (..., -1, head_dim), so each rank computes its own heads.
+
+The depth mix needs nothing: it reads whole hidden vectors (sublayer outputs after a row-parallel all-reduce,
+embeddings, norms), which every rank holds, so it runs replicated on each rank as it is."""
+
+from __future__ import annotations
+
+import re
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+from vllm.distributed import (
+    get_tensor_model_parallel_rank,
+    get_tensor_model_parallel_world_size,
+    tensor_model_parallel_all_reduce,
+)
+from vllm.model_executor.layers.linear import ColumnParallelLinear, LinearBase
+from vllm.model_executor.models.transformers.utils import replace_linear_class
+
+from attnres_convert.modeling.modeling_attnres import ModelPlan, module_at
+from attnres_convert.serving.vllm_support import ServingRefused
+
+# The plan's styles for an `nn.Linear` (vLLM's own names: vllm...transformers.utils.replace_linear_class).
+LINEAR_STYLES = {"colwise", "rowwise", "colwise_gather_output", "rowwise_split_input", "replicate"}
+# Styles that leave a module whole on every rank (norms, the embedding kept whole; see `shard_model`).
+WHOLE_STYLES = {"replicated_with_grad_allreduce", "embedding_rowwise", "replicate", "gather"}
+EXPERTS_STYLE = "moe_tp_experts"
+EXPERT_PARAMETER_STYLES = {"packed_colwise": 1, "rowwise": 2}  # the dimension sliced in [experts, out, in]
+
+
+def plan_patterns(tp_plan: dict[str, str]) -> list[tuple[re.Pattern, str]]:
+    """'layers.*.self_attn.q_proj' -> a pattern matching 'layers.3.self_attn.q_proj' whole."""
+    return [(re.compile(re.escape(key).replace(r"\*", r"\d+")), style) for key, style in tp_plan.items()]
+
+
+def style_of(patterns: list[tuple[re.Pattern, str]], name: str) -> str | None:
+    return next((style for pattern, style in patterns if pattern.fullmatch(name)), None)
+
+
+def check_divisible(family: str, text_config, tp: int) -> None:
+    """Heads, key-value heads: each rank must hold whole heads of each."""
+    for field in ("num_attention_heads", "num_key_value_heads"):
+        count = getattr(text_config, field, None)
+        if isinstance(count, int) and count % tp:
+            raise ServingRefused(
+                family,
+                f"tensor parallelism {tp} needs {field} ({count}) divisible by it, so that each rank holds whole heads; "
+                f"choose a --tensor-parallel-size that divides {count}",
+            )
+
+
+def expert_loader(dim: int, packed: bool, rank: int, tp: int):
+    """A weight loader taking the whole [experts, out, in] tensor and keeping this rank's slice along DIM (with
+    PACKED, the slice of each half: the gate's and the up projection's)."""
+
+    def load(param: torch.Tensor, whole: torch.Tensor) -> None:
+        halves = whole.chunk(2, dim) if packed else (whole,)
+        piece = torch.cat([half.chunk(tp, dim)[rank] for half in halves], dim)
+        if piece.shape != param.shape:
+            raise ValueError(f"expert weight {tuple(whole.shape)} does not shard into {tuple(param.shape)}")
+        param.data.copy_(piece)
+
+    return load
+
+
+def _all_reduce_output(module, inputs, output):
+    return tensor_model_parallel_all_reduce(output)
+
+
+def shard_experts(family: str, qual: str, experts: nn.Module, patterns, rank: int, tp: int) -> None:
+    for name, param in list(experts.named_parameters(recurse=False)):
+        style = style_of(patterns, f"{qual}.{name}")
+        dim = EXPERT_PARAMETER_STYLES.get(style)
+        if dim is None or param.dim() != 3 or param.shape[dim] % (2 * tp if style == "packed_colwise" else tp):
+            raise ServingRefused(
+                family,
+                f"its experts' parameter {qual}.{name} {tuple(param.shape)} has tensor-parallel style {style!r}, "
+                "which the converted model's serving does not shard (it shards [experts, out, in] weights planned "
+                "packed_colwise or rowwise, evenly)",
+            )
+        shape = list(param.shape)
+        shape[dim] //= tp
+        sharded = nn.Parameter(torch.empty(shape, dtype=param.dtype, device=param.device), requires_grad=False)
+        sharded.weight_loader = expert_loader(dim, style == "packed_colwise", rank, tp)
+        setattr(experts, name, sharded)
+    experts.register_forward_hook(_all_reduce_output)  # each rank's experts add their part of every output
+
+
+def shard_model(model: nn.Module, plan: ModelPlan, text_config, family: str, quant_config) -> int:
+    """Replace the base model's linear layers with vLLM's (sharded by the plan where TP > 1); returns the TP size.
+    The model is still on the meta device: the new layers allocate their (sharded) weights, vLLM's loader fills
+    them (`vllm_weights.load_checkpoint`)."""
+    tp = get_tensor_model_parallel_world_size()
+    tp_plan = dict(getattr(text_config, "base_model_tp_plan", None) or {})
+    if tp > 1:
+        if not tp_plan:
+            raise ServingRefused(
+                family,
+                f"tensor parallelism needs the base model's tensor-parallel plan (`base_model_tp_plan` in its config), "
+                f"which transformers' {type(text_config).__name__} does not define; serve it with --tensor-parallel-size 1",
+            )
+        check_divisible(family, text_config, tp)
+    patterns = plan_patterns(tp_plan)
+    rank = get_tensor_model_parallel_rank()
+    # The language model the plan describes: the base model, or inside an image-text one, the module holding its
+    # decoder layers (Gemma 3's `language_model`); a vision tower, unused when serving text, is left as it is.
+    language_model = plan.layers.rpartition(".")[0]
+    root = (
+        module_at(module_at(model, plan.base_model), language_model)
+        if language_model
+        else module_at(model, plan.base_model)
+    )
+    for owner_name, owner in list(root.named_modules()):
+        for child_name, child in list(owner.named_children()):
+            qual = f"{owner_name}.{child_name}" if owner_name else child_name
+            style = style_of(patterns, qual) if tp > 1 else None
+            if type(child) is nn.Linear:  # exactly: a subclass may compute otherwise
+                new = replace_linear_class(child, style or "replicate", quant_config, prefix=qual)
+                setattr(owner, child_name, new)
+            elif style == EXPERTS_STYLE:
+                shard_experts(family, qual, child, patterns, rank, tp)
+            elif style is not None and style not in WHOLE_STYLES:
+                raise ServingRefused(
+                    family,
+                    f"its tensor-parallel plan gives {qual} ({type(child).__name__}) the style {style!r}, which the "
+                    "converted model's serving does not apply; serve it with --tensor-parallel-size 1",
+                )
+    return tp
+
+
+def materialize(model: nn.Module, device, dtype_of=lambda param: param.dtype) -> None:
+    """Every parameter still on the meta device made real (zeros) on DEVICE, shared ones (a tied head) kept shared."""
+    made: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            if param.device.type != "meta":
+                continue
+            if id(param) not in made:
+                made[id(param)] = real = nn.Parameter(
+                    torch.zeros(param.shape, dtype=dtype_of(param), device=device), requires_grad=False
+                )
+                real.__dict__.update(param.__dict__)  # its weight_loader, where it has one
+            setattr(module, name, made[id(param)])
+
+
+@contextmanager
+def shapes_only_linears(model: nn.Module):
+    """vLLM's linear layers answering with zeros of their output's shape: the probe forward at engine start (which
+    reads the attention's shapes) runs before the loader, and vLLM's CPU layers compute only once it has run
+    (their `process_weights_after_loading` prepares the weights)."""
+    layers = [m for m in model.modules() if isinstance(m, LinearBase)]
+
+    def zeros(layer):
+        sharded = isinstance(layer, ColumnParallelLinear) and not layer.gather_output
+        width = layer.output_size_per_partition if sharded else layer.output_size
+        return lambda x: x.new_zeros(*x.shape[:-1], width)
+
+    for layer in layers:
+        layer.forward = zeros(layer)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            del layer.forward

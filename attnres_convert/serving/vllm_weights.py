@@ -1,0 +1,75 @@
+"""A converted checkpoint loaded through vLLM's weight iterator: each name as the checkpoint has it (the base
+model's weights under their original names, the AttnRes parameters beside them) onto the module that holds it.
+
+transformers' own conversion of the base family's checkpoint applies first, as `from_pretrained` applies it:
+renamed keys (`WeightRenaming`) and merged ones (`WeightConverter`: a mixture of experts' per-expert matrices
+stacked into the 3D weights its modules hold), read from the same mapping `from_pretrained` reads
+(`get_model_conversion_mapping`). A parameter vLLM made (a sharded linear layer, an expert slice) loads through
+its own `weight_loader`, which keeps this rank's shard; any other is copied whole."""
+
+from __future__ import annotations
+
+import copy
+import re
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from transformers.conversion_mapping import get_model_conversion_mapping
+from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
+from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+
+
+def converted(model: nn.Module, pending: dict[str, torch.Tensor], renamings, converters) -> dict[str, torch.Tensor]:
+    """The checkpoint tensors a `WeightConverter` merges, as the model's parameters (transformers' own operations,
+    run as `transformers.core_model_loading.revert_weight_conversion` runs their reverse)."""
+    by_pattern = {pattern: converter for converter in converters for pattern in converter.source_patterns}
+    conversions: dict[str, WeightConverter] = {}
+    for key in sorted(pending, key=dot_natural_key):
+        target, pattern = rename_source_key(key, renamings, converters)
+        # one converter per target: it collects that target's tensors
+        conversion = conversions.setdefault(target, copy.deepcopy(by_pattern[pattern]))
+        conversion.add_tensor(target, key, pattern, pending[key])
+    out = {}
+    for target, conversion in conversions.items():
+        for name, value in conversion.convert(target, model=model, config=model.config).items():
+            out[name] = value[0] if isinstance(value, list) else value
+    return out
+
+
+def load_checkpoint(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+    """Load WEIGHTS (checkpoint name, tensor) into MODEL; returns the names (as MODEL names its parameters, shared
+    ones under every name) that were loaded."""
+    mapping = get_model_conversion_mapping(model)
+    renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
+    converters = [m for m in mapping if isinstance(m, WeightConverter)]
+    params = dict(model.named_parameters(remove_duplicate=False))
+    buffers = dict(model.named_buffers())
+    ignored = [re.compile(p) for p in (getattr(model, "_keys_to_ignore_on_load_unexpected", None) or [])]
+    loaded: set[int] = set()
+    pending: dict[str, torch.Tensor] = {}
+    unexpected = []
+
+    def load(name: str, tensor: torch.Tensor) -> None:
+        if name in params:
+            param = params[name]
+            getattr(param, "weight_loader", default_weight_loader)(param, tensor)
+            loaded.add(id(param))
+        elif name in buffers:
+            buffers[name].copy_(tensor)
+        elif not any(p.search(name) for p in ignored):
+            unexpected.append(name)
+
+    for key, tensor in weights:
+        name, pattern = rename_source_key(key, renamings, converters)
+        if pattern is None:
+            load(name, tensor)
+        else:
+            pending[key] = tensor
+    if pending:
+        for name, tensor in converted(model, pending, renamings, converters).items():
+            load(name, tensor)
+    if unexpected:
+        shown = ", ".join(unexpected[:5]) + (f" and {len(unexpected) - 5} more" if len(unexpected) > 5 else "")
+        raise ValueError(f"the checkpoint has weights the model does not: {shown}")
+    return {name for name, param in params.items() if id(param) in loaded}
