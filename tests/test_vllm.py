@@ -1,6 +1,7 @@
 """Serving converted models with vLLM (docs/serving.md): greedy tokens equal transformers' `generate` on the same
 folder for a batch of prompts of different lengths submitted together, family by family; the families vLLM
-cannot serve refused with the family, the reason and the fallback; the OpenAI-compatible server.
+cannot serve refused with the family, the reason and the fallback; tensor parallelism (each rank holding its
+shard), vLLM's compiled forward, an image-text base's language model; the OpenAI-compatible server.
 
 Marked `vllm`: `make test-vllm` runs them in .venv-vllm (vLLM's CPU build); `make test` leaves them out. Each
 engine start takes 30-80 s on two cores, so each model gets one engine and every prompt goes in one call."""
@@ -20,6 +21,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+import torch
 
 pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm", reason="vLLM is not installed here: `make test-vllm` runs these tests in .venv-vllm")
@@ -132,6 +134,86 @@ def test_a_folder_whose_code_predates_the_plan_is_refused_naming_the_release(tmp
         "serving reads"
     ) in log, log[-3000:]
     assert f"re-save it with attnres >= {release()}'s code (`attnres upgrade FOLDER --trust-remote-code`" in log
+
+
+# ---- tensor parallelism, compiled graphs, image-text bases ------------------------------------------------------
+
+# Two ranks, a core each. Llama runs compiled (vLLM's default, `enforce_eager=False`: its torch.compile of the
+# forward, one graph for every batch size), the others eager.
+PARALLEL = [("llama", True), ("qwen3", False), ("qwen3_moe", False), ("gemma3_text", False)]
+
+
+def expected_rank_bytes(folder: Path, tensor_parallel: int) -> dict:
+    """What each rank should hold of the converted model as transformers loads it: every weight once (a tied head
+    once), the base model's linear layers and experts' 3D weights in 1 / TP shards, the rest whole."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, dtype=torch.float32)
+    base = model.get_submodule(model._attnres_plan.base_model)
+    linear = {id(m.weight): m.weight for m in base.modules() if type(m) is torch.nn.Linear}
+    linear.update({id(m.bias): m.bias for m in base.modules() if type(m) is torch.nn.Linear and m.bias is not None})
+    experts = {id(p): p for name, p in base.named_parameters() if ".experts." in name and p.dim() == 3}
+    size = lambda params: sum(p.numel() * p.element_size() for p in params.values())  # noqa: E731
+    whole = size({id(p): p for p in model.parameters()})
+    sharded = size(linear) + size(experts)
+    return {"all": whole - sharded + sharded // tensor_parallel, "linear": size(linear) // tensor_parallel}
+
+
+@pytest.mark.parametrize("family, compiled", PARALLEL)
+def test_tensor_parallel_2_serves_generates_tokens_each_rank_holding_its_shard(family, compiled, tmp_path):
+    folder = converted_folder(family, tmp_path / family)
+    token_lists = prompts()
+    expected = generate_tokens(folder, token_lists, NEW_TOKENS)
+    engine = {"tensor_parallel_size": 2, "enforce_eager": not compiled}
+    result = vllm_helpers.run_engine(folder, token_lists, NEW_TOKENS, tmp_path, engine=engine)
+    assert result.returncode == 0, f"{family}: vLLM failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    served = vllm_helpers.served_tokens(result)
+    assert [up_to_end(tokens) for tokens in served] == expected, family
+    ranks = vllm_helpers.served_ranks(result)
+    want = expected_rank_bytes(folder, 2)
+    assert [{k: rank[k] for k in want} for rank in ranks] == [want, want], (family, ranks)
+    if compiled:  # vLLM compiled the forward (its log names the saved graph), for each rank
+        assert result.stdout.count("saved AOT compiled function") == 2, result.stdout[-3000:]
+
+
+def test_a_base_model_without_a_tensor_parallel_plan_is_refused_at_tp_2(tmp_path):
+    folder = converted_folder("gpt2", tmp_path / "gpt2")
+    engine = {"tensor_parallel_size": 2}
+    result = vllm_helpers.run_engine(folder, prompts()[:1], 4, tmp_path, engine=engine)
+    assert result.returncode != 0
+    log = result.stdout + result.stderr
+    assert (
+        "vLLM cannot serve this AttnRes model (base family 'gpt2'): tensor parallelism needs the base model's "
+        "tensor-parallel plan (`base_model_tp_plan` in its config), which transformers' GPT2Config does not define; "
+        "serve it with --tensor-parallel-size 1"
+    ) in log, log[-3000:]
+
+
+def test_pipeline_parallelism_is_refused_by_vllm(tmp_path):
+    """The serving class does not declare vLLM's SupportsPP (a depth mix reads every earlier block), so vLLM
+    refuses before any model is built."""
+    folder = converted_folder("llama", tmp_path / "llama")
+    result = vllm_helpers.run_engine(folder, prompts()[:1], 4, tmp_path, engine={"pipeline_parallel_size": 2})
+    assert result.returncode != 0
+    assert "Pipeline parallelism is not supported for this model" in result.stderr, result.stderr[-3000:]
+
+
+def test_an_image_text_base_serves_its_language_model_exactly(tmp_path):
+    """Gemma 3 with its vision tower, converted: vLLM reads the language model's sizes (the config's
+    `get_text_config()`) and serves text in, text out, as `generate` does on the folder, whole and at TP 2."""
+    from transformers import AutoConfig
+
+    folder = tmp_path / "gemma3"
+    vllm_helpers.type_folder("gemma3", folder)
+    config = AutoConfig.from_pretrained(folder, trust_remote_code=True)
+    assert config.text_config.model_type == "gemma3" and config.get_text_config().model_type == "gemma3_text"
+    token_lists = prompts()
+    expected = generate_tokens(folder, token_lists, NEW_TOKENS, past_end=True)
+    for tensor_parallel in (1, 2):
+        engine = {"tensor_parallel_size": tensor_parallel}
+        result = vllm_helpers.run_engine(folder, token_lists, NEW_TOKENS, tmp_path, engine=engine)
+        assert result.returncode == 0, result.stdout[-3000:]
+        assert vllm_helpers.served_tokens(result) == expected, tensor_parallel
 
 
 # ---- the OpenAI-compatible server --------------------------------------------------------------------------------
