@@ -10,17 +10,17 @@ changes every token) and saved; then
 * admission: the serving class's own test (`unservable_reason`, with vLLM's `interface_call`), which every engine
   start runs, and for an admitted type
 * the engine: vLLM (tests/vllm_helpers.py, an engine process of its own) greedy-decodes four prompts of 5, 17, 40
-  and 44 tokens submitted together, and its tokens are compared with transformers' `generate` on the same folder.
+  and 44 tokens submitted together, and its tokens are compared with transformers' `generate` on the same folder;
+* for a type served so, the same with tensor parallelism 2 (two ranks, a core each: the TP 2 column).
 
 Writes benchmarks/results/vllm-serving-sweep.json (after every type: --resume goes on from it) and, with --write,
-the table between the markers of the page. About 20 s a type on two cores.
+the table between the markers of the page. About 20 s a type on two cores, and 30 s more for TP 2.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
 import io
 import json
 import re
@@ -42,87 +42,25 @@ NEW_TOKENS = 16
 ENGINE_TIMEOUT = 600
 
 
-def cpu_heads(config, by_heads: bool = False) -> None:
-    """Heads of 32, in place, on CONFIG and its text config (vLLM reads one, the model may read the other): vLLM's
-    CPU attention takes 32, 64, 80..., not the tiny 16. A config that names its head size gets 32 (unless BY_HEADS:
-    a model whose output projection is hidden x hidden whatever the head size, Helium); one whose modules derive it
-    from the hidden size (64) gets 2 heads; latent attention (qk_nope + qk_rope = 32) is left as it is."""
-    for each in {id(c): c for c in (config, config.get_text_config())}.values():
-        values = {
-            **each.to_dict(),
-            **{name: read(each, name) for name in ("num_attention_heads", "num_key_value_heads")},
-        }
-        if values.get("kv_channels") is not None:  # JetMoE's head size
-            each.kv_channels = 32
-            continue
-        if values.get("kv_lora_rank"):
-            continue
-        if values.get("head_dim") is not None:
-            try:
-                each.head_dim = 32
-            except AttributeError:  # a property derived from the hidden size (Falcon): set through the heads
-                pass
-            else:
-                if not by_heads:
-                    continue
-        if values.get("num_attention_heads") is not None:
-            each.num_attention_heads = 2
-        if values.get("num_key_value_heads") is not None:
-            each.num_key_value_heads = min(values["num_key_value_heads"], 2)
-
-
-def read(config, name: str):
-    """CONFIG's attribute NAME through its attribute map (GPT-BigCode's n_head), or None; per-layer attributes
-    (Gemma 4's head_dim) refuse a global read, so the head size is read from to_dict instead."""
-    try:
-        return getattr(config, name, None)
-    except Exception:  # noqa: BLE001 - transformers' per-layer attribute error
-        return None
-
-
-def converted_folder(model_type: str, folder: Path):
-    """The coverage sweep's tiny model of MODEL_TYPE with heads of 32, converted, queries and key norms drawn at
-    random, saved to FOLDER. Returns the converted model."""
-    from tiny_models import randomize_queries
-
-    from attnres_convert import save_converted
-    from attnres_convert.conversion.coverage import random_model
-    from attnres_convert.conversion.surgery import BlockSizeError, convert_model
-    from attnres_convert.conversion.tiny_configs import tiny_config
-
-    for by_heads in (False, True, None):  # None: the coverage model as it is (a head size that is no head's)
-        config = tiny_config(model_type)
-        if by_heads is not None:
-            cpu_heads(config, by_heads)
-        try:
-            model = random_model(config)
-            try:
-                converted = convert_model(copy.deepcopy(model), block_size=3)
-            except BlockSizeError:
-                converted = convert_model(copy.deepcopy(model), full=True)
-            break
-        except Exception:
-            if by_heads is None:
-                raise
-    randomize_queries(converted, 0.5, seed=1, key_norms=0.3)
-    save_converted(converted, folder)
-    return converted
-
-
-def engine_tokens(folder: Path, token_lists: list[list[int]]) -> tuple[list[list[int]] | None, str]:
+def engine_tokens(
+    folder: Path, token_lists: list[list[int]], tensor_parallel: int = 1
+) -> tuple[list[list[int]] | None, str]:
     """vLLM's greedy tokens for all prompts in one call (an engine process of its own), or None and the error."""
     from vllm_helpers import run_engine, served_tokens
 
+    # The engine core in the calling process (vLLM's VLLM_ENABLE_V1_MULTIPROCESSING=0) halves each start; tensor
+    # parallelism runs a worker process per rank.
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if tensor_parallel == 1 else {}
     with tempfile.TemporaryDirectory() as scratch:
         try:
-            # The engine core in the calling process (vLLM's VLLM_ENABLE_V1_MULTIPROCESSING=0) halves each start.
             result = run_engine(
                 folder,
                 token_lists,
                 NEW_TOKENS,
                 Path(scratch),
                 timeout=ENGINE_TIMEOUT,
-                VLLM_ENABLE_V1_MULTIPROCESSING="0",
+                engine={"tensor_parallel_size": tensor_parallel},
+                **env,
             )
         except subprocess.TimeoutExpired:
             return None, f"the engine did not answer in {ENGINE_TIMEOUT} s"
@@ -173,7 +111,7 @@ def sweep_one(model_type: str, work: Path) -> dict:
     """One row: admission and, for an admitted type, the engine's tokens against `generate`."""
     from transformers import CONFIG_MAPPING
     from vllm.model_executor.models.transformers.fusers.attention import interface_call
-    from vllm_helpers import generate_tokens, prompts
+    from vllm_helpers import generate_tokens, prompts, type_folder
 
     from attnres_convert.conversion.coverage import short_error
     from attnres_convert.serving.vllm_support import unservable_reason
@@ -188,7 +126,7 @@ def sweep_one(model_type: str, work: Path) -> dict:
             contextlib.redirect_stderr(io.StringIO()),
         ):
             warnings.simplefilter("ignore")
-            converted = converted_folder(model_type, folder)
+            converted = type_folder(model_type, folder)
     except Exception as error:  # noqa: BLE001 - a row of the table
         return {"status": "not converted here", "detail": short_error(error)}
     reason = unservable_reason(converted, interface_call)
@@ -201,7 +139,14 @@ def sweep_one(model_type: str, work: Path) -> dict:
             expected = generate_tokens(folder, token_lists, NEW_TOKENS, past_end=True)
     except Exception as error:  # noqa: BLE001 - the saved folder does not load (or run) in this transformers
         return {"status": "does not load here", "detail": short_error(error)}
-    served, error = engine_tokens(folder, token_lists)
+    row = compared(*engine_tokens(folder, token_lists), expected)
+    if row["status"] == "served":
+        row["tp2"] = compared(*engine_tokens(folder, token_lists, tensor_parallel=2), expected)
+    return row
+
+
+def compared(served: list[list[int]] | None, error: str, expected: list[list[int]]) -> dict:
+    """An engine run's status: served (the tokens of `generate`), refused, engine fails, tokens differ."""
     if served is None:
         refused = "vLLM cannot serve this AttnRes model" in error  # the serving class's own refusal at start
         return {"status": "refused" if refused else "engine fails", "detail": error}
@@ -243,17 +188,21 @@ def short(detail: str) -> str:
 
 def table(rows: dict[str, dict], versions: dict) -> str:
     served = sum(row["status"] == "served" for row in rows.values())
+    parallel = sum(row.get("tp2", {}).get("status") == "served" for row in rows.values())
     lines = [
         BEGIN,
         "",
         f"transformers {versions['transformers']}, vLLM {versions['vllm']}: {served} of {len(rows)} model types "
-        "served with greedy tokens equal to `generate`.",
+        f"served with greedy tokens equal to `generate`; {parallel} of them also with tensor parallelism 2 (TP 2: "
+        "two ranks, a core each).",
         "",
-        "| model type | vLLM | reason |",
-        "|---|---|---|",
+        "| model type | vLLM | TP 2 | reason |",
+        "|---|---|---|---|",
     ]
     for model_type, row in rows.items():
-        lines.append(f"| `{model_type}` | {row['status']} | {short(row['detail'])} |")
+        tp2 = row.get("tp2", {})
+        reason = short(row["detail"]) if row["status"] != "served" else short(tp2.get("detail", ""))
+        lines.append(f"| `{model_type}` | {row['status']} | {tp2.get('status', '')} | {reason} |")
     return "\n".join([*lines, "", END])
 
 
@@ -292,7 +241,8 @@ def main() -> None:
             rows[model_type] = sweep_one(model_type, Path(work))
             rows[model_type]["seconds"] = round(time.perf_counter() - start, 1)
             print(
-                f"{model_type}: {rows[model_type]['status']} {rows[model_type]['detail'][:120]} "
+                f"{model_type}: {rows[model_type]['status']} (TP 2: {rows[model_type].get('tp2', {}).get('status')}) "
+                f"{rows[model_type]['detail'][:120]} "
                 f"({rows[model_type]['seconds']} s)",
                 flush=True,
             )

@@ -54,7 +54,7 @@ ENGINE = dict(  # a tiny model on a shared CPU: a small KV cache, chunks of 32 t
 # On a CPU without AMX, vLLM forces a latent-attention model's (DeepSeek's) cache blocks to its CPU MLA kernel's 16
 # tokens, which the attention a converted model runs through (multiples of 32) refuses: "No common block size for 16
 # (CPU_ATTN: [MultipleOf(32)])". VLLM_MLA_DISABLE=1 (vLLM's own switch) keeps the plain attention's block size.
-ENGINE_ENV = {"VLLM_MLA_DISABLE": "1"}
+ENGINE_ENV = {"VLLM_MLA_DISABLE": "1", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}  # the latter: `rank_weights`
 # Tensor parallelism on vLLM's CPU build: one worker process per rank, each bound to a core of its own. On a machine
 # with one NUMA node the engine needs the binding named ("Not enough allowed NUMA nodes to bind threads of 2 local
 # CPUWorkers" otherwise).
@@ -142,14 +142,37 @@ def served_tokens(result: subprocess.CompletedProcess) -> list[list[int]] | None
 def vllm_tokens(
     folder: str, token_lists: list[list[int]], max_new_tokens: int, engine: dict | None = None
 ) -> list[list[int]]:
-    """vLLM's greedy tokens for all prompts submitted in one call (continuous batching), past any end token."""
+    """vLLM's greedy tokens for all prompts submitted in one call (continuous batching), past any end token, printed
+    (TOKENS_LINE), then each rank's weights (RANKS_LINE)."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     llm = LLM(model=folder, trust_remote_code=True, skip_tokenizer_init=True, **{**ENGINE, **(engine or {})})
     params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, ignore_eos=True, detokenize=False)
     results = llm.generate([TokensPrompt(prompt_token_ids=tokens) for tokens in token_lists], params, use_tqdm=False)
-    return [list(result.outputs[0].token_ids) for result in results]
+    tokens = [list(result.outputs[0].token_ids) for result in results]
+    print(TOKENS_LINE + json.dumps(tokens), flush=True)
+    print(RANKS_LINE + json.dumps(llm.collective_rpc(rank_weights)), flush=True)
+    return tokens
+
+
+RANKS_LINE = "VLLM_RANKS "  # each rank's weights, after the tokens (see `rank_weights`)
+
+
+def rank_weights(worker) -> dict:
+    """One rank's share of the served model (run in each worker by `collective_rpc`): the bytes of its weights as
+    loaded, all and those of its linear layers (the serving class's `rank_bytes`), and the worker's peak resident
+    memory."""
+    import resource
+
+    loaded = getattr(worker.model_runner.model, "rank_bytes", {})
+    return {**loaded, "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+
+
+def served_ranks(result: subprocess.CompletedProcess) -> list[dict] | None:
+    """Each rank's `rank_weights` from an engine run, or None where it printed none."""
+    line = next((line for line in result.stdout.splitlines() if line.startswith(RANKS_LINE)), None)
+    return None if line is None else json.loads(line.removeprefix(RANKS_LINE))
 
 
 def vllm_cli(argv: list[str]) -> None:
@@ -176,10 +199,76 @@ def vllm_cli(argv: list[str]) -> None:
     main()
 
 
+def cpu_heads(config, by_heads: bool = False) -> None:
+    """Heads of 32, in place, on CONFIG and its text config (vLLM reads one, the model may read the other): vLLM's
+    CPU attention takes 32, 64, 80..., not the tiny 16. A config that names its head size gets 32 (unless BY_HEADS:
+    a model whose output projection is hidden x hidden whatever the head size, Helium); one whose modules derive it
+    from the hidden size (64) gets 2 heads; latent attention (qk_nope + qk_rope = 32) is left as it is."""
+    for each in {id(c): c for c in (config, config.get_text_config())}.values():
+        values = {
+            **each.to_dict(),
+            **{name: read(each, name) for name in ("num_attention_heads", "num_key_value_heads")},
+        }
+        if values.get("kv_channels") is not None:  # JetMoE's head size
+            each.kv_channels = 32
+            continue
+        if values.get("kv_lora_rank"):
+            continue
+        if values.get("head_dim") is not None:
+            try:
+                each.head_dim = 32
+            except AttributeError:  # a property derived from the hidden size (Falcon): set through the heads
+                pass
+            else:
+                if not by_heads:
+                    continue
+        if values.get("num_attention_heads") is not None:
+            each.num_attention_heads = 2
+        if values.get("num_key_value_heads") is not None:
+            each.num_key_value_heads = min(values["num_key_value_heads"], 2)
+
+
+def read(config, name: str):
+    """CONFIG's attribute NAME through its attribute map (GPT-BigCode's n_head), or None; per-layer attributes
+    (Gemma 4's head_dim) refuse a global read, so the head size is read from to_dict instead."""
+    try:
+        return getattr(config, name, None)
+    except Exception:  # noqa: BLE001 - transformers' per-layer attribute error
+        return None
+
+
+def type_folder(model_type: str, folder: Path):
+    """The coverage sweep's tiny model of MODEL_TYPE with heads of 32, converted, queries and key norms drawn at
+    random, saved to FOLDER. Returns the converted model."""
+    from tiny_models import randomize_queries
+
+    from attnres_convert import save_converted
+    from attnres_convert.conversion.coverage import random_model
+    from attnres_convert.conversion.surgery import BlockSizeError, convert_model
+    from attnres_convert.conversion.tiny_configs import tiny_config
+
+    for by_heads in (False, True, None):  # None: the coverage model as it is (a head size that is no head's)
+        config = tiny_config(model_type)
+        if by_heads is not None:
+            cpu_heads(config, by_heads)
+        try:
+            model = random_model(config)
+            try:
+                converted = convert_model(copy.deepcopy(model), block_size=3)
+            except BlockSizeError:
+                converted = convert_model(copy.deepcopy(model), full=True)
+            break
+        except Exception:
+            if by_heads is None:
+                raise
+    randomize_queries(converted, 0.5, seed=1, key_norms=0.3)
+    save_converted(converted, folder)
+    return converted
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "cli":
         vllm_cli(sys.argv[2:])
         sys.exit(0)
     request = json.loads(Path(sys.argv[2]).read_text())
-    tokens = vllm_tokens(sys.argv[1], request["prompts"], request["max_new_tokens"], request.get("engine"))
-    print(TOKENS_LINE + json.dumps(tokens))
+    vllm_tokens(sys.argv[1], request["prompts"], request["max_new_tokens"], request.get("engine"))

@@ -34,7 +34,7 @@ from vllm.model_executor.models.transformers.fusers.attention import interface_c
 from vllm.model_executor.models.transformers.utils import can_enable_torch_compile, init_on_device_without_buffers
 
 from attnres_convert.modeling.modeling_attnres import ModelPlan, module_at
-from attnres_convert.serving.vllm_parallel import materialize, shapes_only_linears, shard_model
+from attnres_convert.serving.vllm_parallel import materialize, rank_bytes, shapes_only_linears, shard_model
 from attnres_convert.serving.vllm_support import ServingRefused, release, unservable_reason
 from attnres_convert.serving.vllm_weights import load_checkpoint
 
@@ -120,20 +120,15 @@ class CompiledBase(nn.Module):
 
 
 class AttnResForCausalLMVllm(nn.Module):
-    """vLLM's model class for the architecture `AttnResForCausalLM` (registered by vllm_plugin.py)."""
+    """vLLM's model class for the architecture `AttnResForCausalLM` (registered by vllm_plugin.py). It does not
+    declare vLLM's `SupportsPP`, so vLLM refuses pipeline parallelism before building it: every sublayer's depth mix
+    reads the outputs of all the blocks before it, which a stage would have to receive from every earlier stage."""
 
     def __init__(self, *, vllm_config, prefix: str = ""):
         super().__init__()
         model_config = vllm_config.model_config
         config = model_config.hf_config
         self.family = config.get_text_config().model_type
-        if vllm_config.parallel_config.pipeline_parallel_size > 1:
-            raise ServingRefused(
-                self.family,
-                "pipeline parallelism is not supported: every sublayer's depth mix reads the outputs of all the "
-                "blocks before it, which a pipeline stage would have to receive from every earlier stage; use "
-                "--tensor-parallel-size, which shards every layer instead",
-            )
         device = vllm_config.device_config.device
         # The folder's own code, as `generate` runs it, built without weights: vLLM's loader fills them.
         with init_on_device_without_buffers("meta"):
@@ -288,5 +283,6 @@ class AttnResForCausalLMVllm(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         loaded = {f"model.{name}" for name in load_checkpoint(self.model, weights)}
+        self.rank_bytes = rank_bytes(self.model)  # before vLLM's CPU layers repack their weights out of sight
         # vLLM's attention layers hold settings of their own (scales), not the checkpoint's: theirs to set.
         return loaded | {name for name, _ in self.named_parameters() if f".{VLLM_ATTENTION}." in name}

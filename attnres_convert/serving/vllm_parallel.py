@@ -171,3 +171,11 @@ def shapes_only_linears(model: nn.Module):
     finally:
         for layer in layers:
             del layer.forward
+
+
+def rank_bytes(model: nn.Module) -> dict[str, int]:
+    """The bytes of this rank's weights: all, and those of vLLM's linear layers (its shards)."""
+    linear = {id(p) for m in model.modules() if isinstance(m, LinearBase) for p in m.parameters(recurse=False)}
+    params = {id(p): p for p in model.parameters()}
+    size = {key: p.numel() * p.element_size() for key, p in params.items()}
+    return {"all": sum(size.values()), "linear": sum(v for key, v in size.items() if key in linear)}
