@@ -89,12 +89,15 @@ def measure(folder: str, model_impl: str, rounds: int, engine: dict) -> dict:
         results = llm.generate(prompts, params, use_tqdm=False)
         times.append(time.perf_counter() - started)
         tokens.append(sum(len(result.outputs[0].token_ids) for result in results))
+    # The converted model at its conversion is the original: the engines' greedy tokens should agree.
+    greedy = [list(result.outputs[0].token_ids) for result in results]
     middle = sorted(range(rounds), key=times.__getitem__)[rounds // 2]  # the median call
     return {
         "startup_s": round(startup, 1),
         "seconds": [round(t, 3) for t in times],
         "requests_per_s": round(PROMPTS / times[middle], 3),
         "output_tokens_per_s": round(tokens[middle] / times[middle], 2),
+        "greedy_tokens": greedy,
     }
 
 
@@ -164,6 +167,15 @@ def main() -> None:
     load_after = os.getloadavg()
     runs = {name: median_run(each) for name, each in repeats.items()}
     convert_run = runs["converted (attnres plugin)"]
+    tokens = {name: run.pop("greedy_tokens", None) for name, run in runs.items()}
+    for each in repeats.values():
+        for run in each:
+            run.pop("greedy_tokens", None)
+    same_tokens = {
+        f"converted = {name}": sum(a == b for a, b in zip(tokens["converted (attnres plugin)"], other))
+        for name, other in tokens.items()
+        if not name.startswith("converted") and other is not None
+    }
     ratios = {
         f"converted / {name}": {
             metric: round(convert_run[metric] / run[metric], 3) for metric in ("requests_per_s", "output_tokens_per_s")
@@ -189,9 +201,10 @@ def main() -> None:
         "runs": runs,
         "repeats": repeats,
         "ratios": ratios,
+        f"prompts (of {PROMPTS}) whose greedy tokens agree": same_tokens,
     }
     args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(json.dumps({"runs": runs, "ratios": ratios}, indent=2))
+    print(json.dumps({"runs": runs, "ratios": ratios, "same greedy tokens": same_tokens}, indent=2))
 
 
 if __name__ == "__main__":

@@ -15,9 +15,15 @@ from collections.abc import Iterable
 
 import torch
 from torch import nn
-from transformers.conversion_mapping import get_model_conversion_mapping
-from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+
+from attnres_convert.transformers_compat import (
+    WeightConverter,
+    WeightRenaming,
+    dot_natural_key,
+    get_model_conversion_mapping,
+    rename_source_key,
+)
 
 
 def converted(model: nn.Module, pending: dict[str, torch.Tensor], renamings, converters) -> dict[str, torch.Tensor]:
