@@ -34,7 +34,13 @@ from vllm.model_executor.models.transformers.fusers.attention import interface_c
 from vllm.model_executor.models.transformers.utils import can_enable_torch_compile, init_on_device_without_buffers
 
 from attnres_convert.modeling.modeling_attnres import ModelPlan, module_at
-from attnres_convert.serving.vllm_parallel import materialize, rank_bytes, shapes_only_linears, shard_model
+from attnres_convert.serving.vllm_parallel import (
+    materialize,
+    rank_bytes,
+    rank_heads,
+    shapes_only_linears,
+    shard_model,
+)
 from attnres_convert.serving.vllm_support import ServingRefused, release, unservable_reason
 from attnres_convert.serving.vllm_weights import load_checkpoint
 
@@ -146,9 +152,7 @@ class AttnResForCausalLMVllm(nn.Module):
         reason = unservable_reason(self.model, interface_call)
         if reason is not None:
             raise ServingRefused(self.family, reason)
-        self.tensor_parallel = shard_model(
-            self.model, plan, config.get_text_config(), self.family, vllm_config.quant_config
-        )
+        shard_model(self.model, plan, config.get_text_config(), self.family, vllm_config.quant_config)
         materialize(self.model, device)  # zeros until the loader runs: the probe below reads shapes only
         # Every config the modules read their attention implementation from (at each call).
         configs = [config, config.get_text_config()]
@@ -249,9 +253,10 @@ class AttnResForCausalLMVllm(nn.Module):
                     logits_soft_cap=shape.call.get("softcap", getattr(text_config, "attn_logit_softcapping", None)),
                     per_layer_sliding_window=window,
                     prefix=f"{layers_prefix}.{index}.{name}.{VLLM_ATTENTION}",
-                    # Learned attention sinks (GPT-OSS, Granite SWA: `s_aux` in the attention call), loaded already.
+                    # Learned attention sinks (GPT-OSS, Granite SWA: `s_aux` in the attention call), one per head:
+                    # this rank's heads' (a view, so the loader's values reach vLLM's attention).
                     **(
-                        {"sinks": module.sinks.detach()}
+                        {"sinks": rank_heads(module.sinks.detach(), shape.heads)}
                         if isinstance(getattr(module, "sinks", None), torch.Tensor)
                         else {}
                     ),

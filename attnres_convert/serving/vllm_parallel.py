@@ -34,7 +34,15 @@ LINEAR_STYLES = {"colwise", "rowwise", "colwise_gather_output", "rowwise_split_i
 # Styles that leave a module whole on every rank (norms, the embedding kept whole; see `shard_model`).
 WHOLE_STYLES = {"replicated_with_grad_allreduce", "embedding_rowwise", "replicate", "gather"}
 EXPERTS_STYLE = "moe_tp_experts"
-EXPERT_PARAMETER_STYLES = {"packed_colwise": 1, "rowwise": 2}  # the dimension sliced in [experts, out, in]
+# The dimension of an experts' 3D weight each style slices, and whether it holds two halves (gate, up) to slice
+# each: [experts, out, in] weights are planned packed_colwise / rowwise, transposed ones ([experts, in, out],
+# Llama 4) packed_rowwise / colwise, and in both the slice falls on the experts' hidden width.
+EXPERT_PARAMETER_STYLES = {
+    "packed_colwise": (1, True),
+    "rowwise": (2, False),
+    "packed_rowwise": (2, True),
+    "colwise": (1, False),
+}
 
 
 def plan_patterns(tp_plan: dict[str, str]) -> list[tuple[re.Pattern, str]]:
@@ -79,24 +87,24 @@ def _all_reduce_output(module, inputs, output):
 def shard_experts(family: str, qual: str, experts: nn.Module, patterns, rank: int, tp: int) -> None:
     for name, param in list(experts.named_parameters(recurse=False)):
         style = style_of(patterns, f"{qual}.{name}")
-        dim = EXPERT_PARAMETER_STYLES.get(style)
-        if dim is None or param.dim() != 3 or param.shape[dim] % (2 * tp if style == "packed_colwise" else tp):
+        dim, packed = EXPERT_PARAMETER_STYLES.get(style, (None, False))
+        if dim is None or param.dim() != 3 or param.shape[dim] % (2 * tp if packed else tp):
             raise ServingRefused(
                 family,
                 f"its experts' parameter {qual}.{name} {tuple(param.shape)} has tensor-parallel style {style!r}, "
-                "which the converted model's serving does not shard (it shards [experts, out, in] weights planned "
-                "packed_colwise or rowwise, evenly)",
+                f"which the converted model's serving does not shard (it shards 3D expert weights planned "
+                f"{', '.join(EXPERT_PARAMETER_STYLES)}, evenly)",
             )
         shape = list(param.shape)
         shape[dim] //= tp
         sharded = nn.Parameter(torch.empty(shape, dtype=param.dtype, device=param.device), requires_grad=False)
-        sharded.weight_loader = expert_loader(dim, style == "packed_colwise", rank, tp)
+        sharded.weight_loader = expert_loader(dim, packed, rank, tp)
         setattr(experts, name, sharded)
     experts.register_forward_hook(_all_reduce_output)  # each rank's experts add their part of every output
 
 
-def shard_model(model: nn.Module, plan: ModelPlan, text_config, family: str, quant_config) -> int:
-    """Replace the base model's linear layers with vLLM's (sharded by the plan where TP > 1); returns the TP size.
+def shard_model(model: nn.Module, plan: ModelPlan, text_config, family: str, quant_config) -> None:
+    """Replace the base model's linear layers with vLLM's (sharded by the plan where TP > 1).
     The model is still on the meta device: the new layers allocate their (sharded) weights, vLLM's loader fills
     them (`vllm_weights.load_checkpoint`)."""
     tp = get_tensor_model_parallel_world_size()
@@ -134,7 +142,6 @@ def shard_model(model: nn.Module, plan: ModelPlan, text_config, family: str, qua
                     f"its tensor-parallel plan gives {qual} ({type(child).__name__}) the style {style!r}, which the "
                     "converted model's serving does not apply; serve it with --tensor-parallel-size 1",
                 )
-    return tp
 
 
 def materialize(model: nn.Module, device, dtype_of=lambda param: param.dtype) -> None:
@@ -179,3 +186,11 @@ def rank_bytes(model: nn.Module) -> dict[str, int]:
     params = {id(p): p for p in model.parameters()}
     size = {key: p.numel() * p.element_size() for key, p in params.items()}
     return {"all": sum(size.values()), "linear": sum(v for key, v in size.items() if key in linear)}
+
+
+def rank_heads(per_head: torch.Tensor, heads: int) -> torch.Tensor:
+    """This rank's HEADS entries of a tensor over all the model's heads (a view), or the tensor where it holds
+    those already (TP 1, or heads kept whole by the plan)."""
+    if per_head.shape[0] == heads:
+        return per_head
+    return per_head.narrow(0, get_tensor_model_parallel_rank() * heads, heads)
