@@ -29,8 +29,6 @@ from vllm.model_executor.models.transformers.utils import replace_linear_class
 from attnres_convert.modeling.modeling_attnres import ModelPlan, module_at
 from attnres_convert.serving.vllm_support import ServingRefused
 
-# The plan's styles for an `nn.Linear` (vLLM's own names: vllm...transformers.utils.replace_linear_class).
-LINEAR_STYLES = {"colwise", "rowwise", "colwise_gather_output", "rowwise_split_input", "replicate"}
 # Styles that leave a module whole on every rank (norms, the embedding kept whole; see `shard_model`).
 WHOLE_STYLES = {"replicated_with_grad_allreduce", "embedding_rowwise", "replicate", "gather"}
 EXPERTS_STYLE = "moe_tp_experts"
@@ -132,6 +130,7 @@ def shard_model(model: nn.Module, plan: ModelPlan, text_config, family: str, qua
             qual = f"{owner_name}.{child_name}" if owner_name else child_name
             style = style_of(patterns, qual) if tp > 1 else None
             if type(child) is nn.Linear:  # exactly: a subclass may compute otherwise
+                # vLLM's styles: colwise, rowwise, their gather variants; an unplanned layer is replicated.
                 new = replace_linear_class(child, style or "replicate", quant_config, prefix=qual)
                 setattr(owner, child_name, new)
             elif style == EXPERTS_STYLE:
@@ -144,7 +143,7 @@ def shard_model(model: nn.Module, plan: ModelPlan, text_config, family: str, qua
                 )
 
 
-def materialize(model: nn.Module, device, dtype_of=lambda param: param.dtype) -> None:
+def materialize(model: nn.Module, device) -> None:
     """Every parameter still on the meta device made real (zeros) on DEVICE, shared ones (a tied head) kept shared."""
     made: dict[int, nn.Parameter] = {}
     for module in model.modules():
@@ -153,7 +152,7 @@ def materialize(model: nn.Module, device, dtype_of=lambda param: param.dtype) ->
                 continue
             if id(param) not in made:
                 made[id(param)] = real = nn.Parameter(
-                    torch.zeros(param.shape, dtype=dtype_of(param), device=device), requires_grad=False
+                    torch.zeros(param.shape, dtype=param.dtype, device=device), requires_grad=False
                 )
                 real.__dict__.update(param.__dict__)  # its weight_loader, where it has one
             setattr(module, name, made[id(param)])
