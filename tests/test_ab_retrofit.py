@@ -17,6 +17,7 @@ from typer.testing import CliRunner
 from attnres_convert.cli import app
 from attnres_convert.finetune.ab import arm_recipe, compute_equivalent, folder_name, paired
 from attnres_convert.finetune.metrics import read_metrics
+from attnres_convert.finetune.recipe import RecipeError
 from attnres_convert.finetune.retrofit import (
     ARMS,
     ATTNRES,
@@ -238,6 +239,22 @@ def test_retrofit_study_end_to_end(setup, tmp_path):
     assert stale == [(4, "baseline", 1), (4, "attnres", 1)]
     # The pretraining runs' recipe leaves the retrofit section out: changing it retrains no pretraining.
     assert yaml.safe_load((pretraining[0] / "recipe.yaml").read_text())["retrofit"]["steps"] is None
+
+
+def test_a_lever_on_the_retrofit_section_reaches_the_continued_runs(setup, tmp_path):
+    """The continued recipe copies the retrofit section into train: a --sweep arm's retrofit.X is its train.X, and
+    retrofit.steps, shared by every arm, is refused in an arm."""
+    study = plan_study(
+        setup["recipe"], [], [2], 1, False, tmp_path, [["retrofit.attnres_lr=0.5"], ["train.kl_weight=0.1"]]
+    )
+    (lever, other) = study.levers
+    assert lever.name == "attnres retrofit.attnres_lr=0.5" and lever.overrides == ("train.attnres_lr=0.5",)
+    assert other.overrides == ("train.kl_weight=0.1",)
+    recipe = arm_recipe(study.data, study.continued_overrides(0, 2), lever, 0, study.after_work(2))
+    plain = arm_recipe(study.data, study.continued_overrides(0, 2), ATTNRES, 0, study.after_work(2))
+    assert recipe.train.attnres_lr == 0.5 and plain.train.attnres_lr != 0.5
+    with pytest.raises(RecipeError, match="--sweep: retrofit.steps is the same for every arm of the study"):
+        plan_study(setup["recipe"], [], [2], 1, False, tmp_path, [["retrofit.steps=3"]])
 
 
 def test_savings_claim_follows_the_noise_rule():

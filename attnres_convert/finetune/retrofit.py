@@ -123,6 +123,21 @@ class Study:
         return overrides
 
 
+def lever_override(override: str) -> str:
+    """A --sweep arm's override as the continued run takes it: `retrofit.X=V` is `train.X=V` there (the continued
+    recipe copies the retrofit section into train), except `retrofit.steps`, which every arm shares."""
+    key, _, value = override.partition("=")
+    if not key.startswith("retrofit."):
+        return override
+    name = key.removeprefix("retrofit.")
+    if name == "steps":
+        raise RecipeError(
+            "--sweep: retrofit.steps is the same for every arm of the study (their leads are paired step by step); "
+            "set it for the whole study (retrofit.steps=N after the recipe)"
+        )
+    return f"train.{name}={value}"
+
+
 def eval_steps(recipe: Recipe) -> set[int]:
     every, steps = recipe.eval.every, recipe.train.steps
     return {0, steps} | (set(range(every, steps, every)) if every else set())
@@ -165,7 +180,8 @@ def plan_study(
         )
     if seeds < 1:
         raise RecipeError(f"--seeds: must be >= 1 (got {seeds})")
-    levers = plan_arms(sweep or [])[len(ARMS) :]  # named as `attnres ab --sweep` names them
+    # Named as `attnres ab --sweep` names them; a lever's retrofit.* settings are the continued runs' train.*.
+    levers = [Arm(arm.name, tuple(map(lever_override, arm.overrides))) for arm in plan_arms(sweep or [])[len(ARMS) :]]
     seed_list = [train.seed + i for i in range(seeds)]
     study = Study(str(recipe), data, overrides, base, after, seed_list, scratch_arms, work, levers)
     if scratch_arms:
