@@ -96,7 +96,8 @@ def analyse(work: Path, after: int, scratch_json: Path) -> dict:
     m, points = multiplier(pretraining, scratch_json)
     arms = {arm: runs(work / f"after-{after}" / arm) for arm in ("baseline", "attnres")}
     seeds = sorted(s for s in arms["baseline"] if arms["baseline"][s] and arms["attnres"].get(s))
-    # The continued baseline's curve for the fit: the seed that has gone furthest (the seeds' mean where they all have).
+    # The continued baseline's curve for the fit: the seed that has gone furthest (a study still running has seeds
+    # at different steps).
     longest = max(seeds, key=lambda s: len(arms["baseline"][s]), default=None)
     continued = {step: loss for step, (loss, _) in arms["baseline"][longest].items()} if longest else {}
     fit = log_fit(continued) if sum(1 for step in continued if step > 0) >= 3 else None

@@ -119,12 +119,8 @@ def shard_model(model: nn.Module, plan: ModelPlan, text_config, family: str, qua
     rank = get_tensor_model_parallel_rank()
     # The language model the plan describes: the base model, or inside an image-text one, the module holding its
     # decoder layers (Gemma 3's `language_model`); a vision tower, unused when serving text, is left as it is.
-    language_model = plan.layers.rpartition(".")[0]
-    root = (
-        module_at(module_at(model, plan.base_model), language_model)
-        if language_model
-        else module_at(model, plan.base_model)
-    )
+    base, language_model = module_at(model, plan.base_model), plan.layers.rpartition(".")[0]
+    root = module_at(base, language_model) if language_model else base
     for owner_name, owner in list(root.named_modules()):
         for child_name, child in list(owner.named_children()):
             qual = f"{owner_name}.{child_name}" if owner_name else child_name
