@@ -22,3 +22,22 @@ def test_no_graph_breaks_beyond_the_base_model():
     for grad in (False, True):
         count, reasons = _breaks(model, ids, grad)
         assert count <= base_breaks, reasons
+
+
+def test_compiled_depth_mix_matches_eager_and_stays_exact_at_zero_queries():
+    """Under torch.compile the depth mix is sums of products (fused by the compiler) instead of batched matrix
+    products: at the conversion's zero queries the compiled converted model gives the compiled base model's logits
+    bit for bit, and with trained-looking queries it matches its own eager forward (to float32 reordering)."""
+    from tiny_models import randomize_queries
+
+    ids = token_ids()
+    base = tiny_model("llama").eval()
+    model = convert_model(tiny_model("llama"), block_size=3).eval()
+    dynamo.reset()
+    with torch.no_grad():
+        compiled = torch.compile(model, dynamic=True)
+        assert torch.equal(compiled(ids).logits, torch.compile(base, dynamic=True)(ids).logits)
+        randomize_queries(model, 0.5, seed=0, key_norms=0.1)
+        eager = model(ids).logits
+        assert (eager - base(ids).logits).abs().max() > 1e-2  # the queries change the output
+        torch.testing.assert_close(compiled(ids).logits, eager, rtol=1e-4, atol=1e-4)

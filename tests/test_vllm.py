@@ -141,6 +141,12 @@ def test_a_folder_whose_code_predates_the_plan_is_refused_naming_the_release(tmp
 # Two ranks, a core each. Llama runs compiled (vLLM's default, `enforce_eager=False`: its torch.compile of the
 # forward, one graph for every batch size), the others eager.
 PARALLEL = [("llama", True), ("qwen3", False), ("qwen3_moe", False), ("gemma3_text", False)]
+FUSED_NORM = {
+    "llama": "TPAwareRMSNorm",
+    "qwen3": "TPAwareRMSNorm",
+    "qwen3_moe": "TPAwareRMSNorm",
+    "gemma3_text": "TPAwareGemmaRMSNorm",
+}
 
 
 def expected_rank_bytes(folder: Path, tensor_parallel: int) -> dict:
@@ -172,6 +178,8 @@ def test_tensor_parallel_2_serves_generates_tokens_each_rank_holding_its_shard(f
     ranks = vllm_helpers.served_ranks(result)
     want = expected_rank_bytes(folder, 2)
     assert [{k: rank[k] for k in want} for rank in ranks] == [want, want], (family, ranks)
+    # fused as vLLM's Transformers backend fuses: q, k and v one sharded layer, the norms vLLM's
+    assert all({"QKVParallelLinear", FUSED_NORM[family]} <= set(rank["layers"]) for rank in ranks), ranks
     if compiled:  # vLLM compiled the forward (its log names the saved graph), for each rank
         assert result.stdout.count("saved AOT compiled function") == 2, result.stdout[-3000:]
 

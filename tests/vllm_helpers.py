@@ -161,12 +161,14 @@ RANKS_LINE = "VLLM_RANKS "  # each rank's weights, after the tokens (see `rank_w
 
 def rank_weights(worker) -> dict:
     """One rank's share of the served model (run in each worker by `collective_rpc`): the bytes of its weights as
-    loaded, all and those of its linear layers (the serving class's `rank_bytes`), and the worker's peak resident
-    memory."""
+    loaded, all and those of its linear layers (the serving class's `rank_bytes`), the worker's peak resident
+    memory, and the classes of vLLM's layers in the model (fused ones: `QKVParallelLinear`, ...)."""
     import resource
 
-    loaded = getattr(worker.model_runner.model, "rank_bytes", {})
-    return {**loaded, "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    model = worker.model_runner.model
+    layers = sorted({type(m).__name__ for m in model.modules() if type(m).__module__.startswith("vllm.")})
+    loaded = getattr(model, "rank_bytes", {})
+    return {**loaded, "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "layers": layers}
 
 
 def served_ranks(result: subprocess.CompletedProcess) -> list[dict] | None:

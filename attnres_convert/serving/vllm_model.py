@@ -29,9 +29,14 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import AttentionInterface, AutoModelForCausalLM, PreTrainedConfig
 from vllm.compilation.decorators import support_torch_compile
+from vllm.logger import init_logger
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.models.transformers.fusers.attention import interface_call
-from vllm.model_executor.models.transformers.utils import can_enable_torch_compile, init_on_device_without_buffers
+from vllm.model_executor.models.transformers.utils import (
+    can_enable_torch_compile,
+    init_on_device_without_buffers,
+    replace_linear_class,
+)
 
 from attnres_convert.modeling.modeling_attnres import ModelPlan, module_at
 from attnres_convert.serving.vllm_parallel import (
@@ -43,6 +48,8 @@ from attnres_convert.serving.vllm_parallel import (
 )
 from attnres_convert.serving.vllm_support import ServingRefused, release, unservable_reason
 from attnres_convert.serving.vllm_weights import load_checkpoint
+
+logger = init_logger(__name__)
 
 # The name under which transformers' attention interface reaches vLLM's paged attention for a converted model.
 ATTENTION_IMPLEMENTATION = "attnres_vllm"
@@ -135,7 +142,28 @@ class AttnResForCausalLMVllm(nn.Module):
         model_config = vllm_config.model_config
         config = model_config.hf_config
         self.family = config.get_text_config().model_type
+        try:
+            shapes = self._build(vllm_config, fuse=True)
+        except ServingRefused as error:
+            if not self._fused:
+                raise
+            # vLLM's fusers rewrite the base modules' forwards from their source; where a rewrite does not run on
+            # this model, the unfused layers do (slower, the same tokens).
+            logger.warning(
+                "%s; serving %s without vLLM's fused layers (%s)", error, self.family, ", ".join(self._fused)
+            )
+            shapes = self._build(vllm_config, fuse=False)
+        self._attach_attention(vllm_config, prefix, shapes)
+        self._use_attention(ATTENTION_IMPLEMENTATION)
+        self.__dict__["compiled"] = CompiledBase(vllm_config=vllm_config, prefix=prefix, base=self.base)
+
+    def _build(self, vllm_config, fuse: bool) -> dict[int, AttentionShape]:
+        """The model with vLLM's layers (fused where FUSE), weights zero until the loader runs, and each attention
+        module's shapes (the probe forward)."""
+        model_config = vllm_config.model_config
+        config = model_config.hf_config
         device = vllm_config.device_config.device
+        self._fused: list[str] = []
         # The folder's own code, as `generate` runs it, built without weights: vLLM's loader fills them.
         with init_on_device_without_buffers("meta"):
             self.model = AutoModelForCausalLM.from_config(
@@ -147,21 +175,31 @@ class AttnResForCausalLMVllm(nn.Module):
                 self.family, "its modeling code predates the plan vLLM serving reads", release=release()
             )
         self.plan = plan
-        if config.tie_word_embeddings:  # the head is the embedding's weight, as from_pretrained ties it
-            module_at(self.model, plan.lm_head).weight = self.model.get_input_embeddings().weight
+        self._replace_head(config, vllm_config)
         reason = unservable_reason(self.model, interface_call)
         if reason is not None:
             raise ServingRefused(self.family, reason)
-        shard_model(self.model, plan, config.get_text_config(), self.family, vllm_config.quant_config)
+        text_config = config.get_text_config()
+        self._stacked, self._fused = shard_model(self.model, plan, text_config, self.family, vllm_config, fuse=fuse)
         materialize(self.model, device)  # zeros until the loader runs: the probe below reads shapes only
         # Every config the modules read their attention implementation from (at each call).
         configs = [config, config.get_text_config()]
         configs += [m.config for m in self.model.modules() if isinstance(getattr(m, "config", None), PreTrainedConfig)]
         self._configs = list({id(c): c for c in configs}.values())
-        shapes = self._probe_shapes(device)
-        self._attach_attention(vllm_config, prefix, shapes)
-        self._use_attention(ATTENTION_IMPLEMENTATION)
-        self.__dict__["compiled"] = CompiledBase(vllm_config=vllm_config, prefix=prefix, base=self.base)
+        return self._probe_shapes(device)
+
+    def _replace_head(self, config, vllm_config) -> None:
+        """The head as vLLM's replicated linear layer, whose weights vLLM prepares for its CPU or GPU matrix product
+        after loading (on CPU, oneDNN's: about 3x torch's for a decoding batch's logits); left unquantized, as vLLM's
+        own models leave their heads. A tied head is the embedding's weight, as from_pretrained ties it."""
+        owner_name, _, leaf = self.plan.lm_head.rpartition(".")
+        owner = module_at(self.model, owner_name) if owner_name else self.model
+        head = owner._modules[leaf]
+        if type(head) is nn.Linear:  # exactly: a subclass may compute otherwise
+            head = replace_linear_class(head, "replicate", None, prefix=self.plan.lm_head)
+            owner._modules[leaf] = head
+        if config.tie_word_embeddings:
+            head.weight = self.model.get_input_embeddings().weight
 
     def _use_attention(self, implementation: str) -> None:
         for each in self._configs:
@@ -287,7 +325,9 @@ class AttnResForCausalLMVllm(nn.Module):
         return ModelPlan.scale_logits(self.plan, logits)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        loaded = {f"model.{name}" for name in load_checkpoint(self.model, weights)}
-        self.rank_bytes = rank_bytes(self.model)  # before vLLM's CPU layers repack their weights out of sight
+        loaded = {f"model.{name}" for name in load_checkpoint(self.model, weights, self._stacked)}
+        self.rank_bytes = rank_bytes(
+            self.model, self.base
+        )  # before vLLM's CPU layers repack their weights out of sight
         # vLLM's attention layers hold settings of their own (scales), not the checkpoint's: theirs to set.
         return loaded | {name for name, _ in self.named_parameters() if f".{VLLM_ATTENTION}." in name}

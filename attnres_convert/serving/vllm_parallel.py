@@ -23,11 +23,20 @@ from vllm.distributed import (
     get_tensor_model_parallel_world_size,
     tensor_model_parallel_all_reduce,
 )
+from vllm.logger import init_logger
 from vllm.model_executor.layers.linear import ColumnParallelLinear, LinearBase
 from vllm.model_executor.models.transformers.utils import replace_linear_class
 
+try:  # vLLM's Transformers backend's fusers (vLLM 0.32 and later); without them the layers are replaced one by one
+    from vllm.model_executor.models.transformers.fuser import Fusers, get_fusers
+    from vllm.model_executor.models.transformers.fusers import AttentionFuser
+except ImportError:
+    Fusers = get_fusers = AttentionFuser = None
+
 from attnres_convert.modeling.modeling_attnres import ModelPlan, module_at
 from attnres_convert.serving.vllm_support import ServingRefused
+
+logger = init_logger(__name__)
 
 # Styles that leave a module whole on every rank (norms, the embedding kept whole; see `shard_model`).
 WHOLE_STYLES = {"replicated_with_grad_allreduce", "embedding_rowwise", "replicate", "gather"}
@@ -101,10 +110,33 @@ def shard_experts(family: str, qual: str, experts: nn.Module, patterns, rank: in
     experts.register_forward_hook(_all_reduce_output)  # each rank's experts add their part of every output
 
 
-def shard_model(model: nn.Module, plan: ModelPlan, text_config, family: str, quant_config) -> None:
-    """Replace the base model's linear layers with vLLM's (sharded by the plan where TP > 1).
+def fusions(module: nn.Module, vllm_config) -> list:
+    """vLLM's Transformers-backend fusions that apply to MODULE, in the order that backend applies them: q, k and v
+    into one `QKVParallelLinear`, a GLU's gate and up into one `MergedColumnParallelLinear` with vLLM's activation,
+    an RMSNorm into vLLM's. Not the attention fuser (the serving class attaches its own attention), and nothing on
+    the converted layers and final norm, whose forwards are the depth mix's."""
+    if Fusers is None or hasattr(module, "_attnres_spec") or hasattr(module, "_attnres_output"):
+        return []
+    chosen, redefined = [], False
+    for fuser in get_fusers(module):
+        if isinstance(fuser, AttentionFuser) or (fuser.redefines_forward and redefined):
+            continue
+        if fuser.validate(module, vllm_config):
+            redefined = redefined or fuser.redefines_forward
+            chosen.append(fuser)
+    return chosen
+
+
+def shard_model(
+    model: nn.Module, plan: ModelPlan, text_config, family: str, vllm_config, fuse: bool = True
+) -> tuple[dict, list[str]]:
+    """Replace the base model's linear layers with vLLM's (sharded by the plan where TP > 1), fusing them as vLLM's
+    Transformers backend does where FUSE (`fusions`). Returns where the checkpoint's fused weights go, {module name:
+    (fused module name, shard id)}, e.g. `model.layers.0.self_attn.q_proj` -> (`...self_attn.qkv_proj`, "q"), and
+    the names of the modules fused.
     The model is still on the meta device: the new layers allocate their (sharded) weights, vLLM's loader fills
     them (`vllm_weights.load_checkpoint`)."""
+    quant_config = vllm_config.quant_config
     tp = get_tensor_model_parallel_world_size()
     tp_plan = dict(getattr(text_config, "base_model_tp_plan", None) or {})
     if tp > 1:
@@ -121,14 +153,21 @@ def shard_model(model: nn.Module, plan: ModelPlan, text_config, family: str, qua
     # decoder layers (Gemma 3's `language_model`); a vision tower, unused when serving text, is left as it is.
     base, language_model = module_at(model, plan.base_model), plan.layers.rpartition(".")[0]
     root = module_at(base, language_model) if language_model else base
+    prefix = ".".join(filter(None, [plan.base_model, language_model]))  # the root's name in the model
+    stacked: dict[str, tuple[str, str | int]] = {}
+    fused: list[str] = []
+    # Parents before children: a module fused in place is visited afterwards with its fused children.
     for owner_name, owner in list(root.named_modules()):
         for child_name, child in list(owner.named_children()):
             qual = f"{owner_name}.{child_name}" if owner_name else child_name
+            name = f"{prefix}.{qual}" if prefix else qual
             style = style_of(patterns, qual) if tp > 1 else None
             if type(child) is nn.Linear:  # exactly: a subclass may compute otherwise
                 # vLLM's styles: colwise, rowwise, their gather variants; an unplanned layer is replicated.
-                new = replace_linear_class(child, style or "replicate", quant_config, prefix=qual)
+                new = replace_linear_class(child, style or "replicate", quant_config, prefix=name)
                 setattr(owner, child_name, new)
+            elif isinstance(child, LinearBase):  # made by a fusion of its parent (a GLU's down projection)
+                continue
             elif style == EXPERTS_STYLE:
                 shard_experts(family, qual, child, patterns, rank, tp)
             elif style is not None and style not in WHOLE_STYLES:
@@ -137,6 +176,18 @@ def shard_model(model: nn.Module, plan: ModelPlan, text_config, family: str, qua
                     f"its tensor-parallel plan gives {qual} ({type(child).__name__}) the style {style!r}, which the "
                     "converted model's serving does not apply; serve it with --tensor-parallel-size 1",
                 )
+            else:
+                new = child
+                for fuser in fusions(child, vllm_config) if fuse else ():
+                    new = fuser.fuse(new, name, vllm_config)
+                    logger.info_once(fuser.info(child_name))  # as vLLM's Transformers backend logs each kind
+                    stacked.update(fuser.orig_to_new_stacked(name))
+                    if quant_config is not None:  # which checkpoint layers a fused one quantizes as
+                        quant_config.packed_modules_mapping.update(fuser.packed_modules_mapping)
+                    fused.append(name)
+                if new is not child:
+                    setattr(owner, child_name, new)
+    return stacked, fused
 
 
 def materialize(model: nn.Module, device) -> None:
@@ -175,9 +226,9 @@ def shapes_only_linears(model: nn.Module):
             del layer.forward
 
 
-def rank_bytes(model: nn.Module) -> dict[str, int]:
-    """The bytes of this rank's weights: all, and those of vLLM's linear layers (its shards)."""
-    linear = {id(p) for m in model.modules() if isinstance(m, LinearBase) for p in m.parameters(recurse=False)}
+def rank_bytes(model: nn.Module, base: nn.Module) -> dict[str, int]:
+    """The bytes of this rank's weights: all, and those of the base model's vLLM linear layers (its shards)."""
+    linear = {id(p) for m in base.modules() if isinstance(m, LinearBase) for p in m.parameters(recurse=False)}
     params = {id(p): p for p in model.parameters()}
     size = {key: p.numel() * p.element_size() for key, p in params.items()}
     return {"all": sum(size.values()), "linear": sum(v for key, v in size.items() if key in linear)}

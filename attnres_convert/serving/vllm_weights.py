@@ -43,9 +43,13 @@ def converted(model: nn.Module, pending: dict[str, torch.Tensor], renamings, con
     return out
 
 
-def load_checkpoint(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+def load_checkpoint(
+    model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], stacked: dict[str, tuple] | None = None
+) -> set[str]:
     """Load WEIGHTS (checkpoint name, tensor) into MODEL; returns the names (as MODEL names its parameters, shared
-    ones under every name) that were loaded."""
+    ones under every name) that were loaded. STACKED: the modules fused into one (`vllm_parallel.shard_model`),
+    {module name: (fused module name, shard id)}: their weights load into the fused module's shard."""
+    stacked = stacked or {}
     mapping = get_model_conversion_mapping(model)
     renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
     converters = [m for m in mapping if isinstance(m, WeightConverter)]
@@ -57,7 +61,13 @@ def load_checkpoint(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]
     unexpected = []
 
     def load(name: str, tensor: torch.Tensor) -> None:
-        if name in params:
+        module, _, leaf = name.rpartition(".")
+        if module in stacked:  # a projection fused with its siblings (q, k, v into qkv_proj)
+            fused, shard = stacked[module]
+            param = params[f"{fused}.{leaf}"]
+            param.weight_loader(param, tensor, shard)
+            loaded.add(id(param))
+        elif name in params:
             param = params[name]
             getattr(param, "weight_loader", default_weight_loader)(param, tensor)
             loaded.add(id(param))

@@ -32,9 +32,10 @@ def pseudo_query(query: torch.Tensor, key_norm_weight: torch.Tensor) -> torch.Te
 
 
 def source_scores(keys: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """q . k for every source of every token, on token-major keys [B, T, c, D] -> [B, T, c]: one batched product
-    [1, D] @ [D, c] per token, which reads the keys in place."""
+    """q . k for every source of every token, token-major keys [B, T, c, D] -> [B, T, c], reading them in place."""
     d = keys.shape[-1]
+    if torch.compiler.is_compiling():  # a sum of products, which the compiler fuses (a bmm stays a library call)
+        return (keys * (q if q.dim() == 1 else q.view(*keys.shape[:-2], 1, d))).sum(-1)
     flat = keys.reshape(-1, keys.shape[-2], d)
     q = q.view(1, 1, d).expand(flat.shape[0], 1, d) if q.dim() == 1 else q.view(-1, 1, d)  # [D], or one per token
     return torch.bmm(q, flat.transpose(1, 2)).view(keys.shape[:-1])
@@ -55,8 +56,7 @@ def mix_blocks(keys, inv_rms, partial, stream, q, eps: float, scaling: str, tabl
     for q [D] or [BT, D]: (mix, weights [BT, n], scores, the partial's 1/rms). "count": n * sum_i alpha_i k_i as
     H + sum_i (n alpha_i - 1) k_i (H the stream): at zero queries the base model's stream bit for bit."""
     m, d = keys.shape[-2], keys.shape[-1]
-    # Completed blocks: cached statistics, one product. The partial sum is the only source that changed
-    # since the last block boundary; its score joins before one softmax over the few sources of a token.
+    # Completed blocks: cached statistics; the partial sum (changed since the boundary) joins one softmax over them.
     logits = source_scores(keys, q) * inv_rms if table is None else table
     inv_partial = None
     if partial is not None:
@@ -66,13 +66,13 @@ def mix_blocks(keys, inv_rms, partial, stream, q, eps: float, scaling: str, tabl
         logits = torch.cat([logits, (partial_score * inv_partial).unsqueeze(-1)], dim=-1)
     weights = torch.softmax(logits, dim=-1)  # float32
     n = weights.shape[-1]
-    if scaling == "count":
-        # One batched product over the completed blocks, [BT, 1, m] @ [BT, m, D], added to the stream.
-        coef = weights * n - 1.0
-        mixed = torch.baddbmm(stream.float().reshape(-1, 1, d), coef[:, None, :m], keys)
+    # One batched product over the completed blocks, [BT, 1, m] @ [BT, m, D], added to the stream ("count").
+    coef = weights * n - 1.0 if scaling == "count" else weights
+    start = stream.float().reshape(-1, 1, d) if scaling == "count" else None
+    if torch.compiler.is_compiling():  # as a sum of products, fused with the softmax (see `source_scores`)
+        mixed = (coef[:, :m, None] * keys).sum(1, keepdim=True) + (0.0 if start is None else start)
     else:
-        coef = weights
-        mixed = torch.bmm(coef[:, None, :m], keys)
+        mixed = torch.bmm(coef[:, None, :m], keys) if start is None else torch.baddbmm(start, coef[:, None, :m], keys)
     if partial is not None:
         # In place: the product's backward does not need its output.
         mixed.addcmul_(coef[:, m:, None], p.unsqueeze(1))
