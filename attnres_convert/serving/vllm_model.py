@@ -190,8 +190,8 @@ class AttnResForCausalLMVllm(nn.Module):
 
     def _replace_head(self, config, vllm_config) -> None:
         """The head as vLLM's replicated linear layer, whose weights vLLM prepares for its CPU or GPU matrix product
-        after loading (on CPU, oneDNN's: about 3x torch's for a decoding batch's logits); left unquantized, as vLLM's
-        own models leave their heads. A tied head is the embedding's weight, as from_pretrained ties it."""
+        after loading (oneDNN's on CPU), as it prepares the other layers'; left unquantized, as vLLM's own models
+        leave their heads. A tied head is the embedding's weight, as from_pretrained ties it."""
         owner_name, _, leaf = self.plan.lm_head.rpartition(".")
         owner = module_at(self.model, owner_name) if owner_name else self.model
         head = owner._modules[leaf]

@@ -8,6 +8,10 @@ and quantization see the weights. A mixture of experts' 3D weights are sliced al
 all-reduced (`moe_tp_experts`). Attention heads follow from the sharded projections: transformers' modules
 reshape to (..., -1, head_dim), so each rank computes its own heads.
 
+vLLM's Transformers-backend fusers merge what they recognise in the base model's own modules as they do for any
+transformers model (q, k and v into one layer, a GLU's gate and up, RMSNorms into vLLM's: `fusions`); the
+checkpoint's separate weights load into the fused layer's shards.
+
 The depth mix needs nothing: it reads whole hidden vectors (sublayer outputs after a row-parallel all-reduce,
 embeddings, norms), which every rank holds, so it runs replicated on each rank as it is."""
 
@@ -166,7 +170,7 @@ def shard_model(
                 # vLLM's styles: colwise, rowwise, their gather variants; an unplanned layer is replicated.
                 new = replace_linear_class(child, style or "replicate", quant_config, prefix=name)
                 setattr(owner, child_name, new)
-            elif isinstance(child, LinearBase):  # made by a fusion of its parent (a GLU's down projection)
+            elif isinstance(child, LinearBase):  # made by its parent's fusion (o_proj beside qkv_proj, a GLU's down)
                 continue
             elif style == EXPERTS_STYLE:
                 shard_experts(family, qual, child, patterns, rank, tp)
