@@ -175,7 +175,7 @@ class AttnResForCausalLMVllm(nn.Module):
                 self.family, "its modeling code predates the plan vLLM serving reads", release=release()
             )
         self.plan = plan
-        self._replace_head(config, vllm_config)
+        self._replace_head(config)
         reason = unservable_reason(self.model, interface_call)
         if reason is not None:
             raise ServingRefused(self.family, reason)
@@ -188,7 +188,7 @@ class AttnResForCausalLMVllm(nn.Module):
         self._configs = list({id(c): c for c in configs}.values())
         return self._probe_shapes(device)
 
-    def _replace_head(self, config, vllm_config) -> None:
+    def _replace_head(self, config) -> None:
         """The head as vLLM's replicated linear layer, whose weights vLLM prepares for its CPU or GPU matrix product
         after loading (oneDNN's on CPU), as it prepares the other layers'; left unquantized, as vLLM's own models
         leave their heads. A tied head is the embedding's weight, as from_pretrained ties it."""
@@ -326,8 +326,7 @@ class AttnResForCausalLMVllm(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         loaded = {f"model.{name}" for name in load_checkpoint(self.model, weights, self._stacked)}
-        self.rank_bytes = rank_bytes(
-            self.model, self.base
-        )  # before vLLM's CPU layers repack their weights out of sight
+        # Before vLLM's CPU layers repack their weights out of sight.
+        self.rank_bytes = rank_bytes(self.model, self.base)
         # vLLM's attention layers hold settings of their own (scales), not the checkpoint's: theirs to set.
         return loaded | {name for name, _ in self.named_parameters() if f".{VLLM_ATTENTION}." in name}
