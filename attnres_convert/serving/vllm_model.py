@@ -183,7 +183,7 @@ class AttnResForCausalLMVllm(nn.Module):
         self._stacked, self._fused = shard_model(self.model, plan, text_config, self.family, vllm_config, fuse=fuse)
         materialize(self.model, device)  # zeros until the loader runs: the probe below reads shapes only
         # Every config the modules read their attention implementation from (at each call).
-        configs = [config, config.get_text_config()]
+        configs = [config, text_config]
         configs += [m.config for m in self.model.modules() if isinstance(getattr(m, "config", None), PreTrainedConfig)]
         self._configs = list({id(c): c for c in configs}.values())
         return self._probe_shapes(device)

@@ -32,10 +32,10 @@ from vllm.model_executor.layers.linear import ColumnParallelLinear, LinearBase
 from vllm.model_executor.models.transformers.utils import replace_linear_class
 
 try:  # vLLM's Transformers backend's fusers (vLLM 0.32 and later); without them the layers are replaced one by one
-    from vllm.model_executor.models.transformers.fuser import Fusers, get_fusers
+    from vllm.model_executor.models.transformers.fuser import get_fusers
     from vllm.model_executor.models.transformers.fusers import AttentionFuser
 except ImportError:
-    Fusers = get_fusers = AttentionFuser = None
+    get_fusers = AttentionFuser = None
 
 from attnres_convert.modeling.modeling_attnres import ModelPlan, module_at
 from attnres_convert.serving.vllm_support import ServingRefused
@@ -119,7 +119,7 @@ def fusions(module: nn.Module, vllm_config) -> list:
     into one `QKVParallelLinear`, a GLU's gate and up into one `MergedColumnParallelLinear` with vLLM's activation,
     an RMSNorm into vLLM's. Not the attention fuser (the serving class attaches its own attention), and nothing on
     the converted layers and final norm, whose forwards are the depth mix's."""
-    if Fusers is None or hasattr(module, "_attnres_spec") or hasattr(module, "_attnres_output"):
+    if get_fusers is None or hasattr(module, "_attnres_spec") or hasattr(module, "_attnres_output"):
         return []
     chosen, redefined = [], False
     for fuser in get_fusers(module):
