@@ -194,7 +194,12 @@ def ab_command(
         int, typer.Option("--jobs", help="Train this many arms at once, in one-thread worker processes (CPU).")
     ] = 1,
     reuse: Annotated[
-        bool, typer.Option("--reuse", help="Keep arms already finished in the work folder with the same recipe.")
+        bool,
+        typer.Option(
+            "--reuse",
+            help="Keep arms already finished in the work folder with the same recipe; resume unfinished ones from "
+            "their last checkpoint (checkpoint.every=K among the overrides).",
+        ),
     ] = False,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an earlier A/B output folder.")] = False,
     throughput: Annotated[

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -122,6 +123,36 @@ def test_ab_end_to_end_writes_paired_deltas_over_seeds(setup, tmp_path, monkeypa
     assert json.loads(json.dumps(again.report["arms"])) == arms
     assert all(speed > 0 for speed in speeds)
     assert f"(interleaved {speeds[1]:,.0f}, {speeds[1] / speeds[0]:.2f}x)" in (out / "ab.md").read_text()
+
+
+def test_ab_reuse_resumes_an_unfinished_arm_from_its_checkpoint(setup, tmp_path):
+    """A study stopped mid-arm (checkpoint.every set) loses at most the steps since the last checkpoint:
+    `reuse` continues the arm from it and ends where the uninterrupted arm ends; a finished arm is kept
+    even when only the checkpoint settings differ (they do not change what trains)."""
+    from attnres_convert.finetune.recipe import apply_overrides, read_yaml
+    from attnres_convert.finetune.study import Arm, arm_recipe, finished, resumable
+    from attnres_convert.finetune.training import TrainingInterrupted, finetune
+
+    common = ["train.warmup_steps=0", "checkpoint.every=1"]
+    whole = run_ab(setup["recipe"], common, output=tmp_path / "whole" / "ab")
+    work = tmp_path / "stopped" / "ab-runs"
+    recipe = arm_recipe(read_yaml(setup["recipe"]), common, Arm("attnres", ()), 0, work)
+    with pytest.raises(TrainingInterrupted):
+        finetune(recipe, stop_at_step=2)
+    arm = Path(recipe.output.dir)
+    assert (arm / "checkpoints" / "step-0000002").is_dir() and not (arm / "final_metrics.json").exists()
+    before = (arm / "metrics.jsonl").read_text()  # steps 1 and 2, with their measured speeds
+    later = tmp_path / "save-written-after"  # a retrofit's starting save, rewritten since the checkpoint
+    later.write_text("")
+    assert resumable(recipe) and not resumable(recipe, newer_than=later)
+    resumed = run_ab(setup["recipe"], common, output=tmp_path / "stopped" / "ab", reuse=True)
+    records = [json.loads(line) for line in (arm / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r.get("kind") == "train"] == [1, 2, 3, 4]
+    assert (arm / "metrics.jsonl").read_text().startswith(before)  # steps 1 and 2 kept, not trained again
+    for ran, reference in zip(resumed.report["arms"], whole.report["arms"], strict=True):
+        assert dict(ran["eval"]) == pytest.approx(dict(reference["eval"]), rel=1e-5), ran["name"]
+    data = apply_overrides(read_yaml(setup["recipe"]), ["checkpoint.every=0"])
+    assert finished(arm_recipe(data, ["train.warmup_steps=0"], Arm("attnres", ()), 0, work))
 
 
 def test_ab_refuses_what_it_cannot_compare(setup, tmp_path):

@@ -10,7 +10,7 @@ same data order in every arm, so the difference between two arms at one seed is 
 folder holds `ab.json` (every arm's held-out curve per seed and its mean), `ab.md` (the table: final
 held-out loss, delta to the baseline as mean and spread over the seeds) and `ab.png` (the curves). It is
 written atomically at the end; the arms' run folders stay in the work folder, where `reuse` finds arms
-already finished with the same recipe.
+already finished with the same recipe, and resumes unfinished ones from their last checkpoint.
 """
 
 from __future__ import annotations

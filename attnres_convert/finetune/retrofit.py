@@ -24,7 +24,8 @@ The output folder holds retrofit.json, retrofit.md and retrofit.png (lead agains
 continued steps), `after-N/ab.*` (each N's A/B report, as `attnres ab` writes it) and, with the from-scratch
 arms, `from-scratch/ab.*`; written atomically at the end. The run folders go to the work folder, where
 `--reuse` finds what has already finished (a pretraining run counts only with a snapshot at every N, a
-continued run only if it finished after the snapshot it starts from was written).
+continued run only if it finished after the snapshot it starts from was written; an unfinished continued run
+resumes from a checkpoint written after that snapshot).
 """
 
 from __future__ import annotations
@@ -283,7 +284,8 @@ def _continue_one(
     """One arm continued from a save (in this process or a worker process)."""
     if reuse and continued_is_current(arm_recipe(data, overrides, arm, seed, Path(workdir)), Path(snapshot)):
         return
-    run_one(data, overrides, arm, seed, workdir, False)
+    # A checkpoint older than the save it continues from belongs to a run from an earlier save: not resumed.
+    run_one(data, overrides, arm, seed, workdir, reuse, newer_than=str(Path(snapshot) / "config.json"))
 
 
 def run_retrofit(

@@ -46,6 +46,10 @@ def arm_recipe(data: dict, common: list[str], arm: Arm, seed: int, workdir: Path
         raise RecipeError(f"arm {arm.name!r}: {error}") from None
 
 
+# The description documents the recipe and checkpoints only save it: neither changes what trains.
+_NOT_TRAINING = {"description", "checkpoint"}
+
+
 def finished(recipe: Recipe) -> bool:
     """A run folder already complete with this very recipe (checked through the current recipe schema)."""
     out = Path(recipe.output.dir)
@@ -53,23 +57,43 @@ def finished(recipe: Recipe) -> bool:
     if not ((out / "final_metrics.json").is_file() and saved.is_file()):
         return False
     try:
-        # The description documents the recipe; it does not change what trains.
-        return parse_recipe(read_yaml(saved)).model_dump(exclude={"description"}) == recipe.model_dump(
-            exclude={"description"}
+        return parse_recipe(read_yaml(saved)).model_dump(exclude=_NOT_TRAINING) == recipe.model_dump(
+            exclude=_NOT_TRAINING
         )
     except RecipeError:
         return False
 
 
-def run_one(data: dict, common: list[str], arm: Arm, seed: int, workdir: str, reuse: bool) -> None:
-    """Train one arm at one seed (in this process or a worker process)."""
+def resumable(recipe: Recipe, newer_than: Path | None = None) -> bool:
+    """An unfinished run of this recipe left a checkpoint (`checkpoint.every` in the study's overrides), written
+    after NEWER_THAN if given: `reuse` continues it from there instead of training it again from step 0."""
+    from .checkpoints import latest_checkpoint
+    from .run_folder import check_resume
+
+    out = Path(recipe.output.dir)
+    checkpoint = latest_checkpoint(out) if out.is_dir() else None
+    if checkpoint is None or (out / "final_metrics.json").exists():
+        return False
+    try:
+        check_resume(recipe, out, checkpoint)  # the run it continues started with this recipe
+        return newer_than is None or checkpoint.stat().st_mtime_ns > newer_than.stat().st_mtime_ns
+    except (RecipeError, OSError):
+        return False
+
+
+def run_one(
+    data: dict, common: list[str], arm: Arm, seed: int, workdir: str, reuse: bool, newer_than: str | None = None
+) -> None:
+    """Train one arm at one seed (in this process or a worker process); with REUSE, a finished run is kept and
+    an unfinished one resumes from its last checkpoint (written after NEWER_THAN, if given)."""
     from .training import TrainingError, finetune
 
     recipe = arm_recipe(data, common, arm, seed, Path(workdir))
     if reuse and finished(recipe):
         return
+    resume = reuse and resumable(recipe, Path(newer_than) if newer_than else None)
     try:
-        result = finetune(recipe)  # quiet: the live table shows every arm's progress
+        result = finetune(recipe, resume=resume)  # quiet: the live table shows every arm's progress
     except (RecipeError, TrainingError) as error:
         raise type(error)(f"arm {arm.name!r}, seed {seed}: {error}") from None
     del result
