@@ -137,9 +137,14 @@ def test_ab_reuse_resumes_an_unfinished_arm_from_its_checkpoint(setup, tmp_path)
     whole = run_ab(setup["recipe"], common, output=tmp_path / "whole" / "ab")
     work = tmp_path / "stopped" / "ab-runs"
     recipe = arm_recipe(read_yaml(setup["recipe"]), common, Arm("attnres", ()), 0, work)
+    arm = Path(recipe.output.dir)
+    # An earlier attempt stopped before its first checkpoint: nothing to keep, so the arm (output.overwrite)
+    # starts over in place rather than staged beside it, where a stop would discard its checkpoints.
+    arm.mkdir(parents=True)
+    (arm / "recipe.yaml").write_text(recipe.to_yaml())
+    (arm / "metrics.jsonl").write_text('{"kind": "train", "step": 1, "loss": 9.0}\n')
     with pytest.raises(TrainingInterrupted):
         finetune(recipe, stop_at_step=2)
-    arm = Path(recipe.output.dir)
     assert (arm / "checkpoints" / "step-0000002").is_dir() and not (arm / "final_metrics.json").exists()
     before = (arm / "metrics.jsonl").read_text()  # steps 1 and 2, with their measured speeds
     later = tmp_path / "save-written-after"  # a retrofit's starting save, rewritten since the checkpoint

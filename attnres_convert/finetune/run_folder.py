@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from .metrics import METRICS
 from .preflight import is_run_folder, nothing_to_resume
 from .recipe import Recipe, RecipeError, parse_recipe, read_yaml
 
@@ -83,8 +84,13 @@ def prepare_output(recipe: Recipe, folder: Path) -> None:
 
 
 def replaces_run(recipe: Recipe, out: Path, resuming: bool) -> bool:
-    """A new run over an earlier one (check_recipe made sure OUT is an earlier run, not some other folder)."""
-    return not resuming and recipe.output.overwrite and out.exists() and is_run_folder(out)
+    """A new run over an earlier one (check_recipe made sure OUT is an earlier run, not some other folder). A run
+    stopped before its first checkpoint, its folder holding nothing else, has nothing worth keeping: the new run
+    starts it over in place, where its own checkpoints survive if it is stopped in turn (a staged run's are
+    discarded with it)."""
+    if resuming or not recipe.output.overwrite or not out.exists() or not is_run_folder(out):
+        return False
+    return not (nothing_to_resume(out) and {p.name for p in out.iterdir()} <= {RECIPE_FILE, METRICS, "checkpoints"})
 
 
 def stage_run(out: Path) -> Path:
