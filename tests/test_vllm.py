@@ -184,6 +184,25 @@ def test_tensor_parallel_2_serves_generates_tokens_each_rank_holding_its_shard(f
         assert result.stdout.count("saved AOT compiled function") == 2, result.stdout[-3000:]
 
 
+def test_a_model_the_fusers_cannot_run_is_built_again_unfused_and_serves_the_same_tokens(tmp_path):
+    """vLLM's fusers rewrite a module's forward from its source. Where the rewritten forward fails the probe at
+    engine start (AXK1's fused q, k and v at TP 2 split into the wrong sizes), the model is built again with vLLM's
+    unfused parallel layers, says so in a warning naming the fused modules, and serves transformers' tokens."""
+    folder = tmp_path / "axk1"
+    vllm_helpers.type_folder("axk1", folder)  # the serving sweep's model of the type
+    token_lists = prompts()
+    expected = generate_tokens(folder, token_lists, NEW_TOKENS, past_end=True)
+    result = vllm_helpers.run_engine(folder, token_lists, NEW_TOKENS, tmp_path, engine={"tensor_parallel_size": 2})
+    assert result.returncode == 0, f"vLLM failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    assert vllm_helpers.served_tokens(result) == expected
+    log = result.stdout + result.stderr
+    assert "; serving axk1 without vLLM's fused layers (" in log, log[-3000:]
+    ranks = vllm_helpers.served_ranks(result)
+    assert len(ranks) == 2 and all(
+        "QKVParallelLinear" not in rank["layers"] and "ColumnParallelLinear" in rank["layers"] for rank in ranks
+    ), ranks
+
+
 def test_a_base_model_without_a_tensor_parallel_plan_is_refused_at_tp_2(tmp_path):
     folder = converted_folder("gpt2", tmp_path / "gpt2")
     engine = {"tensor_parallel_size": 2}
