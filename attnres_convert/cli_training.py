@@ -242,7 +242,8 @@ def ab_command(
     main = is_main_process()
     arms = [[o for o in entry.replace(",", " ").split() if o] for entry in (sweep or [])]
     interrupted = (
-        "Finished arms are kept in the work folder: run the same command with --reuse to train only the others."
+        "Finished arms are kept in the work folder: run the same command with --reuse to train only the others "
+        "(an unfinished arm resumes from its last checkpoint, with checkpoint.every=K among the overrides)."
     )
     after = None
     with training_errors(main):  # the recipe and overrides: answered before torch is imported
