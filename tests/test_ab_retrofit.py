@@ -237,6 +237,11 @@ def test_retrofit_study_end_to_end(setup, tmp_path):
         )
     ]
     assert stale == [(4, "baseline", 1), (4, "attnres", 1)]
+    # --reuse trains those two again (finished, but from the earlier save) and keeps every other run.
+    stamps = {p: p.stat().st_mtime_ns for p in work.rglob("metrics.jsonl")}
+    run_retrofit(setup["recipe"], after=[2, 4], seeds=2, from_scratch=True, output=out, reuse=True, overwrite=True)
+    trained = sorted(str(p.parent.relative_to(work)) for p in stamps if p.stat().st_mtime_ns != stamps[p])
+    assert trained == ["after-4/attnres/seed-1", "after-4/baseline/seed-1"], trained
     # The pretraining runs' recipe leaves the retrofit section out: changing it retrains no pretraining.
     assert yaml.safe_load((pretraining[0] / "recipe.yaml").read_text())["retrofit"]["steps"] is None
 

@@ -58,7 +58,7 @@ from .ab import (
 from .metrics import METRICS, read_metrics
 from .recipe import Recipe, RecipeError, apply_overrides, find_recipe, parse_recipe, read_yaml
 from .scratch import SCRATCH_FIELDS
-from .study import check_output, live, machine, run_one
+from .study import check_output, live, machine, resumable, run_one, train_arm
 from .training import FinetuneRecipe, TrainingError
 
 RETROFIT_JSON, RETROFIT_MD, RETROFIT_PNG = "retrofit.json", "retrofit.md", "retrofit.png"
@@ -281,11 +281,12 @@ def continued_is_current(recipe: Recipe, snapshot: Path) -> bool:
 def _continue_one(
     data: dict, overrides: list[str], arm: Arm, seed: int, workdir: str, reuse: bool, snapshot: str
 ) -> None:
-    """One arm continued from a save (in this process or a worker process)."""
-    if reuse and continued_is_current(arm_recipe(data, overrides, arm, seed, Path(workdir)), Path(snapshot)):
+    """One arm continued from a save (in this process or a worker process): with REUSE, kept if it finished after
+    the save was written, resumed from a checkpoint written after it, else trained again."""
+    recipe = arm_recipe(data, overrides, arm, seed, Path(workdir))
+    if reuse and continued_is_current(recipe, Path(snapshot)):
         return
-    # A checkpoint older than the save it continues from belongs to a run from an earlier save: not resumed.
-    run_one(data, overrides, arm, seed, workdir, reuse, newer_than=str(Path(snapshot) / "config.json"))
+    train_arm(recipe, arm, seed, resume=reuse and resumable(recipe, newer_than=Path(snapshot) / "config.json"))
 
 
 def run_retrofit(

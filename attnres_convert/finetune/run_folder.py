@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from .checkpoints import CHECKPOINTS
 from .metrics import METRICS
 from .preflight import is_run_folder, nothing_to_resume
 from .recipe import Recipe, RecipeError, parse_recipe, read_yaml
@@ -90,7 +91,7 @@ def replaces_run(recipe: Recipe, out: Path, resuming: bool) -> bool:
     discarded with it)."""
     if resuming or not recipe.output.overwrite or not out.exists() or not is_run_folder(out):
         return False
-    return not (nothing_to_resume(out) and {p.name for p in out.iterdir()} <= {RECIPE_FILE, METRICS, "checkpoints"})
+    return not (nothing_to_resume(out) and {p.name for p in out.iterdir()} <= {RECIPE_FILE, METRICS, CHECKPOINTS})
 
 
 def stage_run(out: Path) -> Path:

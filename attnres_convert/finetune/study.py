@@ -71,27 +71,29 @@ def resumable(recipe: Recipe, newer_than: Path | None = None) -> bool:
     from .run_folder import check_resume
 
     out = Path(recipe.output.dir)
-    checkpoint = latest_checkpoint(out) if out.is_dir() else None
-    if checkpoint is None or (out / "final_metrics.json").exists():
+    checkpoint = latest_checkpoint(out)
+    if checkpoint is None:
         return False
     try:
-        check_resume(recipe, out, checkpoint)  # the run it continues started with this recipe
+        check_resume(recipe, out, checkpoint)  # unfinished, and started with this recipe
         return newer_than is None or checkpoint.stat().st_mtime_ns > newer_than.stat().st_mtime_ns
     except (RecipeError, OSError):
         return False
 
 
-def run_one(
-    data: dict, common: list[str], arm: Arm, seed: int, workdir: str, reuse: bool, newer_than: str | None = None
-) -> None:
+def run_one(data: dict, common: list[str], arm: Arm, seed: int, workdir: str, reuse: bool) -> None:
     """Train one arm at one seed (in this process or a worker process); with REUSE, a finished run is kept and
-    an unfinished one resumes from its last checkpoint (written after NEWER_THAN, if given)."""
-    from .training import TrainingError, finetune
-
+    an unfinished one resumes from its last checkpoint."""
     recipe = arm_recipe(data, common, arm, seed, Path(workdir))
     if reuse and finished(recipe):
         return
-    resume = reuse and resumable(recipe, Path(newer_than) if newer_than else None)
+    train_arm(recipe, arm, seed, resume=reuse and resumable(recipe))
+
+
+def train_arm(recipe: Recipe, arm: Arm, seed: int, resume: bool) -> None:
+    """Train an arm's recipe (from its last checkpoint where RESUME), its errors naming the arm and seed."""
+    from .training import TrainingError, finetune
+
     try:
         result = finetune(recipe, resume=resume)  # quiet: the live table shows every arm's progress
     except (RecipeError, TrainingError) as error:
