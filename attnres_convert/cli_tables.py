@@ -46,6 +46,8 @@ def summary_table(summary) -> Table:
     table.add_row("output aggregation reads", describe_sources(summary.num_sublayers, summary.block_size)[-1])
     if summary.query_rank:
         table.add_row("queries", f"input-dependent, rank {summary.query_rank}")
+    if summary.additive:
+        table.add_row("depth mix", "additive: stream + gated mix of the completed blocks")
     table.add_row("parameters added", f"{summary.params_added:,} ({summary.params_added / summary.params_total:.4%})")
     return table
 

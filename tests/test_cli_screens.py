@@ -300,7 +300,8 @@ def test_conversion_tables_fit_80_columns():
         output_sources=9,
         params_added=34_560,
         params_total=134_550_000,
-        query_rank=0,
+        query_rank=8,
+        additive=True,
     )
     report = SimpleNamespace(
         tokens=256,
@@ -314,6 +315,7 @@ def test_conversion_tables_fit_80_columns():
         passed=True,
     )
     assert_unwrapped(render(cli.summary_table(summary)), "Block AttnRes structure", "34,560 (0.0257%)")
+    assert_unwrapped(render(cli.summary_table(summary)), "input-dependent, rank 8", "additive: stream + gated mix")
     assert_unwrapped(
         render(cli.verification_table(report)), "Verification against the original (256 tokens, float32)", "PASS"
     )

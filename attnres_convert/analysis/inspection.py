@@ -103,11 +103,14 @@ def queries_are_zero(model: AttnResForCausalLM) -> bool:
 
 
 def _query_tensors(model: AttnResForCausalLM) -> list[torch.Tensor]:
-    """Every tensor that must be zero for the queries to be zero (with query_rank, the projections' B too)."""
-    # w, and with rank > 0 the zero-initialised B of the input-dependent part
-    return [
-        t for m in model.modules() if isinstance(m, AttnResQuery) for t in ([m.weight, m.up] if m.rank else [m.weight])
-    ]
+    """Every tensor that is zero at conversion and makes the model the original again when zeroed: w, with
+    query_rank the projections' B, with `additive` the gates (zero gates alone would do)."""
+    tensors = []
+    for module in model.modules():
+        if isinstance(module, AttnResQuery):
+            tensors += [module.weight] + ([module.up] if module.rank else [])
+            tensors += [module.gate] if "gate" in module._parameters else []
+    return tensors
 
 
 @contextlib.contextmanager

@@ -100,7 +100,9 @@ def convert(
             resolve_block_size(structure, block_size, num_blocks, full)  # refuse before loading weights
     streamable = out is not None and opts.stream and not keep_model and structure is not None
     if streamable:
-        conversion = dict(block_size=block_size, num_blocks=num_blocks, full=full, query_rank=opts.query_rank)
+        conversion = dict(
+            block_size=block_size, num_blocks=num_blocks, full=full, query_rank=opts.query_rank, additive=opts.additive
+        )
         try:
             with stage("Reading the tensor list"):
                 streamed = stream_input(model_source, config, opts.dtype, opts.trust_remote_code)
@@ -132,7 +134,12 @@ def convert(
     with stage("Converting"):  # finds and proves the layer structure, then converts
         try:
             model = convert_model(
-                base, block_size=block_size, num_blocks=num_blocks, full=full, query_rank=opts.query_rank
+                base,
+                block_size=block_size,
+                num_blocks=num_blocks,
+                full=full,
+                query_rank=opts.query_rank,
+                additive=opts.additive,
             )
         except UnsupportedModelError as error:
             raise UnsupportedModelError(refusal(model_source.name, error)) from error

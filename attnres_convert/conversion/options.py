@@ -81,7 +81,7 @@ def _option(default, description: str, *, ge: int | None = None, cli: bool = Tru
 
 @dataclass(frozen=True, kw_only=True)
 class ConvertOptions:
-    # block_size, num_blocks, full, query_rank and trust_remote_code are also a fine-tuning recipe's `model.*`
+    # block_size, num_blocks, full, query_rank, additive and trust_remote_code are also a fine-tuning recipe's `model.*`
     # settings, which take these declarations (finetune.recipe.ModelSection).
     block_size: int | None = _option(
         None, "Sublayers per block S (give at most one of the block size, number of blocks, full).", ge=1
@@ -93,6 +93,11 @@ class ConvertOptions:
         "Rank r of input-dependent queries, w + B A x per token (B zero at conversion: still exact; A and B "
         "train with the AttnRes parameters); 0: static queries. Runs the plain PyTorch depth mix.",
         ge=0,
+    )
+    additive: bool = _option(
+        False,
+        "Delta-style additive mix: a reader reads the residual stream plus a learned gate (zero at conversion: still "
+        "exact) times the mix of the embedding and completed blocks. Runs the plain PyTorch depth mix.",
     )
     dtype: DTypeName = _option(
         "auto", "auto keeps the checkpoint's dtype; or float32, bfloat16, float16 (fp32, bf16, fp16).", aliases=True

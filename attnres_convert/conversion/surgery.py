@@ -139,13 +139,15 @@ def convert_model(
     source_scaling: str = "count",
     plan: ModelPlan | None = None,
     query_rank: int = 0,
+    additive: bool = False,
 ) -> AttnResForCausalLM:
     """Wrap a loaded base causal LM as Block AttnRes. Zero queries: the result reproduces the base.
 
     The base model object is consumed: its modules now belong to the returned model. PLAN, a structure
     proven on another instance of the same architecture, is for a model without weights (meta tensors,
     streaming.py); by default the structure is found and proven on this model. QUERY_RANK > 0 makes the
-    queries input-dependent (AttnResConfig.query_rank), still exact at conversion.
+    queries input-dependent (AttnResConfig.query_rank), ADDITIVE mixes Delta-style (AttnResConfig.additive): both still
+    exact at conversion.
     """
     if isinstance(base_model, AttnResForCausalLM):
         raise UnsupportedModelError("this model is already an AttnRes model; convert the base model instead")
@@ -174,6 +176,7 @@ def convert_model(
         source_scaling=source_scaling,
         structure=plan_to_dict(plan),
         query_rank=query_rank,
+        additive=bool(additive),
         stream_width=_stream_width(base_model, plan, trace),
     )
     if runs_outer_forward(base_model, plan, trace):
@@ -261,6 +264,7 @@ class ConversionSummary:
     params_added: int
     params_total: int
     query_rank: int = 0
+    additive: bool = False
 
 
 def summarize(model: AttnResForCausalLM) -> ConversionSummary:
@@ -281,4 +285,5 @@ def summarize(model: AttnResForCausalLM) -> ConversionSummary:
         params_added=added,
         params_total=sum(p.numel() for p in model.parameters()),
         query_rank=config.query_rank,
+        additive=config.additive,
     )

@@ -76,6 +76,7 @@ class ModelSection(_Section):
     num_blocks: int | None = _convert_option("num_blocks")
     full: bool = _convert_option("full")
     query_rank: int = _convert_option("query_rank")
+    additive: bool = _convert_option("additive")
     # Not convert's default (auto): training keeps float32 weights, bf16 compute is train.mixed_precision.
     dtype: DTypeField = Field(
         "float32", description="Weights dtype; keep float32 and use train.mixed_precision for bf16 compute."

@@ -56,6 +56,11 @@ def load_starting_model(recipe: Recipe) -> StartingModel:
                 f"model.query_rank: {source.name} is already converted with query rank {summary.query_rank}; "
                 f"it cannot be trained as {spec.query_rank}. Drop model.query_rank, or start from the original model"
             )
+        if spec.additive and not summary.additive:
+            raise RecipeError(
+                f"model.additive: {source.name} is already converted without the additive mix; it cannot be trained "
+                "with it. Drop model.additive, or start from the original model"
+            )
         return StartingModel(model, tokenizer, source, True, summary)
     if spec.convert:
         # Refuse an impossible block size before loading any weights.
@@ -73,10 +78,19 @@ def load_starting_model(recipe: Recipe) -> StartingModel:
     model = load_model(source, spec.dtype, spec.trust_remote_code)
     if not spec.convert:
         return StartingModel(model, tokenizer, source, False, None)
-    model = convert_model(
-        model, block_size=spec.block_size, num_blocks=spec.num_blocks, full=spec.full, query_rank=spec.query_rank
-    )
+    model = convert_model(model, **conversion_settings(spec))
     return StartingModel(model, tokenizer, source, True, summarize(model))
+
+
+def conversion_settings(spec) -> dict:
+    """The recipe's `model.*` conversion settings, as convert_model takes them."""
+    return dict(
+        block_size=spec.block_size,
+        num_blocks=spec.num_blocks,
+        full=spec.full,
+        query_rank=spec.query_rank,
+        additive=spec.additive,
+    )
 
 
 def _scratch_model(recipe: Recipe, source: ModelSource) -> StartingModel:
@@ -97,9 +111,7 @@ def _scratch_model(recipe: Recipe, source: ModelSource) -> StartingModel:
     if not spec.convert:
         return StartingModel(model, tokenizer, source, False, None)
     try:
-        model = convert_model(
-            model, block_size=spec.block_size, num_blocks=spec.num_blocks, full=spec.full, query_rank=spec.query_rank
-        )
+        model = convert_model(model, **conversion_settings(spec))
     except UnsupportedModelError as error:
         raise RecipeError(
             f"model.source: the {config.model_type} config of {source.name} is not a PreNorm model AttnRes can convert, "

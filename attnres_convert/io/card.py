@@ -137,13 +137,23 @@ def _sources_table(summary) -> str:
 
 def _query_lines(summary) -> list[str]:
     rank = getattr(summary, "query_rank", 0)
+    additive = (
+        [
+            "- mix: additive (`additive` true): a reader reads its residual stream plus `g` times the softmax mix of "
+            "the embedding and the completed blocks, `g` one scalar per reader (`*_res_proj.gate`, zero at conversion, "
+            "so the conversion stays exact). These models run the plain PyTorch depth mix."
+        ]
+        if getattr(summary, "additive", False)
+        else []
+    )
     if not rank:
-        return ["- queries: static, one learned vector per reader (`query_rank` 0)"]
+        return ["- queries: static, one learned vector per reader (`query_rank` 0)", *additive]
     return [
         f"- queries: input-dependent, `query_rank` {rank}: a reader's query is `w + B A x / rms(x)` per token, with x "
         f"its input in the original model (the residual stream), A [{rank}, d] (`*_res_proj.down`, random) and B "
         f"[d, {rank}] (`*_res_proj.up`, zero at conversion, so the conversion stays exact). These models run "
-        "the plain PyTorch depth mix: `ATTNRES_KERNEL=triton` and `cpu` are refused."
+        "the plain PyTorch depth mix: `ATTNRES_KERNEL=triton` and `cpu` are refused.",
+        *additive,
     ]
 
 

@@ -65,6 +65,12 @@ class ControlledState(NamedTuple):
         self._record(weights)
         return self._gated(mixed)
 
+    def additive_mix_and_weights(self, query, key_norm_weight, projection, gate, eps: float):
+        mixed, weights = self.inner.additive_mix_and_weights(query, key_norm_weight, projection, gate, eps)
+        if self.recorder is not None:
+            self._record(weights)
+        return self._gated(mixed), weights
+
     def add(self, output: torch.Tensor) -> ControlledState:
         return self._replace(inner=self.inner.add(output))
 

@@ -24,6 +24,8 @@ class AttnResConfig(PreTrainedConfig):
             residual sum at zero queries (conversion is exact). "mean": the plain mix, for models trained from scratch.
         query_rank (`int`): 0: static pseudo-queries w. r > 0: input-dependent queries w + B A x / rms(x) (B zero at
             conversion, so the converted model is still exactly the base model).
+        additive (`bool`): Delta-style: a reader reads the residual stream plus a gate (one scalar per reader, zero at
+            conversion: exact) times the softmax mix of the embedding and the completed blocks.
         base_model_type (`str`): the base model's `model_type`, for people and tools reading config.json.
         stream_width (`int`, *optional*): d, the residual stream's width as conversion read it from the layers.
         structure (`dict`): the plan the forward executes (modeling_attnres.ModelPlan), as found and proven layer by
@@ -41,6 +43,7 @@ class AttnResConfig(PreTrainedConfig):
     block_size: int = 8
     source_scaling: str = "count"
     query_rank: int = 0
+    additive: bool = False
     base_model_type: str | None = None
     stream_width: int | None = None
     structure: dict | None = None

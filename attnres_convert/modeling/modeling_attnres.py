@@ -35,9 +35,8 @@ BETWEEN_LAYER_SHORTCUTS: dict[str, object] = {"first_kv_shared_layer_idx": None}
 
 
 def causal_lm_class(config, model_type: str):
-    """The causal-LM class transformers builds for CONFIG (of MODEL_TYPE). Releases before 5.2x map the causal LM
-    of some image-text families' text model (Emu3's, Mllama's) only under the composite config's type, so where
-    CONFIG's class has no entry, an entry whose type MODEL_TYPE starts with and whose class takes CONFIG's class."""
+    """The causal-LM class transformers builds for CONFIG (of MODEL_TYPE). Releases before 5.2x map some image-text
+    families' text causal LM (Emu3's, Mllama's) only under the composite's type: the entry MODEL_TYPE starts with."""
     import transformers
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -63,9 +62,8 @@ INSTALLED = CURRENT if CURRENT in {field.name for field in dataclasses.fields(Ca
 
 
 def cache_keyword(forward) -> str:
-    """The keyword `forward` takes its cache under: the one its signature names (the current name where it
-    names several), else, for a forward that takes only `**kwargs`, the installed transformers' name.
-    Inspecting a signature costs tens of microseconds: call it once per model, not per step."""
+    """The keyword `forward` takes its cache under: the one its signature names (the current name where it names
+    several), else (only `**kwargs`) the installed transformers' name. Costs tens of microseconds: once per model."""
     parameters = inspect.signature(forward).parameters  # follows functools.wraps (transformers' deprecate_kwarg)
     for name in (CURRENT, LEGACY, RECURRENT):
         if name in parameters:
@@ -83,9 +81,9 @@ def cache_of(output) -> object | None:
 # ---- sources/weight_names.py -----------------------------------------------------------------------------------------
 # Keep the AttnRes tensors' names out of reach of the base model's checkpoint renaming rules.
 # The AttnRes tensors' own names, relative to the module that holds them (sublayers `self_attention`, `mlp`,
-# `mlp_2`..., the output aggregation `output_attn`; `down` and `up` of input-dependent queries).
+# `mlp_2`..., the output aggregation `output_attn`; `down` and `up` of input-dependent queries, an additive `gate`).
 ATTNRES_TENSOR = re.compile(
-    r"(?:^|\.)((?:(?:self_attention|mlp)(?:_\d+)?|output_attn)_res_(?:proj\.(?:weight|down|up)|norm\.weight))$"
+    r"(?:^|\.)((?:(?:self_attention|mlp)(?:_\d+)?|output_attn)_res_(?:proj\.(?:weight|down|up|gate)|norm\.weight))$"
 )
 
 
@@ -127,9 +125,7 @@ def guarded(transform):
 
 def guard_all(transforms):
     """The list, every transform guarded; None stays None."""
-    if transforms is None:
-        return None
-    return [guarded(transform) for transform in transforms]
+    return None if transforms is None else [guarded(transform) for transform in transforms]
 
 
 def default_save_conversions(model):
@@ -455,6 +451,15 @@ class BlockState(NamedTuple):
             q = token_queries(self.stream, query, key_norm_weight, *projection, eps)
             return self.mix_and_weights(q, eps, scaling)[0]
 
+    def additive_mix_and_weights(self, query, key_norm_weight, projection, gate, eps: float):
+        """Additive (AttnResConfig.additive): (the stream + `gate` * the mix of the embedding and completed blocks, the
+        weights [B*T, m]). Exact at gate 0; the partial sum is left out, as the stream's direction the norm ignores."""
+        with no_autocast(self.stream):
+            q = self.fold(query, key_norm_weight) if projection is None else None
+            q = token_queries(self.stream, query, key_norm_weight, *projection, eps) if q is None else q
+            mixed, weights = self._replace(partial=None).mix_and_weights(q, eps, "mean")
+        return self.stream + gate.to(self.stream.dtype) * mixed, weights
+
     def mix_and_weights(self, q: torch.Tensor, eps: float, scaling: str) -> tuple[torch.Tensor, torch.Tensor]:
         """The mix and its softmax weights [B*T, n]."""
         m, d = self.blocks.shape[-2], self.blocks.shape[-1]
@@ -652,26 +657,26 @@ def wants_queries() -> bool:  # whether start_state would use all readers' folde
     return not (torch.is_grad_enabled() and torch.compiler.is_compiling())
 
 
-def start_state(embeddings, eps: float, capacity=None, queries=None, token_queries=False, runtime=None) -> DepthState:
+def start_state(embeddings, eps: float, capacity=None, queries=None, plain=False, runtime=None) -> DepthState:
     """A forward's state, the embedding its first source; `capacity`: the most sources of a reader; `queries`: every
-    reader's folded query [R, D] (the score table); `token_queries`: input-dependent queries (BlockState only)."""
+    reader's folded query [R, D] (the score table); `plain`: input-dependent queries or additive (BlockState only)."""
     mode = kernel_mode()  # read once: a decoding step pays for every lookup
-    state = _state_for(embeddings, eps, capacity, queries, token_queries, runtime, mode)
+    state = _state_for(embeddings, eps, capacity, queries, plain, runtime, mode)
     if runtime is not None and (runtime.recorders or runtime.gate != 1.0):  # set by attnres's training or inspection
         state = installed_kernels().controlled_state(state, embeddings, eps, runtime)
     return state
 
 
-def _state_for(embeddings, eps: float, capacity, queries, token_queries: bool, runtime, mode: str) -> DepthState:
+def _state_for(embeddings, eps: float, capacity, queries, plain: bool, runtime, mode: str) -> DepthState:
     kernels = installed_kernels() if mode != "eager" else None
     if mode in ("cpu", "triton", "fla") and kernels is None:
         raise _needs_attnres(mode)
-    if token_queries and mode not in ("auto", "eager"):
+    if plain and mode not in ("auto", "eager"):
         raise RuntimeError(
-            f"{KERNEL_ENV}={mode}: the kernels score one static query per reader, and this model's queries depend "
-            f"on each token's input (query_rank > 0), which runs on the built-in path. Unset {KERNEL_ENV}."
+            f"{KERNEL_ENV}={mode}: the kernels take one static query per reader; this model has input-dependent "
+            f"queries (query_rank > 0) or an additive mix, which the built-in path runs. Unset {KERNEL_ENV}."
         )
-    if token_queries or capacity is None:
+    if plain or capacity is None:
         return BlockState.start(embeddings, eps)
     if torch.compiler.is_compiling():  # one graph for every token count (vLLM compiles once for all of them)
         if mode not in ("auto", "eager"):
@@ -686,16 +691,16 @@ def _state_for(embeddings, eps: float, capacity, queries, token_queries: bool, r
     return state if state is not None else BlockState.start(embeddings, eps)
 
 
-def depth_mix(state, query, key_norm_weight, eps: float, scaling="count", reader=None, projection=None, norm=()):
+def depth_mix(state, query, key_norm_weight, eps, scaling="count", reader=None, projection=None, norm=(), gate=None):
     """A sublayer's (or the final norm's) input: attention over the state's sources with w and g (g None: folded),
-    or the reader's row of the state's queries; `projection` (A, B) of an input-dependent query; `norm`: `fuse_norm`."""
+    or the reader's row of the state's queries; `projection` (A, B) of an input-dependent query; `norm`: `fuse_norm`;
+    `gate`: an additive reader's."""
+    if gate is not None:  # a BlockState's (start_state with plain)
+        return state.additive_mix_and_weights(query, key_norm_weight, projection, gate, eps)[0]
     if projection is not None:  # a BlockState's (start_state with token_queries)
         return state.mix_token_queries(query, key_norm_weight, projection, eps, scaling)
-    if reader is not None and state.queries is not None:
-        q = state.query(reader)
-    else:
-        q = state.fold(query, key_norm_weight)
-    return state.mix(q, eps, scaling, reader, norm)
+    folded = reader is not None and state.queries is not None
+    return state.mix(state.query(reader) if folded else state.fold(query, key_norm_weight), eps, scaling, reader, norm)
 
 
 class ModelRuntime:
@@ -714,15 +719,17 @@ class ModelRuntime:
 class AttnResQuery(nn.Module):
     """The pseudo-query w of one reader, stored as [1, d] like a bias-free Linear(d, 1). With rank r > 0 also
     A = `down` [r, d] (kaiming-uniform from a generator seeded with the reader's index) and B = `up` [d, r] (zero):
-    q = w + B A x / rms(x) (`token_queries`)."""
+    q = w + B A x / rms(x) (`token_queries`). Additive: also `gate` [1], zero (`additive_mix_and_weights`)."""
 
-    def __init__(self, hidden_size: int, rank: int = 0, reader: int = 0, device=None, dtype=None):
+    def __init__(self, hidden_size: int, rank: int = 0, reader: int = 0, device=None, dtype=None, additive=False):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(1, hidden_size, device=device, dtype=dtype))
         self.rank, self.reader = rank, reader
         if rank:
             self.down = nn.Parameter(torch.empty(rank, hidden_size, device=device, dtype=dtype))
             self.up = nn.Parameter(torch.zeros(hidden_size, rank, device=device, dtype=dtype))
+        if additive:
+            self.gate = nn.Parameter(torch.zeros(1, device=device, dtype=dtype))
 
     def forward(self) -> torch.Tensor:
         # Called (rather than read) only where a hook must run first: big-model offload loads the weight here.
@@ -738,20 +745,22 @@ class AttnResQuery(nn.Module):
             generator = torch.Generator().manual_seed(self.reader)
             values["down"] = torch.empty(self.rank, hidden).uniform_(-bound, bound, generator=generator)
             values["up"] = torch.zeros(hidden, self.rank)
+        if "gate" in self._parameters:
+            values["gate"] = torch.zeros(1)
         return values
 
-    def projection(self, like: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(A, B) of an input-dependent query (on the device of `like` where given), or None."""
-        if not self.rank:
-            return None
-        if "_hf_hook" in self.__dict__ and self.down.device.type == "meta":
+    def plain_inputs(self, like: torch.Tensor | None = None) -> tuple:
+        """((A, B) of an input-dependent query, the gate of an additive reader), each None where the reader has none,
+        on the device of `like` where given."""
+        if "_hf_hook" in self.__dict__ and self._parameters["weight"].device.type == "meta":
             self()  # big-model offload loads the module's weights when it is called
-        if like is None:
-            return self.down, self.up
-        return self.down.to(like.device), self.up.to(like.device)
+        move = (lambda t: t) if like is None else (lambda t: t.to(like.device))  # noqa: E731
+        gate = self._parameters.get("gate")
+        return ((move(self.down), move(self.up)) if self.rank else None), (None if gate is None else move(gate))
 
     def extra_repr(self) -> str:
-        return f"{self.weight.shape[-1]}" + (f", rank={self.rank}" if self.rank else "")
+        extra = (f", rank={self.rank}" if self.rank else "") + (", additive" if "gate" in self._parameters else "")
+        return f"{self.weight.shape[-1]}{extra}"
 
 
 class AttnResKeyNorm(nn.Module):
@@ -823,7 +832,7 @@ class LayerSpec:
     layers: str  # the attribute path, from the owner, of the decoder layers
     param_names: tuple[tuple[str, str], ...]  # per sublayer: its query and key-norm modules' names
     tuple_output: int  # > 0: return (state, None, ...) of this length, as the base model unpacks a layer's output
-    query_rank: int  # > 0: input-dependent queries (the plain BlockState path, see start_state)
+    plain: bool  # input-dependent queries or an additive mix: the plain BlockState path (see start_state)
     stream_start: str | None  # the first layer's: its module that makes the first source (ModelPlan.stream_start)
     returns: bool  # a branch's module output is returned after the stream (Branch.returns)
     stream_scale: float  # P_k (ModelPlan.stream_scales): the base model's stream is P_k times the sources' sum
@@ -857,10 +866,8 @@ class AttnResDecoderLayerMixin:
         else:
             if spec.stream_start:
                 hidden_states = module_at(self, spec.stream_start)(hidden_states)
-            queries = _all_queries(spec, hidden_states) if wants_queries() and not spec.query_rank else None
-            state = start_state(
-                hidden_states, spec.eps, spec.capacity, queries, token_queries=spec.query_rank > 0, runtime=spec.runtime
-            )
+            queries = _all_queries(spec, hidden_states) if wants_queries() and not spec.plain else None
+            state = start_state(hidden_states, spec.eps, spec.capacity, queries, plain=spec.plain, runtime=spec.runtime)
         # Readers take their query from the state where it holds them all, folded once per forward.
         folded = state.queries is not None
         scale = spec.stream_scale
@@ -871,11 +878,9 @@ class AttnResDecoderLayerMixin:
             if plan.closes_block:
                 state = state.close(spec.eps, plan.index - 1)
             params = (None, None) if folded else depth_params(self, names)
-            projection = self._modules[names[0]].projection() if spec.query_rank else None
+            projection, gate = self._modules[names[0]].plain_inputs() if spec.plain else (None, None)
             norm = () if fuse is None else _sublayer_norm(self, sublayer, fuse)
-            h = depth_mix(
-                state, *params, spec.eps, spec.scaling, reader=plan.index - 1, projection=projection, norm=norm
-            )
+            h = depth_mix(state, *params, spec.eps, spec.scaling, plan.index - 1, projection, norm, gate)
             if scale != 1.0:  # the earlier layers' scalars: the stream the base model's sublayer read (stream_scales)
                 h = h * scale
             output = run_sublayer(self, sublayer, h, call_kwargs, normed=bool(norm), returned=returned)
@@ -1023,9 +1028,9 @@ class AttnResFinalNormMixin:
             else:
                 # Looked up at every call: a wrapper put in their place (PEFT's modules_to_save, FSDP) is used.
                 query, key_norm = owner.output_attn_res_proj, owner.output_attn_res_norm
-                projection = query.projection(like) if isinstance(query, AttnResQuery) else None
+                projection, gate = query.plain_inputs(like) if isinstance(query, AttnResQuery) else (None, None)
                 weights = placed(query, like), placed(key_norm, like)
-                hidden_states = depth_mix(state, *weights, eps, scaling, projection=projection)
+                hidden_states = depth_mix(state, *weights, eps, scaling, projection=projection, gate=gate)
             if scale != 1.0:  # every layer's scalar (ModelPlan.stream_scales)
                 hidden_states = hidden_states * scale
         return super().forward(hidden_states, *args, **kwargs)
@@ -1084,7 +1089,7 @@ def attach_depth_attention(causal_lm: nn.Module, config: AttnResConfig, plan: Mo
         else:
             argnames = layer._attnres_spec.argnames
         for reader, (query_name, key_norm_name) in enumerate(param_names, first):
-            layer.add_module(query_name, AttnResQuery(hidden, rank, reader, **factory))
+            layer.add_module(query_name, AttnResQuery(hidden, rank, reader, additive=config.additive, **factory))
             layer.add_module(key_norm_name, AttnResKeyNorm(hidden, eps, **factory))
         layer._attnres_spec = LayerSpec(
             sublayers=sublayers,
@@ -1097,14 +1102,14 @@ def attach_depth_attention(causal_lm: nn.Module, config: AttnResConfig, plan: Mo
             layers=plan.layers,
             param_names=param_names,
             tuple_output=plan.tuple_output,
-            query_rank=rank,
+            plain=rank > 0 or config.additive,
             stream_start=plan.stream_start if index == 0 else None,
             returns=any(branch.returns for sublayer in sublayers for branch in sublayer.branches),
             stream_scale=scales[index],
             runtime=runtime,
         )
         first += len(sublayers)
-    setattr(base, OUTPUT_NAMES[0], AttnResQuery(hidden, rank, plan.num_sublayers, **factory))
+    setattr(base, OUTPUT_NAMES[0], AttnResQuery(hidden, rank, plan.num_sublayers, additive=config.additive, **factory))
     setattr(base, OUTPUT_NAMES[1], AttnResKeyNorm(hidden, eps, **factory))
     norm = module_at(base, plan.final_norm)
     if not isinstance(norm, AttnResFinalNormMixin):
@@ -1128,14 +1133,11 @@ class AttnResPreTrainedModel(PreTrainedModel):
         # in a tuple), which it would pass through as a constant: refused here, not deep inside a layer.
         if enable and getattr(gradient_checkpointing_func, "keywords", {}).get("use_reentrant"):
             raise ValueError(
-                "AttnRes models need non-reentrant activation checkpointing: the depth-attention state passed "
-                "between decoder layers is a tuple of tensors, which reentrant checkpointing cannot "
-                "differentiate through. Enable it without use_reentrant, or with "
-                "gradient_checkpointing_kwargs={'use_reentrant': False} (transformers' default)."
+                "AttnRes models need non-reentrant activation checkpointing: the state passed between decoder layers "
+                "is a tuple of tensors, which reentrant checkpointing cannot differentiate through. Enable it without "
+                "use_reentrant, or with gradient_checkpointing_kwargs={'use_reentrant': False} (the default)."
             )
-        super()._set_gradient_checkpointing(
-            enable=enable, gradient_checkpointing_func=gradient_checkpointing_func, **kwargs
-        )
+        super()._set_gradient_checkpointing(enable, gradient_checkpointing_func, **kwargs)
 
     # The base model's checkpoint renaming rules, which saving reads here, guarded: the AttnRes names come through.
     @property
@@ -1237,18 +1239,12 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
         return super()._prepare_cache_for_generation(*args, **kwargs)
 
     def get_input_embeddings(self):
-        base = module_at(self, self._attnres_plan.base_model)  # a plain-module base: the causal LM class's way
-        return (
-            base.get_input_embeddings()
-            if hasattr(base, "get_input_embeddings")
-            else self._base_call("get_input_embeddings")
-        )
+        own = getattr(module_at(self, self._attnres_plan.base_model), "get_input_embeddings", None)
+        return own() if own is not None else self._base_call("get_input_embeddings")  # a plain-module base: the class's
 
     def set_input_embeddings(self, value):
-        base = module_at(self, self._attnres_plan.base_model)
-        base.set_input_embeddings(value) if hasattr(base, "set_input_embeddings") else self._base_call(
-            "set_input_embeddings", value
-        )
+        own = getattr(module_at(self, self._attnres_plan.base_model), "set_input_embeddings", None)
+        own(value) if own is not None else self._base_call("set_input_embeddings", value)
 
     def _base_call(self, name: str, *args, **kwargs):
         return getattr(self._attnres_base_class, name)(self._base_view(), *args, **kwargs)

@@ -26,9 +26,8 @@ INSTALLED = CURRENT if CURRENT in {field.name for field in dataclasses.fields(Ca
 
 
 def cache_keyword(forward) -> str:
-    """The keyword `forward` takes its cache under: the one its signature names (the current name where it
-    names several), else, for a forward that takes only `**kwargs`, the installed transformers' name.
-    Inspecting a signature costs tens of microseconds: call it once per model, not per step."""
+    """The keyword `forward` takes its cache under: the one its signature names (the current name where it names
+    several), else (only `**kwargs`) the installed transformers' name. Costs tens of microseconds: once per model."""
     parameters = inspect.signature(forward).parameters  # follows functools.wraps (transformers' deprecate_kwarg)
     for name in (CURRENT, LEGACY, RECURRENT):
         if name in parameters:

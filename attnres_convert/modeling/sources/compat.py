@@ -9,9 +9,8 @@ BETWEEN_LAYER_SHORTCUTS: dict[str, object] = {"first_kv_shared_layer_idx": None}
 
 
 def causal_lm_class(config, model_type: str):
-    """The causal-LM class transformers builds for CONFIG (of MODEL_TYPE). Releases before 5.2x map the causal LM
-    of some image-text families' text model (Emu3's, Mllama's) only under the composite config's type, so where
-    CONFIG's class has no entry, an entry whose type MODEL_TYPE starts with and whose class takes CONFIG's class."""
+    """The causal-LM class transformers builds for CONFIG (of MODEL_TYPE). Releases before 5.2x map some image-text
+    families' text causal LM (Emu3's, Mllama's) only under the composite's type: the entry MODEL_TYPE starts with."""
     import transformers
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 

@@ -131,6 +131,15 @@ class BlockState(NamedTuple):
             q = token_queries(self.stream, query, key_norm_weight, *projection, eps)
             return self.mix_and_weights(q, eps, scaling)[0]
 
+    def additive_mix_and_weights(self, query, key_norm_weight, projection, gate, eps: float):
+        """Additive (AttnResConfig.additive): (the stream + `gate` * the mix of the embedding and completed blocks, the
+        weights [B*T, m]). Exact at gate 0; the partial sum is left out, as the stream's direction the norm ignores."""
+        with no_autocast(self.stream):
+            q = self.fold(query, key_norm_weight) if projection is None else None
+            q = token_queries(self.stream, query, key_norm_weight, *projection, eps) if q is None else q
+            mixed, weights = self._replace(partial=None).mix_and_weights(q, eps, "mean")
+        return self.stream + gate.to(self.stream.dtype) * mixed, weights
+
     def mix_and_weights(self, q: torch.Tensor, eps: float, scaling: str) -> tuple[torch.Tensor, torch.Tensor]:
         """The mix and its softmax weights [B*T, n]."""
         m, d = self.blocks.shape[-2], self.blocks.shape[-1]

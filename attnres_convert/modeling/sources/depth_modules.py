@@ -11,15 +11,17 @@ from torch import nn
 class AttnResQuery(nn.Module):
     """The pseudo-query w of one reader, stored as [1, d] like a bias-free Linear(d, 1). With rank r > 0 also
     A = `down` [r, d] (kaiming-uniform from a generator seeded with the reader's index) and B = `up` [d, r] (zero):
-    q = w + B A x / rms(x) (`token_queries`)."""
+    q = w + B A x / rms(x) (`token_queries`). Additive: also `gate` [1], zero (`additive_mix_and_weights`)."""
 
-    def __init__(self, hidden_size: int, rank: int = 0, reader: int = 0, device=None, dtype=None):
+    def __init__(self, hidden_size: int, rank: int = 0, reader: int = 0, device=None, dtype=None, additive=False):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(1, hidden_size, device=device, dtype=dtype))
         self.rank, self.reader = rank, reader
         if rank:
             self.down = nn.Parameter(torch.empty(rank, hidden_size, device=device, dtype=dtype))
             self.up = nn.Parameter(torch.zeros(hidden_size, rank, device=device, dtype=dtype))
+        if additive:
+            self.gate = nn.Parameter(torch.zeros(1, device=device, dtype=dtype))
 
     def forward(self) -> torch.Tensor:
         # Called (rather than read) only where a hook must run first: big-model offload loads the weight here.
@@ -35,20 +37,22 @@ class AttnResQuery(nn.Module):
             generator = torch.Generator().manual_seed(self.reader)
             values["down"] = torch.empty(self.rank, hidden).uniform_(-bound, bound, generator=generator)
             values["up"] = torch.zeros(hidden, self.rank)
+        if "gate" in self._parameters:
+            values["gate"] = torch.zeros(1)
         return values
 
-    def projection(self, like: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(A, B) of an input-dependent query (on the device of `like` where given), or None."""
-        if not self.rank:
-            return None
-        if "_hf_hook" in self.__dict__ and self.down.device.type == "meta":
+    def plain_inputs(self, like: torch.Tensor | None = None) -> tuple:
+        """((A, B) of an input-dependent query, the gate of an additive reader), each None where the reader has none,
+        on the device of `like` where given."""
+        if "_hf_hook" in self.__dict__ and self._parameters["weight"].device.type == "meta":
             self()  # big-model offload loads the module's weights when it is called
-        if like is None:
-            return self.down, self.up
-        return self.down.to(like.device), self.up.to(like.device)
+        move = (lambda t: t) if like is None else (lambda t: t.to(like.device))  # noqa: E731
+        gate = self._parameters.get("gate")
+        return ((move(self.down), move(self.up)) if self.rank else None), (None if gate is None else move(gate))
 
     def extra_repr(self) -> str:
-        return f"{self.weight.shape[-1]}" + (f", rank={self.rank}" if self.rank else "")
+        extra = (f", rank={self.rank}" if self.rank else "") + (", additive" if "gate" in self._parameters else "")
+        return f"{self.weight.shape[-1]}{extra}"
 
 
 class AttnResKeyNorm(nn.Module):

@@ -84,26 +84,26 @@ def wants_queries() -> bool:  # whether start_state would use all readers' folde
     return not (torch.is_grad_enabled() and torch.compiler.is_compiling())
 
 
-def start_state(embeddings, eps: float, capacity=None, queries=None, token_queries=False, runtime=None) -> DepthState:
+def start_state(embeddings, eps: float, capacity=None, queries=None, plain=False, runtime=None) -> DepthState:
     """A forward's state, the embedding its first source; `capacity`: the most sources of a reader; `queries`: every
-    reader's folded query [R, D] (the score table); `token_queries`: input-dependent queries (BlockState only)."""
+    reader's folded query [R, D] (the score table); `plain`: input-dependent queries or additive (BlockState only)."""
     mode = kernel_mode()  # read once: a decoding step pays for every lookup
-    state = _state_for(embeddings, eps, capacity, queries, token_queries, runtime, mode)
+    state = _state_for(embeddings, eps, capacity, queries, plain, runtime, mode)
     if runtime is not None and (runtime.recorders or runtime.gate != 1.0):  # set by attnres's training or inspection
         state = installed_kernels().controlled_state(state, embeddings, eps, runtime)
     return state
 
 
-def _state_for(embeddings, eps: float, capacity, queries, token_queries: bool, runtime, mode: str) -> DepthState:
+def _state_for(embeddings, eps: float, capacity, queries, plain: bool, runtime, mode: str) -> DepthState:
     kernels = installed_kernels() if mode != "eager" else None
     if mode in ("cpu", "triton", "fla") and kernels is None:
         raise _needs_attnres(mode)
-    if token_queries and mode not in ("auto", "eager"):
+    if plain and mode not in ("auto", "eager"):
         raise RuntimeError(
-            f"{KERNEL_ENV}={mode}: the kernels score one static query per reader, and this model's queries depend "
-            f"on each token's input (query_rank > 0), which runs on the built-in path. Unset {KERNEL_ENV}."
+            f"{KERNEL_ENV}={mode}: the kernels take one static query per reader; this model has input-dependent "
+            f"queries (query_rank > 0) or an additive mix, which the built-in path runs. Unset {KERNEL_ENV}."
         )
-    if token_queries or capacity is None:
+    if plain or capacity is None:
         return BlockState.start(embeddings, eps)
     if torch.compiler.is_compiling():  # one graph for every token count (vLLM compiles once for all of them)
         if mode not in ("auto", "eager"):
@@ -118,16 +118,16 @@ def _state_for(embeddings, eps: float, capacity, queries, token_queries: bool, r
     return state if state is not None else BlockState.start(embeddings, eps)
 
 
-def depth_mix(state, query, key_norm_weight, eps: float, scaling="count", reader=None, projection=None, norm=()):
+def depth_mix(state, query, key_norm_weight, eps, scaling="count", reader=None, projection=None, norm=(), gate=None):
     """A sublayer's (or the final norm's) input: attention over the state's sources with w and g (g None: folded),
-    or the reader's row of the state's queries; `projection` (A, B) of an input-dependent query; `norm`: `fuse_norm`."""
+    or the reader's row of the state's queries; `projection` (A, B) of an input-dependent query; `norm`: `fuse_norm`;
+    `gate`: an additive reader's."""
+    if gate is not None:  # a BlockState's (start_state with plain)
+        return state.additive_mix_and_weights(query, key_norm_weight, projection, gate, eps)[0]
     if projection is not None:  # a BlockState's (start_state with token_queries)
         return state.mix_token_queries(query, key_norm_weight, projection, eps, scaling)
-    if reader is not None and state.queries is not None:
-        q = state.query(reader)
-    else:
-        q = state.fold(query, key_norm_weight)
-    return state.mix(q, eps, scaling, reader, norm)
+    folded = reader is not None and state.queries is not None
+    return state.mix(state.query(reader) if folded else state.fold(query, key_norm_weight), eps, scaling, reader, norm)
 
 
 class ModelRuntime:

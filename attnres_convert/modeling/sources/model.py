@@ -11,7 +11,8 @@ New parameters, per decoder layer: `self_attention_res_proj.weight` [1, d] (pseu
 `self_attention_res_norm.weight` [d] (key norm, one init), the same with `mlp_` (absent for a parallel
 residual layer); on the base model module: `output_attn_res_proj.weight`, `output_attn_res_norm.weight`.
 With `query_rank` r > 0 each query module also holds `down` [r, d] (A, random) and `up` [d, r] (B, zero):
-the query becomes input-dependent, w + B A x / rms(x) per token (see `token_queries`).
+the query becomes input-dependent, w + B A x / rms(x) per token (see `token_queries`). With `additive`, `gate` [1]
+(zero): the reader reads the stream plus the gated mix (`additive_mix_and_weights`).
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ class LayerSpec:
     layers: str  # the attribute path, from the owner, of the decoder layers
     param_names: tuple[tuple[str, str], ...]  # per sublayer: its query and key-norm modules' names
     tuple_output: int  # > 0: return (state, None, ...) of this length, as the base model unpacks a layer's output
-    query_rank: int  # > 0: input-dependent queries (the plain BlockState path, see start_state)
+    plain: bool  # input-dependent queries or an additive mix: the plain BlockState path (see start_state)
     stream_start: str | None  # the first layer's: its module that makes the first source (ModelPlan.stream_start)
     returns: bool  # a branch's module output is returned after the stream (Branch.returns)
     stream_scale: float  # P_k (ModelPlan.stream_scales): the base model's stream is P_k times the sources' sum
@@ -85,10 +86,8 @@ class AttnResDecoderLayerMixin:
         else:
             if spec.stream_start:
                 hidden_states = module_at(self, spec.stream_start)(hidden_states)
-            queries = _all_queries(spec, hidden_states) if wants_queries() and not spec.query_rank else None
-            state = start_state(
-                hidden_states, spec.eps, spec.capacity, queries, token_queries=spec.query_rank > 0, runtime=spec.runtime
-            )
+            queries = _all_queries(spec, hidden_states) if wants_queries() and not spec.plain else None
+            state = start_state(hidden_states, spec.eps, spec.capacity, queries, plain=spec.plain, runtime=spec.runtime)
         # Readers take their query from the state where it holds them all, folded once per forward.
         folded = state.queries is not None
         scale = spec.stream_scale
@@ -99,11 +98,9 @@ class AttnResDecoderLayerMixin:
             if plan.closes_block:
                 state = state.close(spec.eps, plan.index - 1)
             params = (None, None) if folded else depth_params(self, names)
-            projection = self._modules[names[0]].projection() if spec.query_rank else None
+            projection, gate = self._modules[names[0]].plain_inputs() if spec.plain else (None, None)
             norm = () if fuse is None else _sublayer_norm(self, sublayer, fuse)
-            h = depth_mix(
-                state, *params, spec.eps, spec.scaling, reader=plan.index - 1, projection=projection, norm=norm
-            )
+            h = depth_mix(state, *params, spec.eps, spec.scaling, plan.index - 1, projection, norm, gate)
             if scale != 1.0:  # the earlier layers' scalars: the stream the base model's sublayer read (stream_scales)
                 h = h * scale
             output = run_sublayer(self, sublayer, h, call_kwargs, normed=bool(norm), returned=returned)
@@ -251,9 +248,9 @@ class AttnResFinalNormMixin:
             else:
                 # Looked up at every call: a wrapper put in their place (PEFT's modules_to_save, FSDP) is used.
                 query, key_norm = owner.output_attn_res_proj, owner.output_attn_res_norm
-                projection = query.projection(like) if isinstance(query, AttnResQuery) else None
+                projection, gate = query.plain_inputs(like) if isinstance(query, AttnResQuery) else (None, None)
                 weights = placed(query, like), placed(key_norm, like)
-                hidden_states = depth_mix(state, *weights, eps, scaling, projection=projection)
+                hidden_states = depth_mix(state, *weights, eps, scaling, projection=projection, gate=gate)
             if scale != 1.0:  # every layer's scalar (ModelPlan.stream_scales)
                 hidden_states = hidden_states * scale
         return super().forward(hidden_states, *args, **kwargs)
@@ -312,7 +309,7 @@ def attach_depth_attention(causal_lm: nn.Module, config: AttnResConfig, plan: Mo
         else:
             argnames = layer._attnres_spec.argnames
         for reader, (query_name, key_norm_name) in enumerate(param_names, first):
-            layer.add_module(query_name, AttnResQuery(hidden, rank, reader, **factory))
+            layer.add_module(query_name, AttnResQuery(hidden, rank, reader, additive=config.additive, **factory))
             layer.add_module(key_norm_name, AttnResKeyNorm(hidden, eps, **factory))
         layer._attnres_spec = LayerSpec(
             sublayers=sublayers,
@@ -325,14 +322,14 @@ def attach_depth_attention(causal_lm: nn.Module, config: AttnResConfig, plan: Mo
             layers=plan.layers,
             param_names=param_names,
             tuple_output=plan.tuple_output,
-            query_rank=rank,
+            plain=rank > 0 or config.additive,
             stream_start=plan.stream_start if index == 0 else None,
             returns=any(branch.returns for sublayer in sublayers for branch in sublayer.branches),
             stream_scale=scales[index],
             runtime=runtime,
         )
         first += len(sublayers)
-    setattr(base, OUTPUT_NAMES[0], AttnResQuery(hidden, rank, plan.num_sublayers, **factory))
+    setattr(base, OUTPUT_NAMES[0], AttnResQuery(hidden, rank, plan.num_sublayers, additive=config.additive, **factory))
     setattr(base, OUTPUT_NAMES[1], AttnResKeyNorm(hidden, eps, **factory))
     norm = module_at(base, plan.final_norm)
     if not isinstance(norm, AttnResFinalNormMixin):
@@ -356,14 +353,11 @@ class AttnResPreTrainedModel(PreTrainedModel):
         # in a tuple), which it would pass through as a constant: refused here, not deep inside a layer.
         if enable and getattr(gradient_checkpointing_func, "keywords", {}).get("use_reentrant"):
             raise ValueError(
-                "AttnRes models need non-reentrant activation checkpointing: the depth-attention state passed "
-                "between decoder layers is a tuple of tensors, which reentrant checkpointing cannot "
-                "differentiate through. Enable it without use_reentrant, or with "
-                "gradient_checkpointing_kwargs={'use_reentrant': False} (transformers' default)."
+                "AttnRes models need non-reentrant activation checkpointing: the state passed between decoder layers "
+                "is a tuple of tensors, which reentrant checkpointing cannot differentiate through. Enable it without "
+                "use_reentrant, or with gradient_checkpointing_kwargs={'use_reentrant': False} (the default)."
             )
-        super()._set_gradient_checkpointing(
-            enable=enable, gradient_checkpointing_func=gradient_checkpointing_func, **kwargs
-        )
+        super()._set_gradient_checkpointing(enable, gradient_checkpointing_func, **kwargs)
 
     # The base model's checkpoint renaming rules, which saving reads here, guarded: the AttnRes names come through.
     @property
@@ -465,18 +459,12 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
         return super()._prepare_cache_for_generation(*args, **kwargs)
 
     def get_input_embeddings(self):
-        base = module_at(self, self._attnres_plan.base_model)  # a plain-module base: the causal LM class's way
-        return (
-            base.get_input_embeddings()
-            if hasattr(base, "get_input_embeddings")
-            else self._base_call("get_input_embeddings")
-        )
+        own = getattr(module_at(self, self._attnres_plan.base_model), "get_input_embeddings", None)
+        return own() if own is not None else self._base_call("get_input_embeddings")  # a plain-module base: the class's
 
     def set_input_embeddings(self, value):
-        base = module_at(self, self._attnres_plan.base_model)
-        base.set_input_embeddings(value) if hasattr(base, "set_input_embeddings") else self._base_call(
-            "set_input_embeddings", value
-        )
+        own = getattr(module_at(self, self._attnres_plan.base_model), "set_input_embeddings", None)
+        own(value) if own is not None else self._base_call("set_input_embeddings", value)
 
     def _base_call(self, name: str, *args, **kwargs):
         return getattr(self._attnres_base_class, name)(self._base_view(), *args, **kwargs)

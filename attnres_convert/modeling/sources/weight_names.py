@@ -17,9 +17,9 @@ from __future__ import annotations
 import re
 
 # The AttnRes tensors' own names, relative to the module that holds them (sublayers `self_attention`, `mlp`,
-# `mlp_2`..., the output aggregation `output_attn`; `down` and `up` of input-dependent queries).
+# `mlp_2`..., the output aggregation `output_attn`; `down` and `up` of input-dependent queries, an additive `gate`).
 ATTNRES_TENSOR = re.compile(
-    r"(?:^|\.)((?:(?:self_attention|mlp)(?:_\d+)?|output_attn)_res_(?:proj\.(?:weight|down|up)|norm\.weight))$"
+    r"(?:^|\.)((?:(?:self_attention|mlp)(?:_\d+)?|output_attn)_res_(?:proj\.(?:weight|down|up|gate)|norm\.weight))$"
 )
 
 
@@ -61,9 +61,7 @@ def guarded(transform):
 
 def guard_all(transforms):
     """The list, every transform guarded; None stays None."""
-    if transforms is None:
-        return None
-    return [guarded(transform) for transform in transforms]
+    return None if transforms is None else [guarded(transform) for transform in transforms]
 
 
 def default_save_conversions(model):
