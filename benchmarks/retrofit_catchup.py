@@ -6,6 +6,8 @@
 WORK is the work folder of `attnres ab RECIPE --retrofit-after N ... retrofit.steps=T` (OUT-runs): it reads the
 pretraining runs (`scratch/baseline/seed-*`) and the continued runs (`after-N/{baseline,attnres}/seed-*`) as far as
 they have got, so a study still running can be read; a seed counts where both of its arms have an evaluation (a run still going is read from its partial folder).
+Every AttnRes arm of the continued phase is reported against the continued baseline: the recipe's (`attnres`) and
+each `--sweep` arm (`attnres__model.query_rank_8`, ...).
 
 - **Lead** at each continued evaluation step: baseline - AttnRes held-out loss, per seed, then mean and sample
   standard deviation over the seeds; the evaluation's standard error of the difference as `attnres ab` takes it.
@@ -19,8 +21,8 @@ they have got, so a study still running can be read; a seed counts where both of
   the ideal lead is `-b ln(m)` at every T; where m T lies past the last evaluation the fit extrapolates (marked).
   **Retrofit efficiency** = lead / ideal lead.
 
-Writes OUT.json, OUT.md and OUT.png (left: the lead per continued step with the seeds' range, and the ideal lead;
-right: the efficiency).
+Writes OUT.json, OUT.md and OUT.png (left: each arm's lead per continued step with the seeds' range, and the ideal
+lead; right: the efficiency).
 """
 
 from __future__ import annotations
@@ -94,20 +96,35 @@ def analyse(work: Path, after: int, scratch_json: Path) -> dict:
     pre = [evals(p) for p in sorted((work / "scratch" / "baseline").glob("seed-*"))]
     pretraining = mean_curve([c for c in pre if c])
     m, points = multiplier(pretraining, scratch_json)
-    arms = {arm: runs(work / f"after-{after}" / arm) for arm in ("baseline", "attnres")}
-    seeds = sorted(s for s in arms["baseline"] if arms["baseline"][s] and arms["attnres"].get(s))
+    continued_work = work / f"after-{after}"
+    baseline = runs(continued_work / "baseline")
     # The continued baseline's curve for the fit: the seed that has gone furthest (a study still running has seeds
     # at different steps).
-    longest = max(seeds, key=lambda s: len(arms["baseline"][s]), default=None)
-    continued = {step: loss for step, (loss, _) in arms["baseline"][longest].items()} if longest else {}
+    longest = max((s for s in baseline if baseline[s]), key=lambda s: len(baseline[s]), default=None)
+    continued = {step: loss for step, (loss, _) in baseline[longest].items()} if longest else {}
     fit = log_fit(continued) if sum(1 for step in continued if step > 0) >= 3 else None
+    names = sorted(p.name for p in continued_work.iterdir() if p.is_dir() and p.name != "baseline")
+    arms = {name: arm_rows(baseline, runs(continued_work / name), m, fit, continued) for name in names}
+    return {
+        "work": str(work),
+        "after": after,
+        "multiplier": m,
+        "multiplier_points": points,
+        "pretraining_steps": max(pretraining) if pretraining else None,
+        "arms": {name: arm for name, arm in arms.items() if arm["rows"]},
+    }
+
+
+def arm_rows(baseline: dict, arm: dict, m: float | None, fit, continued: dict) -> dict:
+    """One AttnRes arm's lead over the continued baseline at every step some seed has reached in both."""
+    seeds = sorted(s for s in baseline if baseline[s] and arm.get(s))
     rows = []
     # Every step some seed has reached in both arms; a row says which seeds it averages (a study still running).
-    reached = {s: set(arms["baseline"][s]) & set(arms["attnres"][s]) for s in seeds}
+    reached = {s: set(baseline[s]) & set(arm[s]) for s in seeds}
     for step in sorted(set().union(*reached.values())):
         present = [s for s in seeds if step in reached[s]]
-        leads = [arms["baseline"][s][step][0] - arms["attnres"][s][step][0] for s in present]
-        se = statistics.fmean(math.hypot(arms["baseline"][s][step][1], arms["attnres"][s][step][1]) for s in present)
+        leads = [baseline[s][step][0] - arm[s][step][0] for s in present]
+        se = statistics.fmean(math.hypot(baseline[s][step][1], arm[s][step][1]) for s in present)
         # The ideal lead from the fit: L(T) - L(m T) = -b ln(m), the same at every T for this form; where m T lies
         # past the last evaluation the fit extrapolates (marked).
         ideal = -fit[1] * math.log(m) if m and fit and step else None
@@ -124,31 +141,33 @@ def analyse(work: Path, after: int, scratch_json: Path) -> dict:
                 "efficiency": (mean / ideal) if ideal else None,
             }
         )
-    return {
-        "work": str(work),
-        "after": after,
-        "seeds": seeds,
-        "multiplier": m,
-        "multiplier_points": points,
-        "pretraining_steps": max(pretraining) if pretraining else None,
-        "rows": rows,
-    }
+    return {"seeds": seeds, "rows": rows}
 
 
 def markdown(result: dict, command: str) -> str:
     m = result["multiplier"]
-    seeds = ", ".join(s.removeprefix("seed-") for s in result["seeds"]) or "none yet"
     multiplier_text = f"{m:.2f}" if m else "not measurable from these runs"
     lines = [
         f"```bash\n{command}\n```",
         "",
-        f"Seeds {seeds}; continued from the save after {result['after']} pretraining steps; AttnRes's compute "
-        f"multiplier m = {multiplier_text}.",
+        f"Continued from the save after {result['after']} pretraining steps; AttnRes's compute multiplier "
+        f"m = {multiplier_text}. The lead is the continued baseline's held-out loss minus the arm's.",
+    ]
+    for name, arm in result["arms"].items():
+        lines += arm_table(name, arm, result["after"])
+    return "\n".join(lines) + "\n"
+
+
+def arm_table(name: str, arm: dict, after: int) -> list[str]:
+    seeds = ", ".join(s.removeprefix("seed-") for s in arm["seeds"])
+    lines = [
+        "",
+        f"### `{name}` (seeds {seeds})",
         "",
         "| continued steps (seeds) | continued / pretraining tokens | lead (mean ± sd; per seed) | eval SE | ideal lead | efficiency |",
         "|---|---|---|---|---|---|",
     ]
-    for row in result["rows"]:
+    for row in arm["rows"]:
         lead = row["lead"]
         sd = f" ± {lead['std']:.4f}" if lead["std"] is not None else ""
         seeds = ", ".join(f"{x:+.4f}" for x in lead["per_seed"])
@@ -159,10 +178,10 @@ def markdown(result: dict, command: str) -> str:
         )
         eff = "" if row["efficiency"] is None else f"{row['efficiency']:.2f}"
         lines.append(
-            f"| {row['step']} ({len(row['seeds'])}) | {row['step'] / result['after']:.2f} | {lead['mean']:+.4f}{sd} ({seeds}) | "
+            f"| {row['step']} ({len(row['seeds'])}) | {row['step'] / after:.2f} | {lead['mean']:+.4f}{sd} ({seeds}) | "
             f"{row['eval_se']:.4f} | {ideal} | {eff} |"
         )
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def plot(result: dict, path: Path) -> None:
@@ -171,22 +190,22 @@ def plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [r for r in result["rows"] if r["step"] > 0]
-    steps = [r["step"] for r in rows]
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    left.plot(steps, [r["lead"]["mean"] for r in rows], marker="o", label="retrofit lead (mean)")
-    left.fill_between(
-        steps,
-        [min(r["lead"]["per_seed"]) for r in rows],
-        [max(r["lead"]["per_seed"]) for r in rows],
-        alpha=0.2,
-        label="seeds' range",
-    )
-    left.plot(steps, [r["ideal_lead"] for r in rows], linestyle="--", label="ideal retrofit (m on continued tokens)")
+    for name, arm in result["arms"].items():
+        rows = [r for r in arm["rows"] if r["step"] > 0]
+        steps = [r["step"] for r in rows]
+        (line,) = left.plot(steps, [r["lead"]["mean"] for r in rows], marker="o", label=f"{name} (mean)")
+        low, high = [min(r["lead"]["per_seed"]) for r in rows], [max(r["lead"]["per_seed"]) for r in rows]
+        left.fill_between(steps, low, high, alpha=0.15, color=line.get_color())
+        right.plot(steps, [r["efficiency"] for r in rows], marker="o", color=line.get_color(), label=name)
+    rows = max((arm["rows"] for arm in result["arms"].values()), key=len)
+    steps = [r["step"] for r in rows if r["step"] > 0]
+    ideal = [r["ideal_lead"] for r in rows if r["step"] > 0]
+    left.plot(steps, ideal, linestyle="--", color="black", label="ideal retrofit (m on continued tokens)")
     left.axhline(0, color="grey", linewidth=0.8)
     left.set(xlabel="continued steps", ylabel="lead (nats/token)", title=f"Retrofit after {result['after']} steps")
-    left.legend()
-    right.plot(steps, [r["efficiency"] for r in rows], marker="o")
+    left.legend(fontsize=8)
+    right.legend(fontsize=8)
     right.axhline(0, color="grey", linewidth=0.8)
     right.set(xlabel="continued steps", ylabel="lead / ideal lead", title="Retrofit efficiency")
     fig.tight_layout()
@@ -209,7 +228,7 @@ def main() -> None:
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
     args.output.with_suffix(".md").write_text(markdown(result, command))
-    if result["rows"]:
+    if result["arms"]:
         plot(result, args.output.with_suffix(".png"))
     print(markdown(result, command))
 
