@@ -1,7 +1,8 @@
 """FSDP on CPU: two gloo processes train a converted tiny Llama with non-zero queries, and the loss and the
 query gradients match one process. Accelerate runs FSDP only on GPUs, so the model is sharded as its FSDP
 plugin would shard it: FSDP2's fully_shard on every decoder layer and on the root, FSDP1 wrapping each
-decoder layer, and activation-checkpoint wrappers around the decoder layers (with and without FSDP2).
+decoder layer, and activation-checkpoint wrappers around the decoder layers (with and without FSDP2); the additive
+mix (its gates read by attribute, which FSDP1 swaps for plain tensors) under both FSDPs.
 Wrappers replace the layers in the model's ModuleList, where depth attention looks its parameters up."""
 
 from __future__ import annotations
@@ -21,16 +22,17 @@ pytestmark = pytest.mark.extended  # end to end, tens of seconds: `make test-ext
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-VARIANTS = ("fsdp2", "fsdp1", "checkpoint", "fsdp2+checkpoint")
+VARIANTS = ("fsdp2", "fsdp1", "checkpoint", "fsdp2+checkpoint", "fsdp2+additive", "fsdp1+additive")
 BATCH, LENGTH = 4, 16
 
 
-def _model():
+def _model(additive: bool = False):
     from tiny_models import randomize_queries, tiny_model
 
     from attnres_convert import convert_model
 
-    return randomize_queries(convert_model(tiny_model("llama", seed=1), block_size=3), 0.5, seed=2).train()
+    model = convert_model(tiny_model("llama", seed=1), block_size=3, additive=additive)
+    return randomize_queries(model, 0.5, seed=2, parts=("weight", "gate") if additive else ("weight",)).train()
 
 
 def _batch() -> torch.Tensor:
@@ -38,7 +40,8 @@ def _batch() -> torch.Tensor:
 
 
 def _query_grads(named) -> dict[str, list[float]]:
-    return {name: grad.reshape(-1).tolist() for name, grad in named if name.endswith("_res_proj.weight")}
+    wanted = ("_res_proj.weight", "_res_proj.gate")
+    return {name: grad.reshape(-1).tolist() for name, grad in named if name.endswith(wanted)}
 
 
 def _wrap(model, variant: str):
@@ -60,7 +63,7 @@ def _wrap(model, variant: str):
         for layer in model.model.layers:
             fully_shard(layer)
         fully_shard(model)
-    elif variant == "fsdp1":
+    elif variant.startswith("fsdp1"):
         from torch.distributed.fsdp import FullyShardedDataParallel
         from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
@@ -76,7 +79,7 @@ def _full_grads(model, variant: str) -> dict[str, list[float]]:
             name = name.replace(part, "")
         return name
 
-    if variant == "fsdp1":
+    if variant.startswith("fsdp1"):
         from torch.distributed.fsdp import FullyShardedDataParallel
 
         with FullyShardedDataParallel.summon_full_params(model, with_grads=True):
@@ -100,7 +103,7 @@ def _worker(rank: int, world: int, init_file: str, out: str, variants: tuple[str
         for variant in variants:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
-                results[variant] = _train_step(_model(), variant, ids, world)
+                results[variant] = _train_step(_model("additive" in variant), variant, ids, world)
             results[variant]["warnings"] = [str(w.message) for w in caught]
         if rank == 0:
             Path(out).write_text(json.dumps(results))
@@ -135,13 +138,18 @@ def test_fsdp_and_checkpoint_wrappers_match_one_process(tmp_path):
     mp.spawn(_worker, args=(2, str(tmp_path / "init"), str(tmp_path / "out.json")), nprocs=2, join=True)
     results = json.loads((tmp_path / "out.json").read_text())
 
-    model = _model()
-    ids = _batch()
-    loss = model(ids, labels=ids).loss  # both halves have the same number of tokens: the mean of the two means
-    loss.backward()
-    expected = _query_grads((name, param.grad) for name, param in model.named_parameters())
-    assert any(max(abs(v) for v in grad) > 1e-4 for grad in expected.values())
+    references = {}
+    for additive in (False, True):
+        model = _model(additive)
+        ids = _batch()
+        loss = model(ids, labels=ids).loss  # both halves have the same number of tokens: the mean of the two means
+        loss.backward()
+        expected = _query_grads((name, param.grad) for name, param in model.named_parameters())
+        assert any(max(abs(v) for v in grad) > 1e-4 for grad in expected.values())
+        references[additive] = loss, expected
+    assert any(name.endswith(".gate") for name in references[True][1])
     for variant in VARIANTS:
+        loss, expected = references["additive" in variant]
         got = results[variant]
         # FSDP2 warns when a wrapped layer returns a view ("... can cause backward to fail or produce wrong
         # gradients"); no wrapper may warn that gradients can be wrong.

@@ -24,8 +24,7 @@ class AttnResConfig(PreTrainedConfig):
             residual sum at zero queries (conversion is exact). "mean": the plain mix, for models trained from scratch.
         query_rank (`int`): 0: static pseudo-queries w. r > 0: input-dependent queries w + B A x / rms(x) (B zero at
             conversion, so the converted model is still exactly the base model).
-        additive (`bool`): Delta-style: a reader reads the residual stream plus a gate (one scalar per reader, zero at
-            conversion: exact) times the softmax mix of the embedding and the completed blocks.
+        additive (`bool`): a reader reads its stream plus a gate (zero at conversion) times its mix of completed blocks.
         base_model_type (`str`): the base model's `model_type`, for people and tools reading config.json.
         stream_width (`int`, *optional*): d, the residual stream's width as conversion read it from the layers.
         structure (`dict`): the plan the forward executes (modeling_attnres.ModelPlan), as found and proven layer by

@@ -426,7 +426,7 @@ class BlockState(NamedTuple):
     @classmethod
     def start(cls, embeddings: torch.Tensor, eps: float) -> BlockState:
         """The embedding b_0 is always its own source."""
-        first = embeddings.float().unsqueeze(-2)
+        first = embeddings.unsqueeze(-2).to(torch.float32, copy=True)  # not a view: FSDP2 warns of returned views
         return cls(first, inverse_rms(first, eps), None, embeddings)
 
     def close(self, eps: float, first: int = 0) -> BlockState:
@@ -469,6 +469,10 @@ class BlockState(NamedTuple):
     def add(self, output: torch.Tensor) -> BlockState:
         partial, stream = join(self.partial, self.stream, output)
         return self._replace(partial=partial, stream=stream)
+
+    def received(self) -> BlockState:  # FSDP2 hands a layer its inputs as views: see the kernels' TrainState
+        views = self.blocks._base is not None
+        return self._replace(blocks=self.blocks.clone(), inv_rms=self.inv_rms.clone()) if views else self
 
     def current_stream(self) -> torch.Tensor:
         return self.stream
@@ -752,10 +756,10 @@ class AttnResQuery(nn.Module):
     def plain_inputs(self, like: torch.Tensor | None = None) -> tuple:
         """((A, B) of an input-dependent query, the gate of an additive reader), each None where the reader has none,
         on the device of `like` where given."""
-        if "_hf_hook" in self.__dict__ and self._parameters["weight"].device.type == "meta":
+        if "_hf_hook" in self.__dict__ and self.weight.device.type == "meta":
             self()  # big-model offload loads the module's weights when it is called
         move = (lambda t: t) if like is None else (lambda t: t.to(like.device))  # noqa: E731
-        gate = self._parameters.get("gate")
+        gate = getattr(self, "gate", None)  # by attribute: FSDP1 swaps parameters for plain tensors in its forward
         return ((move(self.down), move(self.up)) if self.rank else None), (None if gate is None else move(gate))
 
     def extra_repr(self) -> str:
@@ -1171,14 +1175,6 @@ class AttnResPreTrainedModel(PreTrainedModel):
             fill_unsaved_buffers(self)
 
 
-def _turn_off_between_layer_shortcuts(model: nn.Module) -> None:
-    """Turn off the BETWEEN_LAYER_SHORTCUTS, which a depth-attention state cannot undergo (the same function)."""
-    for module in model.modules():
-        for attribute, off in BETWEEN_LAYER_SHORTCUTS.items():
-            if attribute in module.__dict__:
-                setattr(module, attribute, off)
-
-
 def fill_unsaved_buffers(model: nn.Module) -> None:
     """The base model's own init of each module holding a non-persistent buffer (Falcon-H1's `mup_vector`), which a
     checkpoint does not hold and transformers skips in custom code; loaded tensors are left alone."""
@@ -1222,7 +1218,9 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
         self._tied_weights_keys = getattr(type(base_model), "_tied_weights_keys", None)
         for name, child in base_model.named_children():
             self.add_module(name, child)
-        _turn_off_between_layer_shortcuts(self)
+        for module in self.modules():  # BETWEEN_LAYER_SHORTCUTS off: a depth-attention state cannot undergo them
+            for attribute in BETWEEN_LAYER_SHORTCUTS.keys() & module.__dict__.keys():
+                setattr(module, attribute, BETWEEN_LAYER_SHORTCUTS[attribute])
         attach_depth_attention(self, config, plan)
         # device_map="auto" keeps each converted layer (AttnRes<Base>) whole: its depth-attention parameters are
         # read with its sublayers.

@@ -106,7 +106,7 @@ class BlockState(NamedTuple):
     @classmethod
     def start(cls, embeddings: torch.Tensor, eps: float) -> BlockState:
         """The embedding b_0 is always its own source."""
-        first = embeddings.float().unsqueeze(-2)
+        first = embeddings.unsqueeze(-2).to(torch.float32, copy=True)  # not a view: FSDP2 warns of returned views
         return cls(first, inverse_rms(first, eps), None, embeddings)
 
     def close(self, eps: float, first: int = 0) -> BlockState:
@@ -149,6 +149,10 @@ class BlockState(NamedTuple):
     def add(self, output: torch.Tensor) -> BlockState:
         partial, stream = join(self.partial, self.stream, output)
         return self._replace(partial=partial, stream=stream)
+
+    def received(self) -> BlockState:  # FSDP2 hands a layer its inputs as views: see the kernels' TrainState
+        views = self.blocks._base is not None
+        return self._replace(blocks=self.blocks.clone(), inv_rms=self.inv_rms.clone()) if views else self
 
     def current_stream(self) -> torch.Tensor:
         return self.stream

@@ -44,10 +44,10 @@ class AttnResQuery(nn.Module):
     def plain_inputs(self, like: torch.Tensor | None = None) -> tuple:
         """((A, B) of an input-dependent query, the gate of an additive reader), each None where the reader has none,
         on the device of `like` where given."""
-        if "_hf_hook" in self.__dict__ and self._parameters["weight"].device.type == "meta":
+        if "_hf_hook" in self.__dict__ and self.weight.device.type == "meta":
             self()  # big-model offload loads the module's weights when it is called
         move = (lambda t: t) if like is None else (lambda t: t.to(like.device))  # noqa: E731
-        gate = self._parameters.get("gate")
+        gate = getattr(self, "gate", None)  # by attribute: FSDP1 swaps parameters for plain tensors in its forward
         return ((move(self.down), move(self.up)) if self.rank else None), (None if gate is None else move(gate))
 
     def extra_repr(self) -> str:

@@ -391,14 +391,6 @@ class AttnResPreTrainedModel(PreTrainedModel):
             fill_unsaved_buffers(self)
 
 
-def _turn_off_between_layer_shortcuts(model: nn.Module) -> None:
-    """Turn off the BETWEEN_LAYER_SHORTCUTS, which a depth-attention state cannot undergo (the same function)."""
-    for module in model.modules():
-        for attribute, off in BETWEEN_LAYER_SHORTCUTS.items():
-            if attribute in module.__dict__:
-                setattr(module, attribute, off)
-
-
 def fill_unsaved_buffers(model: nn.Module) -> None:
     """The base model's own init of each module holding a non-persistent buffer (Falcon-H1's `mup_vector`), which a
     checkpoint does not hold and transformers skips in custom code; loaded tensors are left alone."""
@@ -442,7 +434,9 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
         self._tied_weights_keys = getattr(type(base_model), "_tied_weights_keys", None)
         for name, child in base_model.named_children():
             self.add_module(name, child)
-        _turn_off_between_layer_shortcuts(self)
+        for module in self.modules():  # BETWEEN_LAYER_SHORTCUTS off: a depth-attention state cannot undergo them
+            for attribute in BETWEEN_LAYER_SHORTCUTS.keys() & module.__dict__.keys():
+                setattr(module, attribute, BETWEEN_LAYER_SHORTCUTS[attribute])
         attach_depth_attention(self, config, plan)
         # device_map="auto" keeps each converted layer (AttnRes<Base>) whole: its depth-attention parameters are
         # read with its sublayers.
