@@ -82,6 +82,16 @@ def test_vllm_greedy_tokens_equal_generate(family, tmp_path):
     assert [up_to_end(tokens) for tokens in served] == expected, family
 
 
+def test_input_dependent_queries_and_the_additive_mix_serve_as_generate(tmp_path):
+    """A model with both runs the plain-tensor depth mix (BlockState), as vLLM's compiled forward does for all."""
+    folder = converted_folder("llama", tmp_path / "plain-mix", query_rank=4, additive=True)
+    token_lists = prompts()
+    expected = generate_tokens(folder, token_lists, NEW_TOKENS)
+    result = run_engine(folder, token_lists, tmp_path)
+    assert result.returncode == 0, f"vLLM failed:\n{result.stderr[-4000:]}"
+    assert [up_to_end(tokens) for tokens in vllm_helpers.served_tokens(result)] == expected
+
+
 def _loaded(family: str, tmp_path: Path):
     from transformers import AutoModelForCausalLM
 

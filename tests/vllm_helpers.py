@@ -68,13 +68,20 @@ def prompts() -> list[list[int]]:
     return made
 
 
-def converted_folder(family: str, folder: Path, block_size: int = 2) -> Path:
+def converted_folder(family: str, folder: Path, block_size: int = 2, **conversion) -> Path:
     """A tiny random `family` model converted (block size 2: several blocks over 3 layers) with nonzero queries
-    and key norms, so depth attention changes every token, saved with the character tokenizer and a chat template."""
+    and key norms, so depth attention changes every token, saved with the character tokenizer and a chat template.
+    CONVERSION: convert_model's options (`query_rank`, `additive`), whose tensors are drawn nonzero too."""
     from attnres_convert import convert_model, save_converted
 
     base = tiny_model(family, **cpu_head_size(family))
-    model = randomize_queries(convert_model(copy.deepcopy(base), block_size=block_size), 0.5, seed=1, key_norms=0.3)
+    parts = (
+        ("weight",)
+        + (("up", "down") if conversion.get("query_rank") else ())
+        + (("gate",) * bool(conversion.get("additive")))
+    )
+    model = convert_model(copy.deepcopy(base), block_size=block_size, **conversion)
+    model = randomize_queries(model, 0.5, seed=1, key_norms=0.3, parts=parts)
     tokenizer = char_tokenizer()
     tokenizer.chat_template = CHAT_TEMPLATE
     save_converted(model, folder, tokenizer)
