@@ -124,7 +124,7 @@ def depth_mix(state, query, key_norm_weight, eps, scaling="count", reader=None, 
     `gate`: an additive reader's."""
     if gate is not None:  # a BlockState's (start_state with plain)
         return state.additive_mix_and_weights(query, key_norm_weight, projection, gate, eps)[0]
-    if projection is not None:  # a BlockState's (start_state with token_queries)
+    if projection is not None:  # a BlockState's (start_state with plain)
         return state.mix_token_queries(query, key_norm_weight, projection, eps, scaling)
     folded = reader is not None and state.queries is not None
     return state.mix(state.query(reader) if folded else state.fold(query, key_norm_weight), eps, scaling, reader, norm)
