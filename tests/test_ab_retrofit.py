@@ -363,7 +363,8 @@ def test_the_held_out_standard_error_is_over_sequences():
         tokens[row, length:] = 0
     sequences = Sequences(tokens, lengths, 0)
     accelerator = SimpleNamespace(process_index=0, num_processes=1, device="cpu", reduce=lambda tensor, _: tensor)
-    loss, count, se = heldout_loss_across_processes(model, sequences, accelerator, batch_size=2)
+    heldout = heldout_loss_across_processes(model, sequences, accelerator, batch_size=2)
+    loss, count, se = heldout.loss, heldout.predictions, heldout.se
     sums, counts = [], []
     with torch.no_grad():
         for row, length in enumerate(lengths):
@@ -376,5 +377,6 @@ def test_the_held_out_standard_error_is_over_sequences():
     expected = math.sqrt(n / (n - 1) * sum((s - mean * c) ** 2 for s, c in zip(sums, counts))) / sum(counts)
     assert count == sum(counts) and loss == pytest.approx(mean, rel=1e-5)
     assert se == pytest.approx(expected, rel=1e-4) and se > 0
+    assert heldout.sequence_sums == pytest.approx(sums, rel=1e-5) and heldout.sequence_counts == counts
     # One sequence: no spread to estimate from.
-    assert heldout_loss_across_processes(model, Sequences(tokens[:1], lengths[:1], 0), accelerator, 2)[2] is None
+    assert heldout_loss_across_processes(model, Sequences(tokens[:1], lengths[:1], 0), accelerator, 2).se is None

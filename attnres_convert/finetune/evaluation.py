@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -10,22 +11,34 @@ import torch
 from ..io.text import Sequences, token_loss_by_sequence
 
 
-def heldout_loss_across_processes(
-    model, sequences: Sequences, accelerator, batch_size: int
-) -> tuple[float, int, float | None]:
-    """Held-out loss (mean nats per predicted token), the number of predictions and the loss's standard error,
-    each process scoring its share of SEQUENCES. Every process runs the same number of forward passes (a
-    process short of data repeats one batch and discards it): DDP buffer syncs and FSDP all-gathers need
-    every process in every forward.
+@dataclass
+class Heldout:
+    """One held-out evaluation: the mean loss (nats per predicted token), the number of predictions, the loss's
+    standard error (None with fewer than two sequences) and every sequence's loss sum and prediction count, in
+    the held-out order: two runs scored on the same sequences are compared sequence by sequence (a paired
+    standard error, `paired_difference_se`)."""
+
+    loss: float
+    predictions: int
+    se: float | None
+    sequence_sums: list[float]
+    sequence_counts: list[int]
+
+
+def heldout_loss_across_processes(model, sequences: Sequences, accelerator, batch_size: int) -> Heldout:
+    """The held-out loss of MODEL on SEQUENCES, each process scoring its share. Every process runs the same
+    number of forward passes (a process short of data repeats one batch and discards it): DDP buffer syncs and
+    FSDP all-gathers need every process in every forward.
 
     The standard error treats the sequences as the independent draws (tokens within one are not): the ratio
     estimator's sqrt(n / (n - 1) x sum_i (s_i - L c_i)^2) / sum_i c_i, s_i and c_i a sequence's loss sum and
-    prediction count, L the loss; None with fewer than two sequences."""
+    prediction count, L the loss."""
     rank, world = accelerator.process_index, accelerator.num_processes
     mine = np.arange(len(sequences))[rank::world]
     passes = math.ceil(math.ceil(len(sequences) / world) / batch_size)
-    # loss sum, predictions, sequences, and the sums of s^2, s c and c^2 the standard error is made of
-    totals = torch.zeros(6, dtype=torch.float64, device=accelerator.device)
+    # Row 0: each sequence's loss sum, row 1: its predictions; a process fills its own columns, the sum gathers
+    # them. The last column holds the batches' loss sums: the mean as `token_loss` sums it, bit for bit.
+    table = torch.zeros(2, len(sequences) + 1, dtype=torch.float64, device=accelerator.device)
     was_training = model.training
     model.eval()
     with torch.no_grad():
@@ -33,25 +46,32 @@ def heldout_loss_across_processes(
             chunk = mine[index * batch_size : (index + 1) * batch_size]
             real = len(chunk) > 0
             batch = sequences.batch(chunk if real else np.arange(1))
-            loss, count, sums, counts = token_loss_by_sequence(model, batch, accelerator.device)
+            loss, _, sums, counts = token_loss_by_sequence(model, batch, accelerator.device)
             if real:
-                s, c = sums.double(), counts.double()
-                totals += torch.stack(
-                    [
-                        loss.double(),
-                        torch.tensor(float(count), dtype=torch.float64, device=loss.device),
-                        torch.tensor(float(len(chunk)), dtype=torch.float64, device=loss.device),
-                        (s * s).sum(),
-                        (s * c).sum(),
-                        (c * c).sum(),
-                    ]
-                )
-    totals = accelerator.reduce(totals, "sum")
+                table[0, -1] += loss.double().to(table.device)
+                columns = torch.as_tensor(chunk, device=table.device)
+                table[0, columns] = sums.double().to(table.device)
+                table[1, columns] = counts.double().to(table.device)
+    table = accelerator.reduce(table, "sum")
     model.train(was_training)
-    loss_sum, predictions, n, ss, sc, cc = (float(x) for x in totals)
-    mean = loss_sum / predictions
-    se = None
-    if n > 1:
-        spread = max(ss - 2 * mean * sc + mean * mean * cc, 0.0)  # sum_i (s_i - L c_i)^2, never below 0 by rounding
-        se = math.sqrt(n / (n - 1) * spread) / predictions
-    return mean, int(predictions), se
+    s, c = table[0, :-1].cpu().tolist(), table[1, :-1].cpu().tolist()
+    mean = float(table[0, -1]) / sum(c)
+    return Heldout(mean, int(sum(c)), ratio_se(s, c), s, [int(x) for x in c])
+
+
+def ratio_se(sums: list[float], counts: list[float]) -> float | None:
+    """The standard error of sum(sums) / sum(counts) with the sequences as the draws; None below two."""
+    n = len(sums)
+    if n < 2:
+        return None
+    total = sum(counts)
+    mean = sum(sums) / total
+    spread = sum((s - mean * c) ** 2 for s, c in zip(sums, counts))
+    return math.sqrt(n / (n - 1) * spread) / total
+
+
+def paired_difference_se(sums_a: list[float], sums_b: list[float], counts: list[float]) -> float | None:
+    """The standard error of loss_a - loss_b when both runs scored the same sequences (same COUNTS): the ratio
+    estimator of the per-sequence differences. Sequences hard for one run are hard for the other, so this is far
+    below the two errors combined as if independent."""
+    return ratio_se([a - b for a, b in zip(sums_a, sums_b)], counts)

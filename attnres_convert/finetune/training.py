@@ -431,16 +431,19 @@ class FinetuneRecipe:
     def evaluate(self) -> float:
         """Held-out loss now, written to metrics.jsonl."""
         self._set_gate()  # the model as it is at this step
-        loss, count, se = heldout_loss_across_processes(self.model, self.corpus.eval, self.accelerator, self.eval_batch)
-        step = self.state.step
+        heldout = heldout_loss_across_processes(self.model, self.corpus.eval, self.accelerator, self.eval_batch)
+        loss, step = heldout.loss, self.state.step
         self.metrics.write(
             {
                 "kind": "eval",
                 "step": step,
                 "loss": loss,
                 "perplexity": perplexity(loss),
-                "predictions": count,
-                "loss_se": se,
+                "predictions": heldout.predictions,
+                "loss_se": heldout.se,
+                # per sequence, for a paired comparison of two runs on the same held-out text (`attnres ab`)
+                "sequence_losses": [round(x, 4) for x in heldout.sequence_sums],
+                "sequence_predictions": heldout.sequence_counts,
             }
         )
         self.report.print(f"step {step}: held-out loss {loss:.4f}, perplexity {perplexity(loss):.2f}")
