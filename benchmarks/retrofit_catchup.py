@@ -31,19 +31,24 @@ import argparse
 import json
 import math
 import statistics
+import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-def evals(folder: Path) -> dict[int, tuple[float, float]]:
-    """{step: (held-out loss, its standard error)} of a run's metrics.jsonl."""
+from attnres_convert.finetune.ab import difference_se
+
+
+def evals(folder: Path) -> dict[int, dict]:
+    """{step: evaluation record} of a run's metrics.jsonl (held-out loss, its standard error, per sequence)."""
     path = folder / "metrics.jsonl"
     if not path.is_file():
         return {}
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return {r["step"]: (r["loss"], r.get("loss_se") or 0.0) for r in rows if r.get("kind") == "eval"}
+    return {r["step"]: r for r in rows if r.get("kind") == "eval"}
 
 
-def runs(arm: Path) -> dict[str, dict[int, tuple[float, float]]]:
+def runs(arm: Path) -> dict[str, dict[int, dict]]:
     """{seed-K: evaluations} of an arm's runs; a run still going writes into a hidden partial folder
     (.seed-K.partial-*), read where it holds more evaluations than a finished or interrupted seed-K."""
     found: dict[str, dict] = {}
@@ -73,9 +78,9 @@ def step_reaching(curve: dict[int, float], loss: float) -> float | None:
     return None
 
 
-def mean_curve(curves: list[dict[int, tuple[float, float]]]) -> dict[int, float]:
+def mean_curve(curves: list[dict[int, dict]]) -> dict[int, float]:
     shared = set.intersection(*(set(c) for c in curves)) if curves else set()
-    return {s: statistics.fmean(c[s][0] for c in curves) for s in sorted(shared)}
+    return {s: statistics.fmean(c[s]["loss"] for c in curves) for s in sorted(shared)}
 
 
 def multiplier(pretraining: dict[int, float], scratch_json: Path) -> tuple[float | None, list[dict]]:
@@ -101,7 +106,7 @@ def analyse(work: Path, after: int, scratch_json: Path) -> dict:
     # The continued baseline's curve for the fit: the seed that has gone furthest (a study still running has seeds
     # at different steps).
     longest = max((s for s in baseline if baseline[s]), key=lambda s: len(baseline[s]), default=None)
-    continued = {step: loss for step, (loss, _) in baseline[longest].items()} if longest else {}
+    continued = {step: record["loss"] for step, record in baseline[longest].items()} if longest else {}
     fit = log_fit(continued) if sum(1 for step in continued if step > 0) >= 3 else None
     names = sorted(p.name for p in continued_work.iterdir() if p.is_dir() and p.name != "baseline")
     arms = {name: arm_rows(baseline, runs(continued_work / name), m, fit, continued) for name in names}
@@ -123,8 +128,8 @@ def arm_rows(baseline: dict, arm: dict, m: float | None, fit, continued: dict) -
     reached = {s: set(baseline[s]) & set(arm[s]) for s in seeds}
     for step in sorted(set().union(*reached.values())):
         present = [s for s in seeds if step in reached[s]]
-        leads = [baseline[s][step][0] - arm[s][step][0] for s in present]
-        se = statistics.fmean(math.hypot(baseline[s][step][1], arm[s][step][1]) for s in present)
+        leads = [baseline[s][step]["loss"] - arm[s][step]["loss"] for s in present]
+        se, _ = difference_se([(baseline[s][step], arm[s][step]) for s in present])
         # The ideal lead from the fit: L(T) - L(m T) = -b ln(m), the same at every T for this form; where m T lies
         # past the last evaluation the fit extrapolates (marked).
         ideal = -fit[1] * math.log(m) if m and fit and step else None
@@ -179,7 +184,7 @@ def arm_table(name: str, arm: dict, after: int) -> list[str]:
         eff = "" if row["efficiency"] is None else f"{row['efficiency']:.2f}"
         lines.append(
             f"| {row['step']} ({len(row['seeds'])}) | {row['step'] / after:.2f} | {lead['mean']:+.4f}{sd} ({seeds}) | "
-            f"{row['eval_se']:.4f} | {ideal} | {eff} |"
+            f"{'' if row['eval_se'] is None else format(row['eval_se'], '.4f')} | {ideal} | {eff} |"
         )
     return lines
 

@@ -5,6 +5,7 @@ report's numbers recomputed from the runs' logs; bad input refused before anythi
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 
@@ -15,7 +16,8 @@ from tiny_models import CONFIGS
 from typer.testing import CliRunner
 
 from attnres_convert.cli import app
-from attnres_convert.finetune.ab import arm_recipe, compute_equivalent, folder_name, paired
+from attnres_convert.finetune.ab import arm_recipe, compute_equivalent, difference_se, folder_name, paired
+from attnres_convert.finetune.evaluation import ratio_se
 from attnres_convert.finetune.metrics import read_metrics
 from attnres_convert.finetune.recipe import RecipeError
 from attnres_convert.finetune.retrofit import (
@@ -23,7 +25,6 @@ from attnres_convert.finetune.retrofit import (
     ATTNRES,
     BASELINE,
     continued_is_current,
-    difference_se,
     plan_study,
     run_retrofit,
     savings_claim,
@@ -133,12 +134,16 @@ def test_retrofit_study_end_to_end(setup, tmp_path):
             assert lead["per_seed"] == pytest.approx(expected)
         assert [step for step, _ in point["lead_curve"]] == [0, 2]
         assert point["lead_curve"][0][1]["mean"] == pytest.approx(0, abs=1e-5)  # converted exactly at the save
-        ses = [
-            (_evals(runs["baseline", s])[CONTINUED]["loss_se"], _evals(runs["attnres", s])[CONTINUED]["loss_se"])
-            for s in (0, 1)
-        ]
-        assert all(a > 0 and b > 0 for a, b in ses)
-        assert point["eval_se"] == pytest.approx(difference_se(ses))
+        # The evaluation's standard error of the mean lead: paired over the held-out sequences, by hand.
+        per_seed = []
+        for s in (0, 1):
+            base, arm = _evals(runs["baseline", s])[CONTINUED], _evals(runs["attnres", s])[CONTINUED]
+            assert base["sequence_predictions"] == arm["sequence_predictions"]
+            diffs = [a - b for a, b in zip(arm["sequence_losses"], base["sequence_losses"])]
+            per_seed.append(ratio_se(diffs, base["sequence_predictions"]))
+            assert 0 < per_seed[-1] < math.hypot(base["loss_se"], arm["loss_se"])  # pairing removes shared noise
+        assert point["eval_se"] == pytest.approx(math.sqrt(sum(e * e for e in per_seed)) / 2)
+        assert point["eval_se_paired"] is True
         assert point["verdict"] == savings_claim(paired(leads), point["eval_se"])
         # The token equivalent both ways, from the mean continued curves.
         mean = {
@@ -272,9 +277,25 @@ def test_savings_claim_follows_the_noise_rule():
     }
     assert savings_claim(paired([0.010, 0.011, 0.012]), 0.002) == {"claim": True, "why": "AttnRes ahead"}
     assert savings_claim(paired([-0.010, -0.011, -0.012]), None) == {"claim": True, "why": "AttnRes behind"}
-    # Two independent errors of 0.03 and 0.04 at each of two seeds: sqrt(2 x 0.05^2) / 2.
-    assert difference_se([(0.03, 0.04), (0.03, 0.04)]) == pytest.approx(0.05 / 2**0.5)
-    assert difference_se([(0.03, None)]) is None
+    # Runs that recorded no per-sequence losses: two independent errors of 0.03 and 0.04 at each of two seeds,
+    # sqrt(2 x 0.05^2) / 2.
+    old = ({"loss_se": 0.03}, {"loss_se": 0.04})
+    assert difference_se([old, old]) == (pytest.approx(0.05 / 2**0.5), False)
+    assert difference_se([({"loss_se": 0.03}, None)]) == (None, False)
+    # The same sequences in both runs: the per-sequence differences' ratio estimator. Here the second run is the
+    # first with every sequence 0.5 nats lower in sum: a constant shift per prediction has no spread.
+    counts = [10, 20, 30]
+    first = {"loss_se": 0.3, "sequence_losses": [30.0, 50.0, 95.0], "sequence_predictions": counts}
+    shifted = {"loss_se": 0.3, "sequence_losses": [29.0, 48.0, 92.0], "sequence_predictions": counts}
+    assert difference_se([(first, shifted)]) == (pytest.approx(0.0, abs=1e-12), True)
+    noisy = {"loss_se": 0.3, "sequence_losses": [29.0, 49.0, 92.0], "sequence_predictions": counts}
+    diffs = [1.0, 1.0, 3.0]
+    mean = sum(diffs) / 60
+    expected = math.sqrt(3 / 2 * sum((d - mean * c) ** 2 for d, c in zip(diffs, counts))) / 60
+    assert difference_se([(first, noisy)]) == (pytest.approx(expected), True)
+    # Different held-out sequences (another eval set): back to the independent errors.
+    other = {**noisy, "sequence_predictions": [10, 20, 31]}
+    assert difference_se([(first, other)]) == (pytest.approx(math.hypot(0.3, 0.3)), False)
 
 
 @pytest.mark.parametrize(
@@ -344,7 +365,6 @@ def test_a_pretrained_source_is_refused(setup, tmp_path):
 def test_the_held_out_standard_error_is_over_sequences():
     """loss_se: the ratio estimator's standard error over the held-out sequences, computed here by hand from each
     sequence's own loss (padded sequences included, which weigh by their predictions)."""
-    import math
     from types import SimpleNamespace
 
     import numpy as np

@@ -202,7 +202,7 @@ def test_sizes_that_make_no_model_and_a_config_that_is_not_prenorm(setup, tmp_pa
     assert not (tmp_path / "ab").exists() and not list((tmp_path / "ab-runs").rglob("metrics.jsonl"))
 
 
-def _arm(name, overrides, loss, deltas=None, stderr=0.01, ratio=1.5):
+def _arm(name, overrides, loss, deltas=None, stderr=0.01, ratio=1.5, delta_se=0.0141):
     entry = {
         "name": name,
         "overrides": overrides,
@@ -219,6 +219,8 @@ def _arm(name, overrides, loss, deltas=None, stderr=0.01, ratio=1.5):
             "std": statistics.stdev(deltas) if len(deltas) > 1 else 0.0,
             "min": min(deltas),
             "max": max(deltas),
+            "eval_se": delta_se,  # the evaluation's standard error of the mean Δ (`ab.difference_se`)
+            "eval_se_paired": True,
         }
         entry["compute_equivalent"] = {
             "target_loss": loss,
@@ -237,18 +239,18 @@ def test_a_difference_within_the_noise_claims_no_savings():
     from attnres_convert.finetune.ab import within_noise
 
     base = _arm("baseline", ["model.convert=false"], 3.0)
-    assert within_noise(_arm("attnres", [], 2.9998, [-0.0002]), base) == (
+    assert within_noise(_arm("attnres", [], 2.9998, [-0.0002])) == (
         "one seed; |Δ| 0.0002 <= the evaluation's standard error 0.0141"
     )
-    assert within_noise(_arm("attnres", [], 2.9, [-0.3]), base) == "one seed"  # a clear difference, but one seed
-    assert "the seeds' spread" in within_noise(_arm("attnres", [], 2.99, [-0.05, 0.03, -0.01]), base)
-    assert within_noise(_arm("attnres", [], 2.99, [-0.012, -0.011]), base) == (
+    assert within_noise(_arm("attnres", [], 2.9, [-0.3])) == "one seed"  # a clear difference, but one seed
+    assert "the seeds' spread" in within_noise(_arm("attnres", [], 2.99, [-0.05, 0.03, -0.01]))
+    assert within_noise(_arm("attnres", [], 2.99, [-0.012, -0.011])) == (
         "|Δ| 0.0115 <= the evaluation's standard error 0.0141"
     )
-    assert within_noise(_arm("attnres", [], 2.8, [-0.21, -0.19, -0.2]), base) is None  # clear: a figure stands
+    assert within_noise(_arm("attnres", [], 2.8, [-0.21, -0.19, -0.2])) is None  # clear: a figure stands
     # ab.md gives no figure for a difference within the noise.
     noisy = _arm("attnres", [], 2.9998, [-0.0002])
-    noisy["compute_equivalent"]["noise"] = within_noise(noisy, base)
+    noisy["compute_equivalent"]["noise"] = within_noise(noisy)
     lines = "\n".join(compute_equivalent_lines([base, noisy]))
     assert (
         "| attnres | 2.9998 | within the noise (one seed; |Δ| 0.0002 <= the evaluation's standard error 0.0141): no savings claim |"
@@ -272,7 +274,7 @@ def test_the_ab_console_report_is_whole_at_80_columns():
         _arm("attnres " + " ".join(long), long, 2.5, [-0.51, -0.49]),
     ]
     for arm in arms[1:]:
-        arm["compute_equivalent"]["noise"] = within_noise(arm, base)
+        arm["compute_equivalent"]["noise"] = within_noise(arm)
     report = {"recipe": "ab-scratch-cpu", "steps": 30, "seeds": [0, 1], "arms": arms, "from_scratch": True}
     console = Console(width=80, file=io.StringIO(), record=True, color_system=None)
     console.print(console_report(report, Path("outputs/ab-scratch-cpu")))

@@ -26,6 +26,7 @@ from pathlib import Path
 
 # The report's files and how they are written and shown: ab_report.py (re-exported here for callers of ab).
 from .ab_report import AB_JSON, AB_MD, AB_PNG, compute_equivalent_lines, console_report, markdown, write_report  # noqa: F401
+from .evaluation import paired_difference_se
 from .metrics import METRICS, read_metrics
 from .recipe import RecipeError, apply_overrides, find_recipe, parse_recipe, read_yaml
 from .study import (  # noqa: F401 - the arms and their runs, shared with the retrofit study
@@ -106,6 +107,12 @@ class RunSummary:
     grad_norm: list[tuple[int, float]] = field(default_factory=list)
     attnres_grad_norm: list[tuple[int, float]] = field(default_factory=list)
     eval_stderr_final: float | None = None  # the final evaluation's standard error (None: not recorded)
+    # Every evaluation record by step, per-sequence losses included: for the paired standard error; not in ab.json.
+    records: dict[int, dict] = field(default_factory=dict, repr=False)
+
+    def summary(self) -> dict:
+        """The run as ab.json holds it."""
+        return {k: v for k, v in vars(self).items() if k != "records"}
 
 
 def read_run(folder: Path, seed: int) -> RunSummary:
@@ -129,6 +136,7 @@ def read_run(folder: Path, seed: int) -> RunSummary:
             (r["step"], r["attnres_grad_norm"]) for r in trains if r.get("attnres_grad_norm") is not None
         ],
         eval_stderr_final=evals[-1].get("loss_se") if evals else None,
+        records={r["step"]: r for r in evals},
     )
 
 
@@ -167,11 +175,15 @@ def arm_report(arm: Arm, runs: list[RunSummary], baseline: list[RunSummary] | No
         "tokens_per_s": statistics.fmean(speeds) if speeds else None,
         "trainable_parameters": runs[0].trainable_parameters,
         "attnres_parameters": runs[0].attnres_parameters,
-        "runs": [vars(r) for r in runs],
+        "runs": [r.summary() for r in runs],
     }
     if baseline is not None and not arm.is_baseline:
         base = {r.seed: r for r in baseline}
         entry["delta_final"] = paired([r.eval_loss_final - base[r.seed].eval_loss_final for r in runs])
+        last = {r.seed: max(r.records, default=None) for r in runs}
+        entry["delta_final"]["eval_se"], entry["delta_final"]["eval_se_paired"] = difference_se(
+            [(base[r.seed].records.get(last[r.seed]), r.records.get(last[r.seed])) for r in runs]
+        )
         steps = [s for s, _ in entry["eval"] if all(s in dict(base[r.seed].eval) for r in runs)]
         entry["delta_curve"] = [
             (s, paired([dict(r.eval)[s] - dict(base[r.seed].eval)[s] for r in runs])) for s in steps
@@ -233,16 +245,38 @@ def noise_reasons(mean: float, std: float, seeds: int, eval_se: float | None) ->
     return reasons
 
 
-def within_noise(entry: dict, base: dict) -> str | None:
+def seed_difference_se(first: dict | None, second: dict | None) -> tuple[float | None, bool]:
+    """The evaluation's standard error of one seed's loss difference, from the two runs' evaluation records at
+    the same step, and whether it is paired: over the held-out sequences' own differences when both runs recorded
+    the same sequences (`sequence_losses`; sequences hard for one run are hard for the other), else the two
+    errors combined as if independent, which overstates it (runs written before sequences were recorded)."""
+    if first is None or second is None:
+        return None, False
+    counts = first.get("sequence_predictions")
+    if counts and counts == second.get("sequence_predictions") and "sequence_losses" in second:
+        return paired_difference_se(first["sequence_losses"], second["sequence_losses"], counts), True
+    if first.get("loss_se") is None or second.get("loss_se") is None:
+        return None, False
+    return math.hypot(first["loss_se"], second["loss_se"]), False
+
+
+def difference_se(pairs: list[tuple[dict | None, dict | None]]) -> tuple[float | None, bool]:
+    """The evaluation's standard error of a mean over seeds of a loss difference (`seed_difference_se` per seed:
+    sqrt(sum of their squares) / seeds), and whether every seed's is paired. None when a seed has none."""
+    errors = [seed_difference_se(a, b) for a, b in pairs]
+    if not errors or any(se is None for se, _ in errors):
+        return None, False
+    return math.sqrt(sum(se * se for se, _ in errors)) / len(errors), all(p for _, p in errors)
+
+
+def within_noise(entry: dict) -> str | None:
     """Why the arm's final difference to the baseline is within this run's noise (`noise_reasons`: the seeds'
-    spread is the sample standard deviation of the per-seed Δ, the evaluation's standard error the two final
-    evaluations' combined), or None when it stands out."""
+    spread is the sample standard deviation of the per-seed Δ, the evaluation's standard error the mean Δ's,
+    `difference_se`), or None when it stands out."""
     delta = entry.get("delta_final")
     if delta is None:
         return None
-    errors = [e for e in (entry.get("eval_stderr_final"), base.get("eval_stderr_final")) if e is not None]
-    eval_se = math.sqrt(sum(e * e for e in errors)) if errors else None
-    return "; ".join(noise_reasons(delta["mean"], delta["std"], len(delta["per_seed"]), eval_se)) or None
+    return "; ".join(noise_reasons(delta["mean"], delta["std"], len(delta["per_seed"]), delta.get("eval_se"))) or None
 
 
 def add_compute_equivalents(entries: list[dict], steps: int) -> None:
@@ -258,7 +292,7 @@ def add_compute_equivalents(entries: list[dict], steps: int) -> None:
         ]
         figure["per_seed"] = [f["ratio"] for f in per_seed]
         figure["per_seed_at_baseline_final"] = [f["ratio_at_baseline_final"] for f in per_seed]
-        figure["noise"] = within_noise(entry, base)
+        figure["noise"] = within_noise(entry)
         entry["compute_equivalent"] = figure
 
 

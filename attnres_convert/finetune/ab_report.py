@@ -26,9 +26,12 @@ def _delta(entry: dict) -> str:
     delta = entry.get("delta_final")
     if delta is None:
         return ""
+    se = ""
+    if delta.get("eval_se") is not None:
+        se = f"; eval SE {delta['eval_se']:.4f}{' (paired)' if delta.get('eval_se_paired') else ''}"
     if len(delta["per_seed"]) == 1:
-        return f"{delta['mean']:+.4f}"
-    return f"{delta['mean']:+.4f} ± {delta['std']:.4f} ({delta['min']:+.4f} .. {delta['max']:+.4f})"
+        return f"{delta['mean']:+.4f}{se}"
+    return f"{delta['mean']:+.4f} ± {delta['std']:.4f} ({delta['min']:+.4f} .. {delta['max']:+.4f}){se}"
 
 
 def markdown(report: dict) -> str:
@@ -49,7 +52,9 @@ def markdown(report: dict) -> str:
         "the machine was running).",
         "",
         "Held-out loss in nats per token (mean over the seeds; ± the evaluation's standard error); Δ = arm - baseline "
-        "at the same seed: mean ± sample standard deviation (min .. max) over the seeds. Negative is better.",
+        "at the same seed: mean ± sample standard deviation (min .. max) over the seeds, and the evaluation's standard "
+        "error of the mean Δ (paired: from the held-out sequences' own differences, both arms scoring the same "
+        "sequences). Negative is better.",
         "",
         "| arm | overrides | held-out loss | perplexity | Δ vs baseline | trainable params | tokens/s |",
         "|---|---|---|---|---|---|---|",

@@ -31,7 +31,6 @@ resumes from a checkpoint written after that snapshot).
 from __future__ import annotations
 
 import json
-import math
 import os
 import statistics
 from dataclasses import dataclass, field
@@ -45,6 +44,7 @@ from .ab import (
     arm_recipe,
     arm_report,
     check_scratch_arms,
+    difference_se,
     finished,
     folder_name,
     live_table,
@@ -55,7 +55,6 @@ from .ab import (
     run_tasks,
     write_report,
 )
-from .metrics import METRICS, read_metrics
 from .recipe import Recipe, RecipeError, apply_overrides, find_recipe, parse_recipe, read_yaml
 from .scratch import SCRATCH_FIELDS
 from .study import check_output, live, machine, resumable, run_one, train_arm
@@ -377,27 +376,6 @@ def run_retrofit(
 # --- the report -----------------------------------------------------------------------------------
 
 
-def final_se(folder: Path) -> float | None:
-    """The standard error of a run's last held-out evaluation (metrics.jsonl's loss_se)."""
-    evals = [r for r in read_metrics(folder / METRICS) if r.get("kind") == "eval"]
-    return evals[-1].get("loss_se") if evals else None
-
-
-def se_at(folder: Path, step: int) -> float | None:
-    for record in read_metrics(folder / METRICS):
-        if record.get("kind") == "eval" and record["step"] == step:
-            return record.get("loss_se")
-    return None
-
-
-def difference_se(pairs: list[tuple[float | None, float | None]]) -> float | None:
-    """The evaluation's standard error of a mean over seeds of (baseline - AttnRes), the two losses' errors
-    taken as independent (conservative: both arms score the same held-out sequences, which correlates them)."""
-    if not pairs or any(a is None or b is None for a, b in pairs):
-        return None
-    return math.sqrt(sum(a * a + b * b for a, b in pairs)) / len(pairs)
-
-
 def savings_claim(lead: dict, eval_se: float | None) -> dict:
     """Whether a lead (paired over seeds) supports a claim: the A/B's noise rule (`ab.noise_reasons`)."""
     reasons = noise_reasons(lead["mean"], lead["std"], len(lead["per_seed"]), eval_se)
@@ -410,14 +388,21 @@ def _lead(base: dict[int, float], arm: dict[int, float], seeds: list[int]) -> di
     return paired([base[s] - arm[s] for s in seeds])
 
 
-def arm_lead(work: Path, arm: Arm, runs: list, base_final: dict, base_curves: dict, seeds: list[int]) -> dict:
+def arm_lead(runs: list, base_runs: list) -> dict:
     """One continued AttnRes arm against the continued baseline: its final loss, lead, lead curve and verdict."""
+    seeds = [r.seed for r in base_runs]
+    base_final = {r.seed: r.eval_loss_final for r in base_runs}
+    base_curves = {r.seed: dict(r.eval) for r in base_runs}
     arm_final = {r.seed: r.eval_loss_final for r in runs}
     arm_curves = {r.seed: dict(r.eval) for r in runs}
     steps = sorted(set.intersection(*(set(c) for c in [*base_curves.values(), *arm_curves.values()])))
     lead = _lead(base_final, arm_final, seeds)
-    eval_se = difference_se(
-        [(final_se(work / folder_name(BASELINE, s)), final_se(work / folder_name(arm, s))) for s in seeds]
+    base = {r.seed: r for r in base_runs}
+    eval_se, eval_se_paired = difference_se(
+        [
+            (base[r.seed].records.get(max(r.records, default=None)), r.records.get(max(r.records, default=None)))
+            for r in runs
+        ]
     )
     return {
         "attnres_final": statistics.fmean(arm_final.values()),
@@ -427,6 +412,7 @@ def arm_lead(work: Path, arm: Arm, runs: list, base_final: dict, base_curves: di
             for step in steps
         ],
         "eval_se": eval_se,
+        "eval_se_paired": eval_se_paired,
         "verdict": savings_claim(lead, eval_se),
     }
 
@@ -478,7 +464,7 @@ def study_report(study: Study, command: str, jobs: int) -> tuple[dict, dict[str,
         }
         base_final = {r.seed: r.eval_loss_final for r in runs["baseline"]}
         base_curves = {r.seed: dict(r.eval) for r in runs["baseline"]}
-        leads = {arm.name: arm_lead(work, arm, runs[arm.name], base_final, base_curves, seeds) for arm in arms[1:]}
+        leads = {arm.name: arm_lead(runs[arm.name], runs["baseline"]) for arm in arms[1:]}
         plain = leads.pop(ATTNRES.name)
         point = {
             "after": n,
@@ -505,12 +491,9 @@ def study_report(study: Study, command: str, jobs: int) -> tuple[dict, dict[str,
             base_at = {s: dict(scratch_runs["baseline"][s].eval)[at] for s in seeds}
             arm_at = {s: dict(scratch_runs["attnres"][s].eval)[at] for s in seeds}
             scratch_lead = _lead(base_at, arm_at, seeds)
-            scratch_se = difference_se(
+            scratch_se, scratch_paired = difference_se(
                 [
-                    (
-                        se_at(study.scratch_work / folder_name(BASELINE, s), at),
-                        se_at(study.scratch_work / folder_name(ATTNRES, s), at),
-                    )
+                    (scratch_runs["baseline"][s].records.get(at), scratch_runs["attnres"][s].records.get(at))
                     for s in seeds
                 ]
             )
@@ -519,6 +502,7 @@ def study_report(study: Study, command: str, jobs: int) -> tuple[dict, dict[str,
                 "tokens": at * tokens_per_step,
                 "lead": scratch_lead,
                 "eval_se": scratch_se,
+                "eval_se_paired": scratch_paired,
                 "verdict": savings_claim(scratch_lead, scratch_se),
             }
         points.append(point)
@@ -557,6 +541,12 @@ def _spread(lead: dict) -> str:
     return f"{lead['mean']:+.4f} ± {lead['std']:.4f} ({', '.join(f'{v:+.4f}' for v in lead['per_seed'])})"
 
 
+def _se(lead: dict) -> str:
+    if lead["eval_se"] is None:
+        return ""
+    return f"{lead['eval_se']:.4f}" + (" (paired)" if lead.get("eval_se_paired") else "")
+
+
 def _verdict(verdict: dict) -> str:
     return verdict["why"] if verdict["claim"] else f"no savings claim ({verdict['why']})"
 
@@ -586,7 +576,8 @@ def markdown(report: dict) -> str:
         f"each save the baseline continued and the same model converted to AttnRes and continued, {continued} steps each, "
         "on the text after step N. Lead = baseline - AttnRes held-out loss at the same seed (nats per token, positive: "
         "AttnRes ahead): mean ± sample standard deviation (per seed). Eval SE: the evaluation's standard error of the "
-        "mean lead. A lead is a saving only with two seeds or more and a mean beyond both the spread and the SE.",
+        "mean lead (paired: from the held-out sequences' own differences; otherwise the arms' errors as if "
+        "independent, for runs that recorded no per-sequence losses). A lead is a saving only with two seeds or more and a mean beyond both the spread and the SE.",
         "",
         "| N | baseline at N | lead after the continued steps | eval SE | baseline tokens to AttnRes's final loss | "
         "AttnRes tokens to the baseline's final loss | verdict |"
@@ -596,7 +587,7 @@ def markdown(report: dict) -> str:
     for point in report["after"]:
         one, other = _ratios(point["token_equivalent"])
         start = f"{point['baseline_at_start']:.4f}" if point["baseline_at_start"] is not None else ""
-        se = f"{point['eval_se']:.4f}" if point["eval_se"] is not None else ""
+        se = _se(point)
         row = f"| {point['after']} | {start} | {_spread(point['lead_final'])} | {se} | {one} | {other} | {_verdict(point['verdict'])} |"
         if scratch:
             s = point["scratch"]
@@ -628,7 +619,7 @@ def markdown(report: dict) -> str:
         ]
         for point in report["after"]:
             for name, arm in [("attnres (the recipe)", point), *((lever["arm"], lever) for lever in point["levers"])]:
-                se = f"{arm['eval_se']:.4f}" if arm["eval_se"] is not None else ""
+                se = _se(arm)
                 lines.append(
                     f"| {point['after']} | {name} | {arm['attnres_final']:.4f} | {_spread(arm['lead_final'])} | {se} | "
                     f"{_verdict(arm['verdict'])} |"
