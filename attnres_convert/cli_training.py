@@ -116,6 +116,15 @@ def finetune_command(
     resume: Annotated[
         bool, typer.Option("--resume", help="Continue the run in output.dir from its last checkpoint.")
     ] = False,
+    extend: Annotated[
+        bool,
+        typer.Option(
+            "--extend",
+            help="Continue the shorter run in output.dir to a larger train.steps, from its latest checkpoint whose "
+            "learning rates the longer schedule shares (train.schedule wsd or constant); it is replaced once the "
+            "longer run finishes.",
+        ),
+    ] = False,
     push_to_hub: PushToHubOption = None,
     private: PrivateOption = False,
     token: TokenOption = None,
@@ -133,7 +142,7 @@ def finetune_command(
         parsed = load_recipe(recipe, overrides)  # schema and overrides: answered before torch is imported
         from attnres_convert.finetune.preflight import check_recipe
 
-        check_recipe(parsed, resume=resume, token=token)
+        check_recipe(parsed, resume=resume, token=token, extend=extend)
     from attnres_convert.finetune.run_folder import left_behind
 
     left = lambda: left_behind(Path(parsed.output.dir).expanduser())  # noqa: E731 - Ctrl-C before step 1, or a second one
@@ -141,7 +150,13 @@ def finetune_command(
         from attnres_convert.finetune.training import finetune
 
         result = finetune(
-            parsed, resume=resume, console=err_console if main else None, token=token, verbose=verbose, threads="auto"
+            parsed,
+            resume=resume,
+            extend=extend,
+            console=err_console if main else None,
+            token=token,
+            verbose=verbose,
+            threads="auto",
         )
     if not main:
         return

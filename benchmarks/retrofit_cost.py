@@ -1,11 +1,14 @@
 """What an `attnres ab --retrofit-after` study costs on this machine, measured before running it.
 
     OMP_NUM_THREADS=1 python benchmarks/retrofit_cost.py ab-retrofit-cpu --retrofit-after 100,200,400,800 --seeds 3 --from-scratch
+    ... --workdir WORK        what `--reuse --workdir WORK` would still train (kept, resumed and extended runs)
 
 Plans the study as the command would (every refusal included), times training steps of its two arms (the plain
 baseline and AttnRes, the same architectures from scratch and continued) interleaved in one process on one
 thread, as `attnres ab --throughput` does, and one held-out evaluation of each; then counts the study's steps and
 evaluations and prints its duration on one core (divide by the cores for --jobs on an otherwise idle machine).
+With --workdir, only what `--reuse` would train there counts: a finished run nothing, an unfinished one the steps
+after its checkpoint, a shorter one (a wsd or constant schedule) the steps after the checkpoint it is extended from.
 A busy machine slows every timing alike: read the load average it prints beside them.
 """
 
@@ -45,6 +48,50 @@ def setup_and_evaluation_seconds(recipe, repeats: int) -> tuple[float, float]:
     return setup, statistics.median(times)
 
 
+def count_runs(study, after: list[int], from_scratch: bool, reuse: bool) -> list[tuple[str, str, tuple]]:
+    """(label, arm, (runs to train, runs, steps to train, evaluations)) per kind of run of the study: every run in
+    full, or (REUSE) what `--reuse` would still train in the study's work folder."""
+    from attnres_convert.finetune.retrofit import ARMS, continued_is_current, eval_steps, has_snapshots
+    from attnres_convert.finetune.study import arm_recipe, finished, reuse_start
+
+    def left(recipe, kept: bool, newer_than=None) -> tuple[int, int, int, int]:
+        if reuse and kept:
+            return 0, 1, 0, 0
+        start = reuse_start(recipe, newer_than) if reuse else 0
+        return (
+            1,
+            1,
+            recipe.train.steps - start,
+            sum(1 for step in eval_steps(recipe) if step > start or step == 0 == start),
+        )
+
+    def total(parts) -> tuple[int, ...]:
+        return tuple(map(sum, zip(*parts))) if parts else (0, 0, 0, 0)
+
+    scratch = study.scratch_overrides
+    rows = []
+    pretraining = []
+    for seed in study.seeds:
+        recipe = arm_recipe(study.data, scratch, ARMS[0], seed, study.scratch_work)
+        pretraining.append(left(recipe, finished(recipe) and has_snapshots(Path(recipe.output.dir), after)))
+    rows.append(("pretraining (baseline from scratch)", "baseline", total(pretraining)))
+    if from_scratch:
+        parts = []
+        for seed in study.seeds:
+            recipe = arm_recipe(study.data, scratch, ARMS[1], seed, study.scratch_work)
+            parts.append(left(recipe, finished(recipe)))
+        rows.append(("AttnRes from scratch", "attnres", total(parts)))
+    for arm in ARMS:
+        parts = []
+        for seed in study.seeds:
+            for n in after:
+                recipe = arm_recipe(study.data, study.continued_overrides(seed, n), arm, seed, study.after_work(n))
+                snapshot = study.snapshot(seed, n)
+                parts.append(left(recipe, continued_is_current(recipe, snapshot), snapshot / "config.json"))
+        rows.append((f"{arm.name} continued", arm.name, total(parts)))
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("recipe")
@@ -54,13 +101,14 @@ def main() -> None:
     parser.add_argument("--from-scratch", action="store_true")
     parser.add_argument("--steps", type=int, default=5, help="timed training steps per arm (after two warm-up rounds)")
     parser.add_argument("--evals", type=int, default=2, help="timed evaluations per arm")
+    parser.add_argument("--workdir", type=Path, help="count only what --reuse would train in this work folder")
     args = parser.parse_intermixed_args()
 
     import torch
 
     torch.set_num_threads(1)
     from attnres_convert.finetune.ab import arm_recipe, interleaved_throughput, parse_after
-    from attnres_convert.finetune.retrofit import ARMS, eval_steps, plan_study
+    from attnres_convert.finetune.retrofit import ARMS, plan_study
 
     after = parse_after(args.retrofit_after)
     overrides = (["model.from_scratch=true"] if args.from_scratch else []) + args.overrides
@@ -74,19 +122,12 @@ def main() -> None:
         setups, evals = {name: t[0] for name, t in timed.items()}, {name: t[1] for name, t in timed.items()}
         # The share of a core the timings had: below 1 on a machine busy with other work.
         share = (time.process_time() - cpu) / (time.perf_counter() - wall)
-        continued = arm_recipe(
-            study.data, study.continued_overrides(seed, after[0]), ARMS[0], seed, study.after_work(after[0])
-        )
     base = study.base
     tokens = base.train.micro_batch * base.train.grad_accum * base.data.seq_len
     step = {name: tokens / speed for name, speed in speeds.items()}
-    seeds = len(study.seeds)
-    # Per seed: the pretraining (baseline from scratch), the AttnRes arm from scratch, and both arms continued per N.
-    runs = [("pretraining (baseline from scratch)", "baseline", base.train.steps, len(eval_steps(base)), seeds)]
-    if args.from_scratch:
-        runs.append(("AttnRes from scratch", "attnres", base.train.steps, len(eval_steps(base)), seeds))
-    for name in ("baseline", "attnres"):
-        runs.append((f"{name} continued", name, study.continued, len(eval_steps(continued)), seeds * len(after)))
+    if args.workdir is not None:  # the same study, planned in the work folder --reuse reads
+        study = plan_study(args.recipe, overrides, after, args.seeds, args.from_scratch, args.workdir.resolve())
+    runs = count_runs(study, after, args.from_scratch, reuse=args.workdir is not None)
     load = os.getloadavg()
     print(
         f"Machine: {os.cpu_count()} CPUs, load average {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} (1 / 5 / 15 min); one thread, "
@@ -99,14 +140,14 @@ def main() -> None:
     print("Per held-out evaluation: " + ", ".join(f"{name} {seconds:.2f} s" for name, seconds in evals.items()))
     print("Per run, before its first step: " + ", ".join(f"{name} {seconds:.2f} s" for name, seconds in setups.items()))
     print()
-    print("| runs | count | steps each | evaluations each | one core, as timed | one whole core (x share) |")
+    print("| runs | to train (of) | steps | evaluations | one core, as timed | one whole core (x share) |")
     print("|---|---|---|---|---|---|")
     total = 0.0
-    for label, arm, steps, evaluations, count in runs:
-        seconds = count * (setups[arm] + steps * step[arm] + evaluations * evals[arm])
+    for label, arm, (trained, count, steps, evaluations) in runs:
+        seconds = trained * setups[arm] + steps * step[arm] + evaluations * evals[arm]
         total += seconds
         print(
-            f"| {label} | {count} | {steps} | {evaluations} | {seconds / 3600:.2f} h | {seconds * share / 3600:.2f} h |"
+            f"| {label} | {trained} ({count}) | {steps:,} | {evaluations} | {seconds / 3600:.2f} h | {seconds * share / 3600:.2f} h |"
         )
     print(
         f"| total | | | | {total / 3600:.2f} h ({total / 60:.0f} min) | {total * share / 3600:.2f} h ({total * share / 60:.0f} min) |"

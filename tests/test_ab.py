@@ -160,6 +160,29 @@ def test_ab_reuse_resumes_an_unfinished_arm_from_its_checkpoint(setup, tmp_path)
     assert finished(arm_recipe(data, ["train.warmup_steps=0"], Arm("attnres", ()), 0, work))
 
 
+def test_ab_reuse_extends_shorter_arms_to_more_steps(setup, tmp_path):
+    """A study run again with more train.steps (a wsd schedule) continues each finished arm from its checkpoint
+    before the decay instead of training it again: the same curves as arms trained that long from the start."""
+    common = ["train.warmup_steps=0", "train.schedule=wsd", "train.decay_fraction=0.25", "checkpoint.every=2"]
+    longer = [*common, "train.steps=8", "checkpoint.keep_last=5"]
+    whole = run_ab(setup["recipe"], longer, output=tmp_path / "whole" / "ab")
+    run_ab(setup["recipe"], [*common, "checkpoint.keep_last=5"], output=tmp_path / "ab-4", workdir=tmp_path / "runs")
+    shorter = {
+        arm: (tmp_path / "runs" / arm / "seed-0" / "metrics.jsonl").read_text().splitlines()
+        for arm in ("baseline", "attnres")
+    }
+    extended = run_ab(setup["recipe"], longer, output=tmp_path / "ab-8", workdir=tmp_path / "runs", reuse=True)
+    for ran, reference in zip(extended.report["arms"], whole.report["arms"], strict=True):
+        assert dict(ran["eval"]) == pytest.approx(dict(reference["eval"]), rel=1e-5), ran["name"]
+        assert dict(ran["runs"][0]["train"]) == pytest.approx(dict(reference["runs"][0]["train"]), rel=1e-5)
+    for arm, lines in shorter.items():
+        now = (tmp_path / "runs" / arm / "seed-0" / "metrics.jsonl").read_text().splitlines()
+        # 4 steps decay over the last one: steps 1-3 share the 8-step rates, the checkpoint at 2 is the latest
+        # before; its records (steps 0 to 2, with their measured speeds) are kept, not trained again.
+        kept = [line for line in lines if json.loads(line)["step"] <= 2]
+        assert now[: len(kept)] == kept and json.loads(now[-1])["step"] == 8
+
+
 def test_ab_refuses_what_it_cannot_compare(setup, tmp_path):
     with pytest.raises(RecipeError, match="the A/B needs a recipe that trains something besides AttnRes"):
         run_ab(setup["recipe"], ["train.trainable=attnres"], output=tmp_path / "ab")

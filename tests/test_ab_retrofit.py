@@ -4,10 +4,12 @@ report's numbers recomputed from the runs' logs; bad input refused before anythi
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
 import time
+from pathlib import Path
 
 import pytest
 import yaml
@@ -31,6 +33,7 @@ from attnres_convert.finetune.retrofit import (
 )
 
 runner = CliRunner()
+ROOT = Path(__file__).resolve().parent.parent
 SCRATCH = {"from_scratch": True, "tokenizer": "bytes", "layers": 4, "hidden": 32, "heads": 4, "kv_heads": 2}
 STEPS, CONTINUED = 6, 2  # the pretraining schedule reaches the largest N (4) + the continued steps
 
@@ -265,6 +268,47 @@ def test_a_lever_on_the_retrofit_section_reaches_the_continued_runs(setup, tmp_p
     assert recipe.train.attnres_lr == 0.5 and plain.train.attnres_lr != 0.5
     with pytest.raises(RecipeError, match="--sweep: retrofit.steps is the same for every arm of the study"):
         plan_study(setup["recipe"], [], [2], 1, False, tmp_path, [["retrofit.steps=3"]])
+
+
+def test_reuse_extends_the_continued_runs_to_more_retrofit_steps(setup, tmp_path):
+    """The study again with a larger retrofit.steps (retrofit.schedule constant) continues every continued run
+    from its checkpoint instead of training it again, and keeps the pretraining: the same leads as a study
+    continued that long from the start."""
+    common = ["retrofit.schedule=constant", "checkpoint.every=1"]
+    whole = run_retrofit(setup["recipe"], [*common, "retrofit.steps=4"], after=[2], output=tmp_path / "whole")
+    work = tmp_path / "runs"
+    run_retrofit(setup["recipe"], common, after=[2], output=tmp_path / "short", workdir=work)
+    continued = {arm: work / "after-2" / arm / "seed-0" for arm in ("baseline", "attnres")}
+    shorter = {arm: (folder / "metrics.jsonl").read_text().splitlines() for arm, folder in continued.items()}
+    pretraining = work / "scratch" / "baseline" / "seed-0" / "final_metrics.json"
+    stamp = pretraining.stat().st_mtime_ns
+    # The cost beforehand (benchmarks/retrofit_cost.py --workdir) counts what --reuse trains: no pretraining, and
+    # each continued run from its checkpoint at step 1 (steps 2-4, evaluations at 2 and 4).
+    spec = importlib.util.spec_from_file_location("retrofit_cost", ROOT / "benchmarks" / "retrofit_cost.py")
+    cost = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cost)
+    study = plan_study(setup["recipe"], [*common, "retrofit.steps=4"], [2], 1, False, work)
+    assert {label: counts for label, _, counts in cost.count_runs(study, [2], False, reuse=True)} == {
+        "pretraining (baseline from scratch)": (0, 1, 0, 0),
+        "baseline continued": (1, 1, 3, 2),
+        "attnres continued": (1, 1, 3, 2),
+    }
+    assert [counts for _, _, counts in cost.count_runs(study, [2], False, reuse=False)] == [
+        (1, 1, 6, 4),
+        *[(1, 1, 4, 3)] * 2,
+    ]
+    longer = run_retrofit(
+        setup["recipe"], [*common, "retrofit.steps=4"], after=[2], output=tmp_path / "long", workdir=work, reuse=True
+    )
+    assert pretraining.stat().st_mtime_ns == stamp
+    (ours,), (theirs,) = longer.report["after"], whole.report["after"]
+    assert [step for step, _ in ours["lead_curve"]] == [step for step, _ in theirs["lead_curve"]] == [0, 2, 4]
+    for (_, lead), (_, reference) in zip(ours["lead_curve"], theirs["lead_curve"]):
+        assert lead["per_seed"] == pytest.approx(reference["per_seed"], abs=1e-6)
+    for arm, lines in shorter.items():
+        now = (continued[arm] / "metrics.jsonl").read_text().splitlines()
+        kept = [line for line in lines if json.loads(line)["step"] <= 1]  # up to its checkpoint at step 1
+        assert now[: len(kept)] == kept and json.loads(now[-1])["step"] == 4
 
 
 def test_savings_claim_follows_the_noise_rule():

@@ -36,6 +36,7 @@ class TrainerState:
     position: int = 0  # training sequences consumed (the data stream position)
     tokens: int = 0  # training tokens seen, all processes
     train_seconds: float = 0.0  # time spent in training steps (for tokens/s over the whole run)
+    train_sequences: int = 0  # the training set's size: the data order is a permutation of it (SequenceOrder)
 
     def state_dict(self) -> dict:
         return asdict(self)
@@ -56,6 +57,10 @@ def list_checkpoints(out: Path) -> list[Path]:
         return []
     found = [(int(m.group(1)), p) for p in folder.iterdir() if p.is_dir() and (m := _NAME.match(p.name))]
     return [p for _, p in sorted(found)]
+
+
+def checkpoint_step(path: Path) -> int:
+    return int(_NAME.match(path.name).group(1))
 
 
 def latest_checkpoint(out: Path) -> Path | None:

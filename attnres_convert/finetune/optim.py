@@ -157,20 +157,36 @@ class Schedule:
         return 1.0 - (1 - self.min_ratio) * progress
 
 
-def make_scheduler(optimizer: torch.optim.Optimizer, recipe: Recipe) -> torch.optim.lr_scheduler.LambdaLR:
-    train = recipe.train
+def lr_schedules(train, names: list[str]) -> list[Schedule]:
+    """The schedule of each optimizer group, by its name (TRAIN: the recipe's train section)."""
     schedule = Schedule(train.schedule, train.steps, train.warmup_steps, train.min_lr_ratio, train.decay_fraction)
     first = train.attnres_first_steps
-    if not first or not any(group["name"] == "attnres" for group in optimizer.param_groups):  # nothing to route: off
-        return torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    if not first or "attnres" not in names:  # nothing to route: off
+        return [schedule] * len(names)
     # Routing first: the base's groups wait, then warm up and decay over the steps left; AttnRes's run as usual.
     # Their gradients are still computed meanwhile (AdamW's moments see them; a zero rate moves and decays nothing).
     later = Schedule(
         train.schedule, train.steps - first, train.warmup_steps, train.min_lr_ratio, train.decay_fraction, delay=first
     )
-    return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, [schedule if group["name"] == "attnres" else later for group in optimizer.param_groups]
-    )
+    return [schedule if name == "attnres" else later for name in names]
+
+
+def make_scheduler(optimizer: torch.optim.Optimizer, recipe: Recipe) -> torch.optim.lr_scheduler.LambdaLR:
+    names = [group["name"] for group in optimizer.param_groups]
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedules(recipe.train, names))
+
+
+def shared_schedule_steps(first, second) -> int:
+    """How many leading steps two train sections' schedules give every group the same learning rate at: a run of
+    FIRST's checkpoint at or before that step continues as a run of SECOND would have (`--extend`). A cosine
+    schedule depends on train.steps from its first step after warmup; wsd until the shorter run's decay starts;
+    constant throughout."""
+    names = ["base", "attnres"]
+    ours, theirs = lr_schedules(first, names), lr_schedules(second, names)
+    for step in range(min(first.steps, second.steps)):
+        if any(a(step) != b(step) for a, b in zip(ours, theirs)):
+            return step
+    return min(first.steps, second.steps)
 
 
 def clip_gradient_norm(params: list[torch.Tensor], max_norm: float | None) -> float:

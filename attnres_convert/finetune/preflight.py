@@ -39,8 +39,9 @@ def nothing_to_resume(path: Path) -> bool:
     return not (checkpoints.is_dir() and any(p.name.startswith("step-") for p in checkpoints.iterdir()))
 
 
-def existing_output_problem(recipe: Recipe, resume: bool = False) -> str | None:
-    """Why `attnres finetune` (with or without --resume) cannot write the recipe's output.dir as it stands, or None."""
+def existing_output_problem(recipe: Recipe, resume: bool = False, extend: bool = False) -> str | None:
+    """Why `attnres finetune` (with or without --resume or --extend) cannot write the recipe's output.dir as it
+    stands, or None."""
     out = Path(recipe.output.dir).expanduser()
     if not (out.is_dir() and any(out.iterdir())):
         return None
@@ -49,12 +50,12 @@ def existing_output_problem(recipe: Recipe, resume: bool = False) -> str | None:
             f"output.dir: {out} already exists and is not an attnres run folder (no recipe.yaml and metrics.jsonl); "
             "choose another folder (output.overwrite only replaces earlier runs, never other folders)"
         )
-    if not (resume or recipe.output.overwrite):
+    if not (resume or extend or recipe.output.overwrite):
         if nothing_to_resume(out):
             return None  # started over (FinetuneRecipe says so)
         return (
-            f"output.dir: {out} already holds a run; pass --resume to continue it, "
-            "output.overwrite=true to replace it, or choose another folder"
+            f"output.dir: {out} already holds a run; pass --resume to continue it, --extend to continue it for more "
+            "train.steps, output.overwrite=true to replace it, or choose another folder"
         )
     if not resume and (unwritable := write_problem(Path(os.path.realpath(out)).parent)) is not None:
         # The new run is written beside the earlier one and renamed into its place once finished.
@@ -62,7 +63,9 @@ def existing_output_problem(recipe: Recipe, resume: bool = False) -> str | None:
     return None
 
 
-def check_recipe(recipe: Recipe, resume: bool = False, check_output: bool = True, token: str | None = None) -> None:
+def check_recipe(
+    recipe: Recipe, resume: bool = False, check_output: bool = True, token: str | None = None, extend: bool = False
+) -> None:
     """What the file system can tell, before anything is loaded or written. `check_output=False` skips the
     run-folder check (`attnres recipes validate`: the folder may exist from an earlier run)."""
     problems: list[str] = []
@@ -124,7 +127,7 @@ def check_recipe(recipe: Recipe, resume: bool = False, check_output: bool = True
         problems.append(f"output.dir: {out} is a file, not a folder")
     elif (unwritable := write_problem(out)) is not None:
         problems.append(f"output.dir: cannot write {out}: {unwritable}; choose a folder you can write to")
-    elif check_output and (taken := existing_output_problem(recipe, resume)) is not None:
+    elif check_output and (taken := existing_output_problem(recipe, resume, extend)) is not None:
         problems.append(taken)
     if problems:
         raise RecipeError("\n".join(problems))

@@ -384,6 +384,11 @@ class RetrofitSection(_Section):
     warmup_steps: int | None = Field(
         None, ge=0, description="Warmup of the continued phase (default: train.warmup_steps)."
     )
+    schedule: Literal["cosine", "wsd", "constant"] | None = Field(
+        None,
+        description="Learning-rate schedule of the continued phase (default: train.schedule). With wsd or constant, "
+        "--reuse extends shorter continued runs to a larger retrofit.steps instead of training them again.",
+    )
     trainable: Literal["lora", "full"] = Field(
         "full", description="What trains in the continued phase (lora: the recipe's lora section)."
     )

@@ -57,7 +57,7 @@ from .ab import (
 )
 from .recipe import Recipe, RecipeError, apply_overrides, find_recipe, parse_recipe, read_yaml
 from .scratch import SCRATCH_FIELDS
-from .study import check_output, live, machine, resumable, run_one, train_arm
+from .study import check_output, extendable, live, machine, resumable, run_one, train_arm
 from .training import FinetuneRecipe, TrainingError
 
 RETROFIT_JSON, RETROFIT_MD, RETROFIT_PNG = "retrofit.json", "retrofit.md", "retrofit.png"
@@ -116,7 +116,7 @@ class Study:
             f"data.start_step={n}",
             "retrofit={}",  # copied into train above: the run folder's recipe says what trained
         ]
-        for name in ("lr", "attnres_lr", "warmup_steps"):
+        for name in ("lr", "attnres_lr", "warmup_steps", "schedule"):
             value = getattr(retrofit, name)
             if value is not None:
                 overrides.append(f"train.{name}={value}")
@@ -281,11 +281,14 @@ def _continue_one(
     data: dict, overrides: list[str], arm: Arm, seed: int, workdir: str, reuse: bool, snapshot: str
 ) -> None:
     """One arm continued from a save (in this process or a worker process): with REUSE, kept if it finished after
-    the save was written, resumed from a checkpoint written after it, else trained again."""
+    the save was written, resumed from a checkpoint written after it, a shorter run extended from one (a
+    larger retrofit.steps with retrofit.schedule wsd or constant), else trained again."""
     recipe = arm_recipe(data, overrides, arm, seed, Path(workdir))
     if reuse and continued_is_current(recipe, Path(snapshot)):
         return
-    train_arm(recipe, arm, seed, resume=reuse and resumable(recipe, newer_than=Path(snapshot) / "config.json"))
+    saved = Path(snapshot) / "config.json"
+    resume = reuse and resumable(recipe, newer_than=saved)
+    train_arm(recipe, arm, seed, resume=resume, extend=reuse and not resume and extendable(recipe, newer_than=saved))
 
 
 def run_retrofit(

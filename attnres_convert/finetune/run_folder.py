@@ -41,6 +41,48 @@ def check_resume(recipe: Recipe, out: Path, checkpoint: Path | None) -> None:
             )
 
 
+def extension_checkpoint(recipe: Recipe, out: Path) -> Path:
+    """--extend: the checkpoint of the shorter run in OUT from which RECIPE continues it. The run's recipe must
+    differ in train.steps alone (longer now; eval, checkpoint and output may change), and the checkpoint lie within
+    the steps whose learning rates both schedules share (`shared_schedule_steps`): the latest such. RecipeError
+    saying why not."""
+    from .checkpoints import checkpoint_step, list_checkpoints
+    from .optim import shared_schedule_steps
+
+    if not (out / RECIPE_FILE).is_file():
+        raise RecipeError(f"--extend: {out} holds no run to extend (no {RECIPE_FILE}); run without --extend")
+    saved = parse_recipe(read_yaml(out / RECIPE_FILE))
+    others = [d for d in resume_differences(saved, recipe) if not d.startswith("train.steps:")]
+    if others:
+        raise RecipeError(
+            f"--extend: the recipe differs from the run in {out} in more than train.steps:\n  "
+            + "\n  ".join(others)
+            + "\nExtend with the same recipe and a larger train.steps, or start a new run in another output.dir"
+        )
+    old, new = saved.train.steps, recipe.train.steps
+    if new <= old:
+        raise RecipeError(
+            f"--extend: train.steps={new} does not extend the run in {out} ({old} steps); give more steps than {old}"
+        )
+    shared = shared_schedule_steps(saved.train, recipe.train)
+    found = list_checkpoints(out)
+    usable = [c for c in found if checkpoint_step(c) <= shared]
+    if not usable:
+        why = (
+            "a cosine schedule depends on train.steps from its first step after warmup: train runs to be extended "
+            "with train.schedule=wsd (until the shorter run's decay starts) or constant"
+            if saved.train.schedule == "cosine"
+            else f"its checkpoints: steps {', '.join(str(checkpoint_step(c)) for c in found) or 'none'}; keep one from "
+            "before the decay with checkpoint.every and checkpoint.keep_last"
+        )
+        raise RecipeError(
+            f"--extend: no checkpoint of the run in {out} lies within the first {shared} step{'s' * (shared != 1)}, "
+            "whose learning rates "
+            f"the {new}-step schedule shares with the {old}-step one ({why})"
+        )
+    return usable[-1]
+
+
 def left_behind(out: Path) -> str:
     """What a run stopped before it saved a checkpoint of its own leaves in OUT, in words (for the Ctrl-C
     message): nothing, an earlier complete run, a checkpoint to resume from, or a run folder with nothing to resume."""

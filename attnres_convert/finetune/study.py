@@ -81,21 +81,49 @@ def resumable(recipe: Recipe, newer_than: Path | None = None) -> bool:
         return False
 
 
+def extendable(recipe: Recipe, newer_than: Path | None = None) -> bool:
+    """The run folder holds a shorter run of this recipe (train.steps alone smaller) with a checkpoint the longer
+    schedule shares (`run_folder.extension_checkpoint`), written after NEWER_THAN if given: `reuse` extends it."""
+    from .run_folder import extension_checkpoint
+
+    try:
+        checkpoint = extension_checkpoint(recipe, Path(recipe.output.dir))
+        return newer_than is None or checkpoint.stat().st_mtime_ns > newer_than.stat().st_mtime_ns
+    except (RecipeError, OSError):
+        return False
+
+
+def reuse_start(recipe: Recipe, newer_than: Path | None = None) -> int:
+    """The step from which `reuse` trains RECIPE's unfinished or shorter run: its checkpoint's when it resumes or
+    extends one (written after NEWER_THAN if given), else 0. (A finished run is kept: see `finished`.)"""
+    from .checkpoints import checkpoint_step, latest_checkpoint
+    from .run_folder import extension_checkpoint
+
+    out = Path(recipe.output.dir)
+    if resumable(recipe, newer_than):
+        return checkpoint_step(latest_checkpoint(out))
+    if extendable(recipe, newer_than):
+        return checkpoint_step(extension_checkpoint(recipe, out))
+    return 0
+
+
 def run_one(data: dict, common: list[str], arm: Arm, seed: int, workdir: str, reuse: bool) -> None:
-    """Train one arm at one seed (in this process or a worker process); with REUSE, a finished run is kept and
-    an unfinished one resumes from its last checkpoint."""
+    """Train one arm at one seed (in this process or a worker process); with REUSE, a finished run is kept, an
+    unfinished one resumes from its last checkpoint and a shorter one is extended (`extendable`)."""
     recipe = arm_recipe(data, common, arm, seed, Path(workdir))
     if reuse and finished(recipe):
         return
-    train_arm(recipe, arm, seed, resume=reuse and resumable(recipe))
+    resume = reuse and resumable(recipe)
+    train_arm(recipe, arm, seed, resume=resume, extend=reuse and not resume and extendable(recipe))
 
 
-def train_arm(recipe: Recipe, arm: Arm, seed: int, resume: bool) -> None:
-    """Train an arm's recipe (from its last checkpoint where RESUME), its errors naming the arm and seed."""
+def train_arm(recipe: Recipe, arm: Arm, seed: int, resume: bool, extend: bool = False) -> None:
+    """Train an arm's recipe (from its last checkpoint where RESUME; continuing a shorter run where EXTEND), its
+    errors naming the arm and seed."""
     from .training import TrainingError, finetune
 
     try:
-        result = finetune(recipe, resume=resume)  # quiet: the live table shows every arm's progress
+        result = finetune(recipe, resume=resume, extend=extend)  # quiet: the live table shows every arm's progress
     except (RecipeError, TrainingError) as error:
         raise type(error)(f"arm {arm.name!r}, seed {seed}: {error}") from None
     del result

@@ -47,6 +47,7 @@ from .optim import (
     clip_gradient_norm,
     count_parameters,
     enable_checkpointing,
+    lr_schedules,
     make_optimizer,
     make_scheduler,
     select_trainable,
@@ -55,7 +56,15 @@ from .preflight import check_recipe, nothing_to_resume
 from .recipe import Recipe, RecipeError
 from .reporting import Reporter
 from .result import FinetuneResult, final_metrics, save_result
-from .run_folder import MODEL_DIR, check_resume, prepare_output, publish_run, replaces_run, stage_run
+from .run_folder import (
+    MODEL_DIR,
+    check_resume,
+    extension_checkpoint,
+    prepare_output,
+    publish_run,
+    replaces_run,
+    stage_run,
+)
 from .starting_model import load_starting_model
 from .stopping import GracefulStop, NonFiniteLossError, TrainingError, TrainingInterrupted
 
@@ -80,6 +89,7 @@ class FinetuneRecipe:
         recipe: Recipe,
         *,
         resume: bool = False,
+        extend: bool = False,
         console=None,
         stop_at_step: int | None = None,
         token: str | None = None,
@@ -87,6 +97,9 @@ class FinetuneRecipe:
         threads: int | str | None = None,
     ):
         self.recipe, self.resume, self.stop_at_step, self.token = recipe, resume, stop_at_step, token
+        # Continue the shorter run in output.dir for more steps (from a checkpoint the schedules share); written
+        # beside it and swapped in once finished, like a run that replaces an earlier one.
+        self.extend = extend
         # On the CPU: torch threads to train with ("auto": io.threads.cpu_threads; None: as the process has them).
         self.threads, self.threads_before = threads, None
         self.out = Path(recipe.output.dir).expanduser()
@@ -134,10 +147,14 @@ class FinetuneRecipe:
     def _refuse(self) -> None:
         """Everything that can be refused is refused before anything is loaded or written."""
         recipe, out = self.recipe, self.out
-        check_recipe(recipe, resume=self.resume, token=self.token)
+        if self.resume and self.extend:
+            raise RecipeError("--resume and --extend: choose one (--extend continues a run for more train.steps)")
+        check_recipe(recipe, resume=self.resume, token=self.token, extend=self.extend)
         self.checkpoint_path = latest_checkpoint(out) if self.resume else None
         if self.resume:
             check_resume(recipe, out, self.checkpoint_path)
+        if self.extend:
+            self.checkpoint_path = extension_checkpoint(recipe, out)
         self.distributed = self.accelerator.distributed_type.value
         if recipe.train.trainable == "lora" and self.distributed == "FSDP":
             raise RecipeError(
@@ -219,6 +236,7 @@ class FinetuneRecipe:
         self.order = SequenceOrder(
             len(self.corpus.train), recipe.train.seed, recipe.data.start_step * self.global_batch
         )
+        self.state.train_sequences = len(self.corpus.train)
         optimizer = make_optimizer(model, recipe)
         self.scheduler = make_scheduler(optimizer, recipe)
         new = {id(p) for _, p in attnres_parameters(model)}
@@ -236,7 +254,10 @@ class FinetuneRecipe:
         """The run folder (main process only), and the checkpoint's state when resuming."""
         accelerator, out = self.accelerator, self.out
         staging = None
-        if self.main and replaces_run(self.recipe, out, resuming=self.checkpoint_path is not None):
+        if self.main and self.extend:
+            staging = str(stage_run(out))
+            self.report.say(f"--extend: the longer run is written to {staging} and replaces {out} once finished")
+        elif self.main and replaces_run(self.recipe, out, resuming=self.checkpoint_path is not None):
             staging = str(stage_run(out))
             self.report.say(f"output.overwrite: the new run is written to {staging} and replaces {out} once finished")
         if accelerator.num_processes > 1:  # every process saves its part of each checkpoint there
@@ -248,16 +269,39 @@ class FinetuneRecipe:
         if self.main:
             prepare_output(self.recipe, folder)
             remove_partial_checkpoints(folder)  # left by a run killed while saving; never resumed from
-            if self.checkpoint_path is None:
+            if self.extend:  # the shorter run's records up to its checkpoint (truncated below) are the longer run's
+                shutil.copyfile(out / METRICS, folder / METRICS)
+            elif self.checkpoint_path is None:
                 self.metrics.reset()
         accelerator.wait_for_everyone()
         if self.checkpoint_path is not None:
+            sequences = self.state.train_sequences
             load_checkpoint(accelerator, self.checkpoint_path, self.model)
+            if self.state.train_sequences != sequences:
+                raise RecipeError(
+                    f"{'--extend' if self.extend else '--resume'}: the checkpoint {self.checkpoint_path} was trained on "
+                    f"{self.state.train_sequences:,} training sequences, this run reads {sequences:,} (a streamed "
+                    "dataset is read as far as train.steps needs): set data.max_tokens so that both read the same "
+                    "text, or start a new run"
+                )
             if self.main:
                 self.metrics.truncate_after(self.state.step)
+            if self.extend:
+                self._extend_schedule()
             self.report.say(
-                f"Resumed from {self.checkpoint_path} (step {self.state.step}, {self.state.tokens:,} tokens seen)"
+                f"{'Extended' if self.extend else 'Resumed'} from {self.checkpoint_path} (step {self.state.step}, "
+                f"{self.state.tokens:,} tokens seen)"
             )
+
+    def _extend_schedule(self) -> None:
+        """The checkpoint's scheduler carries the shorter run's schedule (its settings are in its state): the
+        longer one takes over from here, the next step's learning rates set from it. Both gave every step so far
+        the same rates (`extension_checkpoint`)."""
+        scheduler = self.scheduler
+        names = [group["name"] for group in scheduler.optimizer.param_groups]
+        scheduler.lr_lambdas = lr_schedules(self.recipe.train, names)
+        for group, base, schedule in zip(scheduler.optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
+            group["lr"] = base * schedule(scheduler.last_epoch)
 
     # --- training ---------------------------------------------------------------------------------
 
@@ -495,6 +539,7 @@ def finetune(
     recipe: Recipe,
     *,
     resume: bool = False,
+    extend: bool = False,
     console=None,
     stop_at_step: int | None = None,
     token: str | None = None,
@@ -504,5 +549,12 @@ def finetune(
     """Run RECIPE (see FinetuneRecipe.run); VERBOSE prints the whole resolved recipe, not only its headline; THREADS:
     the torch threads of a CPU run ("auto": one per idle core, or OMP_NUM_THREADS; None: as the process has them)."""
     return FinetuneRecipe(
-        recipe, resume=resume, console=console, stop_at_step=stop_at_step, token=token, verbose=verbose, threads=threads
+        recipe,
+        resume=resume,
+        extend=extend,
+        console=console,
+        stop_at_step=stop_at_step,
+        token=token,
+        verbose=verbose,
+        threads=threads,
     ).run()
