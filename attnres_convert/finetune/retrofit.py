@@ -401,11 +401,9 @@ def arm_lead(runs: list, base_runs: list) -> dict:
     steps = sorted(set.intersection(*(set(c) for c in [*base_curves.values(), *arm_curves.values()])))
     lead = _lead(base_final, arm_final, seeds)
     base = {r.seed: r for r in base_runs}
+    last = {r.seed: max(r.records, default=None) for r in runs}  # the final evaluation's step
     eval_se, eval_se_paired = difference_se(
-        [
-            (base[r.seed].records.get(max(r.records, default=None)), r.records.get(max(r.records, default=None)))
-            for r in runs
-        ]
+        [(base[r.seed].records.get(last[r.seed]), r.records.get(last[r.seed])) for r in runs]
     )
     return {
         "attnres_final": statistics.fmean(arm_final.values()),
@@ -580,7 +578,8 @@ def markdown(report: dict) -> str:
         "on the text after step N. Lead = baseline - AttnRes held-out loss at the same seed (nats per token, positive: "
         "AttnRes ahead): mean ± sample standard deviation (per seed). Eval SE: the evaluation's standard error of the "
         "mean lead (paired: from the held-out sequences' own differences; otherwise the arms' errors as if "
-        "independent, for runs that recorded no per-sequence losses). A lead is a saving only with two seeds or more and a mean beyond both the spread and the SE.",
+        "independent, for runs that recorded no per-sequence losses). A lead is a saving only with two seeds or "
+        "more and a mean beyond both the spread and the SE.",
         "",
         "| N | baseline at N | lead after the continued steps | eval SE | baseline tokens to AttnRes's final loss | "
         "AttnRes tokens to the baseline's final loss | verdict |"
