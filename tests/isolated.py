@@ -39,3 +39,22 @@ def run_isolated(code: str) -> subprocess.CompletedProcess:
         timeout=300,
         stdin=subprocess.DEVNULL,
     )
+
+
+def assert_same_logits_without_the_package(folder, ids: torch.Tensor, expected: torch.Tensor, scratch) -> None:
+    """FOLDER, loaded with trust_remote_code in a Python that cannot import this package, gives EXPECTED logits for
+    IDS bit for bit (SCRATCH: a folder for the tensors handed over)."""
+    from pathlib import Path
+
+    handed = Path(scratch) / "expected.pt"
+    torch.save({"ids": ids, "logits": expected}, handed)
+    result = run_isolated(f"""
+        import torch
+        from transformers import AutoModelForCausalLM
+        model = AutoModelForCausalLM.from_pretrained({str(folder)!r}, trust_remote_code=True).eval()
+        data = torch.load({str(handed)!r})
+        with torch.no_grad():
+            assert torch.equal(model(data["ids"]).logits, data["logits"])
+        print("ok")
+    """)
+    assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-2000:]

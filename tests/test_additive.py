@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 from finetune_helpers import tiny_model_folder, tiny_recipe, write_corpus
-from isolated import run_isolated
+from isolated import assert_same_logits_without_the_package
 from safetensors.torch import load_file
 from tiny_models import tiny_model, token_ids
 from typer.testing import CliRunner
@@ -112,17 +112,7 @@ def test_a_trained_additive_model_saves_and_loads_without_this_package(tmp_path)
     assert tensors["model.layers.0.mlp_res_proj.gate"].shape == (1,) and "model.output_attn_res_proj.gate" in tensors
     with torch.no_grad():
         assert torch.equal(load_converted(out).eval()(ids).logits, expected)
-    torch.save({"ids": ids, "logits": expected}, tmp_path / "expected.pt")
-    result = run_isolated(f"""
-        import torch
-        from transformers import AutoModelForCausalLM
-        model = AutoModelForCausalLM.from_pretrained({str(out)!r}, trust_remote_code=True).eval()
-        data = torch.load({str(tmp_path / "expected.pt")!r})
-        with torch.no_grad():
-            assert torch.equal(model(data["ids"]).logits, data["logits"])
-        print("ok")
-    """)
-    assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-2000:]
+    assert_same_logits_without_the_package(out, ids, expected, tmp_path)
 
 
 def test_the_static_query_kernels_are_refused(monkeypatch):
