@@ -171,7 +171,16 @@ def test_ab_reuse_extends_shorter_arms_to_more_steps(setup, tmp_path):
         arm: (tmp_path / "runs" / arm / "seed-0" / "metrics.jsonl").read_text().splitlines()
         for arm in ("baseline", "attnres")
     }
-    extended = run_ab(setup["recipe"], longer, output=tmp_path / "ab-8", workdir=tmp_path / "runs", reuse=True)
+    import io
+
+    from rich.console import Console
+
+    screen = Console(width=200, file=io.StringIO(), color_system=None)
+    extended = run_ab(
+        setup["recipe"], longer, output=tmp_path / "ab-8", workdir=tmp_path / "runs", reuse=True, console=screen
+    )
+    # Said before it starts: each arm goes on from step 2, 6 steps of 8 to train.
+    assert "2 runs: 2 resumed or extended; 12 training steps to go" in screen.file.getvalue()
     for ran, reference in zip(extended.report["arms"], whole.report["arms"], strict=True):
         assert dict(ran["eval"]) == pytest.approx(dict(reference["eval"]), rel=1e-5), ran["name"]
         assert dict(ran["runs"][0]["train"]) == pytest.approx(dict(reference["runs"][0]["train"]), rel=1e-5)

@@ -30,7 +30,9 @@ from attnres_convert.finetune.retrofit import (
     plan_study,
     run_retrofit,
     savings_claim,
+    study_plan,
 )
+from attnres_convert.finetune.study import plan_summary
 
 runner = CliRunner()
 ROOT = Path(__file__).resolve().parent.parent
@@ -297,6 +299,11 @@ def test_reuse_extends_the_continued_runs_to_more_retrofit_steps(setup, tmp_path
         (1, 1, 6, 4),
         *[(1, 1, 4, 3)] * 2,
     ]
+    # ... and so does the study as it starts.
+    assert (
+        plan_summary(study_plan(study, reuse=True)) == "3 runs: 1 kept, 2 resumed or extended; 6 training steps to go"
+    )
+    assert plan_summary(study_plan(study, reuse=False)) == "3 runs: 3 from step 0; 14 training steps to go"
     longer = run_retrofit(
         setup["recipe"], [*common, "retrofit.steps=4"], after=[2], output=tmp_path / "long", workdir=work, reuse=True
     )

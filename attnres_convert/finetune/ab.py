@@ -38,6 +38,8 @@ from .study import (  # noqa: F401 - the arms and their runs, shared with the re
     folder_name,
     live,
     machine,
+    plan_entry,
+    plan_summary,
     run_one,
     run_tasks,
 )
@@ -469,6 +471,12 @@ def run_ab(
     main = state.is_main_process
     title = f"A/B: {path.stem} ({base.train.steps} steps, {len(seed_list)} seed(s))"
     show = console is not None and main
+    if show:
+        entries = []
+        for arm, seed in jobs_list:
+            arm_run = arm_recipe(data, overrides, arm, seed, work)
+            entries.append(plan_entry(arm_run, reuse, finished(arm_run)))
+        console.print(f"{title}: {plan_summary(entries)}", highlight=False)
     with live(console if show else None, lambda: live_table(arms, seed_list, work, base.train.steps, title)):
         run_tasks([(run_one, (data, overrides, arm, seed, str(work), reuse)) for arm, seed in jobs_list], jobs)
     state.wait_for_everyone()

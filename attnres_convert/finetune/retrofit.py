@@ -57,7 +57,17 @@ from .ab import (
 )
 from .recipe import Recipe, RecipeError, apply_overrides, find_recipe, parse_recipe, read_yaml
 from .scratch import SCRATCH_FIELDS
-from .study import check_output, extendable, live, machine, resumable, run_one, train_arm
+from .study import (
+    check_output,
+    extendable,
+    live,
+    machine,
+    plan_entry,
+    plan_summary,
+    resumable,
+    run_one,
+    train_arm,
+)
 from .training import FinetuneRecipe, TrainingError
 
 RETROFIT_JSON, RETROFIT_MD, RETROFIT_PNG = "retrofit.json", "retrofit.md", "retrofit.png"
@@ -291,6 +301,35 @@ def _continue_one(
     train_arm(recipe, arm, seed, resume=resume, extend=reuse and not resume and extendable(recipe, newer_than=saved))
 
 
+def study_plan(study: Study, reuse: bool) -> list[tuple[int, int | None]]:
+    """`plan_entry` of every run of the study, in the order they train: a seed whose pretraining trains again
+    trains its continued runs again from step 0 (their save is rewritten)."""
+    entries, kept_bases = [], {}
+    for seed in study.seeds:
+        recipe = arm_recipe(study.data, study.scratch_overrides, BASELINE, seed, study.scratch_work)
+        # Pretraining is kept, or trained whole (it does not resume).
+        kept_bases[seed] = reuse and finished(recipe) and has_snapshots(Path(recipe.output.dir), study.after)
+        entries.append(
+            plan_entry(recipe, reuse, kept_bases[seed]) if kept_bases[seed] else plan_entry(recipe, False, False)
+        )
+    if study.scratch_arms:
+        for seed in study.seeds:
+            recipe = arm_recipe(study.data, study.scratch_overrides, ATTNRES, seed, study.scratch_work)
+            entries.append(plan_entry(recipe, reuse, finished(recipe)))
+    for seed in study.seeds:
+        for n in study.after:
+            for arm in study.continued_arms:
+                recipe = arm_recipe(study.data, study.continued_overrides(seed, n), arm, seed, study.after_work(n))
+                snapshot = study.snapshot(seed, n)
+                if not kept_bases[seed]:
+                    entries.append(plan_entry(recipe, False, False))
+                    continue
+                entries.append(
+                    plan_entry(recipe, reuse, continued_is_current(recipe, snapshot), snapshot / "config.json")
+                )
+    return entries
+
+
 def run_retrofit(
     recipe: str | os.PathLike,
     overrides: list[str] | None = None,
@@ -363,6 +402,8 @@ def run_retrofit(
         return Group(*shown)
 
     show = console is not None and state.is_main_process
+    if show:
+        console.print(f"Retrofit study: {plan_summary(study_plan(study, reuse))}", highlight=False)
     with live(console if show else None, tables):
         run_tasks(first, jobs)  # the continued runs start from the pretraining's snapshots
         run_tasks(then, jobs)

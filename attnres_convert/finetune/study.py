@@ -107,6 +107,26 @@ def reuse_start(recipe: Recipe, newer_than: Path | None = None) -> int:
     return 0
 
 
+def plan_entry(recipe: Recipe, reuse: bool, kept: bool, newer_than: Path | None = None) -> tuple[int, int | None]:
+    """(train.steps, the step the run trains from: None when `reuse` keeps it as it is, KEPT)."""
+    if reuse and kept:
+        return recipe.train.steps, None
+    return recipe.train.steps, reuse_start(recipe, newer_than) if reuse else 0
+
+
+def plan_summary(entries: list[tuple[int, int | None]]) -> str:
+    """What a study is about to train, said before it starts: '6 runs: 2 kept, 1 resumed or extended, 3 from
+    step 0; 2,400 training steps to go'."""
+    kept = sum(1 for _, start in entries if start is None)
+    continued = sum(1 for _, start in entries if start)
+    fresh = sum(1 for _, start in entries if start == 0)
+    left = sum(steps - start for steps, start in entries if start is not None)
+    parts = [f"{kept} kept"] if kept else []
+    parts += [f"{continued} resumed or extended"] if continued else []
+    parts += [f"{fresh} from step 0"] if fresh else []
+    return f"{len(entries)} runs: {', '.join(parts)}; {left:,} training steps to go"
+
+
 def run_one(data: dict, common: list[str], arm: Arm, seed: int, workdir: str, reuse: bool) -> None:
     """Train one arm at one seed (in this process or a worker process); with REUSE, a finished run is kept, an
     unfinished one resumes from its last checkpoint and a shorter one is extended (`extendable`)."""
