@@ -69,8 +69,8 @@ def extension_checkpoint(recipe: Recipe, out: Path) -> Path:
     usable = [c for c in found if checkpoint_step(c) <= shared]
     if not usable:
         why = (
-            "a cosine schedule depends on train.steps from its first step after warmup: train runs to be extended "
-            "with train.schedule=wsd (until the shorter run's decay starts) or constant"
+            "a cosine schedule depends on train.steps from its first step after warmup; a run trained with "
+            "train.schedule=wsd extends from a checkpoint before its decay, one with constant from any"
             if saved.train.schedule == "cosine"
             else f"its checkpoints: steps {', '.join(str(checkpoint_step(c)) for c in found) or 'none'}; keep one from "
             "before the decay with checkpoint.every and checkpoint.keep_last"
