@@ -26,7 +26,6 @@ from pathlib import Path
 
 # The report's files and how they are written and shown: ab_report.py (re-exported here for callers of ab).
 from .ab_report import AB_JSON, AB_MD, AB_PNG, compute_equivalent_lines, console_report, markdown, write_report  # noqa: F401
-from .evaluation import paired_difference_se
 from .metrics import METRICS, read_metrics
 from .recipe import RecipeError, apply_overrides, find_recipe, parse_recipe, read_yaml
 from .study import (  # noqa: F401 - the arms and their runs, shared with the retrofit study
@@ -252,6 +251,8 @@ def seed_difference_se(first: dict | None, second: dict | None) -> tuple[float |
     the same step, and whether it is paired: over the held-out sequences' own differences when both runs recorded
     the same sequences (`sequence_losses`; sequences hard for one run are hard for the other), else the two
     errors combined as if independent, which overstates it (runs written before sequences were recorded)."""
+    from .evaluation import paired_difference_se  # imports torch: not before the CLI has checked its arguments
+
     if first is None or second is None:
         return None, False
     counts = first.get("sequence_predictions")
