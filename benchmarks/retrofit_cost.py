@@ -48,48 +48,21 @@ def setup_and_evaluation_seconds(recipe, repeats: int) -> tuple[float, float]:
     return setup, statistics.median(times)
 
 
-def count_runs(study, after: list[int], from_scratch: bool, reuse: bool) -> list[tuple[str, str, tuple]]:
-    """(label, arm, (runs to train, runs, steps to train, evaluations)) per kind of run of the study: every run in
-    full, or (REUSE) what `--reuse` would still train in the study's work folder."""
-    from attnres_convert.finetune.retrofit import ARMS, continued_is_current, eval_steps, has_snapshots
-    from attnres_convert.finetune.study import arm_recipe, finished, reuse_start
+def count_runs(study, reuse: bool) -> list[tuple[str, str, tuple]]:
+    """(label, arm, (runs to train, runs, steps to train, evaluations)) per kind of run of the study
+    (`retrofit.study_plan`): every run in full, or (REUSE) what `--reuse` would still train in its work folder."""
+    from attnres_convert.finetune.retrofit import eval_steps, study_plan
 
-    def left(recipe, kept: bool, newer_than=None) -> tuple[int, int, int, int]:
-        if reuse and kept:
-            return 0, 1, 0, 0
-        start = reuse_start(recipe, newer_than) if reuse else 0
-        return (
-            1,
-            1,
-            recipe.train.steps - start,
-            sum(1 for step in eval_steps(recipe) if step > start or step == 0 == start),
-        )
-
-    def total(parts) -> tuple[int, ...]:
-        return tuple(map(sum, zip(*parts))) if parts else (0, 0, 0, 0)
-
-    scratch = study.scratch_overrides
-    rows = []
-    pretraining = []
-    for seed in study.seeds:
-        recipe = arm_recipe(study.data, scratch, ARMS[0], seed, study.scratch_work)
-        pretraining.append(left(recipe, finished(recipe) and has_snapshots(Path(recipe.output.dir), after)))
-    rows.append(("pretraining (baseline from scratch)", "baseline", total(pretraining)))
-    if from_scratch:
-        parts = []
-        for seed in study.seeds:
-            recipe = arm_recipe(study.data, scratch, ARMS[1], seed, study.scratch_work)
-            parts.append(left(recipe, finished(recipe)))
-        rows.append(("AttnRes from scratch", "attnres", total(parts)))
-    for arm in ARMS:
-        parts = []
-        for seed in study.seeds:
-            for n in after:
-                recipe = arm_recipe(study.data, study.continued_overrides(seed, n), arm, seed, study.after_work(n))
-                snapshot = study.snapshot(seed, n)
-                parts.append(left(recipe, continued_is_current(recipe, snapshot), snapshot / "config.json"))
-        rows.append((f"{arm.name} continued", arm.name, total(parts)))
-    return rows
+    rows: dict[str, tuple[str, list[int]]] = {}
+    for label, recipe, start in study_plan(study, reuse):
+        arm = "attnres" if recipe.model.convert else "baseline"  # the timed arm it runs like
+        counts = rows.setdefault(label, (arm, [0, 0, 0, 0]))[1]
+        counts[1] += 1
+        if start is not None:
+            counts[0] += 1
+            counts[2] += recipe.train.steps - start
+            counts[3] += sum(1 for step in eval_steps(recipe) if step > start or step == 0 == start)
+    return [(label, arm, tuple(counts)) for label, (arm, counts) in rows.items()]
 
 
 def main() -> None:
@@ -127,7 +100,7 @@ def main() -> None:
     step = {name: tokens / speed for name, speed in speeds.items()}
     if args.workdir is not None:  # the same study, planned in the work folder --reuse reads
         study = plan_study(args.recipe, overrides, after, args.seeds, args.from_scratch, args.workdir.resolve())
-    runs = count_runs(study, after, args.from_scratch, reuse=args.workdir is not None)
+    runs = count_runs(study, reuse=args.workdir is not None)
     load = os.getloadavg()
     print(
         f"Machine: {os.cpu_count()} CPUs, load average {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} (1 / 5 / 15 min); one thread, "

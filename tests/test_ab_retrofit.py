@@ -290,20 +290,24 @@ def test_reuse_extends_the_continued_runs_to_more_retrofit_steps(setup, tmp_path
     cost = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(cost)
     study = plan_study(setup["recipe"], [*common, "retrofit.steps=4"], [2], 1, False, work)
-    assert {label: counts for label, _, counts in cost.count_runs(study, [2], False, reuse=True)} == {
+    assert {label: counts for label, _, counts in cost.count_runs(study, reuse=True)} == {
         "pretraining (baseline from scratch)": (0, 1, 0, 0),
         "baseline continued": (1, 1, 3, 2),
         "attnres continued": (1, 1, 3, 2),
     }
-    assert [counts for _, _, counts in cost.count_runs(study, [2], False, reuse=False)] == [
+    assert [counts for _, _, counts in cost.count_runs(study, reuse=False)] == [
         (1, 1, 6, 4),
         *[(1, 1, 4, 3)] * 2,
     ]
     # ... and so does the study as it starts.
     assert (
-        plan_summary(study_plan(study, reuse=True)) == "3 runs: 1 kept, 2 resumed or extended; 6 training steps to go"
+        plan_summary([(r.train.steps, start) for _, r, start in study_plan(study, reuse=True)])
+        == "3 runs: 1 kept, 2 resumed or extended; 6 training steps to go"
     )
-    assert plan_summary(study_plan(study, reuse=False)) == "3 runs: 3 from step 0; 14 training steps to go"
+    assert (
+        plan_summary([(r.train.steps, start) for _, r, start in study_plan(study, reuse=False)])
+        == "3 runs: 3 from step 0; 14 training steps to go"
+    )
     longer = run_retrofit(
         setup["recipe"], [*common, "retrofit.steps=4"], after=[2], output=tmp_path / "long", workdir=work, reuse=True
     )

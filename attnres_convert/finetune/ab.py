@@ -181,10 +181,7 @@ def arm_report(arm: Arm, runs: list[RunSummary], baseline: list[RunSummary] | No
     if baseline is not None and not arm.is_baseline:
         base = {r.seed: r for r in baseline}
         entry["delta_final"] = paired([r.eval_loss_final - base[r.seed].eval_loss_final for r in runs])
-        last = {r.seed: max(r.records, default=None) for r in runs}
-        entry["delta_final"]["eval_se"], entry["delta_final"]["eval_se_paired"] = difference_se(
-            [(base[r.seed].records.get(last[r.seed]), r.records.get(last[r.seed])) for r in runs]
-        )
+        entry["delta_final"]["eval_se"], entry["delta_final"]["eval_se_paired"] = final_difference_se(runs, baseline)
         steps = [s for s, _ in entry["eval"] if all(s in dict(base[r.seed].eval) for r in runs)]
         entry["delta_curve"] = [
             (s, paired([dict(r.eval)[s] - dict(base[r.seed].eval)[s] for r in runs])) for s in steps
@@ -270,6 +267,13 @@ def difference_se(pairs: list[tuple[dict | None, dict | None]]) -> tuple[float |
     if not errors or any(se is None for se, _ in errors):
         return None, False
     return math.sqrt(sum(se * se for se, _ in errors)) / len(errors), all(p for _, p in errors)
+
+
+def final_difference_se(runs: list[RunSummary], baseline: list[RunSummary]) -> tuple[float | None, bool]:
+    """`difference_se` of the final evaluations: each run's last against its seed's baseline at the same step."""
+    base = {r.seed: r.records for r in baseline}
+    last = {r.seed: max(r.records, default=None) for r in runs}
+    return difference_se([(base[r.seed].get(last[r.seed]), r.records.get(last[r.seed])) for r in runs])
 
 
 def within_noise(entry: dict) -> str | None:

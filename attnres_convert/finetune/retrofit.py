@@ -45,6 +45,7 @@ from .ab import (
     arm_report,
     check_scratch_arms,
     difference_se,
+    final_difference_se,
     finished,
     folder_name,
     live_table,
@@ -57,17 +58,7 @@ from .ab import (
 )
 from .recipe import Recipe, RecipeError, apply_overrides, find_recipe, parse_recipe, read_yaml
 from .scratch import SCRATCH_FIELDS
-from .study import (
-    check_output,
-    extendable,
-    live,
-    machine,
-    plan_entry,
-    plan_summary,
-    resumable,
-    run_one,
-    train_arm,
-)
+from .study import check_output, continuation, live, machine, plan_entry, plan_summary, run_one, train_arm
 from .training import FinetuneRecipe, TrainingError
 
 RETROFIT_JSON, RETROFIT_MD, RETROFIT_PNG = "retrofit.json", "retrofit.md", "retrofit.png"
@@ -296,38 +287,34 @@ def _continue_one(
     recipe = arm_recipe(data, overrides, arm, seed, Path(workdir))
     if reuse and continued_is_current(recipe, Path(snapshot)):
         return
-    saved = Path(snapshot) / "config.json"
-    resume = reuse and resumable(recipe, newer_than=saved)
-    train_arm(recipe, arm, seed, resume=resume, extend=reuse and not resume and extendable(recipe, newer_than=saved))
+    train_arm(recipe, arm, seed, continuation(recipe, newer_than=Path(snapshot) / "config.json") if reuse else None)
 
 
-def study_plan(study: Study, reuse: bool) -> list[tuple[int, int | None]]:
-    """`plan_entry` of every run of the study, in the order they train: a seed whose pretraining trains again
-    trains its continued runs again from step 0 (their save is rewritten)."""
-    entries, kept_bases = [], {}
+def study_plan(study: Study, reuse: bool) -> list[tuple[str, Recipe, int | None]]:
+    """Every run of the study, in the order they train: (what it is, its recipe, the step it trains from: None
+    when `reuse` keeps it). A pretraining run is kept or trained whole (it does not resume), and a seed whose
+    pretraining trains again trains its continued runs again from step 0 (their save is rewritten)."""
+    plan, kept_bases = [], {}
     for seed in study.seeds:
         recipe = arm_recipe(study.data, study.scratch_overrides, BASELINE, seed, study.scratch_work)
-        # Pretraining is kept, or trained whole (it does not resume).
         kept_bases[seed] = reuse and finished(recipe) and has_snapshots(Path(recipe.output.dir), study.after)
-        entries.append(
-            plan_entry(recipe, reuse, kept_bases[seed]) if kept_bases[seed] else plan_entry(recipe, False, False)
-        )
+        plan.append(("pretraining (baseline from scratch)", recipe, None if kept_bases[seed] else 0))
     if study.scratch_arms:
         for seed in study.seeds:
             recipe = arm_recipe(study.data, study.scratch_overrides, ATTNRES, seed, study.scratch_work)
-            entries.append(plan_entry(recipe, reuse, finished(recipe)))
+            plan.append(("AttnRes from scratch", recipe, plan_entry(recipe, reuse, finished(recipe))[1]))
     for seed in study.seeds:
         for n in study.after:
             for arm in study.continued_arms:
                 recipe = arm_recipe(study.data, study.continued_overrides(seed, n), arm, seed, study.after_work(n))
                 snapshot = study.snapshot(seed, n)
-                if not kept_bases[seed]:
-                    entries.append(plan_entry(recipe, False, False))
-                    continue
-                entries.append(
-                    plan_entry(recipe, reuse, continued_is_current(recipe, snapshot), snapshot / "config.json")
+                start = (
+                    plan_entry(recipe, reuse, continued_is_current(recipe, snapshot), snapshot / "config.json")[1]
+                    if kept_bases[seed]
+                    else 0
                 )
-    return entries
+                plan.append((f"{arm.name} continued", recipe, start))
+    return plan
 
 
 def run_retrofit(
@@ -403,7 +390,8 @@ def run_retrofit(
 
     show = console is not None and state.is_main_process
     if show:
-        console.print(f"Retrofit study: {plan_summary(study_plan(study, reuse))}", highlight=False)
+        entries = [(recipe.train.steps, start) for _, recipe, start in study_plan(study, reuse)]
+        console.print(f"Retrofit study: {plan_summary(entries)}", highlight=False)
     with live(console if show else None, tables):
         run_tasks(first, jobs)  # the continued runs start from the pretraining's snapshots
         run_tasks(then, jobs)
@@ -441,11 +429,7 @@ def arm_lead(runs: list, base_runs: list) -> dict:
     arm_curves = {r.seed: dict(r.eval) for r in runs}
     steps = sorted(set.intersection(*(set(c) for c in [*base_curves.values(), *arm_curves.values()])))
     lead = _lead(base_final, arm_final, seeds)
-    base = {r.seed: r for r in base_runs}
-    last = {r.seed: max(r.records, default=None) for r in runs}  # the final evaluation's step
-    eval_se, eval_se_paired = difference_se(
-        [(base[r.seed].records.get(last[r.seed]), r.records.get(last[r.seed])) for r in runs]
-    )
+    eval_se, eval_se_paired = final_difference_se(runs, base_runs)
     return {
         "attnres_final": statistics.fmean(arm_final.values()),
         "lead_final": lead,

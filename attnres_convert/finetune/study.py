@@ -64,59 +64,65 @@ def finished(recipe: Recipe) -> bool:
         return False
 
 
-def resumable(recipe: Recipe, newer_than: Path | None = None) -> bool:
-    """An unfinished run of this recipe left a checkpoint (`checkpoint.every` in the study's overrides), written
-    after NEWER_THAN if given: `reuse` continues it from there instead of training it again from step 0."""
+def resume_checkpoint(recipe: Recipe, newer_than: Path | None = None) -> Path | None:
+    """The last checkpoint of an unfinished run of this recipe (`checkpoint.every` in the study's overrides), if
+    written after NEWER_THAN when given: `reuse` continues it from there instead of training it again from step 0."""
     from .checkpoints import latest_checkpoint
     from .run_folder import check_resume
 
     out = Path(recipe.output.dir)
     checkpoint = latest_checkpoint(out)
     if checkpoint is None:
-        return False
+        return None
     try:
         check_resume(recipe, out, checkpoint)  # unfinished, and started with this recipe
-        return newer_than is None or checkpoint.stat().st_mtime_ns > newer_than.stat().st_mtime_ns
+        return checkpoint if newer_than is None or _newer(checkpoint, newer_than) else None
     except (RecipeError, OSError):
-        return False
+        return None
 
 
-def extendable(recipe: Recipe, newer_than: Path | None = None) -> bool:
-    """The run folder holds a shorter run of this recipe (train.steps alone smaller) with a checkpoint the longer
-    schedule shares (`run_folder.extension_checkpoint`), written after NEWER_THAN if given: `reuse` extends it."""
+def resumable(recipe: Recipe, newer_than: Path | None = None) -> bool:
+    return resume_checkpoint(recipe, newer_than) is not None
+
+
+def _newer(path: Path, than: Path) -> bool:
+    return path.stat().st_mtime_ns > than.stat().st_mtime_ns
+
+
+def continuation(recipe: Recipe, newer_than: Path | None = None) -> tuple[str, Path] | None:
+    """How `reuse` continues RECIPE's run rather than training it from step 0: ("resume", the last checkpoint of
+    an unfinished run), ("extend", the checkpoint a shorter run continues from: train.steps alone smaller, a
+    schedule the longer one shares, `run_folder.extension_checkpoint`), or None; a checkpoint counts only if
+    written after NEWER_THAN when given. (A finished run is kept: see `finished`.)"""
     from .run_folder import extension_checkpoint
 
+    if (checkpoint := resume_checkpoint(recipe, newer_than)) is not None:
+        return "resume", checkpoint
     try:
         checkpoint = extension_checkpoint(recipe, Path(recipe.output.dir))
-        return newer_than is None or checkpoint.stat().st_mtime_ns > newer_than.stat().st_mtime_ns
+        return ("extend", checkpoint) if newer_than is None or _newer(checkpoint, newer_than) else None
     except (RecipeError, OSError):
-        return False
+        return None
 
 
 def reuse_start(recipe: Recipe, newer_than: Path | None = None) -> int:
-    """The step from which `reuse` trains RECIPE's unfinished or shorter run: its checkpoint's when it resumes or
-    extends one (written after NEWER_THAN if given), else 0. (A finished run is kept: see `finished`.)"""
-    from .checkpoints import checkpoint_step, latest_checkpoint
-    from .run_folder import extension_checkpoint
+    """The step from which `reuse` trains RECIPE's run when it is not kept: its checkpoint's (`continuation`), else 0."""
+    from .checkpoints import checkpoint_step
 
-    out = Path(recipe.output.dir)
-    if resumable(recipe, newer_than):
-        return checkpoint_step(latest_checkpoint(out))
-    if extendable(recipe, newer_than):
-        return checkpoint_step(extension_checkpoint(recipe, out))
-    return 0
+    found = continuation(recipe, newer_than)
+    return checkpoint_step(found[1]) if found else 0
 
 
 def plan_entry(recipe: Recipe, reuse: bool, kept: bool, newer_than: Path | None = None) -> tuple[int, int | None]:
     """(train.steps, the step the run trains from: None when `reuse` keeps it as it is, KEPT)."""
-    if reuse and kept:
-        return recipe.train.steps, None
-    return recipe.train.steps, reuse_start(recipe, newer_than) if reuse else 0
+    if not reuse:
+        return recipe.train.steps, 0
+    return recipe.train.steps, None if kept else reuse_start(recipe, newer_than)
 
 
 def plan_summary(entries: list[tuple[int, int | None]]) -> str:
-    """What a study is about to train, said before it starts: '6 runs: 2 kept, 1 resumed or extended, 3 from
-    step 0; 2,400 training steps to go'."""
+    """What a study is about to train, said before it starts, from (train.steps, the step each run trains from:
+    None when `reuse` keeps it): '6 runs: 2 kept, 1 resumed or extended, 3 from step 0; 2,400 training steps to go'."""
     kept = sum(1 for _, start in entries if start is None)
     continued = sum(1 for _, start in entries if start)
     fresh = sum(1 for _, start in entries if start == 0)
@@ -129,21 +135,21 @@ def plan_summary(entries: list[tuple[int, int | None]]) -> str:
 
 def run_one(data: dict, common: list[str], arm: Arm, seed: int, workdir: str, reuse: bool) -> None:
     """Train one arm at one seed (in this process or a worker process); with REUSE, a finished run is kept, an
-    unfinished one resumes from its last checkpoint and a shorter one is extended (`extendable`)."""
+    unfinished one resumes from its last checkpoint and a shorter one is extended (`continuation`)."""
     recipe = arm_recipe(data, common, arm, seed, Path(workdir))
     if reuse and finished(recipe):
         return
-    resume = reuse and resumable(recipe)
-    train_arm(recipe, arm, seed, resume=resume, extend=reuse and not resume and extendable(recipe))
+    train_arm(recipe, arm, seed, continuation(recipe) if reuse else None)
 
 
-def train_arm(recipe: Recipe, arm: Arm, seed: int, resume: bool, extend: bool = False) -> None:
-    """Train an arm's recipe (from its last checkpoint where RESUME; continuing a shorter run where EXTEND), its
-    errors naming the arm and seed."""
+def train_arm(recipe: Recipe, arm: Arm, seed: int, how: tuple[str, Path] | None) -> None:
+    """Train an arm's recipe, resumed or extended as HOW says (`continuation`; None: from step 0), its errors
+    naming the arm and seed."""
     from .training import TrainingError, finetune
 
-    try:
-        result = finetune(recipe, resume=resume, extend=extend)  # quiet: the live table shows every arm's progress
+    kind = how[0] if how else None
+    try:  # quiet: the live table shows every arm's progress
+        result = finetune(recipe, resume=kind == "resume", extend=kind == "extend")
     except (RecipeError, TrainingError) as error:
         raise type(error)(f"arm {arm.name!r}, seed {seed}: {error}") from None
     del result
