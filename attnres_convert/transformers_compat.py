@@ -26,6 +26,7 @@ INTERNALS: dict[str, tuple[str, str]] = {
     "PrefixChange": ("transformers.core_model_loading", "telling prefix changes from renaming rules"),
     "revert_weight_conversion": ("transformers.core_model_loading", "the names a streamed save writes"),
     "WeightConverter": ("transformers.core_model_loading", "vLLM's loading: the checkpoint merges of a family"),
+    "MergeModulelist": ("transformers.core_model_loading", "vLLM's loading: when a layer's experts are all read"),
     "WeightRenaming": ("transformers.core_model_loading", "vLLM's loading: the checkpoint renamings of a family"),
     "rename_source_key": ("transformers.core_model_loading", "vLLM's loading: a checkpoint name as the model's"),
     "dot_natural_key": ("transformers.core_model_loading", "vLLM's loading: merged tensors in their order"),

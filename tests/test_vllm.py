@@ -194,6 +194,43 @@ def test_tensor_parallel_2_serves_generates_tokens_each_rank_holding_its_shard(f
         assert result.stdout.count("saved AOT compiled function") == 2, result.stdout[-3000:]
 
 
+def test_a_layers_experts_load_as_soon_as_the_checkpoint_has_given_them_all(tmp_path):
+    """vLLM's weight iterator gives a mixture of experts' checkpoint one expert matrix at a time; each layer's are
+    stacked into its 3D weights and loaded once the last of them is read (in any order), not held to the end."""
+    import copy
+
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    from attnres_convert.serving.vllm_weights import load_checkpoint
+
+    folder = converted_folder("qwen3_moe", tmp_path / "moe")
+    reference = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, dtype=torch.float32)
+    model = copy.deepcopy(reference)
+    for param in model.parameters():
+        param.data.zero_()
+    names = [n for f in sorted(folder.glob("*.safetensors")) for n in safe_open(f, "pt").keys()]
+    first_experts = [n for n in names if ".layers.0.mlp.experts." in n]
+    merged = [n for n, p in reference.named_parameters() if ".layers.0.mlp.experts." in n and p.dim() == 3]
+    assert len(first_experts) > 2 * len(merged) > 0, (first_experts, merged)
+    seen, checked = set(), []
+
+    def weights():
+        for file in sorted(folder.glob("*.safetensors")):
+            with safe_open(file, "pt") as tensors:
+                for name in reversed(list(tensors.keys())):  # experts 3, 2, 1, 0: not the stacking order
+                    if seen >= set(first_experts):  # layer 0's experts all read: already in place
+                        checked.extend(torch.equal(model.get_parameter(n), reference.get_parameter(n)) for n in merged)
+                    seen.add(name)
+                    yield name, tensors.get_tensor(name)
+
+    loaded = load_checkpoint(model, weights())
+    assert checked and all(checked), checked
+    assert loaded >= {n for n, _ in reference.named_parameters()}
+    for name, param in reference.named_parameters():
+        assert torch.equal(model.get_parameter(name), param), name
+
+
 def test_a_model_the_fusers_cannot_run_is_built_again_unfused_and_serves_the_same_tokens(tmp_path):
     """vLLM's fusers rewrite a module's forward from its source. Where the rewritten forward fails the probe at
     engine start (AXK1's fused q, k and v at TP 2 split into the wrong sizes), the model is built again with vLLM's

@@ -4,8 +4,10 @@ model's weights under their original names, the AttnRes parameters beside them) 
 transformers' own conversion of the base family's checkpoint applies first, as `from_pretrained` applies it:
 renamed keys (`WeightRenaming`) and merged ones (`WeightConverter`: a mixture of experts' per-expert matrices
 stacked into the 3D weights its modules hold), read from the same mapping `from_pretrained` reads
-(`get_model_conversion_mapping`). A parameter vLLM made (a sharded linear layer, an expert slice) loads through
-its own `weight_loader`, which keeps this rank's shard; any other is copied whole."""
+(`get_model_conversion_mapping`). A merged target is converted and loaded as soon as the iterator has given all of
+its tensors (a layer's experts: one per expert and source pattern), so a process holds one layer's experts at a time,
+not the whole model's. A parameter vLLM made (a sharded linear layer, an expert slice) loads through its own
+`weight_loader`, which keeps this rank's shard; any other is copied whole."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from torch import nn
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 
 from attnres_convert.transformers_compat import (
+    MergeModulelist,
     WeightConverter,
     WeightRenaming,
     dot_natural_key,
@@ -43,6 +46,16 @@ def converted(model: nn.Module, pending: dict[str, torch.Tensor], renamings, con
     return out
 
 
+def sources_needed(converter: WeightConverter, param: torch.Tensor | None) -> int | None:
+    """How many checkpoint tensors CONVERTER merges into PARAM: one per source pattern, or one per expert and pattern
+    where it stacks a module list (the experts counted along PARAM's dimension they are stacked on); None where PARAM
+    is not a parameter of the model (a target split further), whose tensors are converted after the last is read."""
+    if param is None:
+        return None
+    stacked = [op.dim for op in converter.operations if isinstance(op, MergeModulelist)]
+    return len(converter.source_patterns) * (param.shape[stacked[0]] if stacked else 1)
+
+
 def load_checkpoint(
     model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], stacked: dict[str, tuple] | None = None
 ) -> set[str]:
@@ -56,8 +69,9 @@ def load_checkpoint(
     params = dict(model.named_parameters(remove_duplicate=False))
     buffers = dict(model.named_buffers())
     ignored = [re.compile(p) for p in (getattr(model, "_keys_to_ignore_on_load_unexpected", None) or [])]
+    by_pattern = {pattern: converter for converter in converters for pattern in converter.source_patterns}
     loaded: set[int] = set()
-    pending: dict[str, torch.Tensor] = {}
+    pending: dict[str, dict[str, torch.Tensor]] = {}  # {target: {checkpoint name: tensor}}, until it has them all
     unexpected = []
 
     def load(name: str, tensor: torch.Tensor) -> None:
@@ -76,15 +90,21 @@ def load_checkpoint(
         elif not any(p.search(name) for p in ignored):
             unexpected.append(name)
 
+    def load_converted(tensors: dict[str, torch.Tensor]) -> None:
+        for name, tensor in converted(model, tensors, renamings, converters).items():
+            load(name, tensor)
+
     for key, tensor in weights:
         name, pattern = rename_source_key(key, renamings, converters)
         if pattern is None:
             load(name, tensor)
-        else:
-            pending[key] = tensor
-    if pending:
-        for name, tensor in converted(model, pending, renamings, converters).items():
-            load(name, tensor)
+            continue
+        collected = pending.setdefault(name, {})
+        collected[key] = tensor
+        if len(collected) == sources_needed(by_pattern[pattern], params.get(name)):
+            load_converted(pending.pop(name))
+    for tensors in pending.values():  # targets whose count was not known
+        load_converted(tensors)
     if unexpected:
         shown = ", ".join(unexpected[:5]) + (f" and {len(unexpected) - 5} more" if len(unexpected) > 5 else "")
         raise ValueError(f"the checkpoint has weights the model does not: {shown}")
