@@ -29,10 +29,14 @@ from attnres_convert.transformers_compat import (
 )
 
 
+def by_source_pattern(converters: list[WeightConverter]) -> dict[str, WeightConverter]:
+    return {pattern: converter for converter in converters for pattern in converter.source_patterns}
+
+
 def converted(model: nn.Module, pending: dict[str, torch.Tensor], renamings, converters) -> dict[str, torch.Tensor]:
     """The checkpoint tensors a `WeightConverter` merges, as the model's parameters (transformers' own operations,
     run as `transformers.core_model_loading.revert_weight_conversion` runs their reverse)."""
-    by_pattern = {pattern: converter for converter in converters for pattern in converter.source_patterns}
+    by_pattern = by_source_pattern(converters)
     conversions: dict[str, WeightConverter] = {}
     for key in sorted(pending, key=dot_natural_key):
         target, pattern = rename_source_key(key, renamings, converters)
@@ -69,7 +73,7 @@ def load_checkpoint(
     params = dict(model.named_parameters(remove_duplicate=False))
     buffers = dict(model.named_buffers())
     ignored = [re.compile(p) for p in (getattr(model, "_keys_to_ignore_on_load_unexpected", None) or [])]
-    by_pattern = {pattern: converter for converter in converters for pattern in converter.source_patterns}
+    by_pattern = by_source_pattern(converters)
     loaded: set[int] = set()
     pending: dict[str, dict[str, torch.Tensor]] = {}  # {target: {checkpoint name: tensor}}, until it has them all
     unexpected = []
