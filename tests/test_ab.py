@@ -130,7 +130,7 @@ def test_ab_reuse_resumes_an_unfinished_arm_from_its_checkpoint(setup, tmp_path)
     `reuse` continues the arm from it and ends where the uninterrupted arm ends; a finished arm is kept
     even when only the checkpoint settings differ (they do not change what trains)."""
     from attnres_convert.finetune.recipe import apply_overrides, read_yaml
-    from attnres_convert.finetune.study import Arm, arm_recipe, finished, resumable
+    from attnres_convert.finetune.study import Arm, arm_recipe, finished, resume_checkpoint
     from attnres_convert.finetune.training import TrainingInterrupted, finetune
 
     common = ["train.warmup_steps=0", "checkpoint.every=1"]
@@ -149,7 +149,8 @@ def test_ab_reuse_resumes_an_unfinished_arm_from_its_checkpoint(setup, tmp_path)
     before = (arm / "metrics.jsonl").read_text()  # steps 1 and 2, with their measured speeds
     later = tmp_path / "save-written-after"  # a retrofit's starting save, rewritten since the checkpoint
     later.write_text("")
-    assert resumable(recipe) and not resumable(recipe, newer_than=later)
+    assert resume_checkpoint(recipe) == arm / "checkpoints" / "step-0000002"
+    assert resume_checkpoint(recipe, newer_than=later) is None
     resumed = run_ab(setup["recipe"], common, output=tmp_path / "stopped" / "ab", reuse=True)
     records = [json.loads(line) for line in (arm / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if r.get("kind") == "train"] == [1, 2, 3, 4]

@@ -37,7 +37,7 @@ from .study import (  # noqa: F401 - the arms and their runs, shared with the re
     folder_name,
     live,
     machine,
-    plan_entry,
+    plan_start,
     plan_summary,
     run_one,
     run_tasks,
@@ -480,7 +480,7 @@ def run_ab(
         entries = []
         for arm, seed in jobs_list:
             arm_run = arm_recipe(data, overrides, arm, seed, work)
-            entries.append(plan_entry(arm_run, reuse, finished(arm_run)))
+            entries.append((arm_run.train.steps, plan_start(arm_run, reuse, finished(arm_run))))
         console.print(f"{title}: {plan_summary(entries)}", highlight=False)
     with live(console if show else None, lambda: live_table(arms, seed_list, work, base.train.steps, title)):
         run_tasks([(run_one, (data, overrides, arm, seed, str(work), reuse)) for arm, seed in jobs_list], jobs)

@@ -58,7 +58,7 @@ from .ab import (
 )
 from .recipe import Recipe, RecipeError, apply_overrides, find_recipe, parse_recipe, read_yaml
 from .scratch import SCRATCH_FIELDS
-from .study import check_output, continuation, live, machine, plan_entry, plan_summary, run_one, train_arm
+from .study import check_output, continuation, live, machine, plan_start, plan_summary, run_one, train_arm
 from .training import FinetuneRecipe, TrainingError
 
 RETROFIT_JSON, RETROFIT_MD, RETROFIT_PNG = "retrofit.json", "retrofit.md", "retrofit.png"
@@ -302,14 +302,14 @@ def study_plan(study: Study, reuse: bool) -> list[tuple[str, Recipe, int | None]
     if study.scratch_arms:
         for seed in study.seeds:
             recipe = arm_recipe(study.data, study.scratch_overrides, ATTNRES, seed, study.scratch_work)
-            plan.append(("AttnRes from scratch", recipe, plan_entry(recipe, reuse, finished(recipe))[1]))
+            plan.append(("AttnRes from scratch", recipe, plan_start(recipe, reuse, finished(recipe))))
     for seed in study.seeds:
         for n in study.after:
             for arm in study.continued_arms:
                 recipe = arm_recipe(study.data, study.continued_overrides(seed, n), arm, seed, study.after_work(n))
                 snapshot = study.snapshot(seed, n)
                 start = (
-                    plan_entry(recipe, reuse, continued_is_current(recipe, snapshot), snapshot / "config.json")[1]
+                    plan_start(recipe, reuse, continued_is_current(recipe, snapshot), snapshot / "config.json")
                     if kept_bases[seed]
                     else 0
                 )

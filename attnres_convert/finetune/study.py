@@ -81,10 +81,6 @@ def resume_checkpoint(recipe: Recipe, newer_than: Path | None = None) -> Path | 
         return None
 
 
-def resumable(recipe: Recipe, newer_than: Path | None = None) -> bool:
-    return resume_checkpoint(recipe, newer_than) is not None
-
-
 def _newer(path: Path, than: Path) -> bool:
     return path.stat().st_mtime_ns > than.stat().st_mtime_ns
 
@@ -113,11 +109,11 @@ def reuse_start(recipe: Recipe, newer_than: Path | None = None) -> int:
     return checkpoint_step(found[1]) if found else 0
 
 
-def plan_entry(recipe: Recipe, reuse: bool, kept: bool, newer_than: Path | None = None) -> tuple[int, int | None]:
-    """(train.steps, the step the run trains from: None when `reuse` keeps it as it is, KEPT)."""
+def plan_start(recipe: Recipe, reuse: bool, kept: bool, newer_than: Path | None = None) -> int | None:
+    """The step the run trains from: None when `reuse` keeps it as it is (KEPT)."""
     if not reuse:
-        return recipe.train.steps, 0
-    return recipe.train.steps, None if kept else reuse_start(recipe, newer_than)
+        return 0
+    return None if kept else reuse_start(recipe, newer_than)
 
 
 def plan_summary(entries: list[tuple[int, int | None]]) -> str:
