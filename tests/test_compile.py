@@ -41,3 +41,23 @@ def test_compiled_depth_mix_matches_eager_and_stays_exact_at_zero_queries():
         eager = model(ids).logits
         assert (eager - base(ids).logits).abs().max() > 1e-2  # the queries change the output
         torch.testing.assert_close(compiled(ids).logits, eager, rtol=1e-4, atol=1e-4)
+
+
+def test_the_buffered_block_state_mixes_as_the_growing_one():
+    """Without autograd a compiled forward keeps its blocks in one buffer of the forward's capacity, written in place
+    at each close (BlockState with a capacity): every mix equals the one of the state whose blocks grow by a cat."""
+    from attnres_convert.modeling.modeling_attnres import BlockState
+
+    generator = torch.Generator().manual_seed(0)
+    embeddings = torch.randn(2, 5, 16, generator=generator)
+    growing, buffered = BlockState.start(embeddings, 1e-6), BlockState.start(embeddings, 1e-6, capacity=4)
+    assert buffered.blocks.shape == (2, 5, 4, 16) and buffered.count == 1
+    for step in range(7):
+        if step in (2, 5):
+            growing, buffered = growing.close(1e-6), buffered.close(1e-6)
+        q = torch.randn(16, generator=generator)
+        mixes = [state.mix(q, 1e-6, "count") for state in (growing, buffered)]
+        assert torch.equal(*mixes)
+        output = torch.randn(2, 5, 16, generator=generator)
+        growing, buffered = growing.add(output), buffered.add(output)
+    assert buffered.count == 3 and torch.equal(buffered.blocks[..., :3, :], growing.blocks)

@@ -414,25 +414,36 @@ def join(partial: torch.Tensor | None, stream: torch.Tensor, output: torch.Tenso
 class BlockState(NamedTuple):
     """The plain-tensor state (autograd, torch.compile), an immutable value passed from layer to layer, so gradient
     checkpointing replays see the forward's state. blocks [B, T, m, D] float32 (embedding, completed blocks) with
-    their inv_rms [B, T, m]; partial [B, T, D] (model dtype) or None; stream, as the base model adds it."""
+    their inv_rms [B, T, m]; partial [B, T, D] (model dtype) or None; stream, as the base model adds it. `count`:
+    without autograd, blocks [.., :count, :] of one buffer for the forward, written in place (a cat copies them all at
+    every close, and past 32 MB each copy is a fresh mapping whose pages fault in on every forward)."""
 
     blocks: torch.Tensor
     inv_rms: torch.Tensor
     partial: torch.Tensor | None
     stream: torch.Tensor
+    count: int | None = None
 
     queries = None  # each reader folds its own query
 
     @classmethod
-    def start(cls, embeddings: torch.Tensor, eps: float) -> BlockState:
-        """The embedding b_0 is always its own source."""
+    def start(cls, embeddings: torch.Tensor, eps: float, capacity: int | None = None) -> BlockState:
+        """The embedding b_0 is always its own source; `capacity`: the buffer's (no autograd)."""
         first = embeddings.unsqueeze(-2).to(torch.float32, copy=True)  # not a view: FSDP2 warns of returned views
-        return cls(first, inverse_rms(first, eps), None, embeddings)
+        if capacity is None:
+            return cls(first, inverse_rms(first, eps), None, embeddings)
+        shape = (*embeddings.shape[:-1], capacity)  # an empty buffer, the embedding closed into it as a partial sum
+        empty = cls(first.new_empty(*shape, first.shape[-1]), first.new_empty(shape), embeddings, embeddings, 0)
+        return empty.close(eps)
 
     def close(self, eps: float, first: int = 0) -> BlockState:
         """At a block boundary the partial sum becomes a completed block."""
         if self.partial is None:
             return self
+        if self.count is not None:
+            self.blocks[..., self.count, :] = self.partial
+            self.inv_rms[..., self.count] = inverse_rms(self.partial, eps)
+            return self._replace(partial=None, count=self.count + 1)
         new = self.partial.float().unsqueeze(-2)
         blocks = torch.cat([self.blocks, new], dim=-2)
         inv_rms = torch.cat([self.inv_rms, inverse_rms(new, eps)], dim=-1)
@@ -462,8 +473,8 @@ class BlockState(NamedTuple):
 
     def mix_and_weights(self, q: torch.Tensor, eps: float, scaling: str) -> tuple[torch.Tensor, torch.Tensor]:
         """The mix and its softmax weights [B*T, n]."""
-        m, d = self.blocks.shape[-2], self.blocks.shape[-1]
-        blocks, inv_rms = self.blocks.reshape(-1, m, d), self.inv_rms.reshape(-1, m)
+        m, d = self.count or self.blocks.shape[-2], self.blocks.shape[-1]
+        blocks, inv_rms = self.blocks[..., :m, :].reshape(-1, m, d), self.inv_rms[..., :m].reshape(-1, m)
         return mix_blocks(blocks, inv_rms, self.partial, self.stream, q, eps, scaling)[:2]
 
     def add(self, output: torch.Tensor) -> BlockState:
@@ -650,13 +661,6 @@ def installed_kernels():
     return _INSTALLED[0]
 
 
-def _needs_attnres(mode: str) -> RuntimeError:
-    return RuntimeError(
-        f"{KERNEL_ENV}={mode}: these kernels come with the attnres package, which is not installed here (or is a "
-        f"release with other kernels). Install it (pip install attnres), or unset {KERNEL_ENV} for the built-in path."
-    )
-
-
 def wants_queries() -> bool:  # whether start_state would use all readers' folded queries (the caller gathers them)
     return not (torch.is_grad_enabled() and torch.compiler.is_compiling())
 
@@ -674,7 +678,11 @@ def start_state(embeddings, eps: float, capacity=None, queries=None, plain=False
 def _state_for(embeddings, eps: float, capacity, queries, plain: bool, runtime, mode: str) -> DepthState:
     kernels = installed_kernels() if mode != "eager" else None
     if mode in ("cpu", "triton", "fla") and kernels is None:
-        raise _needs_attnres(mode)
+        raise RuntimeError(
+            f"{KERNEL_ENV}={mode}: these kernels come with the attnres package, which is not installed here (or is "
+            f"a release with other kernels). Install it (pip install attnres), or unset {KERNEL_ENV} for the built-in "
+            "path."
+        )
     if plain and mode not in ("auto", "eager"):
         raise RuntimeError(
             f"{KERNEL_ENV}={mode}: the kernels take one static query per reader; this model has input-dependent "
@@ -685,7 +693,8 @@ def _state_for(embeddings, eps: float, capacity, queries, plain: bool, runtime, 
     if torch.compiler.is_compiling():  # one graph for every token count (vLLM compiles once for all of them)
         if mode not in ("auto", "eager"):
             raise RuntimeError(f"{KERNEL_ENV}={mode}: the kernels do not run under torch.compile; unset {KERNEL_ENV}")
-        return BlockState.start(embeddings, eps)  # plain tensor operations, which the compiler fuses
+        # plain tensor operations, which the compiler fuses; without autograd the blocks fill one buffer in place
+        return BlockState.start(embeddings, eps, None if torch.is_grad_enabled() else capacity)
     if not torch.is_grad_enabled():
         if mode == "fla":
             raise RuntimeError(f"{KERNEL_ENV}=fla: fla-core's depth mix runs forwards with autograd (training) only")
@@ -883,7 +892,10 @@ class AttnResDecoderLayerMixin:
                 state = state.close(spec.eps, plan.index - 1)
             params = (None, None) if folded else depth_params(self, names)
             projection, gate = self._modules[names[0]].plain_inputs() if spec.plain else (None, None)
-            norm = () if fuse is None else _sublayer_norm(self, sublayer, fuse)
+            # the state's form of a one-branch sublayer's norm, which it applies to the reader's mix, or ()
+            single = fuse is not None and len(sublayer.branches) == 1
+            norm = self._modules.get(sublayer.branches[0].norm) if single else None
+            norm = () if norm is None else fuse(norm)
             h = depth_mix(state, *params, spec.eps, spec.scaling, plan.index - 1, projection, norm, gate)
             if scale != 1.0:  # the earlier layers' scalars: the stream the base model's sublayer read (stream_scales)
                 h = h * scale
@@ -895,14 +907,6 @@ class AttnResDecoderLayerMixin:
         for position, value in (returned or {}).items():
             output[position] = value  # a recurrent state the base model keeps
         return tuple(output)
-
-
-def _sublayer_norm(layer: nn.Module, sublayer: Sublayer, fuse) -> tuple:
-    """The state's form of a one-branch sublayer's norm, to apply to its reader's mix (`fuse_norm`), or ()."""
-    if len(sublayer.branches) != 1:
-        return ()
-    norm = layer._modules.get(sublayer.branches[0].norm)
-    return () if norm is None else fuse(norm)
 
 
 def run_sublayer(

@@ -94,25 +94,36 @@ def join(partial: torch.Tensor | None, stream: torch.Tensor, output: torch.Tenso
 class BlockState(NamedTuple):
     """The plain-tensor state (autograd, torch.compile), an immutable value passed from layer to layer, so gradient
     checkpointing replays see the forward's state. blocks [B, T, m, D] float32 (embedding, completed blocks) with
-    their inv_rms [B, T, m]; partial [B, T, D] (model dtype) or None; stream, as the base model adds it."""
+    their inv_rms [B, T, m]; partial [B, T, D] (model dtype) or None; stream, as the base model adds it. `count`:
+    without autograd, blocks [.., :count, :] of one buffer for the forward, written in place (a cat copies them all at
+    every close, and past 32 MB each copy is a fresh mapping whose pages fault in on every forward)."""
 
     blocks: torch.Tensor
     inv_rms: torch.Tensor
     partial: torch.Tensor | None
     stream: torch.Tensor
+    count: int | None = None
 
     queries = None  # each reader folds its own query
 
     @classmethod
-    def start(cls, embeddings: torch.Tensor, eps: float) -> BlockState:
-        """The embedding b_0 is always its own source."""
+    def start(cls, embeddings: torch.Tensor, eps: float, capacity: int | None = None) -> BlockState:
+        """The embedding b_0 is always its own source; `capacity`: the buffer's (no autograd)."""
         first = embeddings.unsqueeze(-2).to(torch.float32, copy=True)  # not a view: FSDP2 warns of returned views
-        return cls(first, inverse_rms(first, eps), None, embeddings)
+        if capacity is None:
+            return cls(first, inverse_rms(first, eps), None, embeddings)
+        shape = (*embeddings.shape[:-1], capacity)  # an empty buffer, the embedding closed into it as a partial sum
+        empty = cls(first.new_empty(*shape, first.shape[-1]), first.new_empty(shape), embeddings, embeddings, 0)
+        return empty.close(eps)
 
     def close(self, eps: float, first: int = 0) -> BlockState:
         """At a block boundary the partial sum becomes a completed block."""
         if self.partial is None:
             return self
+        if self.count is not None:
+            self.blocks[..., self.count, :] = self.partial
+            self.inv_rms[..., self.count] = inverse_rms(self.partial, eps)
+            return self._replace(partial=None, count=self.count + 1)
         new = self.partial.float().unsqueeze(-2)
         blocks = torch.cat([self.blocks, new], dim=-2)
         inv_rms = torch.cat([self.inv_rms, inverse_rms(new, eps)], dim=-1)
@@ -142,8 +153,8 @@ class BlockState(NamedTuple):
 
     def mix_and_weights(self, q: torch.Tensor, eps: float, scaling: str) -> tuple[torch.Tensor, torch.Tensor]:
         """The mix and its softmax weights [B*T, n]."""
-        m, d = self.blocks.shape[-2], self.blocks.shape[-1]
-        blocks, inv_rms = self.blocks.reshape(-1, m, d), self.inv_rms.reshape(-1, m)
+        m, d = self.count or self.blocks.shape[-2], self.blocks.shape[-1]
+        blocks, inv_rms = self.blocks[..., :m, :].reshape(-1, m, d), self.inv_rms[..., :m].reshape(-1, m)
         return mix_blocks(blocks, inv_rms, self.partial, self.stream, q, eps, scaling)[:2]
 
     def add(self, output: torch.Tensor) -> BlockState:

@@ -73,13 +73,6 @@ def installed_kernels():
     return _INSTALLED[0]
 
 
-def _needs_attnres(mode: str) -> RuntimeError:
-    return RuntimeError(
-        f"{KERNEL_ENV}={mode}: these kernels come with the attnres package, which is not installed here (or is a "
-        f"release with other kernels). Install it (pip install attnres), or unset {KERNEL_ENV} for the built-in path."
-    )
-
-
 def wants_queries() -> bool:  # whether start_state would use all readers' folded queries (the caller gathers them)
     return not (torch.is_grad_enabled() and torch.compiler.is_compiling())
 
@@ -97,7 +90,11 @@ def start_state(embeddings, eps: float, capacity=None, queries=None, plain=False
 def _state_for(embeddings, eps: float, capacity, queries, plain: bool, runtime, mode: str) -> DepthState:
     kernels = installed_kernels() if mode != "eager" else None
     if mode in ("cpu", "triton", "fla") and kernels is None:
-        raise _needs_attnres(mode)
+        raise RuntimeError(
+            f"{KERNEL_ENV}={mode}: these kernels come with the attnres package, which is not installed here (or is "
+            f"a release with other kernels). Install it (pip install attnres), or unset {KERNEL_ENV} for the built-in "
+            "path."
+        )
     if plain and mode not in ("auto", "eager"):
         raise RuntimeError(
             f"{KERNEL_ENV}={mode}: the kernels take one static query per reader; this model has input-dependent "
@@ -108,7 +105,8 @@ def _state_for(embeddings, eps: float, capacity, queries, plain: bool, runtime, 
     if torch.compiler.is_compiling():  # one graph for every token count (vLLM compiles once for all of them)
         if mode not in ("auto", "eager"):
             raise RuntimeError(f"{KERNEL_ENV}={mode}: the kernels do not run under torch.compile; unset {KERNEL_ENV}")
-        return BlockState.start(embeddings, eps)  # plain tensor operations, which the compiler fuses
+        # plain tensor operations, which the compiler fuses; without autograd the blocks fill one buffer in place
+        return BlockState.start(embeddings, eps, None if torch.is_grad_enabled() else capacity)
     if not torch.is_grad_enabled():
         if mode == "fla":
             raise RuntimeError(f"{KERNEL_ENV}=fla: fla-core's depth mix runs forwards with autograd (training) only")

@@ -99,7 +99,10 @@ class AttnResDecoderLayerMixin:
                 state = state.close(spec.eps, plan.index - 1)
             params = (None, None) if folded else depth_params(self, names)
             projection, gate = self._modules[names[0]].plain_inputs() if spec.plain else (None, None)
-            norm = () if fuse is None else _sublayer_norm(self, sublayer, fuse)
+            # the state's form of a one-branch sublayer's norm, which it applies to the reader's mix, or ()
+            single = fuse is not None and len(sublayer.branches) == 1
+            norm = self._modules.get(sublayer.branches[0].norm) if single else None
+            norm = () if norm is None else fuse(norm)
             h = depth_mix(state, *params, spec.eps, spec.scaling, plan.index - 1, projection, norm, gate)
             if scale != 1.0:  # the earlier layers' scalars: the stream the base model's sublayer read (stream_scales)
                 h = h * scale
@@ -111,14 +114,6 @@ class AttnResDecoderLayerMixin:
         for position, value in (returned or {}).items():
             output[position] = value  # a recurrent state the base model keeps
         return tuple(output)
-
-
-def _sublayer_norm(layer: nn.Module, sublayer: Sublayer, fuse) -> tuple:
-    """The state's form of a one-branch sublayer's norm, to apply to its reader's mix (`fuse_norm`), or ()."""
-    if len(sublayer.branches) != 1:
-        return ()
-    norm = layer._modules.get(sublayer.branches[0].norm)
-    return () if norm is None else fuse(norm)
 
 
 def run_sublayer(
