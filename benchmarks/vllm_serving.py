@@ -47,20 +47,31 @@ ENGINE = dict(
 )
 
 
-def prepare(workdir: Path) -> tuple[Path, Path]:
-    """SmolLM2 dequantised to a plain float32 folder, and `attnres convert` of it (default block size)."""
-    from attnres_convert import convert
+def smollm2_folder(workdir: Path) -> Path:
+    """SmolLM2 dequantised to a plain float32 folder."""
     from attnres_convert.io.samples import default_model_path
     from attnres_convert.io.sources import load_model, load_tokenizer, resolve_source
 
-    original, converted = workdir / "smollm2-hf", workdir / "smollm2-attnres"
+    original = workdir / "smollm2-hf"
     if not (original / "config.json").exists():
         source = resolve_source(str(default_model_path()))
         load_model(source, "float32").save_pretrained(original)
         load_tokenizer(source).save_pretrained(original)
+    return original
+
+
+def converted_folder(original: Path, converted: Path) -> tuple[Path, Path]:
+    """ORIGINAL and `attnres convert` of it into CONVERTED (default block size), made once."""
+    from attnres_convert import convert
+
     if not (converted / "config.json").exists():
         convert(str(original), converted, verify=False)
     return original, converted
+
+
+def prepare(workdir: Path) -> tuple[Path, Path]:
+    """SmolLM2 as a float32 folder, and its conversion."""
+    return converted_folder(smollm2_folder(workdir), workdir / "smollm2-attnres")
 
 
 def prepare_tensor_parallel(workdir: Path) -> tuple[Path, Path]:
@@ -70,10 +81,7 @@ def prepare_tensor_parallel(workdir: Path) -> tuple[Path, Path]:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from attnres_convert import convert
-
-    smollm2, _ = prepare(workdir)
-    original, converted = workdir / "tp2-hf", workdir / "tp2-attnres"
+    smollm2, original = smollm2_folder(workdir), workdir / "tp2-hf"
     if not (original / "config.json").exists():
         config = AutoConfig.from_pretrained(smollm2)
         config.num_attention_heads, config.num_key_value_heads, config.head_dim = 6, 2, 96
@@ -82,9 +90,7 @@ def prepare_tensor_parallel(workdir: Path) -> tuple[Path, Path]:
         AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(staging)
         AutoTokenizer.from_pretrained(smollm2).save_pretrained(staging)
         staging.rename(original)
-    if not (converted / "config.json").exists():
-        convert(str(original), converted, verify=False)
-    return original, converted
+    return converted_folder(original, workdir / "tp2-attnres")
 
 
 def measure(folder: str, model_impl: str, rounds: int, engine: dict) -> dict:

@@ -429,12 +429,12 @@ class BlockState(NamedTuple):
     @classmethod
     def start(cls, embeddings: torch.Tensor, eps: float, capacity: int | None = None) -> BlockState:
         """The embedding b_0 is always its own source; `capacity`: the buffer's (no autograd)."""
-        first = embeddings.unsqueeze(-2).to(torch.float32, copy=True)  # not a view: FSDP2 warns of returned views
         if capacity is None:
+            first = embeddings.unsqueeze(-2).to(torch.float32, copy=True)  # not a view: FSDP2 warns of returned views
             return cls(first, inverse_rms(first, eps), None, embeddings)
         shape = (*embeddings.shape[:-1], capacity)  # an empty buffer, the embedding closed into it as a partial sum
-        empty = cls(first.new_empty(*shape, first.shape[-1]), first.new_empty(shape), embeddings, embeddings, 0)
-        return empty.close(eps)
+        empty = embeddings.new_empty(*shape, embeddings.shape[-1], dtype=torch.float32)
+        return cls(empty, empty.new_empty(shape), embeddings, embeddings, 0).close(eps)
 
     def close(self, eps: float, first: int = 0) -> BlockState:
         """At a block boundary the partial sum becomes a completed block."""
