@@ -161,7 +161,8 @@ FUSED_NORM = {
 
 def expected_rank_bytes(folder: Path, tensor_parallel: int) -> dict:
     """What each rank should hold of the converted model as transformers loads it: every weight once (a tied head
-    once), the base model's linear layers and experts' 3D weights in 1 / TP shards, the rest whole."""
+    once), the base model's linear layers and experts' 3D weights in 1 / TP shards, the input embedding and the head
+    in 1 / TP of their vocabulary padded to a multiple of 64 (vLLM's vocabulary layers), the rest whole."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, dtype=torch.float32)
@@ -169,10 +170,14 @@ def expected_rank_bytes(folder: Path, tensor_parallel: int) -> dict:
     linear = {id(m.weight): m.weight for m in base.modules() if type(m) is torch.nn.Linear}
     linear.update({id(m.bias): m.bias for m in base.modules() if type(m) is torch.nn.Linear and m.bias is not None})
     experts = {id(p): p for name, p in base.named_parameters() if ".experts." in name and p.dim() == 3}
+    tables = {id(m.weight): m.weight for m in (model.get_input_embeddings(), model.get_output_embeddings())}
     size = lambda params: sum(p.numel() * p.element_size() for p in params.values())  # noqa: E731
     whole = size({id(p): p for p in model.parameters()})
     sharded = size(linear) + size(experts)
-    return {"all": whole - sharded + sharded // tensor_parallel, "linear": size(linear) // tensor_parallel}
+    padded = lambda p: -(-p.shape[0] // 64) * 64 * p[0].numel() * p.element_size()  # noqa: E731
+    vocabulary = sum(padded(p) // tensor_parallel for p in tables.values())
+    rank = whole - sharded - size(tables) + sharded // tensor_parallel + vocabulary
+    return {"all": rank, "linear": size(linear) // tensor_parallel}
 
 
 @pytest.mark.parametrize("family, compiled", PARALLEL)

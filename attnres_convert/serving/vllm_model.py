@@ -31,10 +31,13 @@ from transformers import AttentionInterface, AutoModelForCausalLM, PreTrainedCon
 from vllm.compilation.decorators import support_torch_compile
 from vllm.logger import init_logger
 from vllm.model_executor.layers.attention import Attention
+from vllm.model_executor.layers.logits_processor import LogitsProcessor
+from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from vllm.model_executor.models.transformers.fusers.attention import interface_call
 from vllm.model_executor.models.transformers.utils import (
     can_enable_torch_compile,
     init_on_device_without_buffers,
+    replace_embedding_class,
     replace_linear_class,
 )
 
@@ -175,7 +178,7 @@ class AttnResForCausalLMVllm(nn.Module):
                 self.family, "its modeling code predates the plan vLLM serving reads", release=release()
             )
         self.plan = plan
-        self._replace_head(config)
+        self._replace_vocabulary(config)
         reason = unservable_reason(self.model, interface_call)
         if reason is not None:
             raise ServingRefused(self.family, reason)
@@ -188,18 +191,38 @@ class AttnResForCausalLMVllm(nn.Module):
         self._configs = list({id(c): c for c in configs}.values())
         return self._probe_shapes(device)
 
-    def _replace_head(self, config) -> None:
-        """The head as vLLM's replicated linear layer, whose weights vLLM prepares for its CPU or GPU matrix product
-        after loading (oneDNN's on CPU), as it prepares the other layers'; left unquantized, as vLLM's own models
-        leave their heads. A tied head is the embedding's weight, as from_pretrained ties it."""
+    def _replace_vocabulary(self, config) -> None:
+        """The input embedding as vLLM's `VocabParallelEmbedding` and the head as its `ParallelLMHead`, as vLLM's
+        Transformers backend makes them: each rank holds its slice of the vocabulary (a tied head shares the
+        embedding's) and vLLM's `LogitsProcessor` gathers the logits. A head whole on every rank computes all the
+        vocabulary's logits on each, which at TP 2 costs a small model more than its whole depth mix. A head tied to
+        an embedding of another kind or size stays whole, vLLM's replicated linear layer. Both are left unquantized, as
+        vLLM's own models leave their heads."""
         owner_name, _, leaf = self.plan.lm_head.rpartition(".")
         owner = module_at(self.model, owner_name) if owner_name else self.model
-        head = owner._modules[leaf]
-        if type(head) is nn.Linear:  # exactly: a subclass may compute otherwise
+        head, embedding = owner._modules[leaf], self.model.get_input_embeddings()
+        if isinstance(embedding, nn.Embedding):
+            name = next(n for n, m in self.model.named_modules() if m is embedding)
+            parent, _, child = name.rpartition(".")
+            embedding = replace_embedding_class(embedding, None, prefix=name)
+            setattr(module_at(self.model, parent) if parent else self.model, child, embedding)
+        tied = config.tie_word_embeddings
+        vocab = getattr(head, "out_features", None)
+        shares = isinstance(embedding, VocabParallelEmbedding) and embedding.num_embeddings == vocab
+        self.logits_processor = None
+        # exactly nn.Linear: a subclass may compute otherwise
+        if type(head) is nn.Linear and (shares or not tied):
+            width, bias = head.in_features, head.bias is not None
+            head = ParallelLMHead(vocab, width, bias=bias, params_dtype=head.weight.dtype, prefix=self.plan.lm_head)
+            self.logits_processor = LogitsProcessor(vocab)
+        elif type(head) is nn.Linear:
             head = replace_linear_class(head, "replicate", None, prefix=self.plan.lm_head)
-            owner._modules[leaf] = head
-        if config.tie_word_embeddings:
-            head.weight = self.model.get_input_embeddings().weight
+        owner._modules[leaf] = head
+        if tied:  # as from_pretrained ties it
+            if self.logits_processor is not None:
+                head.tie_weights(embedding)
+            else:
+                head.weight = embedding.weight
 
     def _use_attention(self, implementation: str) -> None:
         for each in self._configs:
@@ -320,7 +343,13 @@ class AttnResForCausalLMVllm(nn.Module):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """The head and its scalars, applied as the converted model's own forward applies them."""
-        logits = module_at(self.model, self.plan.lm_head)(hidden_states)
+        head = module_at(self.model, self.plan.lm_head)
+        if self.logits_processor is None:  # a head of its own kind, whole on every rank
+            logits = head(hidden_states)
+        else:  # this rank's slice of the vocabulary, gathered (None on the ranks the gather leaves out)
+            logits = self.logits_processor(head, hidden_states, head.bias)
+            if logits is None:
+                return None
         # A folder's own plan; one of a release before ModelPlan.scale_logits has the same fields.
         return ModelPlan.scale_logits(self.plan, logits)
 

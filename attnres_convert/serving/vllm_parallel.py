@@ -42,7 +42,8 @@ from attnres_convert.serving.vllm_support import ServingRefused
 
 logger = init_logger(__name__)
 
-# Styles that leave a module whole on every rank (norms, the embedding kept whole; see `shard_model`).
+# Styles `shard_model` leaves as they are: norms, whole on every rank, and the embedding, which the serving class
+# has made vLLM's vocabulary-parallel one already (`AttnResForCausalLMVllm._replace_vocabulary`).
 WHOLE_STYLES = {"replicated_with_grad_allreduce", "embedding_rowwise", "replicate", "gather"}
 EXPERTS_STYLE = "moe_tp_experts"
 # The dimension of an experts' 3D weight each style slices, and whether it holds two halves (gate, up) to slice
