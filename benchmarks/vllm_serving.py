@@ -55,8 +55,10 @@ def smollm2_folder(workdir: Path) -> Path:
     original = workdir / "smollm2-hf"
     if not (original / "config.json").exists():
         source = resolve_source(str(default_model_path()))
-        load_model(source, "float32").save_pretrained(original)
-        load_tokenizer(source).save_pretrained(original)
+        staging = Path(tempfile.mkdtemp(dir=workdir, prefix=".smollm2-hf-"))  # moved into place whole
+        load_model(source, "float32").save_pretrained(staging)
+        load_tokenizer(source).save_pretrained(staging)
+        staging.rename(original)
     return original
 
 

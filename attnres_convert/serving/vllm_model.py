@@ -210,13 +210,13 @@ class AttnResForCausalLMVllm(nn.Module):
         vocab = getattr(head, "out_features", None)
         shares = isinstance(embedding, VocabParallelEmbedding) and embedding.num_embeddings == vocab
         self.logits_processor = None
-        # exactly nn.Linear: a subclass may compute otherwise
-        if type(head) is nn.Linear and (shares or not tied):
-            width, bias = head.in_features, head.bias is not None
-            head = ParallelLMHead(vocab, width, bias=bias, params_dtype=head.weight.dtype, prefix=self.plan.lm_head)
-            self.logits_processor = LogitsProcessor(vocab)
-        elif type(head) is nn.Linear:
-            head = replace_linear_class(head, "replicate", None, prefix=self.plan.lm_head)
+        if type(head) is nn.Linear:  # exactly nn.Linear: a subclass may compute otherwise
+            if shares or not tied:
+                width, bias = head.in_features, head.bias is not None
+                head = ParallelLMHead(vocab, width, bias=bias, params_dtype=head.weight.dtype, prefix=self.plan.lm_head)
+                self.logits_processor = LogitsProcessor(vocab)
+            else:
+                head = replace_linear_class(head, "replicate", None, prefix=self.plan.lm_head)
         owner._modules[leaf] = head
         if tied:  # as from_pretrained ties it
             if self.logits_processor is not None:
