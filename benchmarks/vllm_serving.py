@@ -28,6 +28,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -56,8 +57,13 @@ def smollm2_folder(workdir: Path) -> Path:
     if not (original / "config.json").exists():
         source = resolve_source(str(default_model_path()))
         staging = Path(tempfile.mkdtemp(dir=workdir, prefix=".smollm2-hf-"))  # moved into place whole
-        load_model(source, "float32").save_pretrained(staging)
-        load_tokenizer(source).save_pretrained(staging)
+        try:
+            load_model(source, "float32").save_pretrained(staging)
+            load_tokenizer(source).save_pretrained(staging)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        shutil.rmtree(original, ignore_errors=True)  # a folder without config.json is an interrupted write
         staging.rename(original)
     return original
 
