@@ -55,13 +55,19 @@ console = Console()
 def prepare_folder(workdir: Path) -> Path:
     """SmolLM2 dequantised once to a plain HF folder, so loads in the benchmark are fast and equal."""
     from attnres_convert.io.samples import default_model_path
+    from attnres_convert.io.saving import atomic_folder
     from attnres_convert.io.sources import load_model, load_tokenizer, resolve_source
 
     folder = workdir / "smollm2-hf"
     if not (folder / "config.json").exists():
         source = resolve_source(str(default_model_path()))  # dequantised on load: plain float32 weights
-        load_model(source, "float32").save_pretrained(folder)
-        load_tokenizer(source).save_pretrained(folder)
+
+        def write(staging: Path) -> None:
+            load_model(source, "float32").save_pretrained(staging)
+            load_tokenizer(source).save_pretrained(staging)
+
+        # moved into place whole; `owned`: a folder left without config.json by an interrupted run is replaced
+        atomic_folder(folder, write, owned=True)
     return folder
 
 

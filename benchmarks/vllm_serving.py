@@ -28,7 +28,6 @@ import argparse
 import json
 import os
 import platform
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -48,26 +47,6 @@ ENGINE = dict(
 )
 
 
-def smollm2_folder(workdir: Path) -> Path:
-    """SmolLM2 dequantised to a plain float32 folder."""
-    from attnres_convert.io.samples import default_model_path
-    from attnres_convert.io.sources import load_model, load_tokenizer, resolve_source
-
-    original = workdir / "smollm2-hf"
-    if not (original / "config.json").exists():
-        source = resolve_source(str(default_model_path()))
-        staging = Path(tempfile.mkdtemp(dir=workdir, prefix=".smollm2-hf-"))  # moved into place whole
-        try:
-            load_model(source, "float32").save_pretrained(staging)
-            load_tokenizer(source).save_pretrained(staging)
-        except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
-            raise
-        shutil.rmtree(original, ignore_errors=True)  # a folder without config.json is an interrupted write
-        staging.rename(original)
-    return original
-
-
 def converted_folder(original: Path, converted: Path) -> tuple[Path, Path]:
     """ORIGINAL and `attnres convert` of it into CONVERTED (default block size), made once."""
     from attnres_convert import convert
@@ -79,7 +58,9 @@ def converted_folder(original: Path, converted: Path) -> tuple[Path, Path]:
 
 def prepare(workdir: Path) -> tuple[Path, Path]:
     """SmolLM2 as a float32 folder, and its conversion."""
-    return converted_folder(smollm2_folder(workdir), workdir / "smollm2-attnres")
+    from benchmarks.overhead import prepare_folder
+
+    return converted_folder(prepare_folder(workdir), workdir / "smollm2-attnres")
 
 
 def prepare_tensor_parallel(workdir: Path) -> tuple[Path, Path]:
@@ -89,15 +70,20 @@ def prepare_tensor_parallel(workdir: Path) -> tuple[Path, Path]:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    smollm2, original = smollm2_folder(workdir), workdir / "tp2-hf"
+    from attnres_convert.io.saving import atomic_folder
+    from benchmarks.overhead import prepare_folder
+
+    smollm2, original = prepare_folder(workdir), workdir / "tp2-hf"
     if not (original / "config.json").exists():
         config = AutoConfig.from_pretrained(smollm2)
         config.num_attention_heads, config.num_key_value_heads, config.head_dim = 6, 2, 96
-        torch.manual_seed(0)
-        staging = Path(tempfile.mkdtemp(dir=workdir, prefix=".tp2-hf-"))  # moved into place whole
-        AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(staging)
-        AutoTokenizer.from_pretrained(smollm2).save_pretrained(staging)
-        staging.rename(original)
+
+        def write(staging: Path) -> None:
+            torch.manual_seed(0)
+            AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(staging)
+            AutoTokenizer.from_pretrained(smollm2).save_pretrained(staging)
+
+        atomic_folder(original, write, owned=True)  # moved into place whole
     return converted_folder(original, workdir / "tp2-attnres")
 
 
