@@ -48,11 +48,13 @@ ENGINE = dict(
 
 
 def converted_folder(original: Path, converted: Path) -> tuple[Path, Path]:
-    """ORIGINAL and `attnres convert` of it into CONVERTED (default block size), made once."""
+    """ORIGINAL and `attnres convert` of it into CONVERTED (default block size), made again where the folder does
+    not hold the installed package's modeling code."""
     from attnres_convert import convert
+    from benchmarks.overhead import holds_current_code
 
-    if not (converted / "config.json").exists():
-        convert(str(original), converted, verify=False)
+    if not holds_current_code(converted):
+        convert(str(original), converted, verify=False, overwrite=True)
     return original, converted
 
 
