@@ -317,7 +317,11 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="also measure torch.compile'd models")
     parser.add_argument("--skip-convert", action="store_true")
     parser.add_argument("--skip-memory", action="store_true")
-    parser.add_argument("--workdir", type=Path, help="keep the model folders here (reused by later runs)")
+    parser.add_argument(
+        "--workdir",
+        type=Path,
+        help="keep the model folders here (reused by later runs, converted again for other modeling code)",
+    )
     parser.add_argument(
         "--mapped", action="store_true", help="time the weights as from_pretrained maps them (page-cache dependent)"
     )

