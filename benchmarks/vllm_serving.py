@@ -92,8 +92,8 @@ def prepare_tensor_parallel(workdir: Path) -> tuple[Path, Path]:
     return converted_folder(original, workdir / "tp2-attnres")
 
 
-# Between timed calls the engines not timed idle: vLLM's workers spin on their message queue for 1 s after their last
-# call, then sleep until the next; a pause longer than that keeps the next call's cores to itself.
+# A pause before each timed call: vLLM's workers spin on their message queue for 1 s after their engine's last call,
+# then sleep until its next, so after the pause the timed engine has the cores to itself.
 IDLE_S = 1.5
 
 
