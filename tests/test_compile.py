@@ -61,3 +61,31 @@ def test_the_buffered_block_state_mixes_as_the_growing_one():
         output = torch.randn(2, 5, 16, generator=generator)
         growing, buffered = growing.add(output), buffered.add(output)
     assert buffered.count == 3 and torch.equal(buffered.blocks[..., :3, :], growing.blocks)
+
+
+def test_the_score_table_mixes_as_scoring_each_reader():
+    """With every reader's folded query the compiled buffer scores each block once as it closes (the score table):
+    every reader's mix equals the one that scores the blocks itself (to float32 reordering), and at zero queries it
+    is the same stream bit for bit; columns of readers before a close are never read."""
+    from attnres_convert.modeling.modeling_attnres import BlockState
+
+    generator = torch.Generator().manual_seed(1)
+    embeddings = torch.randn(2, 5, 16, generator=generator)
+    queries = torch.randn(7, 16, generator=generator)
+    for scale in (1.0, 0.0):
+        q = queries * scale
+        scored, tabled = BlockState.start(embeddings, 1e-6, 4), BlockState.start(embeddings, 1e-6, 4, q)
+        assert tabled.table.shape == (2, 5, 4, 7) and torch.equal(tabled.query(3), q[3])
+        tabled.table[..., 1:, :] = float("nan")  # unwritten: a read of any column before its close would show
+        for reader in range(7):
+            if reader in (2, 5):
+                scored, tabled = scored.close(1e-6, reader), tabled.close(1e-6, reader)
+                assert tabled.table[..., tabled.count - 1, :reader].isnan().all()
+            mixes = [scored.mix(q[reader], 1e-6, "count"), tabled.mix(q[reader], 1e-6, "count", reader)]
+            if scale:
+                torch.testing.assert_close(*mixes, rtol=1e-5, atol=1e-5)
+            else:
+                assert torch.equal(mixes[1], scored.stream)
+            output = torch.randn(2, 5, 16, generator=generator)
+            scored, tabled = scored.add(output), tabled.add(output)
+        assert torch.equal(tabled.blocks[..., :3, :], scored.blocks[..., :3, :])

@@ -96,45 +96,53 @@ class BlockState(NamedTuple):
     checkpointing replays see the forward's state. blocks [B, T, m, D] float32 (embedding, completed blocks) with
     their inv_rms [B, T, m]; partial [B, T, D] (model dtype) or None; stream, as the base model adds it. `count`:
     without autograd, blocks [.., :count, :] of one buffer for the forward, written in place (a cat copies them all at
-    every close, and past 32 MB each copy is a fresh mapping whose pages fault in on every forward)."""
+    every close, and past 32 MB each copy is a fresh mapping whose pages fault in on every forward). `table`
+    [B, T, capacity, R]: each block's scores by later readers' `queries` [R, D], made as it closes (a mix reads it)."""
 
     blocks: torch.Tensor
     inv_rms: torch.Tensor
     partial: torch.Tensor | None
     stream: torch.Tensor
     count: int | None = None
-
-    queries = None  # each reader folds its own query
+    queries: torch.Tensor | None = None  # None: each reader folds its own query
+    table: torch.Tensor | None = None
 
     @classmethod
-    def start(cls, embeddings: torch.Tensor, eps: float, capacity: int | None = None) -> BlockState:
-        """The embedding b_0 is always its own source; `capacity`: the buffer's (no autograd)."""
+    def start(cls, embeddings: torch.Tensor, eps: float, capacity: int | None = None, queries=None) -> BlockState:
+        """The embedding b_0 is always its own source; `capacity`: the buffer's (no autograd), `queries` its table's."""
         if capacity is None:
             first = embeddings.unsqueeze(-2).to(torch.float32, copy=True)  # not a view: FSDP2 warns of returned views
             return cls(first, inverse_rms(first, eps), None, embeddings)
         shape = (*embeddings.shape[:-1], capacity)  # an empty buffer, the embedding closed into it as a partial sum
         empty = embeddings.new_empty(*shape, embeddings.shape[-1], dtype=torch.float32)
-        return cls(empty, empty.new_empty(shape), embeddings, embeddings, 0).close(eps)
+        table = None if queries is None else empty.new_empty(*shape, queries.shape[0])
+        return cls(empty, empty.new_empty(shape), embeddings, embeddings, 0, queries, table).close(eps)
 
     def close(self, eps: float, first: int = 0) -> BlockState:
-        """At a block boundary the partial sum becomes a completed block."""
+        """At a block boundary the partial sum becomes a completed block (in a table, scored by readers first..)."""
         if self.partial is None:
             return self
         if self.count is not None:
             self.blocks[..., self.count, :] = self.partial
-            self.inv_rms[..., self.count] = inverse_rms(self.partial, eps)
+            self.inv_rms[..., self.count] = inv_rms = inverse_rms(self.partial, eps)
+            if self.table is not None:
+                scores = self.partial.float() @ self.queries[first:].t()  # earlier readers' columns stay unread
+                self.table[..., self.count, first:] = scores * inv_rms[..., None]
             return self._replace(partial=None, count=self.count + 1)
         new = self.partial.float().unsqueeze(-2)
         blocks = torch.cat([self.blocks, new], dim=-2)
         inv_rms = torch.cat([self.inv_rms, inverse_rms(new, eps)], dim=-1)
         return BlockState(blocks, inv_rms, None, self.stream)
 
+    def query(self, reader: int) -> torch.Tensor:
+        return self.queries[reader]
+
     def fold(self, query: torch.Tensor, key_norm_weight: torch.Tensor | None) -> torch.Tensor:
         """A reader's query as this state's `mix` takes it (see `depth_mix`)."""
         return query if key_norm_weight is None else pseudo_query(query, key_norm_weight)
 
     def mix(self, q, eps: float, scaling: str, reader: int | None = None, norm: tuple = ()) -> torch.Tensor:
-        return self.mix_and_weights(q, eps, scaling)[0]
+        return self.mix_and_weights(q, eps, scaling, reader)[0]
 
     def mix_token_queries(self, query, key_norm_weight, projection, eps: float, scaling: str) -> torch.Tensor:
         """The mix with one query per token (`token_queries`), in float32 whatever the model dtype."""
@@ -151,11 +159,12 @@ class BlockState(NamedTuple):
             mixed, weights = self._replace(partial=None).mix_and_weights(q, eps, "mean")
         return self.stream + gate.to(self.stream.dtype) * mixed, weights
 
-    def mix_and_weights(self, q: torch.Tensor, eps: float, scaling: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """The mix and its softmax weights [B*T, n]."""
+    def mix_and_weights(self, q, eps: float, scaling: str, reader=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The mix and its softmax weights [B*T, n]; the completed blocks' scores from the table where it has them."""
         m, d = self.count or self.blocks.shape[-2], self.blocks.shape[-1]
         blocks, inv_rms = self.blocks[..., :m, :].reshape(-1, m, d), self.inv_rms[..., :m].reshape(-1, m)
-        return mix_blocks(blocks, inv_rms, self.partial, self.stream, q, eps, scaling)[:2]
+        table = None if self.table is None or reader is None else self.table[..., :m, reader].reshape(-1, m)
+        return mix_blocks(blocks, inv_rms, self.partial, self.stream, q, eps, scaling, table)[:2]
 
     def add(self, output: torch.Tensor) -> BlockState:
         partial, stream = join(self.partial, self.stream, output)

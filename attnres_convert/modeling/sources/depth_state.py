@@ -105,8 +105,8 @@ def _state_for(embeddings, eps: float, capacity, queries, plain: bool, runtime, 
     if torch.compiler.is_compiling():  # one graph for every token count (vLLM compiles once for all of them)
         if mode not in ("auto", "eager"):
             raise RuntimeError(f"{KERNEL_ENV}={mode}: the kernels do not run under torch.compile; unset {KERNEL_ENV}")
-        # plain tensor operations, which the compiler fuses; without autograd the blocks fill one buffer in place
-        return BlockState.start(embeddings, eps, None if torch.is_grad_enabled() else capacity)
+        # plain tensor operations the compiler fuses; without autograd, one buffer written in place and a score table
+        return BlockState.start(embeddings, eps, *(() if torch.is_grad_enabled() else (capacity, queries)))
     if not torch.is_grad_enabled():
         if mode == "fla":
             raise RuntimeError(f"{KERNEL_ENV}=fla: fla-core's depth mix runs forwards with autograd (training) only")

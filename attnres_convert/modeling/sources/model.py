@@ -117,12 +117,7 @@ class AttnResDecoderLayerMixin:
 
 
 def run_sublayer(
-    layer: nn.Module,
-    sublayer: Sublayer,
-    h: torch.Tensor,
-    call_kwargs: dict,
-    normed: bool = False,
-    returned: dict | None = None,
+    layer: nn.Module, sublayer: Sublayer, h, call_kwargs: dict, normed=False, returned=None
 ) -> torch.Tensor:
     """What one sublayer adds to the stream read as `h`: the sum of its branches' `scale * post(module(norm(h)))`
     (`normed`: `h` is normed already); RETURNED gets the outputs the layer returns too. The conversion proves it."""
@@ -214,12 +209,8 @@ def _query_parameters(spec: LayerSpec, like: torch.Tensor):
     readers = [(layer, names) for layer in map(_decoder_layer, layers) for names in layer._attnres_spec.param_names]
     for layer, names in readers + [(spec.owner, OUTPUT_NAMES)]:
         query, key_norm = depth_params(layer, names)
-        if (
-            type(query) is not nn.Parameter  # a tensor subclass: FSDP2's sharded DTensor
-            or query.numel() != like.shape[-1]  # FSDP1's flattened shard
-            or key_norm.numel() != like.shape[-1]
-            or query.device != like.device
-        ):
+        whole = query.numel() == key_norm.numel() == like.shape[-1]  # not FSDP1's flattened shard
+        if type(query) is not nn.Parameter or not whole or query.device != like.device:  # a subclass: FSDP2's DTensor
             return None
         queries.append(query)
         key_norms.append(key_norm)
