@@ -47,7 +47,7 @@ TRUST = [
         marks=pytest.mark.xfail(
             strict=True,
             reason=(
-                "transformers (5.16.1 to 5.24) AutoTokenizer and AutoProcessor read the model config (AutoConfig) before "
+                "transformers (5.16.1 to 5.25) AutoTokenizer and AutoProcessor read the model config (AutoConfig) before "
                 "tokenizer_config.json, whatever the folder's tokenizer_class says, and a config whose model type only the "
                 "shipped code knows asks whether to run that code (then warns when the answer is no); transformers has no "
                 "setting in the folder that answers it, and the model type must stay attnres (docs/design.md)"
@@ -59,7 +59,7 @@ TRUST = [
         marks=pytest.mark.xfail(
             strict=True,
             reason=(
-                "transformers (5.16.1 to 5.24) falls back to a generic config for the refused model type and warns "
+                "transformers (5.16.1 to 5.25) falls back to a generic config for the refused model type and warns "
                 "'You are using a model of type `attnres` to instantiate a model of type ``'"
             ),
         ),
